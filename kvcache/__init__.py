@@ -1,0 +1,19 @@
+"""Per-stream KV storage: sinks + ring window, dense or quantized, and a per-device pool."""
+
+from kvcache.cache import StreamCache
+from kvcache.pool import CachePool, PoolFull, Reservation
+from kvcache.spec import QUANT_MODES, CacheSpec
+from kvcache.storage import DenseStorage, KVStorage, make_storage, storage_bytes
+
+__all__ = [
+    "QUANT_MODES",
+    "CachePool",
+    "CacheSpec",
+    "DenseStorage",
+    "KVStorage",
+    "PoolFull",
+    "Reservation",
+    "StreamCache",
+    "make_storage",
+    "storage_bytes",
+]

@@ -1,0 +1,99 @@
+"""Where a stream's K/V frames live. Dense storage here; quantized storage implements the same interface."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from kvcache.spec import CacheSpec
+
+
+class KVStorage(ABC):
+    """`spec.capacity_frames` frame slots of K and V for every layer of one stream.
+
+    Slots [0, sink_frames) hold sinks, the rest the window. The ring logic lives in
+    `StreamCache`; a storage only maps slot numbers to memory.
+    """
+
+    def __init__(self, spec: CacheSpec, device: torch.device | str) -> None:
+        self.spec = spec
+        self.device = torch.device(device)
+
+    @abstractmethod
+    def write(self, layer: int, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store frames. k, v: [len(slots), T, H, D] (keys before RoPE)."""
+
+    @abstractmethod
+    def read(self, layer: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of slots [0, num_slots) in `spec.dtype`: each [num_slots, T, H, D].
+
+        The result may be a view of the storage or a reused scratch buffer: it is valid
+        until the next read or write of the same layer.
+        """
+
+    @abstractmethod
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this storage allocated (for exact accounting)."""
+
+    @classmethod
+    @abstractmethod
+    def bytes_for(cls, spec: CacheSpec) -> int:
+        """Bytes `tensors()` will hold for `spec`, computed without allocating."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class DenseStorage(KVStorage):
+    """K/V stored in `spec.dtype` (bf16 or fp32): reads are views, no copy."""
+
+    def __init__(self, spec: CacheSpec, device: torch.device | str) -> None:
+        super().__init__(spec, device)
+        shape = (spec.num_layers, spec.capacity_frames, spec.tokens_per_frame, spec.num_heads, spec.head_dim)
+        # k, v: [L, slots, T, H, D]
+        self.k = torch.zeros(shape, dtype=spec.torch_dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=spec.torch_dtype, device=self.device)
+
+    def write(self, layer: int, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        if len(slots) == 0:
+            return
+        start = slots[0]
+        if list(slots) == list(range(start, start + len(slots))):
+            self.k[layer, start : start + len(slots)] = k
+            self.v[layer, start : start + len(slots)] = v
+        else:
+            idx = torch.as_tensor(list(slots), device=self.device)
+            self.k[layer].index_copy_(0, idx, k.to(self.k.dtype))
+            self.v[layer].index_copy_(0, idx, v.to(self.v.dtype))
+
+    def read(self, layer: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer, :num_slots], self.v[layer, :num_slots]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
+
+    @classmethod
+    def bytes_for(cls, spec: CacheSpec) -> int:
+        return spec.dense_frame_bytes * spec.capacity_frames
+
+
+# quant mode -> storage class. Quantized storage registers itself here (kvcache.quant).
+STORAGE_CLASSES: dict[str, type[KVStorage]] = {"none": DenseStorage}
+
+
+def storage_class(spec: CacheSpec) -> type[KVStorage]:
+    if spec.quant not in STORAGE_CLASSES:
+        import kvcache.quant  # noqa: F401  registers int4 / int2
+
+    return STORAGE_CLASSES[spec.quant]
+
+
+def make_storage(spec: CacheSpec, device: torch.device | str) -> KVStorage:
+    return storage_class(spec)(spec, device)
+
+
+def storage_bytes(spec: CacheSpec) -> int:
+    return storage_class(spec).bytes_for(spec)

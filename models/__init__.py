@@ -1,0 +1,30 @@
+"""The causal DiT, text encoders, streaming decoders, the chunk generator, presets and weights."""
+
+from models.config import PRESETS, ModelConfig
+from models.decoder import DecoderState, StreamingDecoder, TinyStreamingDecoder, frames_per_chunk
+from models.dit import CacheAccess, CausalWanModel
+from models.generator import Chunk, ChunkGenerator, GeneratorConfig, StreamState, Work, build_generator
+from models.text import HashTextEncoder, TextEncoder
+from models.weights import CheckpointError, load_checkpoint, save_checkpoint
+
+__all__ = [
+    "PRESETS",
+    "CacheAccess",
+    "CausalWanModel",
+    "CheckpointError",
+    "Chunk",
+    "ChunkGenerator",
+    "DecoderState",
+    "GeneratorConfig",
+    "HashTextEncoder",
+    "ModelConfig",
+    "StreamState",
+    "StreamingDecoder",
+    "TextEncoder",
+    "TinyStreamingDecoder",
+    "Work",
+    "build_generator",
+    "frames_per_chunk",
+    "load_checkpoint",
+    "save_checkpoint",
+]

@@ -1,0 +1,99 @@
+"""Streaming latent decoders: a latent chunk plus carried state in, uint8 RGB frames out.
+
+Wan's convention: 8x spatial, 4x temporal, and a stream's first latent frame gives one
+video frame, so the first chunk of 3 latent frames gives 1 + 4 + 4 = 9 frames, later ones 12.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig
+
+
+@dataclass
+class DecoderState:
+    """What a streaming decoder carries from one chunk to the next (one stream)."""
+
+    memory: torch.Tensor | None = None  # features of the previous latent frame: [ch, h, w]
+    frames_out: int = 0  # video frames produced so far
+
+
+class StreamingDecoder(Protocol):
+    def init_state(self) -> DecoderState: ...
+
+    def decode(self, latents: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        """latents [C, F, h, w] -> frames [N, H, W, 3] uint8 (on the decoder's device); updates state."""
+        ...
+
+
+class TinyStreamingDecoder(nn.Module):
+    """A TAEHV-class causal decoder: 2D convolutions with a one-frame temporal memory.
+
+    Per latent frame: conv_in, a memory block that mixes in the previous frame's features,
+    a 1x1 temporal upsample to 4 frames, then per frame a 3x3 conv and an 8x pixel shuffle
+    on top of a bilinear colour field. Cheap: its convolutions run at latent resolution.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        ch, c = cfg.decoder_channels, cfg.in_channels
+        self.tu, self.su = cfg.temporal_upsample, cfg.spatial_upsample
+        self.conv_in = nn.Conv2d(c, ch, 3, padding=1)
+        self.memory = nn.Conv2d(2 * ch, ch, 3, padding=1)
+        self.temporal = nn.Conv2d(ch, ch * self.tu, 1)
+        self.frame = nn.Conv2d(ch, ch, 3, padding=1)
+        self.color = nn.Conv2d(ch, 3, 1)
+        self.detail = nn.Conv2d(ch, 3 * self.su * self.su, 1)
+
+    def init_weights(self, seed: int) -> TinyStreamingDecoder:
+        gen = torch.Generator().manual_seed(seed)
+        for p in self.parameters():
+            with torch.no_grad():
+                if p.ndim == 1:
+                    p.zero_()
+                else:
+                    fan_in = p.shape[1] * p.shape[2] * p.shape[3]
+                    p.copy_(torch.randn(p.shape, generator=gen) / fan_in**0.5)
+        with torch.no_grad():
+            self.detail.weight.mul_(0.25)
+        return self
+
+    def init_state(self) -> DecoderState:
+        return DecoderState()
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        # latents: [C, F, h, w] -> frames [N, H, W, 3] uint8
+        p = self.conv_in.weight
+        z = latents.to(p.device, p.dtype).transpose(0, 1)  # [F, C, h, w]
+        feats = F.silu(self.conv_in(z))  # [F, ch, h, w]
+        mixed = []
+        mem = state.memory
+        for f in range(feats.shape[0]):  # causal: each frame sees the previous one
+            prev = torch.zeros_like(feats[f]) if mem is None else mem
+            mem = feats[f] + F.silu(self.memory(torch.cat([feats[f], prev])[None]))[0]
+            mixed.append(mem)
+        first = state.memory is None
+        state.memory = mem.detach()
+        x = self.temporal(torch.stack(mixed))  # [F, ch*tu, h, w]
+        fr, _, h, w = x.shape
+        x = x.view(fr * self.tu, -1, h, w)  # [F*tu, ch, h, w]
+        if first:  # the stream's first latent frame gives one video frame
+            x = x[self.tu - 1 :]
+        x = F.silu(self.frame(x))
+        rgb = F.interpolate(self.color(x), scale_factor=self.su, mode="bilinear", align_corners=False)
+        rgb = rgb + F.pixel_shuffle(self.detail(x), self.su)
+        frames = ((torch.tanh(rgb) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+        state.frames_out += frames.shape[0]
+        return frames.permute(0, 2, 3, 1).contiguous()  # [N, H, W, 3]
+
+
+def frames_per_chunk(latent_frames: int, first: bool, temporal_upsample: int = 4) -> int:
+    """Video frames a chunk of `latent_frames` decodes to."""
+    return latent_frames * temporal_upsample - (temporal_upsample - 1 if first else 0)

@@ -1,0 +1,337 @@
+"""The causal Wan-style DiT: block-causal over latent frames, K/V cached per stream.
+
+Module names follow Wan2.1's state dict so real checkpoints load (see models/weights.py).
+Shapes in comments: B streams, F frames in this forward, T tokens per frame, L = F*T,
+H heads, D head dim, C latent channels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcache import StreamCache
+from models.config import ModelConfig
+
+
+@dataclass
+class CacheAccess:
+    """How one stream of a forward uses its KV cache."""
+
+    cache: StreamCache | None  # the stream's cache; None: attend to this forward's frames only
+    read_slots: int  # attend to cache slots [0, read_slots) (a prefix: sinks first, then the window)
+    write_slots: Sequence[int] | None = None  # after each layer reads, store this forward's K/V here
+    block_ids: Sequence[int] | None = None  # per input frame: frames see same-or-earlier blocks; None: all
+
+    def query_positions(self, num_frames: int) -> list[int]:
+        """Input frames sit right after the frames they read: [read | input]."""
+        return list(range(self.read_slots, self.read_slots + num_frames))
+
+    def key_positions(self) -> list[int]:
+        return self.cache.positions(self.read_slots) if self.cache is not None and self.read_slots else []
+
+
+# Per layer: text keys and values of the cross-attention, each [B, text_len, H, D].
+TextKV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in float32 (Wan's WanLayerNorm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float())
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.q = nn.Linear(cfg.dim, cfg.dim)
+        self.k = nn.Linear(cfg.dim, cfg.dim)
+        self.v = nn.Linear(cfg.dim, cfg.dim)
+        self.o = nn.Linear(cfg.dim, cfg.dim)
+        self.norm_q = RMSNorm(cfg.dim, cfg.eps)
+        self.norm_k = RMSNorm(cfg.dim, cfg.eps)
+
+
+class CrossAttention(SelfAttention):
+    def text_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # context: [B, text_len, dim] -> k, v: [B, text_len, H, D]
+        b, n = context.shape[:2]
+        k = self.norm_k(self.k(context)).view(b, n, self.num_heads, self.head_dim)
+        v = self.v(context).view(b, n, self.num_heads, self.head_dim)
+        return k, v
+
+    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, n = x.shape[:2]
+        q = self.norm_q(self.q(x)).view(b, n, self.num_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.o(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm1 = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
+        self.self_attn = SelfAttention(cfg)
+        self.norm3 = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=True)
+        self.cross_attn = CrossAttention(cfg)
+        self.norm2 = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
+        self.ffn = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, cfg.dim))
+        self.modulation = nn.Parameter(torch.randn(1, 6, cfg.dim) / cfg.dim**0.5)
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
+        self.head = nn.Linear(cfg.dim, cfg.out_channels * math.prod(cfg.patch))
+        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
+
+
+class Rope:
+    """3D RoPE tables (Wan's interleaved pairs), looked up by temporal position at read time."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int = 1024, theta: float = 10000.0) -> None:
+        self.grid = cfg.grid
+        self.tokens_per_frame = cfg.tokens_per_frame
+
+        def angles(n: int, d: int) -> torch.Tensor:  # [n, d/2] in float64
+            return torch.outer(torch.arange(n, dtype=torch.float64), 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+
+        dt, dh, dw = cfg.rope_split
+        h, w = self.grid
+        self.time = angles(max_positions, dt)  # [P, dt/2]
+        hw = torch.cat(  # [h*w, (dh + dw)/2], h-major as Wan flattens frames
+            [angles(h, dh)[:, None].expand(h, w, -1), angles(w, dw)[None, :].expand(h, w, -1)], dim=-1
+        ).reshape(h * w, -1)
+        self.space = hw
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def table(self, positions: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the tokens of frames at `positions`: each [len(positions) * T, 1, D/2] float32."""
+        key = (tuple(positions), device)
+        if key not in self._tables:
+            if max(positions, default=0) >= self.time.shape[0]:
+                raise ValueError(f"RoPE position {max(positions)} is past the table of {self.time.shape[0]}")
+            t = self.time[list(positions)]  # [F, dt/2]
+            ang = torch.cat(
+                [t[:, None].expand(-1, self.tokens_per_frame, -1), self.space[None].expand(len(positions), -1, -1)], dim=-1
+            ).reshape(len(positions) * self.tokens_per_frame, 1, -1)
+            if len(self._tables) > 64:
+                self._tables.clear()
+            self._tables[key] = (ang.cos().float().to(device), ang.sin().float().to(device))
+        return self._tables[key]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [..., L, H, D]; cos, sin: [L, 1, D/2] -> rotated pairs (x[2i], x[2i+1]), same dtype as x
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).type_as(x)
+
+
+def sinusoidal_embedding(dim: int, t: torch.Tensor) -> torch.Tensor:
+    # t: [N] timesteps in [0, 1000] -> [N, dim] (cos | sin), computed in float64 as Wan does
+    half = dim // 2
+    freqs = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64, device=t.device) / half)
+    arg = torch.outer(t.to(torch.float64), freqs)
+    return torch.cat([torch.cos(arg), torch.sin(arg)], dim=1)
+
+
+def attention_backends():
+    """Prefer cuDNN attention on CUDA (1.6x flash's speed at our shapes on the H200)."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # pragma: no cover - old torch
+        return contextlib.nullcontext()
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    try:
+        return sdpa_kernel(order, set_priority=True)
+    except TypeError:  # pragma: no cover - torch without set_priority
+        return contextlib.nullcontext()
+
+
+class CausalWanModel(nn.Module):
+    """Wan2.1's DiT made block-causal over latent frames with per-frame timesteps."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embedding = nn.Conv3d(cfg.in_channels, cfg.dim, kernel_size=cfg.patch, stride=cfg.patch)
+        self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, cfg.dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.dim, cfg.dim))
+        self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
+        self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, cfg.dim * 6))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.head = Head(cfg)
+        self.rope = Rope(cfg)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embedding.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.patch_embedding.weight.device
+
+    def init_weights(self, seed: int) -> CausalWanModel:
+        """Random weights from `seed` (Xavier linears, small embeddings), the same on any device."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("modulation"):
+                new = torch.randn(p.shape, generator=gen) / self.cfg.dim**0.5
+            elif p.ndim == 1:
+                new = torch.ones(p.shape) if "norm" in name else torch.zeros(p.shape)
+            else:
+                fan_out, fan_in = p.shape[0], math.prod(p.shape[1:])
+                bound = math.sqrt(6.0 / (fan_in + fan_out))
+                new = (torch.rand(p.shape, generator=gen) * 2 - 1) * bound
+            with torch.no_grad():
+                p.copy_(new)
+        return self
+
+    # -- text ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def text_kv(self, context: torch.Tensor) -> TextKV:
+        """Cross-attention K/V of a prompt, computed once per prompt: context [B, text_len, text_dim]."""
+        ctx = self.text_embedding(context.to(self.device, self.dtype))
+        return [blk.cross_attn.text_kv(ctx) for blk in self.blocks]
+
+    # -- forward ------------------------------------------------------------------------------
+
+    @torch.inference_mode()  # an inference-only model: no autograd state anywhere
+    def forward(self, x: torch.Tensor, t: torch.Tensor, text: TextKV, access: Sequence[CacheAccess]) -> torch.Tensor:
+        """Predict the flow v for `x`.
+
+        x: [B, C, F, Hl, Wl] latents; t: [B, F] timesteps in [0, 1000]; text: per-layer text K/V
+        with batch B; access: per stream, which cache prefix to read and where to write.
+        Returns v: [B, C, F, Hl, Wl] in float32.
+        """
+        cfg = self.cfg
+        b, _, nf = x.shape[:3]
+        if len(access) != b or t.shape != (b, nf):
+            raise ValueError(f"batch mismatch: x {tuple(x.shape)}, t {tuple(t.shape)}, {len(access)} cache accesses")
+        tpf = cfg.tokens_per_frame
+
+        h = self.patch_embedding(x.to(self.dtype)).flatten(2).transpose(1, 2).float()  # [B, L, dim]
+        e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, t.flatten()).to(self.dtype)).float()  # [B*F, dim]
+        e0 = self.time_projection(e.to(self.dtype)).float().view(b, nf, 1, 6, cfg.dim)  # [B, F, 1, 6, dim]
+        rope = self._rope_tables(access, nf)
+        mask = self._attention_mask(access, nf, x.device)
+
+        with attention_backends():
+            for i, blk in enumerate(self.blocks):
+                h = self._block(i, blk, h, e0, text[i], access, rope, mask, b, nf, tpf)
+
+        # head, per-frame modulation
+        mod = (self.head.modulation.float().view(1, 1, 1, 2, cfg.dim) + e.view(b, nf, 1, 1, cfg.dim)).unbind(3)
+        out = self.head.norm(h).view(b, nf, tpf, cfg.dim) * (1 + mod[1]) + mod[0]
+        out = self.head.head(out.view(b, nf * tpf, cfg.dim).to(self.dtype)).float()
+        return self._unpatchify(out, nf)
+
+    def _block(self, i, blk: Block, h, e0, text_kv, access, rope, mask, b, nf, tpf) -> torch.Tensor:
+        dim = self.cfg.dim
+        mod = (blk.modulation.float().view(1, 1, 1, 6, dim) + e0).unbind(3)  # 6 x [B, F, 1, dim]
+
+        y = (blk.norm1(h).view(b, nf, tpf, dim) * (1 + mod[1]) + mod[0]).view(b, nf * tpf, dim)
+        y = self._self_attention(i, blk.self_attn, y.to(self.dtype), access, rope, mask)
+        h = h + (y.float().view(b, nf, tpf, dim) * mod[2]).view(b, nf * tpf, dim)
+
+        k, v = text_kv
+        h = h + blk.cross_attn(blk.norm3(h).to(self.dtype), k, v).float()
+
+        y = (blk.norm2(h).view(b, nf, tpf, dim) * (1 + mod[4]) + mod[3]).view(b, nf * tpf, dim)
+        y = blk.ffn(y.to(self.dtype))
+        return h + (y.float().view(b, nf, tpf, dim) * mod[5]).view(b, nf * tpf, dim)
+
+    def _self_attention(self, layer, attn: SelfAttention, x, access, rope, mask) -> torch.Tensor:
+        b, n = x.shape[:2]
+        hd, nh = attn.head_dim, attn.num_heads
+        q = attn.norm_q(attn.q(x)).view(b, n, nh, hd)  # [B, L, H, D]
+        k = attn.norm_k(attn.k(x)).view(b, n, nh, hd)
+        v = attn.v(x).view(b, n, nh, hd)
+        tpf = self.cfg.tokens_per_frame
+
+        keys, values, queries = [], [], []
+        for j, acc in enumerate(access):
+            (q_cos, q_sin), (c_cos, c_sin) = rope[j]
+            queries.append(apply_rope(q[j], q_cos, q_sin))
+            kj, vj = apply_rope(k[j], q_cos, q_sin), v[j]
+            if acc.cache is not None and acc.read_slots:
+                kc, vc = acc.cache.read(layer, acc.read_slots)  # [S, T, H, D]
+                kc = apply_rope(kc.reshape(-1, nh, hd), c_cos, c_sin)
+                kj, vj = torch.cat([kc, kj]), torch.cat([vc.reshape(-1, nh, hd), vj])
+            keys.append(kj)
+            values.append(vj)
+            if acc.write_slots is not None:  # store keys before RoPE
+                nf = n // tpf
+                acc.cache.write(layer, acc.write_slots, k[j].view(nf, tpf, nh, hd), v[j].view(nf, tpf, nh, hd))
+
+        qs = torch.stack(queries) if b > 1 else queries[0][None]
+        ks, vs = _stack_padded(keys), _stack_padded(values)
+        out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask)
+        return attn.o(out.transpose(1, 2).reshape(b, n, -1))
+
+    def _rope_tables(self, access: Sequence[CacheAccess], nf: int):
+        dev = self.device
+        return [
+            (self.rope.table(acc.query_positions(nf), dev), self.rope.table(acc.key_positions(), dev) if acc.read_slots else (None, None))
+            for acc in access
+        ]
+
+    def _attention_mask(self, access: Sequence[CacheAccess], nf: int, device) -> torch.Tensor | None:
+        """Boolean [B, 1, Lq, Lk] (True: attend), or None when every query sees every key."""
+        tpf = self.cfg.tokens_per_frame
+        reads = [acc.read_slots if acc.cache is not None else 0 for acc in access]
+        blocked = [acc.block_ids is not None and len(set(acc.block_ids)) > 1 for acc in access]
+        if len(set(reads)) == 1 and not any(blocked):
+            return None
+        lk = (max(reads) + nf) * tpf
+        mask = torch.zeros(len(access), 1, nf * tpf, lk, dtype=torch.bool)
+        for j, acc in enumerate(access):
+            c = reads[j] * tpf
+            mask[j, :, :, :c] = True
+            if blocked[j]:
+                ids = torch.as_tensor(list(acc.block_ids))
+                frame_ok = ids[None, :] <= ids[:, None]  # [Fq, Fk]
+                mask[j, :, :, c : c + nf * tpf] = frame_ok.repeat_interleave(tpf, 0).repeat_interleave(tpf, 1)
+            else:
+                mask[j, :, :, c : c + nf * tpf] = True
+        return mask.to(device)
+
+    def _unpatchify(self, out: torch.Tensor, nf: int) -> torch.Tensor:
+        # out: [B, F*h*w, C*pt*ph*pw] -> [B, C, F*pt, h*ph, w*pw]
+        cfg = self.cfg
+        b = out.shape[0]
+        (gh, gw), (pt, ph, pw) = cfg.grid, cfg.patch
+        x = out.view(b, nf, gh, gw, pt, ph, pw, cfg.out_channels)
+        x = torch.einsum("bfhwpqrc->bcfphqwr", x)
+        return x.reshape(b, cfg.out_channels, nf * pt, gh * ph, gw * pw)
+
+
+def _stack_padded(xs: list[torch.Tensor]) -> torch.Tensor:
+    # list of [Lk_j, H, D] -> [B, max Lk, H, D], zero padding (masked out by the caller)
+    if len(xs) == 1:
+        return xs[0][None]
+    n = max(x.shape[0] for x in xs)
+    if all(x.shape[0] == n for x in xs):
+        return torch.stack(xs)
+    return torch.stack([F.pad(x, (0, 0, 0, 0, 0, n - x.shape[0])) for x in xs])

@@ -1,0 +1,333 @@
+"""The chunk generator: Self-Forcing's few-step causal inference, one forward at a time.
+
+A chunk of `frames_per_chunk` latent frames is denoised from noise in `len(timesteps)`
+forwards (each reading the stream's KV cache), then one commit forward at timestep 0
+writes its K/V into the cache, and the decoder turns it into video frames. A prompt
+switch re-caches the window under the new prompt (LongLive) before the next chunk.
+
+Each forward is a method call (`recache`, `denoise`, `commit`) so a scheduler can
+interleave streams forward by forward; `stream()` strings them together for offline use.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvcache import CacheSpec, StreamCache
+from models.config import ModelConfig
+from models.decoder import DecoderState, StreamingDecoder, TinyStreamingDecoder, frames_per_chunk
+from models.dit import CacheAccess, CausalWanModel, TextKV
+from models.text import HashTextEncoder, TextEncoder
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    """How a stream is sampled and how much it remembers."""
+
+    frames_per_chunk: int = 3  # latent frames denoised together
+    timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)  # before the shift
+    shift: float = 5.0  # flow-matching timestep warp: sigma = shift*s / (1 + (shift-1)*s)
+    sink_frames: int = 3  # first latent frames kept for the stream's whole life
+    window_frames: int = 9  # most recent latent frames kept (a ring)
+    kv_quant: str = "none"  # KV storage: none | int4 | int2
+    recache_sinks: bool = False  # a prompt switch also recomputes the sinks' K/V
+
+    def __post_init__(self) -> None:
+        if self.frames_per_chunk < 1:
+            raise ValueError(f"frames_per_chunk must be >= 1, got {self.frames_per_chunk}")
+        if not self.timesteps or any(not 0 < t <= 1000 for t in self.timesteps):
+            raise ValueError(f"timesteps must be in (0, 1000], got {self.timesteps}")
+        if self.window_frames and self.window_frames < self.frames_per_chunk:
+            raise ValueError(
+                f"window_frames ({self.window_frames}) must hold at least one chunk ({self.frames_per_chunk} frames)"
+            )
+
+    @property
+    def sigmas(self) -> list[float]:
+        """Noise level of each denoising step: 1, 0.9375, 0.8333, 0.625 for the defaults."""
+        out = []
+        for t in self.timesteps:
+            s = t / 1000.0
+            out.append(self.shift * s / (1 + (self.shift - 1) * s))
+        return out
+
+    @property
+    def forwards_per_chunk(self) -> int:
+        return len(self.timesteps) + 1
+
+
+class Work(enum.Enum):
+    """The unit of work: one forward of one stream."""
+
+    RECACHE = "recache"
+    DENOISE = "denoise"
+    COMMIT = "commit"
+
+
+@dataclass
+class Chunk:
+    """One decoded chunk of a stream."""
+
+    index: int  # chunk number within the stream, from 0
+    first_frame: int  # index of its first video frame in the stream (its pts in frames)
+    frames: np.ndarray  # [N, H, W, 3] uint8 video frames
+    latents: torch.Tensor  # [C, F, h, w] float32 clean latents
+    prompt_version: int  # version of the prompt it was generated under
+
+
+@dataclass
+class StreamState:
+    """Everything one stream carries between forwards."""
+
+    stream_id: str
+    cache: StreamCache
+    noise: torch.Generator  # the stream's own noise source
+    prompt: str
+    text: TextKV  # cross-attention K/V of `prompt`, batch 1
+    decoder: DecoderState
+    clean: torch.Tensor  # [slots, C, h, w] clean latents of the frames in each cache slot (for recache)
+    prompt_version: int = 0
+    pending_prompt: str | None = None  # applied before the next chunk (with a recache if anything is cached)
+    step: int = 0  # next denoising step of the chunk in progress (== steps: ready to commit)
+    x: torch.Tensor | None = None  # [C, F, h, w] current noisy input of the chunk in progress
+    x0: torch.Tensor | None = None  # last predicted clean chunk
+    chunk_version: int = 0  # prompt version the chunk in progress is generated under
+    chunks_done: int = 0
+    frames_done: int = 0  # video frames emitted
+    forwards: dict[str, int] = field(default_factory=lambda: {w.value: 0 for w in Work})
+
+
+class ChunkGenerator:
+    """Runs the causal DiT forward by forward for any number of streams."""
+
+    def __init__(
+        self,
+        model: CausalWanModel,
+        cfg: GeneratorConfig = GeneratorConfig(),
+        text_encoder: TextEncoder | None = None,
+        decoder: StreamingDecoder | None = None,
+    ) -> None:
+        self.model, self.cfg = model, cfg
+        mc: ModelConfig = model.cfg
+        self.model_cfg = mc
+        self.text_encoder = text_encoder or HashTextEncoder(mc.text_dim, mc.text_len)
+        if decoder is None:
+            decoder = TinyStreamingDecoder(mc).init_weights(seed=0).to(model.device, model.dtype)
+        self.decoder = decoder
+        self.sigmas = cfg.sigmas
+        self.device = model.device
+        self._prompts: dict[str, TextKV] = {}
+
+    # -- streams ------------------------------------------------------------------------------
+
+    def cache_spec(self) -> CacheSpec:
+        mc, c = self.model_cfg, self.cfg
+        return CacheSpec(
+            num_layers=mc.num_layers,
+            num_heads=mc.num_heads,
+            head_dim=mc.head_dim,
+            tokens_per_frame=mc.tokens_per_frame,
+            sink_frames=c.sink_frames,
+            window_frames=c.window_frames,
+            dtype={torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}[self.model.dtype],
+            quant=c.kv_quant,
+        )
+
+    def open_stream(self, stream_id: str, prompt: str, seed: int, cache: StreamCache | None = None) -> StreamState:
+        """A new stream; `cache` comes from the device's pool (a private one is made if None)."""
+        mc = self.model_cfg
+        cache = cache if cache is not None else StreamCache(self.cache_spec(), self.device)
+        noise = torch.Generator(device=self.device).manual_seed(seed)
+        return StreamState(
+            stream_id=stream_id,
+            cache=cache,
+            noise=noise,
+            prompt=prompt,
+            text=self.encode_prompt(prompt),
+            decoder=self.decoder.init_state(),
+            clean=torch.zeros(cache.spec.capacity_frames, mc.in_channels, mc.latent_height, mc.latent_width, device=self.device),
+        )
+
+    def encode_prompt(self, prompt: str) -> TextKV:
+        """Cross-attention K/V of a prompt, computed once and kept while it is in use."""
+        if prompt not in self._prompts:
+            with torch.inference_mode():
+                kv = self.model.text_kv(self.text_encoder.encode([prompt]))
+            if len(self._prompts) > 256:
+                self._prompts.clear()
+            self._prompts[prompt] = kv
+        return self._prompts[prompt]
+
+    def set_prompt(self, state: StreamState, prompt: str) -> None:
+        """Steer the stream: the next chunk (after a recache) follows `prompt`."""
+        state.pending_prompt = prompt
+
+    def abandon_chunk(self, state: StreamState) -> None:
+        """Drop the chunk in progress (e.g. to restart it under a new prompt)."""
+        state.step, state.x, state.x0 = 0, None, None
+
+    def next_work(self, state: StreamState) -> Work:
+        if state.step == 0 and state.pending_prompt is not None and self._needs_recache(state):
+            return Work.RECACHE
+        return Work.COMMIT if state.step == len(self.sigmas) else Work.DENOISE
+
+    def frames_in_chunk(self, chunk_index: int) -> int:
+        return frames_per_chunk(self.cfg.frames_per_chunk, chunk_index == 0, self.model_cfg.temporal_upsample)
+
+    # -- the three forwards -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, work: Work, states: Sequence[StreamState]) -> list[Chunk | None]:
+        """One forward of `work` for `states` (batched where shapes allow). Commit returns chunks."""
+        if work is Work.RECACHE:
+            for s in states:
+                self.recache(s)
+            return [None] * len(states)
+        if work is Work.DENOISE:
+            self.denoise(states)
+            return [None] * len(states)
+        return self.commit(states)
+
+    @torch.inference_mode()
+    def recache(self, state: StreamState) -> None:
+        """Apply the pending prompt and recompute the cached frames' K/V under it (one forward)."""
+        if state.pending_prompt is None:
+            raise ValueError(f"stream {state.stream_id}: recache without a pending prompt")
+        self._apply_prompt(state)
+        state.forwards[Work.RECACHE.value] += 1
+        cache = state.cache
+        sinks = cache.sinks_filled
+        old_window = cache.window_slots_in_order()
+        new_window = cache.relayout_window()
+        if old_window:
+            state.clean[new_window] = state.clean[old_window].clone()
+        if self.cfg.recache_sinks:
+            read, slots = 0, list(range(sinks)) + new_window
+        else:
+            read, slots = sinks, new_window
+        if not slots:
+            return
+        x = state.clean[slots].transpose(0, 1)[None]  # [1, C, F, h, w]
+        ids = [cache.frame_ids[s] // self.cfg.frames_per_chunk for s in slots]
+        t = torch.zeros(1, len(slots), device=self.device)
+        self.model(x, t, state.text, [CacheAccess(cache, read, write_slots=slots, block_ids=ids)])
+
+    @torch.inference_mode()
+    def denoise(self, states: Sequence[StreamState]) -> None:
+        """One denoising step for each stream (each at its own step)."""
+        for s in states:
+            if s.step >= len(self.sigmas):
+                raise ValueError(f"stream {s.stream_id}: chunk is denoised, commit it first")
+            if s.step == 0:
+                self._start_chunk(s)
+        nf = self.cfg.frames_per_chunk
+        x = torch.stack([s.x for s in states])  # [B, C, F, h, w]
+        sig = torch.tensor([self.sigmas[s.step] for s in states], device=self.device, dtype=torch.float64)
+        t = (sig * 1000).float()[:, None].expand(-1, nf)
+        access = [CacheAccess(s.cache, s.cache.num_frames) for s in states]
+        v = self.model(x, t, _batch_text([s.text for s in states]), access)
+        x0 = (x.double() - sig.view(-1, 1, 1, 1, 1) * v.double()).float()
+        for j, s in enumerate(states):
+            s.forwards[Work.DENOISE.value] += 1
+            s.x0 = x0[j]
+            s.step += 1
+            if s.step < len(self.sigmas):  # re-noise to the next level with fresh noise
+                nxt = self.sigmas[s.step]
+                eps = torch.randn(x0[j].shape, generator=s.noise, device=self.device)
+                s.x = ((1 - nxt) * x0[j].double() + nxt * eps.double()).float()
+
+    @torch.inference_mode()
+    def commit(self, states: Sequence[StreamState]) -> list[Chunk]:
+        """Write each denoised chunk's K/V into its cache (a forward at timestep 0), then decode it."""
+        for s in states:
+            if s.step != len(self.sigmas):
+                raise ValueError(f"stream {s.stream_id}: commit at step {s.step}, the chunk is not denoised")
+        nf = self.cfg.frames_per_chunk
+        x0 = torch.stack([s.x0 for s in states])
+        slots = [s.cache.plan_commit(nf) for s in states]
+        access = [CacheAccess(s.cache, s.cache.num_frames, write_slots=sl) for s, sl in zip(states, slots)]
+        t = torch.zeros(len(states), nf, device=self.device)
+        self.model(x0, t, _batch_text([s.text for s in states]), access)
+        chunks = []
+        for j, s in enumerate(states):
+            s.cache.advance(slots[j])
+            s.clean[slots[j]] = x0[j].transpose(0, 1)
+            s.forwards[Work.COMMIT.value] += 1
+            frames = self.decoder.decode(x0[j], s.decoder).cpu().numpy()
+            chunks.append(Chunk(s.chunks_done, s.frames_done, frames, x0[j].cpu(), s.chunk_version))
+            s.chunks_done += 1
+            s.frames_done += frames.shape[0]
+            s.step, s.x, s.x0 = 0, None, None
+        return chunks
+
+    # -- offline ------------------------------------------------------------------------------
+
+    def stream(self, state: StreamState, prompt_at: dict[int, str] | None = None) -> Iterator[Chunk]:
+        """Chunks forever (the caller stops); `prompt_at` maps chunk index -> new prompt."""
+        prompt_at = dict(prompt_at or {})
+        while True:
+            if state.step == 0 and state.chunks_done in prompt_at:
+                self.set_prompt(state, prompt_at.pop(state.chunks_done))
+            work = self.next_work(state)
+            out = self.run(work, [state])
+            if out[0] is not None:
+                yield out[0]
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _needs_recache(self, state: StreamState) -> bool:
+        return state.cache.num_frames > 0
+
+    def _apply_prompt(self, state: StreamState) -> None:
+        state.prompt, state.pending_prompt = state.pending_prompt, None
+        state.text = self.encode_prompt(state.prompt)
+        state.prompt_version += 1
+
+    def _start_chunk(self, state: StreamState) -> None:
+        if state.pending_prompt is not None:
+            if self._needs_recache(state):
+                self.recache(state)
+            else:
+                self._apply_prompt(state)
+        mc = self.model_cfg
+        shape = (mc.in_channels, self.cfg.frames_per_chunk, mc.latent_height, mc.latent_width)
+        state.x = torch.randn(shape, generator=state.noise, device=self.device)
+        state.chunk_version = state.prompt_version
+
+
+def _batch_text(texts: list[TextKV]) -> TextKV:
+    if len(texts) == 1:
+        return texts[0]
+    return [(torch.cat([t[i][0] for t in texts]), torch.cat([t[i][1] for t in texts])) for i in range(len(texts[0]))]
+
+
+def build_generator(
+    preset: str = "tiny",
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    checkpoint: str | None = None,
+    cfg: GeneratorConfig = GeneratorConfig(),
+) -> ChunkGenerator:
+    """A generator for a preset: random weights from `seed`, or a local checkpoint."""
+    from models.weights import load_checkpoint
+
+    mc = ModelConfig.from_name(preset)
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device("meta" if checkpoint else "cpu"):
+        model = CausalWanModel(mc)
+    if checkpoint:
+        model = model.to_empty(device="cpu")
+        load_checkpoint(model, checkpoint)
+    else:
+        model.init_weights(seed)
+    model = model.to(device=device, dtype=dtype).eval()
+    return ChunkGenerator(model, cfg)

@@ -1,0 +1,56 @@
+"""Text encoders. Built in: a deterministic hashing encoder that needs no weights."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Protocol
+
+import torch
+
+
+class TextEncoder(Protocol):
+    text_dim: int  # width of each token embedding
+    text_len: int  # tokens per prompt, zero-padded
+
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        """[B, text_len, text_dim] float32 embeddings, zero past each prompt's tokens."""
+        ...
+
+
+_WORD = re.compile(r"\w+|[^\w\s]")
+
+
+class HashTextEncoder:
+    """Each word maps to a fixed pseudo-random vector seeded by its hash, plus a position code.
+
+    Same prompt, same embedding, on any machine; different words give near-orthogonal
+    vectors, so prompts steer a randomly initialised model in a repeatable way.
+    """
+
+    def __init__(self, text_dim: int, text_len: int) -> None:
+        self.text_dim, self.text_len = text_dim, text_len
+        self._words: dict[str, torch.Tensor] = {}
+
+    def tokenize(self, prompt: str) -> list[str]:
+        return _WORD.findall(prompt.lower())[: self.text_len]
+
+    def _word(self, word: str) -> torch.Tensor:
+        if word not in self._words:
+            seed = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "little") & (2**63 - 1)
+            vec = torch.randn(self.text_dim, generator=torch.Generator().manual_seed(seed))
+            if len(self._words) > 50_000:
+                self._words.clear()
+            self._words[word] = vec
+        return self._words[word]
+
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        out = torch.zeros(len(prompts), self.text_len, self.text_dim)
+        pos = torch.arange(self.text_dim // 2, dtype=torch.float32)
+        for b, prompt in enumerate(prompts):
+            for i, word in enumerate(self.tokenize(prompt)):
+                angle = i / 10000 ** (2 * pos / self.text_dim)
+                code = torch.cat([angle.sin(), angle.cos()])[: self.text_dim]
+                out[b, i, : code.shape[0]] = 0.1 * code
+                out[b, i] += self._word(word)
+        return out

@@ -1,0 +1,262 @@
+"""H.264 encoding, once per stream, shared by every transport.
+
+Each stream owns one ``StreamEncoder``. It turns the stream's RGB frames into
+H.264 access units (one ``av.Packet`` per frame), and every transport reuses
+those packets: the WebSocket transport frames their bytes into chunk messages
+(``protocol.pack_chunk``), the WebRTC track returns the ``av.Packet`` objects
+themselves from ``recv()`` (aiortc only packetizes a packet it is given).
+
+Settings are for live streaming: libx264, preset ultrafast, tune zerolatency,
+no B-frames, no lookahead, so each frame's packet comes out as soon as the
+frame goes in; an IDR every ``keyframe_interval`` frames (2 s by default) and
+on demand (``request_keyframe()``, when a viewer joins); SPS/PPS repeated
+before every IDR so that a viewer can start decoding at any keyframe; scene
+cut detection off, so keyframes come only at the interval or on demand;
+Annex-B byte stream (start codes, no global extradata); yuv420p, BT.601
+limited range, signalled in the VUI.
+
+Packets are stamped on the 90 kHz RTP video clock: ``time_base = 1/90000``
+and ``pts = dts = frame_index * 90000 // fps``, where ``frame_index`` counts
+the stream's frames from 0.
+
+``StreamDecoder`` is the other end, for tests and the Python client: access
+units in, RGB frames out, starting at the first keyframe it sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from fractions import Fraction
+
+import av
+import numpy as np
+from av.codec.context import Flags
+from av.video.frame import PictureType
+
+log = logging.getLogger(__name__)
+
+RTP_CLOCK_HZ = 90_000
+RTP_TIME_BASE = Fraction(1, RTP_CLOCK_HZ)
+
+# H.264 NAL unit types (ITU-T H.264 table 7-1) that matter here.
+NAL_SLICE = 1
+NAL_IDR = 5
+NAL_SEI = 6
+NAL_SPS = 7
+NAL_PPS = 8
+
+
+def rtp_pts(frame_index: int, fps: int) -> int:
+    """The 90 kHz timestamp of a stream's frame."""
+    return frame_index * RTP_CLOCK_HZ // fps
+
+
+def nal_unit_types(access_unit: bytes) -> list[int]:
+    """The NAL unit types of an Annex-B access unit, in order (e.g. [7, 8, 6, 5] for an IDR with headers)."""
+    types = []
+    start = access_unit.find(b"\x00\x00\x01")
+    while start != -1 and start + 3 < len(access_unit):
+        types.append(access_unit[start + 3] & 0x1F)
+        start = access_unit.find(b"\x00\x00\x01", start + 3)
+    return types
+
+
+def is_idr(access_unit: bytes) -> bool:
+    """True when the access unit holds an IDR picture (decoding can start here if it also has SPS/PPS)."""
+    return NAL_IDR in nal_unit_types(access_unit)
+
+
+class StreamEncoder:
+    """One stream's H.264 encoder: RGB frames in, one ``av.Packet`` per frame out, in order.
+
+    ``encode`` is called from one thread at a time (it may be a worker thread:
+    the event loop should not wait on it at large sizes); ``request_keyframe``
+    may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        width: int,
+        height: int,
+        fps: int,
+        *,
+        keyframe_interval: int | None = None,
+        crf: int = 23,
+        threads: int = 1,
+        options: Mapping[str, str] | None = None,
+    ) -> None:
+        """``keyframe_interval`` in frames (default ``2 * fps``); ``crf`` is x264's quality (lower is better);
+        ``threads`` per encoder (1 suits many streams per machine); ``options`` are extra libavcodec/libx264
+        options that override the defaults (for tuning; B-frames stay off whatever they say)."""
+        if width <= 0 or height <= 0 or width % 2 or height % 2:
+            raise ValueError(f"frame size {width}x{height} must be positive and even (yuv420p); pad or crop it")
+        if not (isinstance(fps, int) and fps > 0):
+            raise ValueError(f"fps must be a positive integer, got {fps!r}")
+        self.width = width
+        self.height = height
+        self.fps = fps
+        self.keyframe_interval = keyframe_interval if keyframe_interval is not None else 2 * fps
+        if self.keyframe_interval < 1:
+            raise ValueError(f"keyframe_interval must be >= 1 frame, got {self.keyframe_interval}")
+        self._crf = crf
+        self._threads = threads
+        self._extra_options = dict(options or {})
+        self._ctx: av.VideoCodecContext | None = self._open()
+        self._next_index = 0  # the lowest stream index the next frame may have
+        self._keyframe_lock = threading.Lock()
+        self._keyframe_requested = False
+        self._warned_buffering = False
+
+    @property
+    def next_index(self) -> int:
+        """The stream index after the last frame encoded (0 before any)."""
+        return self._next_index
+
+    def request_keyframe(self) -> None:
+        """Make the next frame encoded an IDR with SPS/PPS (a viewer joined and must start decoding there)."""
+        with self._keyframe_lock:
+            self._keyframe_requested = True
+
+    def encode(self, frames: np.ndarray, *, start_index: int, keyframe: bool = False) -> list[av.Packet]:
+        """Encode ``frames`` [N, H, W, 3] uint8 RGB, the stream's frames ``start_index .. start_index + N - 1``.
+
+        Returns exactly N packets, frame i's packet at position i, each an
+        Annex-B access unit with 90 kHz pts. The first one is an IDR when
+        ``keyframe`` is true or a keyframe was requested.
+        """
+        if self._ctx is None:
+            raise RuntimeError("encoder is closed")
+        if frames.ndim != 4 or frames.shape[1:] != (self.height, self.width, 3) or frames.dtype != np.uint8:
+            raise ValueError(
+                f"frames must be uint8 [N, {self.height}, {self.width}, 3] RGB, got {frames.dtype} {list(frames.shape)}"
+            )
+        if len(frames) == 0:
+            return []
+        if start_index < self._next_index:
+            raise ValueError(f"start_index {start_index} goes back: frames up to {self._next_index - 1} are encoded")
+        with self._keyframe_lock:
+            force_idr = keyframe or self._keyframe_requested
+            self._keyframe_requested = False
+
+        packets: list[av.Packet] = []
+        for i, rgb in enumerate(frames):
+            # RGB -> BT.601 limited-range yuv420p, averaging chroma (faster than the codec's own reformat)
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
+            frame = frame.reformat(format="yuv420p", interpolation="BILINEAR")
+            frame.pts = start_index + i  # in 1/fps; restamped to 90 kHz below
+            if i == 0 and force_idr:
+                frame.pict_type = PictureType.I  # an IDR, with forced-idr on
+            packets.extend(self._ctx.encode(frame))
+        if len(packets) < len(frames):
+            packets.extend(self._drain())
+        if [p.pts for p in packets] != list(range(start_index, start_index + len(frames))):
+            raise RuntimeError(
+                f"encoder returned packets for frames {[p.pts for p in packets]}, "
+                f"expected {start_index}..{start_index + len(frames) - 1}"
+            )
+        self._next_index = start_index + len(frames)
+        for packet in packets:
+            self._stamp(packet)
+        return packets
+
+    def close(self) -> None:
+        """Release the encoder. Idempotent; ``encode`` raises afterwards."""
+        if self._ctx is not None:
+            try:
+                self._ctx.encode(None)  # drain and discard
+            except av.FFmpegError:
+                pass
+            self._ctx = None
+
+    def _open(self) -> av.VideoCodecContext:
+        ctx = av.CodecContext.create("libx264", "w")
+        ctx.width = self.width
+        ctx.height = self.height
+        ctx.pix_fmt = "yuv420p"
+        ctx.framerate = Fraction(self.fps)
+        ctx.time_base = Fraction(1, self.fps)  # pts in frames while encoding
+        ctx.gop_size = self.keyframe_interval
+        ctx.max_b_frames = 0
+        ctx.thread_count = self._threads
+        x264_params = ":".join(
+            [
+                "repeat-headers=1",  # SPS/PPS before every IDR
+                "annexb=1",
+                "scenecut=0",  # keyframes only at the interval or on demand
+                f"keyint={self.keyframe_interval}",
+                f"min-keyint={self.keyframe_interval}",
+                "rc-lookahead=0",
+                "sync-lookahead=0",
+                "bframes=0",
+                "colormatrix=smpte170m",  # tell players the RGB<->YUV matrix: BT.601, swscale's default
+            ]
+        )
+        options = {
+            "preset": "ultrafast",
+            "tune": "zerolatency",
+            "crf": str(self._crf),
+            "forced-idr": "1",  # a forced keyframe is an IDR, not just an I-frame
+            "x264-params": x264_params,
+        }
+        options.update(self._extra_options)
+        if "x264-params" in self._extra_options:  # extra params go after ours (they override), B-frames stay off
+            options["x264-params"] = f"{x264_params}:{self._extra_options['x264-params']}:bframes=0"
+        ctx.options = options
+        ctx.open()
+        return ctx
+
+    def _drain(self) -> list[av.Packet]:
+        """Empty an encoder that held frames back, and start a fresh one (whose first frame is an IDR).
+
+        With the settings above libx264 never holds frames, but options can
+        make it (lookahead, frame threads); a chunk must not wait for the next
+        one, so its packets are forced out at the cost of an early keyframe.
+        """
+        if not self._warned_buffering:
+            log.warning("H.264 encoder buffers frames (options %s); draining it after every chunk", self._extra_options)
+            self._warned_buffering = True
+        packets = self._ctx.encode(None)
+        self._ctx = self._open()
+        return packets
+
+    def _stamp(self, packet: av.Packet) -> None:
+        index = packet.pts
+        packet.pts = packet.dts = rtp_pts(index, self.fps)
+        packet.duration = rtp_pts(index + 1, self.fps) - packet.pts
+        packet.time_base = RTP_TIME_BASE
+
+
+class StreamDecoder:
+    """H.264 access units in, RGB frames out: the viewer's side of ``StreamEncoder``.
+
+    Access units before the first IDR are skipped (a viewer that joins
+    mid-stream starts at a keyframe). A corrupt access unit raises
+    ``av.FFmpegError`` (e.g. ``av.InvalidDataError``).
+    """
+
+    def __init__(self) -> None:
+        self._ctx = av.CodecContext.create("h264", "r")
+        self._ctx.thread_count = 1  # frame threads would delay output by a frame per thread
+        self._ctx.flags |= Flags.low_delay
+        self._started = False
+
+    @property
+    def waiting_for_keyframe(self) -> bool:
+        """True until the first IDR has been decoded."""
+        return not self._started
+
+    def decode(self, access_unit: bytes) -> list[np.ndarray]:
+        """Decode one access unit; returns its frames as [H, W, 3] uint8 RGB (one, or none before a keyframe)."""
+        if self._ctx is None:
+            raise RuntimeError("decoder is closed")
+        if not self._started:
+            if not is_idr(access_unit):
+                return []
+            self._started = True
+        return [frame.to_ndarray(format="rgb24") for frame in self._ctx.decode(av.Packet(access_unit))]
+
+    def close(self) -> None:
+        """Release the decoder (frames still inside are dropped)."""
+        self._ctx = None

@@ -1,0 +1,485 @@
+"""The wire protocol between a viewer and the service.
+
+This module imports nothing else of ours: the client, the browser player and
+the server all speak it, and nothing here knows about sockets, asyncio or
+tensors.
+
+Control messages
+----------------
+Every control and server message is one JSON object with a ``type`` field
+that names its pydantic model below. Over WebSocket they travel as text
+messages; over WebRTC the same JSON travels on the data channel named
+``control``. Signaling (``offer``/``answer``) goes over the WebSocket too.
+
+Client -> server::
+
+    {"type": "start", "prompt": "...", "seed": 7, "fps": 16, "transport": "ws"}
+    {"type": "set_prompt", "prompt": "..."}
+    {"type": "pause"}  {"type": "resume"}  {"type": "close"}
+    {"type": "stats", "buffered_s": 1.5, "frames_played": 480, "stalls": 0, ...}
+    {"type": "offer", "sdp": "v=0..."}
+
+Server -> client::
+
+    {"type": "ready", "stream_id": "...", "fps": 16, "width": 832, "height": 480,
+     "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0}
+    {"type": "chunk", "index": 3, "pts": 33, "frames": 12, "prompt_version": 1,
+     "keyframe": false, "sizes": [2311, 187, ...]}
+    {"type": "ack", "request": "set_prompt", "prompt_version": 1}
+    {"type": "error", "code": "invalid_field", "message": "..."}
+    {"type": "closed", "reason": "..."}
+    {"type": "answer", "sdp": "v=0..."}
+
+``offer`` and ``answer`` are exactly the JSON of a browser's
+``RTCSessionDescription`` (``{"type": "offer", "sdp": ...}``): the message type
+doubles as the SDP type, so ``JSON.stringify(pc.localDescription)`` is a valid
+``offer`` message and an ``answer`` message can be handed to
+``setRemoteDescription`` as is.
+
+Unknown fields are refused (``invalid_field``), so a misspelt field is an error
+rather than silently ignored. Numbers are strict: ``"16"`` or ``16.0`` is not
+an integer. Every limit is a module constant.
+
+Errors
+------
+``parse_client`` (and ``parse_server``) raise one exception, ``ProtocolError``,
+with an ``ErrorCode`` and a message meant for the other side: malformed JSON,
+an unknown type, a field out of range (the message names the field and the
+allowed values), an oversized message. ``ProtocolError.to_message()`` gives the
+``error`` message to send back; the stream goes on.
+
+Binary chunk framing (WebSocket)
+--------------------------------
+Each chunk of video is one binary WebSocket message::
+
+    offset  size  content
+    0       4     magic b"SSC1" (stream chunk, framing version 1)
+    4       4     H: length of the header in bytes, unsigned 32-bit big-endian
+    8       H     the chunk header: a ``chunk`` message as UTF-8 JSON
+    8+H     ...   the frames' H.264 access units (Annex-B), back to back, in
+                  frame order; frame i's access unit is ``sizes[i]`` bytes
+
+The payload is exactly ``sum(sizes)`` bytes; anything else is refused. On the
+WebRTC data channel the chunk header is the same JSON ``chunk`` message, sent
+as text, without the payload (the frames travel as RTP).
+
+A chunk's ``pts`` is the stream index of its first frame (frames count from 0
+at the start of the stream), so frame i of a chunk is frame ``pts + i`` and
+plays at ``(pts + i) / fps`` seconds of stream time. ``keyframe`` is true when
+the chunk's first access unit is an IDR frame carrying SPS/PPS: a viewer can
+start decoding at that chunk.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import StrEnum
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+# ---------------------------------------------------------------- limits
+
+MAX_MESSAGE_BYTES = 64 * 1024
+"""Largest control message, in UTF-8 bytes (an SDP offer with all its ICE candidates fits)."""
+MAX_PROMPT_CHARS = 2000
+"""Longest prompt, in characters."""
+FPS_MIN, FPS_MAX = 1, 60
+"""Allowed frame rates, integers, inclusive (RTP timestamps are ``frame * 90000 // fps``)."""
+MAX_SEED = 2**63 - 1
+"""Seeds are integers in [0, MAX_SEED] (they fit an int64 generator seed)."""
+MAX_STREAM_ID_CHARS = 64
+MAX_TEXT_CHARS = 4000
+"""Longest free text a server sends (error messages, close reasons)."""
+MAX_DIMENSION = 8192
+"""Largest frame width or height."""
+MAX_CHUNK_FRAMES = 1024
+"""Most frames in one chunk."""
+MAX_STAT = 1e9
+"""Upper bound of every number in a ``stats`` message (seconds or counts)."""
+MAX_CHUNK_BYTES = 16 * 1024 * 1024
+"""Largest binary chunk message; give it to the WebSocket client as ``max_size``."""
+
+CHUNK_MAGIC = b"SSC1"
+_PREFIX = struct.Struct(">4sI")  # magic, header length
+CHUNK_PREFIX_BYTES = _PREFIX.size  # 8
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ErrorCode(StrEnum):
+    """The ``code`` of an ``error`` message."""
+
+    BAD_JSON = "bad_json"  # not UTF-8, not JSON, or not a JSON object
+    UNKNOWN_TYPE = "unknown_type"  # no "type" field, or a type we do not know
+    INVALID_FIELD = "invalid_field"  # a field missing, unknown, of the wrong type or out of range
+    TOO_LARGE = "too_large"  # the message exceeds MAX_MESSAGE_BYTES (or MAX_CHUNK_BYTES)
+    BAD_CHUNK = "bad_chunk"  # a binary chunk message that does not follow the framing
+    NOT_STARTED = "not_started"  # a stream command before "start"
+    ALREADY_STARTED = "already_started"  # a second "start" on one connection
+    REFUSED = "refused"  # admission refused the stream (the message says why)
+    INTERNAL = "internal"  # the server failed; the message says what, never a traceback
+
+
+class ProtocolError(Exception):
+    """A message that breaks the protocol. ``code`` says how, ``message`` says what, for the peer."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = ErrorCode(code)
+        self.message = message
+
+    def to_message(self) -> Error:
+        """The ``error`` message that tells the peer about this error."""
+        return Error(code=self.code, message=self.message[:MAX_TEXT_CHARS])
+
+
+# ---------------------------------------------------------------- messages
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+Prompt = Annotated[
+    str,
+    Field(min_length=1, max_length=MAX_PROMPT_CHARS, description=f"a string of 1 to {MAX_PROMPT_CHARS} characters"),
+]
+Sdp = Annotated[
+    str,
+    Field(min_length=1, max_length=MAX_MESSAGE_BYTES, description="a non-empty SDP string"),
+]
+Count = Annotated[int, Field(ge=0, le=int(MAX_STAT), description=f"an integer in [0, {int(MAX_STAT)}]")]
+Seconds = Annotated[float, Field(ge=0.0, le=MAX_STAT, description=f"a finite number of seconds in [0, {MAX_STAT:g}]")]
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS, description=f"a string of at most {MAX_TEXT_CHARS} characters")]
+Fps = Annotated[int, Field(ge=FPS_MIN, le=FPS_MAX, description=f"an integer in [{FPS_MIN}, {FPS_MAX}]")]
+Version = Annotated[int, Field(ge=0, description="an integer >= 0")]
+Dimension = Annotated[int, Field(ge=1, le=MAX_DIMENSION, description=f"an integer in [1, {MAX_DIMENSION}]")]
+FrameCount = Annotated[int, Field(ge=1, le=MAX_CHUNK_FRAMES, description=f"an integer in [1, {MAX_CHUNK_FRAMES}]")]
+ClientType = Literal["start", "set_prompt", "pause", "resume", "stats", "close", "offer"]
+
+
+# Client -> server.
+
+
+class Start(_Message):
+    """Open a stream. Answered by ``ready`` (or ``error`` with code ``refused``)."""
+
+    type: Literal["start"] = "start"
+    prompt: Prompt
+    # Seed of the stream's noise generator; None lets the server pick one.
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED, description=f"an integer in [0, {MAX_SEED}]")] | None = None
+    # Requested frame rate; None takes the model's.
+    fps: Fps | None = None
+    # How the viewer wants the frames; None means the socket this arrived on.
+    transport: Literal["ws", "webrtc"] | None = Field(None, description="'ws' or 'webrtc'")
+
+
+class SetPrompt(_Message):
+    """Steer the stream. Answered by ``ack`` carrying the prompt version it will be generated under."""
+
+    type: Literal["set_prompt"] = "set_prompt"
+    prompt: Prompt
+
+
+class Pause(_Message):
+    """Stop generating once the viewer's buffer is full."""
+
+    type: Literal["pause"] = "pause"
+
+
+class Resume(_Message):
+    """Generate again after ``pause``."""
+
+    type: Literal["resume"] = "resume"
+
+
+class Stats(_Message):
+    """The viewer's playback state, sent now and then so the server sees the real buffer."""
+
+    type: Literal["stats"] = "stats"
+    buffered_s: Seconds  # video in the viewer's buffer, not yet played
+    frames_played: Count
+    stalls: Count = 0
+    stall_s: Seconds = 0.0
+    ttff_s: Seconds | None = None  # connect -> first frame; None before it
+    freezes: Count = 0  # W3C freezeCount
+    freeze_s: Seconds = 0.0  # W3C totalFreezesDuration
+    delivered_fps: Annotated[float, Field(ge=0.0, le=1000.0, description="a number in [0, 1000]")] | None = None
+
+
+class Close(_Message):
+    """End the stream; the server frees it and answers ``closed``."""
+
+    type: Literal["close"] = "close"
+
+
+class Offer(_Message):
+    """WebRTC signaling: the viewer's SDP offer with its complete ICE candidate list. Answered by ``answer``."""
+
+    type: Literal["offer"] = "offer"
+    sdp: Sdp
+
+
+# Server -> client.
+
+
+class Ready(_Message):
+    """The stream is admitted: what the viewer will receive."""
+
+    type: Literal["ready"] = "ready"
+    stream_id: Annotated[str, Field(min_length=1, max_length=MAX_STREAM_ID_CHARS)]
+    fps: Fps
+    width: Dimension
+    height: Dimension
+    first_chunk_frames: FrameCount  # frames in chunk 0 (a causal VAE makes it shorter)
+    chunk_frames: FrameCount  # frames in every later chunk
+    prompt_version: Version  # the version of the start prompt
+
+
+class Chunk(_Message):
+    """Header of one chunk of video (see the module docstring for the binary framing)."""
+
+    type: Literal["chunk"] = "chunk"
+    index: Annotated[int, Field(ge=0)]  # chunk number in the stream, from 0
+    pts: Annotated[int, Field(ge=0)]  # stream index of the chunk's first frame, in frames
+    frames: FrameCount  # number of frames (= access units) in the chunk
+    prompt_version: Version  # the prompt version the chunk was generated under
+    keyframe: bool  # the first access unit is an IDR with SPS/PPS: decoding can start here
+    sizes: list[Annotated[int, Field(ge=1, le=MAX_CHUNK_BYTES)]]  # byte size of each frame's access unit
+
+    @model_validator(mode="after")
+    def _one_size_per_frame(self) -> Chunk:
+        if len(self.sizes) != self.frames:
+            raise ValueError(
+                f"sizes has {len(self.sizes)} entries but frames is {self.frames}; give one size per frame"
+            )
+        return self
+
+    @classmethod
+    def describe(cls, access_units: list[bytes], *, index: int, pts: int, prompt_version: int, keyframe: bool) -> Chunk:
+        """The header of a chunk made of ``access_units`` (sizes and frame count filled in)."""
+        return cls(
+            index=index,
+            pts=pts,
+            frames=len(access_units),
+            prompt_version=prompt_version,
+            keyframe=keyframe,
+            sizes=[len(au) for au in access_units],
+        )
+
+
+class Ack(_Message):
+    """A request was applied. For ``set_prompt``, the version its frames will carry."""
+
+    type: Literal["ack"] = "ack"
+    request: ClientType
+    prompt_version: Version | None = None
+
+
+class Error(_Message):
+    """A request failed; unless the code is ``refused`` or ``internal`` the stream goes on."""
+
+    type: Literal["error"] = "error"
+    code: ErrorCode
+    message: Text
+
+
+class Closed(_Message):
+    """The stream has ended; nothing more follows."""
+
+    type: Literal["closed"] = "closed"
+    reason: Text
+
+
+class Answer(_Message):
+    """WebRTC signaling: the server's SDP answer with its complete ICE candidate list."""
+
+    type: Literal["answer"] = "answer"
+    sdp: Sdp
+
+
+ClientMessage = Annotated[
+    Union[Start, SetPrompt, Pause, Resume, Stats, Close, Offer],
+    Field(discriminator="type"),
+]
+ServerMessage = Annotated[
+    Union[Ready, Chunk, Ack, Error, Closed, Answer],
+    Field(discriminator="type"),
+]
+Message = Union[Start, SetPrompt, Pause, Resume, Stats, Close, Offer, Ready, Chunk, Ack, Error, Closed, Answer]
+
+_CLIENT = TypeAdapter(ClientMessage)
+_SERVER = TypeAdapter(ServerMessage)
+_CLIENT_TYPES = {m.model_fields["type"].default: m for m in (Start, SetPrompt, Pause, Resume, Stats, Close, Offer)}
+_SERVER_TYPES = {m.model_fields["type"].default: m for m in (Ready, Chunk, Ack, Error, Closed, Answer)}
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def parse_client(data: str | bytes) -> Start | SetPrompt | Pause | Resume | Stats | Close | Offer:
+    """Parse one control message from a viewer. Raises ``ProtocolError`` and nothing else."""
+    return _parse(data, _CLIENT, _CLIENT_TYPES)
+
+
+def parse_server(data: str | bytes) -> Ready | Chunk | Ack | Error | Closed | Answer:
+    """Parse one message from the server (text on WebSocket, or the data channel). Raises ``ProtocolError``."""
+    return _parse(data, _SERVER, _SERVER_TYPES)
+
+
+def encode(msg: Message) -> str:
+    """The JSON text of a message."""
+    return msg.model_dump_json()
+
+
+def _parse(data: str | bytes, adapter: TypeAdapter, types: dict[str, type[_Message]]) -> Any:
+    if isinstance(data, str):
+        if len(data) > MAX_MESSAGE_BYTES:  # cheap early exit: a char is at least one byte
+            raise _too_large(len(data))
+        try:
+            raw = data.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ProtocolError(ErrorCode.BAD_JSON, "message is not valid Unicode text (lone surrogate)") from None
+    elif isinstance(data, (bytes, bytearray, memoryview)):
+        raw = bytes(data)
+    else:
+        raise ProtocolError(ErrorCode.BAD_JSON, f"expected a text message, got {type(data).__name__}")
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise _too_large(len(raw))
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(ErrorCode.BAD_JSON, f"message is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        return adapter.validate_json(raw)
+    except ValidationError as exc:
+        raise _from_validation(exc, types) from None
+
+
+def _too_large(size: int) -> ProtocolError:
+    return ProtocolError(ErrorCode.TOO_LARGE, f"message is {size} bytes; the limit is {MAX_MESSAGE_BYTES} bytes")
+
+
+def _from_validation(exc: ValidationError, types: dict[str, type[_Message]]) -> ProtocolError:
+    """Turn pydantic's errors into one ProtocolError with a message a person can act on."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    kind = first["type"]
+    known = ", ".join(types)
+    if kind == "json_invalid":
+        return ProtocolError(ErrorCode.BAD_JSON, f"malformed JSON: {first['ctx']['error']}")
+    if kind in ("dict_type", "model_type", "model_attributes_type"):
+        return ProtocolError(ErrorCode.BAD_JSON, f"expected a JSON object, got {_json_kind(first['input'])}")
+    if kind == "union_tag_not_found":
+        return ProtocolError(ErrorCode.UNKNOWN_TYPE, f"message has no 'type' field; expected one of: {known}")
+    if kind == "union_tag_invalid":
+        tag = _short(first["input"].get("type") if isinstance(first["input"], dict) else None)
+        return ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {tag}; expected one of: {known}")
+    parts = [_describe_field_error(err, types) for err in errors[:3]]
+    if len(errors) > 3:
+        parts.append(f"and {len(errors) - 3} more")
+    return ProtocolError(ErrorCode.INVALID_FIELD, "; ".join(parts))
+
+
+def _describe_field_error(err: Any, types: dict[str, type[_Message]]) -> str:
+    loc = err["loc"]
+    msg_type = _clip(str(loc[0])) if loc else "?"
+    model = types.get(msg_type)
+    field = str(loc[1]) if len(loc) > 1 else None
+    path = _clip(".".join(str(p) for p in loc[1:]))
+    where = f"'{msg_type}' message"
+    if err["type"] == "extra_forbidden":
+        allowed = ", ".join(model.model_fields) if model else "?"
+        return f"unknown field '{path}' in {where}; its fields are: {allowed}"
+    if err["type"] == "missing":
+        return f"missing field '{path}' in {where}"
+    if len(loc) <= 1:  # a check on the whole message (e.g. chunk sizes vs frames)
+        return f"invalid {where}: {err['msg'].removeprefix('Value error, ')}"
+    hint = ""
+    if model is not None and field in model.model_fields:
+        description = _field_description(model, field)
+        if description:
+            hint = f"; allowed: {description}"
+    got = f"; got {_short(err['input'])}" if "input" in err else ""
+    return f"invalid field '{path}' in {where}: {err['msg']}{hint}{got}"
+
+
+def _field_description(model: type[_Message], field: str) -> str | None:
+    info = model.model_fields[field]
+    if info.description:
+        return info.description
+    for meta in info.metadata:  # Annotated[..., Field(description=...)] on optional fields
+        description = getattr(meta, "description", None)
+        if description:
+            return description
+    annotation = info.annotation
+    for arg in getattr(annotation, "__args__", ()):  # X | None where X carries the description
+        for meta in getattr(arg, "__metadata__", ()):
+            description = getattr(meta, "description", None)
+            if description:
+                return description + (" or null" if type(None) in annotation.__args__ else "")
+    return None
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """A value for an error message: its repr, cut short."""
+    return _clip(repr(value), limit)
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _json_kind(value: Any) -> str:
+    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+# ---------------------------------------------------------------- binary chunks
+
+
+def pack_chunk(header: Chunk, access_units: list[bytes]) -> bytes:
+    """One binary WebSocket message: prefix, JSON header, access units. The header must describe them."""
+    sizes = [len(au) for au in access_units]
+    if sizes != header.sizes:
+        raise ValueError(f"header sizes {header.sizes} do not match the access units' sizes {sizes}")
+    head = encode(header).encode("utf-8")
+    return b"".join([_PREFIX.pack(CHUNK_MAGIC, len(head)), head, *access_units])
+
+
+def unpack_chunk(data: bytes) -> tuple[Chunk, list[bytes]]:
+    """Split a binary chunk message into its header and access units. Raises ``ProtocolError`` on garbage."""
+    data = bytes(data)
+    if len(data) > MAX_CHUNK_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"chunk is {len(data)} bytes; the limit is {MAX_CHUNK_BYTES} bytes")
+    if len(data) < CHUNK_PREFIX_BYTES:
+        raise ProtocolError(
+            ErrorCode.BAD_CHUNK, f"chunk is {len(data)} bytes, shorter than its {CHUNK_PREFIX_BYTES}-byte prefix"
+        )
+    magic, head_len = _PREFIX.unpack_from(data)
+    if magic != CHUNK_MAGIC:
+        raise ProtocolError(ErrorCode.BAD_CHUNK, f"chunk starts with {magic!r}, expected magic {CHUNK_MAGIC!r}")
+    head_end = CHUNK_PREFIX_BYTES + head_len
+    if head_len > MAX_MESSAGE_BYTES or head_end > len(data):
+        raise ProtocolError(
+            ErrorCode.BAD_CHUNK, f"chunk header length {head_len} does not fit the {len(data)}-byte message"
+        )
+    try:
+        header = parse_server(data[CHUNK_PREFIX_BYTES:head_end])
+    except ProtocolError as exc:
+        raise ProtocolError(ErrorCode.BAD_CHUNK, f"chunk header: {exc.message}") from None
+    if not isinstance(header, Chunk):
+        raise ProtocolError(ErrorCode.BAD_CHUNK, f"chunk header is a '{header.type}' message, expected 'chunk'")
+    payload = len(data) - head_end
+    if payload != sum(header.sizes):
+        raise ProtocolError(
+            ErrorCode.BAD_CHUNK,
+            f"chunk payload is {payload} bytes but its header's sizes add up to {sum(header.sizes)}",
+        )
+    units, offset = [], head_end
+    for size in header.sizes:
+        units.append(data[offset : offset + size])
+        offset += size
+    return header, units

@@ -1,0 +1,155 @@
+"""The generation core on the tiny preset, CPU, random weights."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvcache import StreamCache
+from models import CacheAccess, Work
+from tests.conftest import tiny_generator
+
+
+def run_chunks(gen, state, n, prompt_at=None):
+    it = gen.stream(state, prompt_at)
+    return [next(it) for _ in range(n)]
+
+
+def reference_latents(gen, prompt, seed, n_chunks):
+    """No cache: every forward recomputes all visible frames with full block-causal attention."""
+    model, nf, sig = gen.model, gen.cfg.frames_per_chunk, gen.sigmas
+    mc = gen.model_cfg
+    noise = torch.Generator().manual_seed(seed)
+    text = gen.encode_prompt(prompt)
+    clean = []  # committed clean chunks, each [C, F, h, w]
+    for c in range(n_chunks):
+        x = torch.randn((mc.in_channels, nf, mc.latent_height, mc.latent_width), generator=noise)
+        for k, s in enumerate(sig):
+            frames = torch.cat(clean + [x], dim=1)[None]  # [1, C, past + F, h, w]
+            past = frames.shape[2] - nf
+            t = torch.tensor([[0.0] * past + [1000 * s] * nf])
+            blocks = [i // nf for i in range(frames.shape[2])]
+            v = model(frames, t, text, [CacheAccess(None, 0, block_ids=blocks)])[0, :, past:]
+            x0 = (x.double() - s * v.double()).float()
+            if k + 1 < len(sig):
+                eps = torch.randn(x0.shape, generator=noise)
+                x = ((1 - sig[k + 1]) * x0.double() + sig[k + 1] * eps.double()).float()
+        clean.append(x0)
+    return clean
+
+
+def test_cached_generation_equals_full_recompute():
+    gen = tiny_generator(sink_frames=3, window_frames=9)
+    state = gen.open_stream("s", "a red fox in snow", seed=7)
+    chunks = run_chunks(gen, state, 4)  # 12 frames: fills sinks + window exactly, no eviction
+    ref = reference_latents(gen, "a red fox in snow", 7, 4)
+    for c, r in zip(chunks, ref):
+        assert torch.allclose(c.latents, r, atol=1e-4, rtol=1e-4), (c.index, (c.latents - r).abs().max())
+
+
+def test_past_window_sinks_hold_first_frames_window_latest_memory_constant():
+    gen = tiny_generator(sink_frames=3, window_frames=6)
+    state = gen.open_stream("s", "waves", seed=1)
+    run_chunks(gen, state, 3)
+    nbytes, ptr = state.cache.nbytes, state.cache.storage.k.data_ptr()
+    chunks = run_chunks(gen, state, 5)  # 8 chunks = 24 frames, far past 3 + 6
+    assert state.cache.nbytes == nbytes and state.cache.storage.k.data_ptr() == ptr
+    ids = state.cache.frame_ids
+    assert ids[:3] == [0, 1, 2]
+    assert sorted(ids[3:]) == list(range(18, 24))
+    # the positions read are [sinks | window in time order]
+    order = sorted(range(3, 9), key=lambda s: state.cache.positions()[s])
+    assert [ids[s] for s in order] == list(range(18, 24))
+    # the window's K/V are those committed for its frames: recommit the last chunk's latents and compare
+    assert chunks[-1].index == 7 and chunks[-1].frames.shape[0] == 12
+
+
+def test_same_seed_same_frames_other_seed_differs():
+    a = run_chunks(tiny_generator(), tiny_generator().open_stream("a", "city at night", 3), 3)
+    gen = tiny_generator()
+    b = run_chunks(gen, gen.open_stream("b", "city at night", 3), 3)
+    c = run_chunks(gen, gen.open_stream("c", "city at night", 4), 3)
+    assert all(np.array_equal(x.frames, y.frames) for x, y in zip(a, b))
+    assert not np.array_equal(a[1].frames, c[1].frames)
+    assert a[0].frames.shape == (9, 128, 128, 3) and a[1].frames.shape == (12, 128, 128, 3)
+    assert a[0].frames.dtype == np.uint8
+
+
+@pytest.mark.parametrize("recache_sinks", [False, True])
+def test_prompt_switch_recache_equals_fresh_computation(recache_sinks):
+    gen = tiny_generator(sink_frames=3, window_frames=6, recache_sinks=recache_sinks)
+    state = gen.open_stream("s", "a forest", seed=2)
+    run_chunks(gen, state, 4)  # window has rolled once: frames 0-2 sinks, 6-11 window
+    gen.set_prompt(state, "a desert")
+    assert gen.next_work(state) is Work.RECACHE
+    sinks_before = [t.clone() for t in state.cache.read(0, 3)]
+    gen.run(Work.RECACHE, [state])
+    assert state.prompt_version == 1 and state.prompt == "a desert"
+
+    # reference: a fresh cache that commits the same clean latents chunk by chunk under the new prompt
+    ref = StreamCache(state.cache.spec)
+    text = gen.encode_prompt("a desert")
+    old_text = gen.encode_prompt("a forest")
+    frames = [state.clean[s] for s in range(9)]  # after recache, slots are in time order
+    nf = 3
+    for c in range(3):
+        x = torch.stack(frames[c * nf : (c + 1) * nf], dim=1)[None]
+        slots = ref.plan_commit(nf)
+        use = old_text if (c == 0 and not recache_sinks) else text
+        gen.model(x, torch.zeros(1, nf), use, [CacheAccess(ref, ref.num_frames, write_slots=slots)])
+        ref.advance(slots)
+    for layer in range(gen.model_cfg.num_layers):
+        k, v = state.cache.read(layer)
+        rk, rv = ref.read(layer)
+        assert torch.allclose(k, rk, atol=1e-5) and torch.allclose(v, rv, atol=1e-5), layer
+    if not recache_sinks:
+        assert torch.equal(state.cache.read(0, 3)[0], sinks_before[0])
+    # the next chunk is generated under the new version
+    chunk = run_chunks(gen, state, 1)[0]
+    assert chunk.prompt_version == 1
+
+
+def test_first_prompt_switch_without_cache_needs_no_recache():
+    gen = tiny_generator()
+    state = gen.open_stream("s", "one", seed=0)
+    gen.set_prompt(state, "two")
+    assert gen.next_work(state) is Work.DENOISE
+    chunk = run_chunks(gen, state, 1)[0]
+    assert chunk.prompt_version == 1 and state.forwards["recache"] == 0
+
+
+def test_prompt_changes_the_video():
+    gen = tiny_generator()
+    a = run_chunks(gen, gen.open_stream("a", "a cat", 5), 2)
+    b = run_chunks(gen, gen.open_stream("b", "a spaceship", 5), 2)
+    assert not np.array_equal(a[1].frames, b[1].frames)
+
+
+def test_batched_streams_equal_one_by_one():
+    gen = tiny_generator(sink_frames=3, window_frames=6)
+    prompts = ["alpha", "beta", "gamma"]
+    # different cache fills: stream i has i+1 chunks committed before the batched part
+    solo = [gen.open_stream(f"s{i}", p, seed=10 + i) for i, p in enumerate(prompts)]
+    batch = [gen.open_stream(f"b{i}", p, seed=10 + i) for i, p in enumerate(prompts)]
+    for i in range(3):
+        run_chunks(gen, solo[i], i + 1)
+        run_chunks(gen, batch[i], i + 1)
+    solo_out = [run_chunks(gen, s, 2) for s in solo]
+    batch_out = [[], [], []]
+    for _ in range(2):
+        for _ in range(len(gen.sigmas)):
+            gen.run(Work.DENOISE, batch)
+        for j, ch in enumerate(gen.run(Work.COMMIT, batch)):
+            batch_out[j].append(ch)
+    for s_chunks, b_chunks in zip(solo_out, batch_out):
+        for x, y in zip(s_chunks, b_chunks):
+            assert torch.allclose(x.latents, y.latents, atol=1e-4), (x.latents - y.latents).abs().max()
+    for s, b in zip(solo, batch):
+        for layer in range(gen.model_cfg.num_layers):
+            assert torch.allclose(s.cache.read(layer)[0], b.cache.read(layer)[0], atol=1e-4)
+
+
+def test_commit_before_denoised_is_an_error():
+    gen = tiny_generator()
+    state = gen.open_stream("s", "x", seed=0)
+    with pytest.raises(ValueError, match="not denoised"):
+        gen.commit([state])

@@ -1,0 +1,176 @@
+from fractions import Fraction
+
+import av
+import numpy as np
+import pytest
+
+from streamsvc.encode import (
+    NAL_IDR,
+    NAL_PPS,
+    NAL_SLICE,
+    NAL_SPS,
+    RTP_TIME_BASE,
+    StreamDecoder,
+    StreamEncoder,
+    is_idr,
+    nal_unit_types,
+    rtp_pts,
+)
+
+W, H, FPS = 64, 48, 16
+
+
+def moving_frames(n: int, start: int = 0, width: int = W, height: int = H) -> np.ndarray:
+    """[n, H, W, 3] uint8: smooth gradients and a bright square that move with the frame index."""
+    y, x = np.mgrid[0:height, 0:width]
+    frames = np.empty((n, height, width, 3), np.uint8)
+    for i, t in enumerate(range(start, start + n)):
+        frames[i, ..., 0] = (4 * x + 3 * t) % 256
+        frames[i, ..., 1] = (4 * y + 2 * t) % 256
+        frames[i, ..., 2] = 128
+        cx = (4 * t) % (width - 8)
+        frames[i, 8:24, cx : cx + 8] = 255
+    return frames
+
+
+def encode_chunks(encoder: StreamEncoder, sizes: list[int], start: int = 0) -> list[list[av.Packet]]:
+    chunks = []
+    for n in sizes:
+        chunks.append(encoder.encode(moving_frames(n, start), start_index=start))
+        start += n
+    return chunks
+
+
+@pytest.fixture
+def encoder():
+    enc = StreamEncoder(W, H, FPS)
+    yield enc
+    enc.close()
+
+
+def test_one_packet_per_frame_on_the_90khz_clock(encoder):
+    chunks = encode_chunks(encoder, [9, 12, 12])
+    packets = [p for chunk in chunks for p in chunk]
+    assert [len(c) for c in chunks] == [9, 12, 12]
+    assert [p.pts for p in packets] == [i * 90000 // FPS for i in range(33)]  # 5625 ticks a frame at 16 fps
+    assert all(p.dts == p.pts and p.duration == 5625 and p.time_base == Fraction(1, 90000) for p in packets)
+    assert encoder.next_index == 33
+
+
+def test_packets_are_annex_b_access_units_with_headers_on_the_first_keyframe(encoder):
+    (chunk,) = encode_chunks(encoder, [4])
+    first = bytes(chunk[0])
+    assert first.startswith(b"\x00\x00\x00\x01")
+    types = nal_unit_types(first)
+    assert types[:2] == [NAL_SPS, NAL_PPS] and NAL_IDR in types
+    assert chunk[0].is_keyframe
+    assert [nal_unit_types(bytes(p)) for p in chunk[1:]] == [[NAL_SLICE]] * 3  # no B-frames, no extra NALs
+
+
+def test_keyframe_on_request_carries_sps_pps(encoder):
+    encode_chunks(encoder, [12])
+    encoder.request_keyframe()
+    after_request, after_that = encode_chunks(encoder, [12, 12], start=12)
+    assert [p.is_keyframe for p in after_request] == [True] + [False] * 11
+    assert nal_unit_types(bytes(after_request[0]))[:2] == [NAL_SPS, NAL_PPS]
+    assert not any(p.is_keyframe for p in after_that)  # the request is used up
+    forced = encoder.encode(moving_frames(3, 36), start_index=36, keyframe=True)
+    assert [p.is_keyframe for p in forced] == [True, False, False]
+
+
+def test_keyframes_at_the_interval_counted_from_the_last_keyframe():
+    enc = StreamEncoder(W, H, FPS, keyframe_interval=8)
+    assert StreamEncoder(W, H, FPS).keyframe_interval == 2 * FPS  # 2 s by default
+    first = [p.is_keyframe for chunk in encode_chunks(enc, [6, 6, 6]) for p in chunk]
+    assert [i for i, k in enumerate(first) if k] == [0, 8, 16]
+    enc.request_keyframe()  # at frame 18
+    later = [p.is_keyframe for chunk in encode_chunks(enc, [6, 6, 6], start=18) for p in chunk]
+    assert [18 + i for i, k in enumerate(later) if k] == [18, 26, 34]
+    enc.close()
+
+
+def test_every_keyframe_repeats_sps_pps():
+    enc = StreamEncoder(W, H, FPS, keyframe_interval=5)
+    keyframes = [bytes(p) for chunk in encode_chunks(enc, [12, 12]) for p in chunk if p.is_keyframe]
+    assert len(keyframes) == 5
+    assert all(nal_unit_types(k)[:2] == [NAL_SPS, NAL_PPS] and is_idr(k) for k in keyframes)
+
+
+def test_a_late_joiner_decodes_from_a_keyframe_alone(encoder):
+    early = encode_chunks(encoder, [12, 12])
+    encoder.request_keyframe()  # a viewer joins
+    late = encode_chunks(encoder, [12, 12], start=24)
+
+    everyone = StreamDecoder()
+    for chunk in early:
+        for packet in chunk:
+            assert len(everyone.decode(bytes(packet))) == 1
+    reference = [f for chunk in late for p in chunk for f in everyone.decode(bytes(p))]
+
+    joiner = StreamDecoder()
+    assert joiner.waiting_for_keyframe
+    # It gets packets from mid-GOP first: they are skipped until the keyframe.
+    assert [joiner.decode(bytes(p)) for p in early[1][5:]] == [[]] * 7
+    joined = []
+    for chunk in late:
+        for packet in chunk:
+            frames = joiner.decode(bytes(packet))
+            assert len(frames) == 1  # each access unit decodes at once: no decoder delay
+            joined.extend(frames)
+    assert not joiner.waiting_for_keyframe
+    assert len(joined) == 24
+    # After an IDR nothing refers to earlier frames: the joiner sees exactly what everyone sees.
+    assert all(np.array_equal(a, b) for a, b in zip(joined, reference, strict=True))
+    source = moving_frames(24, 24).astype(np.int16)
+    error = np.abs(np.stack(joined).astype(np.int16) - source).mean()
+    assert joined[0].shape == (H, W, 3) and joined[0].dtype == np.uint8
+    assert error < 8, f"mean abs error {error:.1f} of 255"
+
+
+def test_an_encoder_that_buffers_still_returns_every_chunk_at_once():
+    # Frame threads make libx264 hold frames back; the encoder drains itself after each chunk.
+    enc = StreamEncoder(W, H, FPS, options={"x264-params": "sliced-threads=0:threads=4"})
+    chunks = encode_chunks(enc, [12, 12, 12])
+    assert [len(c) for c in chunks] == [12, 12, 12]
+    assert [p.pts for c in chunks for p in c] == [rtp_pts(i, FPS) for i in range(36)]
+    assert all(c[0].is_keyframe for c in chunks)  # a drained encoder restarts on an IDR
+    decoder = StreamDecoder()
+    assert sum(len(decoder.decode(bytes(p))) for c in chunks for p in c) == 36
+    enc.close()
+
+
+def test_packets_feed_aiortc_unchanged(encoder):
+    h264 = pytest.importorskip("aiortc.codecs.h264")
+    (chunk,) = encode_chunks(encoder, [3])
+    for packet in chunk:
+        payloads, timestamp = h264.H264Encoder().pack(packet)
+        assert payloads and timestamp == packet.pts
+
+
+def test_rtp_pts():
+    assert rtp_pts(0, 16) == 0 and rtp_pts(1, 16) == 5625 and rtp_pts(30, 30) == 90000
+    assert RTP_TIME_BASE == Fraction(1, 90000)
+
+
+def test_nal_unit_types():
+    data = b"\x00\x00\x00\x01\x67ab\x00\x00\x01\x68c\x00\x00\x01\x65" + b"x" * 5
+    assert nal_unit_types(data) == [7, 8, 5]
+    assert nal_unit_types(b"") == [] and nal_unit_types(b"\x00\x00\x01") == []
+    assert is_idr(data) and not is_idr(b"\x00\x00\x01\x41")
+
+
+def test_bad_input_is_refused_with_the_expected_shape(encoder):
+    with pytest.raises(ValueError, match=r"\[N, 48, 64, 3\]"):
+        encoder.encode(np.zeros((2, 64, 48, 3), np.uint8), start_index=0)
+    with pytest.raises(ValueError, match="uint8"):
+        encoder.encode(np.zeros((2, H, W, 3), np.float32), start_index=0)
+    assert encoder.encode(np.zeros((0, H, W, 3), np.uint8), start_index=0) == []
+    encoder.encode(moving_frames(2), start_index=0)
+    with pytest.raises(ValueError, match="goes back"):
+        encoder.encode(moving_frames(2), start_index=1)
+    with pytest.raises(ValueError, match="even"):
+        StreamEncoder(65, 48, FPS)
+    encoder.close()
+    encoder.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        encoder.encode(moving_frames(1), start_index=2)

@@ -1,0 +1,557 @@
+"""Scheduler: exact plans for hand-built states, admission, prompts, pause, batching, costs.
+
+Times and costs are multiples of 1/16 s so every figure is exact in binary floating point:
+a forward costs 1/16 s, a chunk (4 DENOISE + 1 COMMIT) 5/16 s, and at 16 fps the first
+chunk (9 frames) plays 0.5625 s and a later one (12 frames) 0.75 s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from streamsvc.scheduler import (
+    RECACHE_STAGE,
+    Admission,
+    CostModel,
+    PlaybackModel,
+    Plan,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerError,
+    StreamRequest,
+    WorkKind,
+)
+
+FPS = 16.0
+COST = 0.0625  # one forward
+CHUNK_WORK = 5 * COST  # one chunk's forwards
+D, C, R = WorkKind.DENOISE, WorkKind.COMMIT, WorkKind.RECACHE
+
+
+def make(**overrides) -> Scheduler:
+    """A scheduler with exact costs; compute admission off unless a test is about it."""
+    return Scheduler(SchedulerConfig(**{"initial_forward_s": COST, "utilization_target": math.inf, **overrides}))
+
+
+def admit(sched: Scheduler, *ids: str, now: float = 0.0) -> None:
+    for stream_id in ids:
+        assert sched.admit(StreamRequest(stream_id, FPS), now).accepted
+
+
+class Clock:
+    """Runs plans one after another, each taking `cost` seconds, and records them."""
+
+    def __init__(self, sched: Scheduler, now: float = 0.0, cost: float = COST) -> None:
+        self.sched, self.now, self.cost = sched, now, cost
+        self.delivered: list[tuple[float, str]] = []
+
+    def step(self) -> Plan | None:
+        plan = self.sched.next(self.now)
+        if plan is not None:
+            self.now += self.cost
+            for stream_id in self.sched.complete(plan, self.now, self.cost):
+                self.delivered.append((self.now, stream_id))
+        return plan
+
+    def run(self, n: int) -> list[tuple[WorkKind, tuple[str, ...], int]]:
+        plans = []
+        for _ in range(n):
+            plan = self.step()
+            assert plan is not None
+            plans.append((plan.kind, plan.stream_ids, plan.step))
+        return plans
+
+    def ids(self, n: int) -> list[str]:
+        return ["+".join(ids) for _, ids, _ in self.run(n)]
+
+
+CHUNK = [(D, 0), (D, 1), (D, 2), (D, 3), (C, 4)]
+
+
+# ----- configuration --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"policy": "edf"}, "policy 'edf' is unknown; use one of slack, least_slack, round_robin, fifo"),
+        ({"denoise_steps": 0}, "denoise_steps=0"),
+        ({"buffer_cap_s": 0.0}, "buffer_cap_s=0.0"),
+        ({"max_batch": 0}, "max_batch=0"),
+        ({"utilization_target": 0.0}, "math.inf turns admission off"),
+        ({"initial_forward_s": -1.0}, "initial_forward_s=-1.0"),
+        ({"cost_smoothing": 1.5}, "cost_smoothing=1.5"),
+        ({"restart_margin_chunks": -1.0}, "restart_margin_chunks=-1.0"),
+        ({"startup_slack_s": math.inf}, "startup_slack_s=inf"),
+        ({"stall_guard_chunks": -0.5}, "or None for off"),
+    ],
+)
+def test_config_is_validated_with_the_value_and_the_fix(kwargs, needle):
+    with pytest.raises(ValueError) as err:
+        SchedulerConfig(**kwargs)
+    assert needle in str(err.value)
+
+
+def test_stream_request_is_validated():
+    with pytest.raises(ValueError, match="fps=0"):
+        StreamRequest("a", 0.0)
+    with pytest.raises(ValueError, match="chunk_frames=0"):
+        StreamRequest("a", FPS, chunk_frames=0)
+
+
+# ----- admission --------------------------------------------------------------------------
+
+
+def test_admission_accepts_under_the_target_and_refuses_over_it_with_the_numbers():
+    sched = make(utilization_target=0.9)
+
+    def req(i: int) -> StreamRequest:  # 12 fps, 12 frames a chunk: 1 chunk/s, load 0.3125 each
+        return StreamRequest(f"s{i}", fps=12.0, chunk_frames=12)
+
+    assert sched.admit(req(0), 0.0) == Admission(accepted=True, reason=None, predicted_load=0.3125)
+    assert sched.admit(req(1), 0.0) == Admission(accepted=True, reason=None, predicted_load=0.625)
+    assert sched.stream_ids == ("s0", "s1")
+    refused = sched.admit(req(2), 0.0)
+    assert not refused.accepted
+    assert refused.predicted_load == 0.625
+    assert "compute:" in refused.reason
+    assert "with 2 streams" in refused.reason and "needs 0.31" in refused.reason
+    assert "1.00 chunks/s x 312.5 ms per chunk" in refused.reason
+    assert "0.94 > target 0.90" in refused.reason
+    assert "s2" not in sched
+    sched.remove("s0")
+    assert sched.admit(req(2), 1.0) == Admission(accepted=True, reason=None, predicted_load=0.625)
+
+
+def test_kv_refusal_refuses_even_with_compute_to_spare():
+    sched = make()
+    adm = sched.admit(StreamRequest("a", FPS), 0.0, kv_refusal="KV cache needs 3.2 GiB but the pool has 1.0 GiB free")
+    assert adm == Admission(
+        accepted=False, reason="kv cache: KV cache needs 3.2 GiB but the pool has 1.0 GiB free", predicted_load=0.0
+    )
+    assert len(sched) == 0
+
+
+def test_both_reasons_are_given_and_admission_off_admits_everything():
+    sched = make(utilization_target=0.3)
+    adm = sched.admit(StreamRequest("a", FPS), 0.0, kv_refusal="pool full")
+    assert adm.reason.startswith("kv cache: pool full; compute: ")
+    unlimited = make(utilization_target=math.inf)
+    for i in range(50):
+        assert unlimited.admit(StreamRequest(f"s{i}", FPS), 0.0).accepted
+
+
+def test_a_chunk_longer_than_the_buffer_cap_is_refused():
+    adm = make(buffer_cap_s=0.5).admit(StreamRequest("a", FPS), 0.0)
+    assert not adm.accepted
+    assert "a chunk of 0.750 s at 16 fps cannot fit the 0.5 s buffer cap; raise buffer_cap_s" in adm.reason
+
+
+def test_a_duplicate_id_is_a_contract_error():
+    sched = make()
+    admit(sched, "a")
+    with pytest.raises(SchedulerError, match="'a' is already admitted"):
+        sched.admit(StreamRequest("a", FPS), 0.0)
+
+
+# ----- one stream ----------------------------------------------------------------------------
+
+
+def test_a_chunk_is_four_denoise_steps_then_a_commit_that_delivers_it():
+    sched = make()
+    admit(sched, "a")
+    clock = Clock(sched)
+    plans = clock.run(10)
+    assert [(k, s) for k, _, s in plans] == CHUNK + CHUNK
+    assert clock.delivered == [(0.3125, "a"), (0.625, "a")]
+    # 9 frames arrived at 0.3125, 12 at 0.625: 0.5625 - 0.3125 + 0.75 s left.
+    assert sched.stream_stats("a", 0.625).buffered_s == 1.0
+    assert sched.stream_stats("a", 0.625).ttff_s == 0.3125
+
+
+def test_plan_fields_for_a_commit():
+    sched = make()
+    admit(sched, "a")
+    Clock(sched).run(4)
+    plan = sched.next(0.25)
+    assert plan == Plan(kind=C, stream_ids=("a",), step=4, restart=(False,), prompt_seqs=(0,), chunk_index=(0,))
+
+
+def test_a_stream_at_the_buffer_cap_is_not_runnable_and_wake_at_says_when():
+    sched = make()
+    admit(sched, "a")
+    clock = Clock(sched)
+    clock.run(15)  # three chunks: buffer 0.5625 -> 1.0 -> 1.4375 s at t = 0.9375
+    assert sched.stream_stats("a", clock.now).buffered_s == 1.4375
+    assert sched.next(clock.now) is None  # 1.4375 + 0.75 > 2
+    assert sched.wake_at(clock.now) == clock.now + 0.1875
+    assert sched.next(clock.now + 0.125) is None
+    assert sched.next(clock.now + 0.1875).stream_ids == ("a",)
+
+
+def test_no_streams_no_plan():
+    sched = make()
+    assert sched.next(0.0) is None
+    assert sched.wake_at(0.0) is None
+
+
+# ----- policies: exact orderings for hand-built states ---------------------------------------------
+
+
+def test_fifo_serves_the_oldest_stream_until_it_reaches_the_cap():
+    sched = make(policy="fifo", stall_guard_chunks=None)
+    admit(sched, "a", "b", "c")
+    # a fills to the cap (three chunks), b gets the device until a drains to 1.25 s at t = 1.125.
+    assert Clock(sched).ids(25) == ["a"] * 15 + ["b"] * 3 + ["a"] * 5 + ["b"] * 2
+
+
+def test_round_robin_gives_one_forward_per_stream_in_turn():
+    sched = make(policy="round_robin", stall_guard_chunks=None)
+    admit(sched, "a", "b", "c")
+    clock = Clock(sched)
+    plans = clock.run(15)
+    assert [ids[0] for _, ids, _ in plans] == ["a", "b", "c"] * 5
+    assert [step for _, _, step in plans] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
+    assert [sid for _, sid in clock.delivered] == ["a", "b", "c"]
+
+
+def test_round_robin_skips_a_stream_at_the_cap_and_resumes_the_cycle_after_the_last_served():
+    sched = make(policy="round_robin", stall_guard_chunks=None)
+    admit(sched, "a", "b", "c")
+    sched.observe_buffer("b", 32, 0.0)  # 2 s buffered: at the cap
+    assert Clock(sched).ids(6) == ["a", "c", "a", "c", "a", "c"]
+
+
+def test_least_slack_interleaves_late_streams_and_slack_finishes_the_closest_first():
+    plain = make(policy="least_slack", stall_guard_chunks=None)
+    admit(plain, "p", "q")
+    assert Clock(plain).ids(10) == ["p", "q"] * 5  # both newcomers deliver at the very end
+
+    slack = make(policy="slack", stall_guard_chunks=None)
+    admit(slack, "p", "q")
+    clock = Clock(slack)
+    assert clock.ids(10) == ["p"] * 5 + ["q"] * 5
+    assert clock.delivered == [(0.3125, "p"), (0.625, "q")]
+
+
+def test_slack_serves_on_time_streams_least_slack_first():
+    sched = make(policy="slack")
+    admit(sched, "roomy", "tight")
+    sched.observe_buffer("roomy", 20, 0.0)  # 1.25 s: slack 0.9375
+    sched.observe_buffer("tight", 12, 0.0)  # 0.75 s: slack 0.4375
+    assert sched.stream_stats("tight", 0.0).slack_s == 0.4375
+    assert Clock(sched).ids(6) == ["tight"] * 5 + ["roomy"]
+
+
+def test_slack_puts_a_newcomer_before_streams_with_a_healthy_buffer():
+    sched = make(policy="slack")
+    admit(sched, "old")
+    sched.observe_buffer("old", 16, 0.0)  # 1 s buffered
+    admit(sched, "new")
+    assert sched.stream_stats("new", 0.0).slack_s == -CHUNK_WORK
+    clock = Clock(sched)
+    # The first chunk (0.5625 s) leaves the newcomer under one chunk of slack, so it keeps going;
+    # then old (0.375 s left at t = 0.625) is the one about to stall.
+    assert clock.ids(11) == ["new"] * 10 + ["old"]
+    assert clock.delivered == [(0.3125, "new"), (0.625, "new")]
+    assert sched.stats(0.9375).stalls == 0
+
+
+def test_a_waiting_newcomer_grows_more_urgent():
+    sched = make(policy="slack")
+    admit(sched, "a", now=0.0)
+    assert sched.stream_stats("a", 0.5).slack_s == -0.5 - CHUNK_WORK
+    relaxed = make(policy="slack", startup_slack_s=0.5)
+    admit(relaxed, "a", now=0.0)
+    assert relaxed.stream_stats("a", 0.25).slack_s == 0.25 - CHUNK_WORK
+
+
+def test_guard_a_chunk_in_progress_of_a_stream_about_to_stall_goes_before_a_newcomer():
+    sched = make(policy="slack")
+    admit(sched, "old")
+    sched.observe_buffer("old", 8, 0.0)  # 0.5 s: slack 0.1875, under one chunk of work
+    clock = Clock(sched)
+    assert clock.ids(1) == ["old"]  # its chunk is now in progress
+    admit(sched, "new", now=clock.now)
+    assert clock.ids(9) == ["old"] * 4 + ["new"] * 5
+    assert sched.stream_stats("old", clock.now).stalls == 0
+
+
+def test_guard_a_fresh_chunk_about_to_stall_still_yields_to_a_newcomer():
+    sched = make(policy="slack")
+    admit(sched, "old")
+    sched.observe_buffer("old", 8, 0.0)
+    admit(sched, "new")
+    assert Clock(sched).ids(10) == ["new"] * 5 + ["old"] * 5
+
+
+def test_guard_puts_streams_about_to_stall_before_work_ahead_for_baselines_too():
+    sched = make(policy="fifo")
+    admit(sched, "first", "second")
+    sched.observe_buffer("first", 20, 0.0)  # 1.25 s: working ahead
+    sched.observe_buffer("second", 8, 0.0)  # 0.5 s: about to stall
+    assert Clock(sched).ids(6) == ["second"] * 5 + ["first"]
+
+    no_guard = make(policy="fifo", stall_guard_chunks=None)
+    admit(no_guard, "first", "second")
+    no_guard.observe_buffer("first", 20, 0.0)
+    no_guard.observe_buffer("second", 8, 0.0)
+    assert Clock(no_guard).ids(6) == ["first"] * 5 + ["second"]
+
+
+def test_guard_makes_round_robin_finish_chunks_of_streams_about_to_stall():
+    sched = make(policy="round_robin")
+    admit(sched, "a", "b", "c")
+    assert Clock(sched).ids(15) == ["a"] * 5 + ["b"] * 5 + ["c"] * 5
+
+
+# ----- prompts --------------------------------------------------------------------------------
+
+
+def test_a_new_prompt_adds_a_recache_before_the_next_chunk():
+    sched = make()
+    admit(sched, "a")
+    clock = Clock(sched)
+    clock.run(5)
+    assert sched.set_prompt("a", clock.now) == 1
+    assert sched.stream_stats("a", clock.now).prompt_pending
+    plan = sched.next(clock.now)
+    assert plan == Plan(
+        kind=R, stream_ids=("a",), step=RECACHE_STAGE, restart=(False,), prompt_seqs=(1,), chunk_index=(1,)
+    )
+    sched.complete(plan, clock.now + COST, COST)
+    clock.now += COST
+    assert not sched.stream_stats("a", clock.now).prompt_pending
+    assert [(p.kind, p.step, p.prompt_seqs) for p in [sched.next(clock.now)]] == [(D, 0, (1,))]
+
+
+def test_a_stream_that_committed_nothing_uses_the_new_prompt_without_a_recache():
+    sched = make()
+    admit(sched, "a")
+    sched.set_prompt("a", 0.0)
+    plan = sched.next(0.0)
+    assert (plan.kind, plan.step, plan.prompt_seqs) == (D, 0, (1,))
+
+
+def test_restart_abandons_a_chunk_in_progress_when_the_buffer_allows():
+    sched = make()
+    admit(sched, "a")
+    clock = Clock(sched)
+    clock.run(5)  # first chunk delivered
+    sched.observe_buffer("a", 20, clock.now)  # 1.25 s: with the next chunk just at the cap
+    clock.run(2)  # steps 0 and 1 of the next chunk under prompt 0
+    sched.set_prompt("a", clock.now)
+    plan = sched.next(clock.now)
+    assert (plan.kind, plan.restart, plan.prompt_seqs) == (R, (True,), (1,))
+    sched.complete(plan, clock.now + COST, COST)
+    clock.now += COST
+    assert [(k, s) for k, _, s in clock.run(5)] == CHUNK
+    assert clock.delivered[-1] == (clock.now, "a")
+
+
+def test_no_restart_when_redoing_the_chunk_would_leave_too_little_slack():
+    sched = make()
+    admit(sched, "a")
+    clock = Clock(sched)
+    clock.run(5)
+    sched.observe_buffer("a", 12, clock.now)  # 0.75 s: after a redo 0.75 - 0.375 < 2 chunks of work
+    clock.run(2)
+    sched.set_prompt("a", clock.now)
+    plan = sched.next(clock.now)
+    assert (plan.kind, plan.step, plan.restart, plan.prompt_seqs) == (D, 2, (False,), (0,))
+    sched.cancel(plan)
+    # The chunk finishes under prompt 0, then the recache comes.
+    assert [(k, s) for k, _, s in clock.run(4)] == [(D, 2), (D, 3), (C, 4), (R, RECACHE_STAGE)]
+
+
+def test_restart_on_prompt_off_finishes_the_chunk_first():
+    sched = make(restart_on_prompt=False)
+    admit(sched, "a")
+    clock = Clock(sched)
+    clock.run(5)
+    sched.observe_buffer("a", 20, clock.now)
+    clock.run(2)
+    sched.set_prompt("a", clock.now)
+    assert [(k, s) for k, _, s in clock.run(4)] == [(D, 2), (D, 3), (C, 4), (R, RECACHE_STAGE)]
+
+
+def test_a_recache_that_would_cause_a_stall_waits_one_chunk():
+    sched = make()
+    admit(sched, "a")
+    clock = Clock(sched)
+    clock.run(5)
+    sched.observe_buffer("a", 6, clock.now)  # 0.375 s: with the recache slack 0, without it 1/16
+    sched.set_prompt("a", clock.now)
+    plan = sched.next(clock.now)
+    assert (plan.kind, plan.step, plan.prompt_seqs) == (D, 0, (0,))  # the old prompt, no recache
+    sched.complete(plan, clock.now + COST, COST)
+    clock.now += COST
+    clock.run(4)
+    sched.observe_buffer("a", 6, clock.now)  # as tight again: the prompt does not wait twice
+    plan = sched.next(clock.now)
+    assert (plan.kind, plan.prompt_seqs) == (R, (1,))
+
+
+def test_a_prompt_during_a_recache_in_flight_needs_another_recache():
+    sched = make()
+    admit(sched, "a")
+    clock = Clock(sched)
+    clock.run(5)
+    sched.set_prompt("a", clock.now)
+    plan = sched.next(clock.now)
+    assert plan.kind is R and plan.prompt_seqs == (1,)
+    sched.set_prompt("a", clock.now)  # arrives while the recache runs
+    sched.complete(plan, clock.now + COST, COST)
+    clock.now += COST
+    plan = sched.next(clock.now)
+    assert (plan.kind, plan.prompt_seqs) == (R, (2,))
+
+
+# ----- pause, buffer reports ----------------------------------------------------------------------
+
+
+def test_pause_keeps_generating_until_the_buffer_is_full_then_stops():
+    sched = make()
+    admit(sched, "a")
+    clock = Clock(sched)
+    clock.run(5)  # 0.5625 s buffered at 0.3125
+    sched.pause("a", clock.now)
+    clock.run(5)  # nothing is consumed: 1.3125 s
+    assert sched.stream_stats("a", clock.now + 10.0).buffered_s == 1.3125
+    assert sched.next(clock.now + 10.0) is None  # 1.3125 + 0.75 > 2
+    assert sched.wake_at(clock.now + 10.0) is None
+    sched.resume("a", 20.0)
+    assert sched.wake_at(20.0) == 20.0625
+    assert sched.stream_stats("a", 20.0).stalls == 0
+
+
+def test_observe_buffer_replaces_the_model():
+    sched = make()
+    admit(sched, "a")
+    clock = Clock(sched)
+    clock.run(5)
+    sched.observe_buffer("a", 4, 0.5)  # the viewer has 0.25 s left, not the modelled 0.375
+    assert sched.stream_stats("a", 0.5).buffered_s == 0.25
+    assert sched.stream_stats("a", 1.0).stall_s == 0.25
+    with pytest.raises(ValueError, match="buffered_frames=-1"):
+        sched.observe_buffer("a", -1, 1.0)
+
+
+def test_stats_model_stalls_and_queue():
+    sched = make()
+    admit(sched, "a", "b")
+    clock = Clock(sched)
+    clock.run(5)  # a's first chunk at 0.3125: 0.5625 s, runs dry at 0.875
+    stats = sched.stats(1.0)
+    assert stats.streams == 2 and stats.queue_length == 2
+    assert [(s.stream_id, s.buffered_s, s.stalls, s.stall_s) for s in stats.per_stream] == [
+        ("a", 0.0, 1, 0.125),
+        ("b", 0.0, 0, 0.0),
+    ]
+    assert (stats.stalls, stats.stall_s) == (1, 0.125)
+    assert stats.forward_cost_s[D] == COST
+
+
+# ----- batching --------------------------------------------------------------------------------
+
+
+def test_batching_groups_only_the_same_kind_and_step():
+    sched = make(policy="fifo", stall_guard_chunks=None, max_batch=3)
+    admit(sched, "a")
+    clock = Clock(sched)
+    assert clock.run(1) == [(D, ("a",), 0)]
+    admit(sched, "b", "c", now=clock.now)
+    assert clock.run(4) == [(D, ("a",), 1), (D, ("a",), 2), (D, ("a",), 3), (C, ("a",), 4)]
+    assert clock.run(1) == [(D, ("a", "b", "c"), 0)]
+    sched.observe_buffer("a", 20, clock.now)
+    sched.set_prompt("a", clock.now)  # a restarts: a recache, then its step 0 alone, then all at step 1
+    assert clock.run(3) == [(R, ("a",), RECACHE_STAGE), (D, ("a",), 0), (D, ("a", "b", "c"), 1)]
+
+
+def test_max_batch_bounds_the_group():
+    sched = make(policy="round_robin", stall_guard_chunks=None, max_batch=2)
+    admit(sched, "a", "b", "c")
+    assert Clock(sched).run(3) == [(D, ("a", "b"), 0), (D, ("c",), 0), (D, ("a", "b"), 1)]
+
+
+# ----- cost estimate ----------------------------------------------------------------------------
+
+
+def test_cost_model_first_measurement_replaces_the_guess_then_moves_by_the_smoothing():
+    costs = CostModel(initial_forward_s=0.05, smoothing=0.5)
+    assert costs.estimate(D) == 0.05
+    costs.observe(D, 1, 0.125)
+    costs.observe(D, 1, 0.25)
+    assert costs.estimate(D) == 0.1875
+    assert costs.estimate(D, 2) == 0.1875  # unmeasured batch size: the batch-1 figure
+    costs.observe(D, 2, 0.25)
+    assert (costs.estimate(D, 2), costs.estimate(C)) == (0.25, 0.05)
+
+
+def test_complete_moves_the_estimate_and_admission_uses_it():
+    sched = make(cost_smoothing=0.5)
+    admit(sched, "a")
+    assert sched.predicted_load() == pytest.approx(CHUNK_WORK * 16 / 12)
+    plan = sched.next(0.0)
+    sched.complete(plan, 0.125, 0.125)  # the forward took 2x the guess
+    assert sched.costs.estimate(D) == 0.125
+    assert sched.predicted_load() == pytest.approx(0.75)  # (4 x 0.125 + 0.0625) s per chunk x 4/3 chunks/s
+    plan = sched.next(0.125)
+    sched.complete(plan, 0.375, 0.25)
+    assert sched.costs.estimate(D) == 0.1875
+    with pytest.raises(ValueError, match="elapsed_s=-1"):
+        sched.complete(sched.next(0.375), 0.375, -1.0)
+
+
+# ----- the plan contract -------------------------------------------------------------------------
+
+
+def test_one_plan_at_a_time():
+    sched = make()
+    admit(sched, "a")
+    plan = sched.next(0.0)
+    with pytest.raises(SchedulerError, match="still outstanding"):
+        sched.next(0.0)
+    sched.cancel(plan)
+    assert sched.next(0.0) == plan  # cancelled: nothing advanced
+    other = Plan(kind=C, stream_ids=("a",), step=4, restart=(False,), prompt_seqs=(0,), chunk_index=(0,))
+    with pytest.raises(SchedulerError, match="not the outstanding plan"):
+        sched.complete(other, 0.0, COST)
+
+
+def test_a_stream_removed_or_replaced_while_its_plan_runs_is_skipped():
+    sched = make()
+    admit(sched, "a", "b")
+    plan = sched.next(0.0)
+    assert plan.stream_ids == ("a",)
+    assert sched.remove("a") and not sched.remove("a")
+    admit(sched, "a")  # the same id, another stream
+    assert sched.complete(plan, COST, COST) == []
+    assert [(k, ids, st) for k, ids, st in Clock(sched, now=COST).run(6)] == [(D, ("b",), i) for i in range(4)] + [
+        (C, ("b",), 4),
+        (D, ("a",), 0),  # the new "a" starts afresh
+    ]
+    with pytest.raises(SchedulerError, match="'zz' is not admitted"):
+        sched.set_prompt("zz", 0.0)
+
+
+# ----- playback model --------------------------------------------------------------------------------
+
+
+def test_playback_model_counts_stalls_exactly():
+    pb = PlaybackModel(fps=FPS)
+    pb.advance(1.0)
+    assert (pb.started, pb.stalls) == (False, 0)  # nothing plays before the first frames
+    pb.deliver(9, 1.0)
+    assert (pb.seconds(1.0), pb.seconds(1.5)) == (0.5625, 0.0625)
+    pb.advance(2.0)
+    assert (pb.stalls, pb.dry_since, pb.stall_seconds(2.0)) == (1, 1.5625, 0.4375)
+    pb.deliver(12, 2.5)
+    assert (pb.closed_stall_s, pb.seconds(2.5), pb.dry_at()) == (0.9375, 0.75, 3.25)
+    pb.pause(3.0)
+    assert pb.seconds(10.0) == 0.25 and pb.dry_at() is None
+    pb.resume(10.0)
+    assert pb.dry_at() == 10.25
+    assert (pb.stall_count(11.0), pb.stall_seconds(11.0)) == (2, 1.6875)
