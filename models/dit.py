@@ -48,15 +48,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return KERNELS.rms_norm(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.LayerNorm):
     """LayerNorm computed in float32 (Wan's WanLayerNorm)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.float())
+        w = None if self.weight is None else self.weight.float()
+        b = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps)
 
 
 class SelfAttention(nn.Module):
@@ -146,6 +147,56 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).type_as(x)
+
+
+def rope_cat(kc, kq, c_cos, c_sin, q_cos, q_sin) -> torch.Tensor:
+    # cached keys kc: [Lc, H, D] and this forward's keys kq: [Lq, H, D] -> [Lc + Lq, H, D], both rotated
+    return torch.cat([apply_rope(kc, c_cos, c_sin), apply_rope(kq, q_cos, q_sin)])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+
+
+def layer_norm(h: torch.Tensor, weight, bias, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    # h: [B, L, dim] float32 -> affine LayerNorm in `dtype`
+    return F.layer_norm(h, h.shape[-1:], weight.float(), bias.float(), eps).to(dtype)
+
+
+def adaln(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    # h: [B, F, T, dim] float32 residual; shift, scale: [B, F, 1, dim] -> modulated LayerNorm in `dtype`
+    return (F.layer_norm(h, h.shape[-1:], eps=eps) * (1 + scale) + shift).to(dtype)
+
+
+def gated_residual(h: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    # h: [B, F, T, dim] float32; y: same shape, model dtype; gate: [B, F, 1, dim]
+    return h + y.float() * gate
+
+
+def add_residual(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return h + y.float()
+
+
+class _Kernels:
+    """The elementwise pieces of a block; `compile_helpers()` swaps in torch.compile'd versions."""
+
+    rope = staticmethod(apply_rope)
+    rope_cat = staticmethod(rope_cat)
+    rms_norm = staticmethod(rms_norm)
+    layer_norm = staticmethod(layer_norm)
+    adaln = staticmethod(adaln)
+    gated_residual = staticmethod(gated_residual)
+    add_residual = staticmethod(add_residual)
+
+
+KERNELS = _Kernels()
+
+
+def compile_helpers() -> None:
+    """Fuse RoPE, the norms and the residuals with torch.compile (one kernel each instead of several)."""
+    for name in ("rope", "rope_cat", "rms_norm", "layer_norm", "adaln", "gated_residual", "add_residual"):
+        setattr(KERNELS, name, torch.compile(getattr(_Kernels, name), dynamic=False, fullgraph=True))
 
 
 def sinusoidal_embedding(dim: int, t: torch.Tensor) -> torch.Tensor:
@@ -248,19 +299,21 @@ class CausalWanModel(nn.Module):
         return self._unpatchify(out, nf)
 
     def _block(self, i, blk: Block, h, e0, text_kv, access, rope, mask, b, nf, tpf) -> torch.Tensor:
-        dim = self.cfg.dim
+        dim, eps = self.cfg.dim, self.cfg.eps
         mod = (blk.modulation.float().view(1, 1, 1, 6, dim) + e0).unbind(3)  # 6 x [B, F, 1, dim]
+        shape = (b, nf, tpf, dim)
 
-        y = (blk.norm1(h).view(b, nf, tpf, dim) * (1 + mod[1]) + mod[0]).view(b, nf * tpf, dim)
-        y = self._self_attention(i, blk.self_attn, y.to(self.dtype), access, rope, mask)
-        h = h + (y.float().view(b, nf, tpf, dim) * mod[2]).view(b, nf * tpf, dim)
+        y = KERNELS.adaln(h.view(shape), mod[0], mod[1], eps, self.dtype).view(b, nf * tpf, dim)
+        y = self._self_attention(i, blk.self_attn, y, access, rope, mask)
+        h = KERNELS.gated_residual(h.view(shape), y.view(shape), mod[2]).view(b, nf * tpf, dim)
 
         k, v = text_kv
-        h = h + blk.cross_attn(blk.norm3(h).to(self.dtype), k, v).float()
+        y = KERNELS.layer_norm(h, blk.norm3.weight, blk.norm3.bias, eps, self.dtype)
+        h = KERNELS.add_residual(h, blk.cross_attn(y, k, v))
 
-        y = (blk.norm2(h).view(b, nf, tpf, dim) * (1 + mod[4]) + mod[3]).view(b, nf * tpf, dim)
-        y = blk.ffn(y.to(self.dtype))
-        return h + (y.float().view(b, nf, tpf, dim) * mod[5]).view(b, nf * tpf, dim)
+        y = KERNELS.adaln(h.view(shape), mod[3], mod[4], eps, self.dtype).view(b, nf * tpf, dim)
+        y = blk.ffn(y)
+        return KERNELS.gated_residual(h.view(shape), y.view(shape), mod[5]).view(b, nf * tpf, dim)
 
     def _self_attention(self, layer, attn: SelfAttention, x, access, rope, mask) -> torch.Tensor:
         b, n = x.shape[:2]
@@ -273,14 +326,14 @@ class CausalWanModel(nn.Module):
         keys, values, queries = [], [], []
         for j, acc in enumerate(access):
             (q_cos, q_sin), (c_cos, c_sin) = rope[j]
-            queries.append(apply_rope(q[j], q_cos, q_sin))
-            kj, vj = apply_rope(k[j], q_cos, q_sin), v[j]
+            queries.append(KERNELS.rope(q[j], q_cos, q_sin))
             if acc.cache is not None and acc.read_slots:
                 kc, vc = acc.cache.read(layer, acc.read_slots)  # [S, T, H, D]
-                kc = apply_rope(kc.reshape(-1, nh, hd), c_cos, c_sin)
-                kj, vj = torch.cat([kc, kj]), torch.cat([vc.reshape(-1, nh, hd), vj])
-            keys.append(kj)
-            values.append(vj)
+                keys.append(KERNELS.rope_cat(kc.reshape(-1, nh, hd), k[j], c_cos, c_sin, q_cos, q_sin))
+                values.append(torch.cat([vc.reshape(-1, nh, hd), v[j]]))
+            else:
+                keys.append(KERNELS.rope(k[j], q_cos, q_sin))
+                values.append(v[j])
             if acc.write_slots is not None:  # store keys before RoPE
                 nf = n // tpf
                 acc.cache.write(layer, acc.write_slots, k[j].view(nf, tpf, nh, hd), v[j].view(nf, tpf, nh, hd))

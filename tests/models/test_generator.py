@@ -153,3 +153,15 @@ def test_commit_before_denoised_is_an_error():
     state = gen.open_stream("s", "x", seed=0)
     with pytest.raises(ValueError, match="not denoised"):
         gen.commit([state])
+
+
+def test_bf16_generation_runs_and_tracks_fp32():
+    from models import build_generator
+
+    gen16 = build_generator("tiny", device="cpu", dtype=torch.bfloat16, seed=0)
+    gen32 = tiny_generator()
+    a = run_chunks(gen16, gen16.open_stream("a", "a boat", 1), 2)
+    b = run_chunks(gen32, gen32.open_stream("a", "a boat", 1), 2)
+    assert a[1].frames.shape == (12, 128, 128, 3)
+    rel = (a[0].latents - b[0].latents).norm() / b[0].latents.norm()
+    assert rel < 0.1, rel

@@ -1,0 +1,218 @@
+"""Generator speed: ms per forward by cache fill, ms per chunk (denoise / commit / decode), batch scaling.
+
+    python benchmarks/generator.py --preset wan2.1-1.3b --device cuda
+    python benchmarks/generator.py --preset tiny --device cpu --iters 5
+
+Warm-up (and compile, with --compile) is kept out of the timings. TFLOP/s and MFU are
+against a bf16 GEMM measured in the same run. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models import CacheAccess, GeneratorConfig, Work, build_generator  # noqa: E402
+
+
+class Timer:
+    """Median wall time of a callable in ms; CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn, iters: int, warmup: int = 2) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+
+
+def gemm_tflops(device, dtype, timer: Timer) -> float:
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = timer(lambda: a @ b, iters=10 if device.type == "cuda" else 3)
+    return 2 * n**3 / (ms / 1e3) / 1e12
+
+
+def fill_cache(gen, state, frames: int) -> None:
+    """Commit `frames` latent frames' worth of random K/V without running the model."""
+    cache = state.cache
+    cache.reset()
+    spec = cache.spec
+    nf = gen.cfg.frames_per_chunk
+    g = torch.Generator(device=gen.device).manual_seed(0)
+    while cache.num_frames < min(frames, spec.capacity_frames) or cache.frames_seen < frames:
+        slots = cache.plan_commit(nf)
+        shape = (nf, spec.tokens_per_frame, spec.num_heads, spec.head_dim)
+        for layer in range(spec.num_layers):
+            k = torch.randn(shape, generator=g, device=gen.device).to(spec.torch_dtype)
+            cache.write(layer, slots, k, torch.randn(shape, generator=g, device=gen.device).to(spec.torch_dtype))
+        cache.advance(slots)
+
+
+def forward_ms(gen, states, timer, iters) -> float:
+    mc, nf = gen.model_cfg, gen.cfg.frames_per_chunk
+    b = len(states)
+    x = torch.randn(b, mc.in_channels, nf, mc.latent_height, mc.latent_width, device=gen.device)
+    t = torch.full((b, nf), 937.5, device=gen.device)
+    text = [(torch.cat([s.text[i][0] for s in states]), torch.cat([s.text[i][1] for s in states])) for i in range(mc.num_layers)]
+    access = [CacheAccess(s.cache, s.cache.num_frames) for s in states]
+    return timer(lambda: gen.model(x, t, text, access), iters)
+
+
+def chunk_split(gen, state, timer, iters) -> dict:
+    """ms of the denoise steps, the commit and the decode of one chunk at the cache's current fill."""
+    steps = len(gen.sigmas)
+
+    def denoise_all():
+        gen.abandon_chunk(state)
+        for _ in range(steps):
+            gen.denoise([state])
+
+    denoise = timer(denoise_all, iters)
+    x0 = state.x0.clone()
+
+    def commit_only():  # the commit forward without advancing the ring, so the fill stays put
+        nf = gen.cfg.frames_per_chunk
+        slots = state.cache.plan_commit(nf)
+        gen.model(x0[None], torch.zeros(1, nf, device=gen.device), state.text,
+                  [CacheAccess(state.cache, state.cache.num_frames, write_slots=slots)])
+
+    commit = timer(commit_only, iters)
+    dec_state = gen.decoder.init_state()
+    gen.decoder.decode(x0, dec_state)  # past the first chunk: 12 frames
+    decode = timer(lambda: gen.decoder.decode(x0, dec_state), iters)
+    frames = gen.frames_in_chunk(1)
+    total = denoise + commit + decode
+    return {
+        "denoise_ms": round(denoise, 2),
+        "denoise_step_ms": round(denoise / steps, 2),
+        "commit_ms": round(commit, 2),
+        "decode_ms": round(decode, 2),
+        "chunk_ms": round(total, 2),
+        "dit_chunk_ms": round(denoise + commit, 2),
+        "fps": round(frames / (total / 1e3), 1),
+        "dit_fps": round(frames / ((denoise + commit) / 1e3), 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--sink-frames", type=int, default=3)
+    p.add_argument("--window-frames", type=int, default=9)
+    p.add_argument("--peer-window", type=int, default=12, help="also time a chunk at sink + this window (Self-Forcing's)")
+    p.add_argument("--kv-quant", default="none", choices=["none", "int4", "int2"])
+    p.add_argument("--batches", default="1,2,4")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--compile", action="store_true", help="torch.compile the elementwise helpers (compile time excluded)")
+    args = p.parse_args()
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    timer = Timer(device)
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+
+    peak = gemm_tflops(device, dtype, timer)
+    log(f"GEMM ceiling: {peak:.0f} TFLOP/s ({dtype})")
+    t0 = time.time()
+    cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant)
+    gen = build_generator(args.preset, device=device, dtype=dtype, cfg=cfg)
+    if args.compile:
+        from models.dit import compile_helpers
+
+        compile_helpers()
+    log(f"model built in {time.time() - t0:.1f} s")
+    mc, nf = gen.model_cfg, gen.cfg.frames_per_chunk
+    cap = gen.cache_spec().capacity_frames
+
+    # ms per forward by cache fill
+    state = gen.open_stream("bench", "a timelapse of clouds over mountains", seed=0)
+    by_fill = []
+    for fill in sorted({0, 3, 6, 9, cap} & set(range(cap + 1))):
+        fill_cache(gen, state, fill)
+        ms = forward_ms(gen, [state], timer, args.iters)
+        flops = mc.flops_per_forward(nf, fill + nf)
+        row = {
+            "cached_frames": fill,
+            "keys": (fill + nf) * mc.tokens_per_frame,
+            "ms": round(ms, 2),
+            "tflops": round(flops / (ms / 1e3) / 1e12, 1),
+            "mfu": round(flops / (ms / 1e3) / 1e12 / peak, 3),
+        }
+        by_fill.append(row)
+        log(f"forward, {fill:2d} cached frames ({row['keys']} keys): {ms:7.2f} ms  {row['tflops']:6.1f} TFLOP/s  MFU {row['mfu']:.2f}")
+
+    # ms per chunk at a full cache, split into denoise / commit / decode
+    fill_cache(gen, state, cap)
+    chunk = chunk_split(gen, state, timer, max(2, args.iters // 2))
+    log(f"chunk at sink {args.sink_frames} + window {args.window_frames}: {chunk}")
+    peer = None
+    if args.peer_window and args.peer_window != args.window_frames:
+        pgen_cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.peer_window, kv_quant=args.kv_quant)
+        pgen = type(gen)(gen.model, pgen_cfg, decoder=gen.decoder)
+        pstate = pgen.open_stream("peer", "a timelapse of clouds over mountains", seed=0)
+        fill_cache(pgen, pstate, pgen.cache_spec().capacity_frames)
+        peer = chunk_split(pgen, pstate, timer, max(2, args.iters // 2))
+        log(f"chunk at sink {args.sink_frames} + window {args.peer_window}: {peer}")
+        del pstate, pgen
+
+    # batch scaling at a full cache
+    batches = []
+    states = [state]
+    for b in [int(x) for x in args.batches.split(",")]:
+        while len(states) < b:
+            s = gen.open_stream(f"b{len(states)}", f"prompt {len(states)}", seed=len(states))
+            fill_cache(gen, s, cap)
+            states.append(s)
+        ms = forward_ms(gen, states[:b], timer, args.iters)
+        batches.append({"batch": b, "ms": round(ms, 2), "ms_per_stream": round(ms / b, 2)})
+    base = batches[0]["ms_per_stream"]
+    for row in batches:
+        row["throughput_vs_b1"] = round(base / row["ms_per_stream"], 3)
+        log(f"batch {row['batch']}: {row['ms']:.2f} ms per forward, {row['ms_per_stream']:.2f} ms per stream, x{row['throughput_vs_b1']}")
+
+    result = {
+        "bench": "generator",
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).replace("torch.", ""),
+        "sink_frames": args.sink_frames,
+        "window_frames": args.window_frames,
+        "kv_quant": args.kv_quant,
+        "compile": args.compile,
+        "gemm_tflops": round(peak, 1),
+        "forward_by_fill": by_fill,
+        "chunk": chunk,
+        "peer_chunk": peer and {"window_frames": args.peer_window, **peer},
+        "batch": batches,
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Where one DiT forward's time goes: top GPU kernels by time, and SDPA backends at our shape.
+
+    python benchmarks/profile_forward.py --preset wan2.1-1.3b --cached-frames 9
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.generator import Timer, fill_cache, forward_ms  # noqa: E402
+from models import build_generator  # noqa: E402
+
+
+def sdpa_backends(mc, cached: int, timer: Timer) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    lq, lk = 3 * mc.tokens_per_frame, (cached + 3) * mc.tokens_per_frame
+    q = torch.randn(1, lq, mc.num_heads, mc.head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(1, lk, mc.num_heads, mc.head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    v = torch.randn_like(k)
+    flops = 4 * lq * lk * mc.dim
+    out = {}
+    for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
+        for layout in ("strided", "contiguous"):
+            qq, kk, vv = (q, k, v) if layout == "strided" else (q.contiguous(), k.contiguous(), v.contiguous())
+            try:
+                with sdpa_kernel([getattr(SDPBackend, name)]):
+                    ms = timer(lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, vv), 20)
+                out[f"{name}/{layout}"] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
+            except RuntimeError as e:
+                out[f"{name}/{layout}"] = {"error": str(e).splitlines()[0][:120]}
+            print(name, layout, out[f"{name}/{layout}"], file=sys.stderr)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="wan2.1-1.3b")
+    p.add_argument("--cached-frames", type=int, default=9)
+    p.add_argument("--compile", action="store_true")
+    args = p.parse_args()
+    timer = Timer(torch.device("cuda"))
+    gen = build_generator(args.preset, device="cuda", dtype=torch.bfloat16)
+    state = gen.open_stream("p", "profile", seed=0)
+    fill_cache(gen, state, args.cached_frames)
+    eager_ms = forward_ms(gen, [state], timer, 5)
+    print(f"forward, eager: {eager_ms:.2f} ms", file=sys.stderr)
+    rel = None
+    if args.compile:
+        from models import CacheAccess
+        from models.dit import compile_helpers
+
+        mc = gen.model_cfg
+        x = torch.randn(1, mc.in_channels, 3, mc.latent_height, mc.latent_width, device="cuda")
+        t = torch.full((1, 3), 937.5, device="cuda")
+        run = lambda: gen.model(x, t, state.text, [CacheAccess(state.cache, state.cache.num_frames)])  # noqa: E731
+        ref = run()
+        compile_helpers()
+        out = run()
+        rel = ((out - ref).norm() / ref.norm()).item()
+        print(f"compiled vs eager output: rel err {rel:.2e}", file=sys.stderr)
+    ms = forward_ms(gen, [state], timer, 5)
+    print(f"forward: {ms:.2f} ms", file=sys.stderr)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        forward_ms(gen, [state], timer, 2)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)
+    print(table, file=sys.stderr)
+    res = {"bench": "profile_forward", "eager_ms": round(eager_ms, 2), "forward_ms": round(ms, 2), "compile": args.compile,
+           "compiled_rel_err": rel}
+    res["sdpa"] = sdpa_backends(gen.model_cfg, args.cached_frames, timer)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
