@@ -93,6 +93,7 @@ class StreamState:
     clean: torch.Tensor  # [slots, C, h, w] clean latents of the frames in each cache slot (for recache)
     prompt_version: int = 0
     pending_prompt: str | None = None  # applied before the next chunk (with a recache if anything is cached)
+    pending_version: int | None = None  # version the pending prompt takes (default: the current one + 1)
     step: int = 0  # next denoising step of the chunk in progress (== steps: ready to commit)
     x: torch.Tensor | None = None  # [C, F, h, w] current noisy input of the chunk in progress
     x0: torch.Tensor | None = None  # last predicted clean chunk
@@ -163,9 +164,9 @@ class ChunkGenerator:
             self._prompts[prompt] = kv
         return self._prompts[prompt]
 
-    def set_prompt(self, state: StreamState, prompt: str) -> None:
-        """Steer the stream: the next chunk (after a recache) follows `prompt`."""
-        state.pending_prompt = prompt
+    def set_prompt(self, state: StreamState, prompt: str, version: int | None = None) -> None:
+        """Steer the stream: the next chunk (after a recache) follows `prompt`, tagged `version`."""
+        state.pending_prompt, state.pending_version = prompt, version
 
     def abandon_chunk(self, state: StreamState) -> None:
         """Drop the chunk in progress (e.g. to restart it under a new prompt)."""
@@ -286,7 +287,8 @@ class ChunkGenerator:
     def _apply_prompt(self, state: StreamState) -> None:
         state.prompt, state.pending_prompt = state.pending_prompt, None
         state.text = self.encode_prompt(state.prompt)
-        state.prompt_version += 1
+        state.prompt_version = state.prompt_version + 1 if state.pending_version is None else state.pending_version
+        state.pending_version = None
 
     def _start_chunk(self, state: StreamState) -> None:
         if state.pending_prompt is not None:

@@ -46,6 +46,51 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _engine_config(args):
+    from streamsvc.engine import EngineConfig
+    from streamsvc.offline import default_device
+    from streamsvc.scheduler import SchedulerConfig
+
+    gen = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant)
+    sched = SchedulerConfig(policy=args.policy, buffer_cap_s=args.buffer_cap, max_batch=args.max_batch,
+                            utilization_target=args.utilization)
+    return EngineConfig(
+        preset=args.preset, device=str(default_device(args.device)), checkpoint=args.checkpoint,
+        weights_seed=args.weights_seed, generator=gen, scheduler=sched, compile=args.compile,
+        kv_budget_bytes=int(args.kv_budget_gib * 2**30) if args.kv_budget_gib else None,
+    )
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    from streamsvc.scheduler import POLICIES
+
+    p.add_argument("--policy", default="slack", choices=POLICIES, help="which stream runs next (default: slack = least slack first)")
+    p.add_argument("--buffer-cap", type=float, default=1.0,
+                   help="seconds of video generated ahead of each viewer at most (default 1.0; lower: faster steering, higher: fewer stalls)")
+    p.add_argument("--max-batch", type=int, default=1, help="streams per forward when their work matches (default 1)")
+    p.add_argument("--utilization", type=float, default=0.9,
+                   help="admit streams while the predicted engine load stays under this fraction (default 0.9)")
+    p.add_argument("--kv-budget-gib", type=float, default=None, help="KV pool budget (default: 4 GiB on CPU, 85%% of free GPU memory)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the DiT's elementwise helpers (GPU)")
+
+
+def cmd_serve(args) -> int:
+    import asyncio
+    import logging
+
+    from streamsvc.server import Server, ServerConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("websockets").setLevel(logging.WARNING)
+    static = Path(__file__).resolve().parents[1] / "client" / "static"
+    config = ServerConfig(host=args.host, port=args.port, static_dir=str(static) if static.is_dir() else None)
+    try:
+        asyncio.run(Server(_engine_config(args), config).serve_forever())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamsvc",
@@ -67,6 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     _model_args(g)
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="serve live streams over WebSocket (player at /, /healthz, /metrics)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    _model_args(s)
+    _serve_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    from client import loadtest  # the one place streamsvc reaches into client
+
+    lt = sub.add_parser("loadtest", help="run N viewers against a server and report TTFF, stalls and control latency")
+    loadtest.add_arguments(lt)
+    lt.set_defaults(func=loadtest.run)
     return parser
 
 

@@ -1,0 +1,325 @@
+"""`streamsvc serve`: the WebSocket endpoint, /healthz, /metrics and the player's static files on one port.
+
+One WebSocket connection carries one stream: the client sends `start`, gets `ready`,
+then every chunk as one binary message (see streamsvc/protocol.py) while it steers
+with `set_prompt`, `pause`, `resume` and `close`. A bad message gets an `error` back and
+the stream goes on; a client that vanishes has its stream closed and its KV cache freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http
+import itertools
+import logging
+import mimetypes
+import random
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from streamsvc import protocol as P
+from streamsvc.engine import ChunkOut, Engine, EngineConfig
+from streamsvc.session import Session, SessionState
+
+log = logging.getLogger("streamsvc.server")
+
+WS_PATH = "/ws"
+CONTROL_TYPES = (P.SetPrompt, P.Pause, P.Resume, P.Stats, P.Close)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (see Server.port)
+    static_dir: str | None = None  # the browser player's files, served at / (None: no player)
+    max_streams: int = 256  # hard cap on open streams, whatever the admission says
+
+
+class Metrics:
+    """Prometheus metrics of one server (its own registry, no globals)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.streams = Gauge("streamsvc_streams", "Open streams by state", ["state"], registry=r)
+        self.admitted = Counter("streamsvc_streams_admitted", "Streams admitted", registry=r)
+        self.refused = Counter("streamsvc_streams_refused", "Streams refused at admission", registry=r)
+        self.stalls = Gauge("streamsvc_modelled_stalls", "Stalls of open streams in the scheduler's playback model", registry=r)
+        self.client_stalls = Counter("streamsvc_client_stalls", "Stalls reported by clients (stats messages)", registry=r)
+        self.ttff = Histogram("streamsvc_ttff_seconds", "Admission to first chunk sent", registry=r,
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
+        self.chunk_latency = Histogram("streamsvc_chunk_latency_seconds", "First denoising step to chunk ready",
+                                       registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
+        self.chunks = Counter("streamsvc_chunks", "Chunks sent", registry=r)
+        self.queue = Gauge("streamsvc_scheduler_queue", "Streams that want a forward now", registry=r)
+        self.load = Gauge("streamsvc_scheduler_load", "Predicted busy fraction of the engine", registry=r)
+        self.kv_bytes = Gauge("streamsvc_kv_bytes", "KV cache bytes held by open streams", registry=r)
+        self.kv_budget = Gauge("streamsvc_kv_budget_bytes", "KV pool budget", registry=r)
+        self.forwards = Gauge("streamsvc_forwards", "Forwards run, by kind", ["kind"], registry=r)
+        self.forward_s = Gauge("streamsvc_forward_seconds", "Time spent in forwards, by kind", ["kind"], registry=r)
+        self.errors = Counter("streamsvc_protocol_errors", "Bad client messages answered with an error", registry=r)
+
+
+class Server:
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig = ServerConfig()) -> None:
+        self.config = config
+        self.engine_config = engine_config
+        self.metrics = Metrics()
+        self.sessions: dict[str, Session] = {}
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server = None
+        self.engine = Engine(engine_config, on_chunk=self._from_engine(self._on_chunk),
+                             on_error=self._from_engine(self._on_error))
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await asyncio.wrap_future(self.engine.start())
+        self._server = await serve(
+            self._handle, self.config.host, self.config.port, process_request=self._http,
+            compression=None, max_size=P.MAX_MESSAGE_BYTES, ping_interval=20, ping_timeout=20,
+        )
+        log.info("serving on http://%s:%d (WebSocket at %s)", self.config.host, self.port, WS_PATH)
+
+    @property
+    def port(self) -> int:
+        return self._server.sockets[0].getsockname()[1]
+
+    async def stop(self, reason: str = "server shutting down") -> None:
+        """Every stream gets `closed`, then the engine stops."""
+        for session in list(self.sessions.values()):
+            await self._end(session, reason)
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        await asyncio.to_thread(self.engine.stop)
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down")
+        await self.stop()
+
+    # -- engine callbacks (called in the engine thread, run on the loop) ---------------------
+
+    def _from_engine(self, fn: Callable) -> Callable:
+        def call(*args):
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(fn, *args)
+        return call
+
+    def _on_chunk(self, out: ChunkOut) -> None:
+        session = self.sessions.get(out.stream_id)
+        if session is None or session.closed:
+            return
+        self.metrics.chunk_latency.observe(out.latency_s)
+        session.outbox.put_nowait(out)
+
+    def _on_error(self, stream_id: str, message: str) -> None:
+        session = self.sessions.get(stream_id)
+        if session is not None:
+            session.outbox.put_nowait(P.Error(code=P.ErrorCode.internal, message=message[: P.MAX_TEXT_CHARS]))
+            asyncio.ensure_future(self._end(session, "generation failed", engine_closed=True))
+
+    # -- HTTP ---------------------------------------------------------------------------------
+
+    def _http(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        if path == WS_PATH:
+            return None  # the WebSocket handshake goes on
+        if path == "/healthz":
+            ok = self.engine.snapshot is not None
+            return self._respond(http.HTTPStatus.OK if ok else http.HTTPStatus.SERVICE_UNAVAILABLE,
+                                 b"ok\n" if ok else b"starting\n", "text/plain")
+        if path == "/metrics":
+            self._refresh_metrics()
+            return self._respond(http.HTTPStatus.OK, generate_latest(self.metrics.registry), "text/plain; version=0.0.4")
+        return self._static(path)
+
+    def _static(self, path: str) -> Response:
+        root = self.config.static_dir
+        if root is None:
+            return self._respond(http.HTTPStatus.NOT_FOUND, b"no player here; connect a client to /ws\n", "text/plain")
+        base = Path(root).resolve()
+        target = (base / (path.lstrip("/") or "index.html")).resolve()
+        if base not in target.parents and target != base or not target.is_file():
+            return self._respond(http.HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
+        ctype = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
+        return self._respond(http.HTTPStatus.OK, target.read_bytes(), ctype)
+
+    @staticmethod
+    def _respond(status: http.HTTPStatus, body: bytes, ctype: str) -> Response:
+        headers = Headers([("Content-Type", ctype), ("Content-Length", str(len(body))), ("Cache-Control", "no-store")])
+        return Response(status.value, status.phrase, headers, body)
+
+    def _refresh_metrics(self) -> None:
+        m, snap = self.metrics, self.engine.snapshot
+        for state in SessionState:
+            m.streams.labels(state.value).set(sum(1 for s in self.sessions.values() if s.state is state))
+        m.kv_bytes.set(self.engine.kv_used_bytes)
+        m.kv_budget.set(self.engine.kv_budget_bytes)
+        for kind, n in self.engine.forwards.items():
+            m.forwards.labels(kind).set(n)
+            m.forward_s.labels(kind).set(self.engine.forward_seconds[kind])
+        if snap is not None:
+            m.queue.set(snap.queue_length)
+            m.load.set(snap.predicted_load)
+            m.stalls.set(snap.stalls)
+
+    # -- WebSocket ----------------------------------------------------------------------------
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        session: Session | None = None
+        sender: asyncio.Task | None = None
+        try:
+            async for raw in ws:
+                try:
+                    msg = P.parse_client(raw)
+                except P.ProtocolError as e:
+                    self.metrics.errors.inc()
+                    await self._send_now(ws, session, e.to_message())
+                    continue
+                if isinstance(msg, P.Start):
+                    if session is not None:
+                        await self._send_now(ws, session, P.Error(code=P.ErrorCode.already_started,
+                                                                  message=f"stream {session.stream_id} is already started"))
+                        continue
+                    session = await self._start(ws, msg)
+                    if session is not None:
+                        sender = asyncio.create_task(self._sender(ws, session), name=f"send-{session.stream_id}")
+                elif session is None:
+                    await ws.send(P.encode(P.Error(code=P.ErrorCode.not_started,
+                                                   message=f"send 'start' before '{msg.type}'")))
+                else:
+                    await self._control(session, msg)
+                    if session.closed:
+                        break
+        except ConnectionClosed:
+            pass
+        finally:
+            if session is not None:
+                await self._end(session, "client disconnected")
+            if sender is not None:
+                with contextlib.suppress(asyncio.TimeoutError, ConnectionClosed):
+                    await asyncio.wait_for(sender, timeout=2)
+                sender.cancel()
+
+    async def _send_now(self, ws, session: Session | None, msg) -> None:
+        if session is not None:
+            session.outbox.put_nowait(msg)
+        else:
+            await ws.send(P.encode(msg))
+
+    async def _start(self, ws: ServerConnection, msg: P.Start) -> Session | None:
+        if msg.transport == "webrtc":
+            await ws.send(P.encode(P.Error(code=P.ErrorCode.invalid_field, message="transport 'webrtc' is not served here yet; use 'ws'")))
+            return None
+        if len(self.sessions) >= self.config.max_streams:
+            self.metrics.refused.inc()
+            await ws.send(P.encode(P.Error(code=P.ErrorCode.refused, message=f"server is at its cap of {self.config.max_streams} streams")))
+            return None
+        gen_cfg = self.engine.gen.model_cfg
+        stream_id = f"s{next(self._ids)}"
+        fps = msg.fps or 16
+        seed = msg.seed if msg.seed is not None else random.randrange(2**31)
+        session = Session(stream_id, fps, msg.prompt)
+        self.sessions[stream_id] = session
+        try:
+            admission = await asyncio.wrap_future(self.engine.open_stream(stream_id, msg.prompt, seed, fps))
+        except Exception as e:  # noqa: BLE001 - reported to the client, the server goes on
+            log.exception("open_stream failed")
+            admission = None
+            reason = f"could not open the stream: {type(e).__name__}: {e}"
+        else:
+            reason = admission.reason
+        if admission is None or not admission.accepted:
+            self.sessions.pop(stream_id, None)
+            session.close("refused")
+            self.metrics.refused.inc()
+            await ws.send(P.encode(P.Error(code=P.ErrorCode.refused, message=(reason or "refused")[: P.MAX_TEXT_CHARS])))
+            return None
+        self.metrics.admitted.inc()
+        gen = self.engine.gen
+        await ws.send(P.encode(P.Ready(
+            stream_id=stream_id, fps=fps, width=gen_cfg.width, height=gen_cfg.height,
+            first_chunk_frames=gen.frames_in_chunk(0), chunk_frames=gen.frames_in_chunk(1), prompt_version=0,
+        )))
+        return session
+
+    async def _control(self, session: Session, msg) -> None:
+        sid = session.stream_id
+        try:
+            if isinstance(msg, P.SetPrompt):
+                version = await asyncio.wrap_future(self.engine.set_prompt(sid, msg.prompt))
+                session.prompt, session.prompt_version = msg.prompt, version
+                session.outbox.put_nowait(P.Ack(request="set_prompt", prompt_version=version))
+            elif isinstance(msg, P.Pause):
+                await asyncio.wrap_future(self.engine.pause(sid))
+                session.pause()
+                session.outbox.put_nowait(P.Ack(request="pause"))
+            elif isinstance(msg, P.Resume):
+                await asyncio.wrap_future(self.engine.resume(sid))
+                session.resume()
+                session.outbox.put_nowait(P.Ack(request="resume"))
+            elif isinstance(msg, P.Stats):
+                if msg.stalls > session.client_stalls:
+                    self.metrics.client_stalls.inc(msg.stalls - session.client_stalls)
+                    session.client_stalls = msg.stalls
+                await asyncio.wrap_future(self.engine.observe_buffer(sid, msg.buffered_s * session.fps))
+                session.buffer_report(msg.buffered_s)
+            elif isinstance(msg, P.Close):
+                await self._end(session, "closed by client")
+            elif isinstance(msg, P.Offer):
+                session.outbox.put_nowait(P.Error(code=P.ErrorCode.invalid_field, message="WebRTC offers are not served here yet"))
+        except Exception as e:  # noqa: BLE001 - a failed request is reported, the stream goes on
+            if session.closed:
+                return
+            session.outbox.put_nowait(P.Error(code=P.ErrorCode.internal, message=f"{msg.type} failed: {e}"[: P.MAX_TEXT_CHARS]))
+
+    async def _sender(self, ws: ServerConnection, session: Session) -> None:
+        """Sends the session's outbox in order: chunks as binary, messages as text, None ends."""
+        while True:
+            item = await session.outbox.get()
+            if item is None:
+                return
+            try:
+                if isinstance(item, ChunkOut):
+                    await ws.send(item.payload)
+                    session.delivered(self._loop.time())
+                    self.metrics.chunks.inc()
+                    if session.chunks_sent == 1 and session.ttff_s is not None:
+                        self.metrics.ttff.observe(session.ttff_s)
+                else:
+                    await ws.send(P.encode(item))
+            except ConnectionClosed:
+                return
+
+    async def _end(self, session: Session, reason: str, engine_closed: bool = False) -> None:
+        """Close a session once: free its stream in the engine, tell the client, end its sender."""
+        if not session.close(reason):
+            return
+        self.sessions.pop(session.stream_id, None)
+        if not engine_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(self.engine.close_stream(session.stream_id))
+        session.outbox.put_nowait(P.Closed(reason=reason))
+        session.outbox.put_nowait(None)
+
+
+async def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
+    await Server(engine_config, config).serve_forever()
