@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--chunks", type=int, default=20, help="chunks of the drift rollout")
     ap.add_argument("--iters", type=int, default=10, help="timed chunks (4 denoise + 1 commit forwards each) per mode")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the DiT's elementwise helpers")
     args = ap.parse_args(argv)
 
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
@@ -185,6 +186,10 @@ def build(args):
     t0 = time.perf_counter()
     cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames)
     gen = build_generator(args.preset, device=args.device, seed=args.seed, cfg=cfg)
+    if getattr(args, "compile", False):
+        from models.dit import compile_helpers
+
+        compile_helpers()
     print(f"built {args.preset} on {gen.device} ({gen.model.dtype}) in {time.perf_counter() - t0:.1f} s", flush=True)
     return gen
 

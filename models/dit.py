@@ -127,7 +127,8 @@ class Rope:
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def table(self, positions: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the tokens of frames at `positions`: each [len(positions) * T, 1, D/2] float32."""
+        """cos, sin for the tokens of frames at `positions`: each [len(positions) * T, 1, D] float32,
+        every pair's angle repeated and sin signed (-, +), as `apply_rope` wants."""
         key = (tuple(positions), device)
         if key not in self._tables:
             if max(positions, default=0) >= self.time.shape[0]:
@@ -138,15 +139,19 @@ class Rope:
             ).reshape(len(positions) * self.tokens_per_frame, 1, -1)
             if len(self._tables) > 64:
                 self._tables.clear()
-            self._tables[key] = (ang.cos().float().to(device), ang.sin().float().to(device))
+            sign = torch.tensor([-1.0, 1.0], dtype=torch.float64)
+            cos = ang.cos().repeat_interleave(2, dim=-1)
+            sin = (ang.sin()[..., None] * sign).flatten(-2)
+            self._tables[key] = (cos.float().to(device), sin.float().to(device))
         return self._tables[key]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [..., L, H, D]; cos, sin: [L, 1, D/2] -> rotated pairs (x[2i], x[2i+1]), same dtype as x
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).type_as(x)
+    # x: [..., L, H, D]; cos, sin: [L, 1, D] (each pair's angle repeated, sin signed -,+) -> x rotated pairwise:
+    # (x[2i], x[2i+1]) -> (x[2i] cos - x[2i+1] sin, x[2i] sin + x[2i+1] cos), same dtype as x
+    xf = x.float()
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x[2i+1], x[2i])
+    return (xf * cos + swapped * sin).type_as(x)
 
 
 def rope_cat(kc, kq, c_cos, c_sin, q_cos, q_sin) -> torch.Tensor:

@@ -133,7 +133,7 @@ class Server:
     def _on_error(self, stream_id: str, message: str) -> None:
         session = self.sessions.get(stream_id)
         if session is not None:
-            session.outbox.put_nowait(P.Error(code=P.ErrorCode.internal, message=message[: P.MAX_TEXT_CHARS]))
+            session.outbox.put_nowait(P.Error(code=P.ErrorCode.INTERNAL, message=message[: P.MAX_TEXT_CHARS]))
             asyncio.ensure_future(self._end(session, "generation failed", engine_closed=True))
 
     # -- HTTP ---------------------------------------------------------------------------------
@@ -196,14 +196,14 @@ class Server:
                     continue
                 if isinstance(msg, P.Start):
                     if session is not None:
-                        await self._send_now(ws, session, P.Error(code=P.ErrorCode.already_started,
+                        await self._send_now(ws, session, P.Error(code=P.ErrorCode.ALREADY_STARTED,
                                                                   message=f"stream {session.stream_id} is already started"))
                         continue
                     session = await self._start(ws, msg)
                     if session is not None:
                         sender = asyncio.create_task(self._sender(ws, session), name=f"send-{session.stream_id}")
                 elif session is None:
-                    await ws.send(P.encode(P.Error(code=P.ErrorCode.not_started,
+                    await ws.send(P.encode(P.Error(code=P.ErrorCode.NOT_STARTED,
                                                    message=f"send 'start' before '{msg.type}'")))
                 else:
                     await self._control(session, msg)
@@ -227,11 +227,11 @@ class Server:
 
     async def _start(self, ws: ServerConnection, msg: P.Start) -> Session | None:
         if msg.transport == "webrtc":
-            await ws.send(P.encode(P.Error(code=P.ErrorCode.invalid_field, message="transport 'webrtc' is not served here yet; use 'ws'")))
+            await ws.send(P.encode(P.Error(code=P.ErrorCode.INVALID_FIELD, message="transport 'webrtc' is not served here yet; use 'ws'")))
             return None
         if len(self.sessions) >= self.config.max_streams:
             self.metrics.refused.inc()
-            await ws.send(P.encode(P.Error(code=P.ErrorCode.refused, message=f"server is at its cap of {self.config.max_streams} streams")))
+            await ws.send(P.encode(P.Error(code=P.ErrorCode.REFUSED, message=f"server is at its cap of {self.config.max_streams} streams")))
             return None
         gen_cfg = self.engine.gen.model_cfg
         stream_id = f"s{next(self._ids)}"
@@ -251,7 +251,7 @@ class Server:
             self.sessions.pop(stream_id, None)
             session.close("refused")
             self.metrics.refused.inc()
-            await ws.send(P.encode(P.Error(code=P.ErrorCode.refused, message=(reason or "refused")[: P.MAX_TEXT_CHARS])))
+            await ws.send(P.encode(P.Error(code=P.ErrorCode.REFUSED, message=(reason or "refused")[: P.MAX_TEXT_CHARS])))
             return None
         self.metrics.admitted.inc()
         gen = self.engine.gen
@@ -285,11 +285,11 @@ class Server:
             elif isinstance(msg, P.Close):
                 await self._end(session, "closed by client")
             elif isinstance(msg, P.Offer):
-                session.outbox.put_nowait(P.Error(code=P.ErrorCode.invalid_field, message="WebRTC offers are not served here yet"))
+                session.outbox.put_nowait(P.Error(code=P.ErrorCode.INVALID_FIELD, message="WebRTC offers are not served here yet"))
         except Exception as e:  # noqa: BLE001 - a failed request is reported, the stream goes on
             if session.closed:
                 return
-            session.outbox.put_nowait(P.Error(code=P.ErrorCode.internal, message=f"{msg.type} failed: {e}"[: P.MAX_TEXT_CHARS]))
+            session.outbox.put_nowait(P.Error(code=P.ErrorCode.INTERNAL, message=f"{msg.type} failed: {e}"[: P.MAX_TEXT_CHARS]))
 
     async def _sender(self, ws: ServerConnection, session: Session) -> None:
         """Sends the session's outbox in order: chunks as binary, messages as text, None ends."""

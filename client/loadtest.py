@@ -1,0 +1,508 @@
+"""`streamsvc loadtest`: N viewers at once against a server; TTFF, stalls, freezes, control latency.
+
+With no ``--url`` it starts a local server process (``python -m streamsvc.cli serve``)
+on a free loopback port, waits for ``GET /healthz`` to answer 200 (bounded), runs
+the viewers, and stops the server at the end (also on errors and Ctrl-C). Every
+viewer connects at the same moment (the hard case for TTFF and admission), opens
+its own prompt, and sends a new prompt every ``--prompt-every`` seconds, each
+viewer at its own phase so the prompt changes are spread out.
+
+The report (a table on stdout, the same figures as JSON with ``--json``) follows
+DESIGN.md "Measuring a stream"; ``summarize`` computes it from the viewers'
+``StreamResult`` s and is pure. Transports plug in through ``TRANSPORTS``: a client
+class built as ``cls(url, ClientConfig)`` whose ``await run(duration_s, prompts)``
+returns a ``StreamResult``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from client.ws_client import ClientConfig, DecodeMode, StreamClient, StreamResult, stream_url
+
+TRANSPORTS: dict[str, type] = {"ws": StreamClient}
+"""transport name -> client class (``cls(url, ClientConfig)``, ``await run(duration_s, prompts) -> StreamResult``)."""
+
+SUBJECTS = (
+    "a red fox running through snow", "waves breaking on a rocky shore", "a city street at night in the rain",
+    "a hot air balloon over green hills", "a koi pond seen from above", "a train crossing a desert bridge",
+    "clouds racing over a mountain ridge", "a campfire under the stars", "a cat watching birds at a window",
+    "a jellyfish drifting in blue water", "autumn leaves falling in a park", "a lighthouse in a storm",
+    "a field of sunflowers in the wind", "a robot walking through a market", "northern lights over a lake",
+    "a waterfall in a tropical forest",
+)
+STYLES = ("at dawn", "in watercolour", "as a pencil sketch", "in slow motion", "in neon colours", "at dusk")
+PROMPT_QUIET_TAIL_S = 2.0  # no new prompt in the last seconds of a session: it could not reach the screen in time
+
+
+class ServerStartError(RuntimeError):
+    """The local server did not come up; the message says why and where its log is."""
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--streams", type=int, default=16, help="viewers, all connecting at once (default 16)")
+    p.add_argument("--url", default=None,
+                   help="server's WebSocket URL, e.g. ws://127.0.0.1:8000/ws (default: start a local server process)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds each viewer watches, from connect (default 30)")
+    p.add_argument("--prompt-every", type=float, default=5.0,
+                   help="seconds between a viewer's prompt changes, phases staggered across viewers (default 5; 0 = never)")
+    p.add_argument("--transport", default="ws", choices=sorted(TRANSPORTS), help="how viewers receive video (default ws)")
+    p.add_argument("--fps", type=int, default=None, help="frame rate each viewer asks for (default: the server's, 16)")
+    p.add_argument("--seed", type=int, default=0, help="viewer i's noise seed is SEED + i (default 0)")
+    p.add_argument("--decode", default=DecodeMode.INLINE.value, choices=[m.value for m in DecodeMode],
+                   help="where viewers decode H.264: inline on the event loop, in a thread, or none (default inline)")
+    p.add_argument("--stats-every", type=float, default=0.5,
+                   help="seconds between the viewers' stats messages to the server (default 0.5; 0 = none)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON to FILE")
+    p.add_argument("--progress-every", type=float, default=3.0, help="seconds between progress lines (default 3; 0 = quiet)")
+    g = p.add_argument_group("local server (ignored with --url)")
+    g.add_argument("--preset", default="tiny", help="model preset of the local server (default tiny)")
+    g.add_argument("--device", default="cpu", help="device of the local server (default cpu)")
+    g.add_argument("--policy", default="slack",
+                   help="scheduler policy of the local server: slack, least_slack, round_robin or fifo (default slack)")
+    g.add_argument("--buffer-cap", type=float, default=None,
+                   help="seconds generated ahead of each viewer at most, on the local server (default: the server's)")
+    g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for `streamsvc serve` (repeatable, e.g. --server-arg=--utilization=0.8)")
+    g.add_argument("--server-timeout", type=float, default=90.0,
+                   help="seconds to wait for the local server's /healthz (default 90)")
+
+
+# ---------------------------------------------------------------- the local server
+
+
+class LocalServer:
+    """``streamsvc serve`` in a child process on a free loopback port; a context manager."""
+
+    def __init__(self, serve_args: Sequence[str], *, host: str = "127.0.0.1", start_timeout_s: float = 90.0) -> None:
+        self.host = host
+        self.serve_args = list(serve_args)
+        self.start_timeout_s = start_timeout_s
+        self.port: int | None = None
+        self.proc: subprocess.Popen | None = None
+        self._logdir = tempfile.TemporaryDirectory(prefix="streamsvc-loadtest-")
+        self.log_path = Path(self._logdir.name) / "server.log"
+
+    @property
+    def ws_url(self) -> str:
+        return stream_url(self.host, self.port)
+
+    def __enter__(self) -> LocalServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.port = free_port(self.host)
+        cmd = [sys.executable, "-m", "streamsvc.cli", "serve", "--host", self.host, "--port", str(self.port),
+               *self.serve_args]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
+        health = f"http://{self.host}:{self.port}/healthz"
+        deadline = time.monotonic() + self.start_timeout_s
+        for _ in range(int(self.start_timeout_s / 0.1) + 10):
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerStartError(f"the local server exited with code {code} before it was healthy; "
+                                       f"command: {' '.join(cmd)}\n{self.log_tail()}")
+            if http_status(health, timeout_s=1.0) == 200:
+                return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        self.stop()
+        raise ServerStartError(f"the local server did not answer 200 on {health} within {self.start_timeout_s:g} s "
+                               f"(raise --server-timeout?); command: {' '.join(cmd)}\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM (the server closes its streams gracefully), then SIGKILL after ``timeout_s``. Idempotent."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        with contextlib.suppress(OSError):
+            self._log.close()
+        return proc.returncode
+
+    def log_tail(self, lines: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            self._log.flush()
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no server log)"
+        return "server log (last lines):\n  " + "\n  ".join(text[-lines:])
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time of the server process so far (Linux /proc; None elsewhere)."""
+        return process_cpu_seconds(self.proc.pid) if self.proc is not None else None
+
+    def cleanup(self) -> None:
+        self._logdir.cleanup()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str, timeout_s: float) -> int | None:
+    """The HTTP status of GET url, or None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return None
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# ---------------------------------------------------------------- metrics scrape
+
+
+def scrape_metrics(url: str, timeout_s: float = 2.0) -> dict[str, float] | None:
+    """The server's /metrics as {name{labels}: value}, or None when it does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return None
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "le")
+            if "le" in s.labels:
+                continue  # histogram buckets: sums and counts are enough here
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def metrics_url(ws_url: str) -> str:
+    parts = urlsplit(ws_url)
+    scheme = "https" if parts.scheme == "wss" else "http"
+    return f"{scheme}://{parts.netloc}/metrics"
+
+
+def server_figures(first: dict | None, last: dict | None, wall_s: float, peak: dict | None) -> dict | None:
+    """A few server figures over the run: forward costs, engine busy fraction, chunk latency, stalls."""
+    if last is None:
+        return None
+    first = first or {}
+
+    def delta(key: str) -> float:
+        return last.get(key, 0.0) - first.get(key, 0.0)
+
+    kinds = ("recache", "denoise", "commit")
+    forwards = {k: delta(f"streamsvc_forwards{{kind={k}}}") for k in kinds}
+    seconds = {k: delta(f"streamsvc_forward_seconds{{kind={k}}}") for k in kinds}
+    chunks_n = delta("streamsvc_chunk_latency_seconds_count")
+    ttff_n = delta("streamsvc_ttff_seconds_count")
+    return {
+        "admitted": delta("streamsvc_streams_admitted_total"),
+        "refused": delta("streamsvc_streams_refused_total"),
+        "chunks": delta("streamsvc_chunks_total"),
+        "forward_ms": {k: round(1e3 * seconds[k] / forwards[k], 3) if forwards[k] else None for k in kinds},
+        "forwards": forwards,
+        "engine_busy": round(sum(seconds.values()) / wall_s, 4) if wall_s > 0 else None,
+        "chunk_latency_mean_s": round(delta("streamsvc_chunk_latency_seconds_sum") / chunks_n, 4) if chunks_n else None,
+        "server_ttff_mean_s": round(delta("streamsvc_ttff_seconds_sum") / ttff_n, 4) if ttff_n else None,
+        "client_stalls": delta("streamsvc_client_stalls_total"),
+        "modelled_stalls_peak": None if peak is None else peak.get("streamsvc_modelled_stalls"),
+        "scheduler_load_peak": None if peak is None else peak.get("streamsvc_scheduler_load"),
+        "kv_bytes_peak": None if peak is None else peak.get("streamsvc_kv_bytes"),
+        "kv_budget_bytes": last.get("streamsvc_kv_budget_bytes"),
+    }
+
+
+# ---------------------------------------------------------------- the report (pure)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default); None when empty."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def summarize(results: Sequence[StreamResult], *, duration_s: float) -> dict:
+    """The load test's report from every viewer's result."""
+    admitted = [r for r in results if r.admitted and r.playback is not None]
+    refused = [r for r in results if r.refused_reason is not None]
+    pbs = [r.playback for r in admitted]
+    ttffs = [p.ttff_s for p in pbs if p.ttff_s is not None]
+    lat = [x for p in pbs for x in p.control_latencies_s]
+    stall_s = sum(p.stall_s for p in pbs)
+    watched = sum(p.play_s + p.stall_s for p in pbs)
+    # viewer time lost: (startup wait + stall time) / session time, summed over admitted streams
+    startup = sum(p.ttff_s if p.ttff_s is not None else r.session_s for r, p in zip(admitted, pbs))
+    session = sum(r.session_s for r in admitted)
+    frames = sum(r.frames_decoded for r in admitted)
+    decode_s = sum(r.decode_s for r in admitted)
+    headroom = [r.min_headroom_s for r in admitted if r.min_headroom_s is not None]
+    ready = admitted[0] if admitted else None
+    errors = Counter(e for r in results for e in r.errors if r.refused_reason is None or not e.startswith("refused"))
+    return {
+        "streams": len(results),
+        "admitted": len(admitted),
+        "refused": {"count": len(refused), "reasons": dict(Counter(r.refused_reason for r in refused).most_common())},
+        "duration_s": duration_s,
+        "fps": ready.fps if ready else None,
+        "frame_size": [ready.width, ready.height] if ready else None,
+        "chunk_s": ready.chunk_frames / ready.fps if ready else None,
+        "ttff_s": {"n": len(ttffs), "p50": _r(percentile(ttffs, 50)), "p95": _r(percentile(ttffs, 95)),
+                   "p99": _r(percentile(ttffs, 99)), "max": _r(max(ttffs, default=None))},
+        "stalls": {"count": sum(p.stalls for p in pbs), "total_s": _r(stall_s),
+                   "ratio": _r(stall_s / watched if watched > 0 else 0.0, 6),
+                   "streams_with_stalls": sum(1 for p in pbs if p.stalls > 0)},
+        "freezes": {"count": sum(p.freezes for p in pbs), "total_s": _r(sum(p.freeze_s for p in pbs))},
+        "control_latency_s": {"n": len(lat), "p50": _r(percentile(lat, 50)), "p95": _r(percentile(lat, 95)),
+                              "max": _r(max(lat, default=None)), "sent": sum(r.prompts_sent for r in admitted),
+                              "pending": sum(p.prompts_pending for p in pbs)},
+        "delivered_fps": {"mean": _r(sum(p.delivered_fps for p in pbs) / len(pbs) if pbs else None, 3),
+                          "min": _r(min((p.delivered_fps for p in pbs), default=None), 3)},
+        "viewer_time_lost": _r((startup + stall_s) / session if session > 0 else None, 6),
+        "min_headroom_s": {"min": _r(min(headroom, default=None)), "p5": _r(percentile(headroom, 5))},
+        "frames": {"received": sum(p.frames_received for p in pbs), "played": sum(p.frames_played for p in pbs),
+                   "decoded": frames, "bad_size": sum(r.bad_frames for r in admitted)},
+        "decode": {"total_s": _r(decode_s), "per_frame_ms": _r(1e3 * decode_s / frames if frames else None, 4),
+                   "max_chunk_ms": _r(1e3 * max((r.decode_max_s for r in admitted), default=0.0), 3)},
+        "errors": {"count": sum(errors.values()), "messages": dict(errors.most_common(20))},
+        "per_stream": [
+            {"stream_id": r.stream_id, "ttff_s": _r(r.playback.ttff_s), "stalls": r.playback.stalls,
+             "stall_s": _r(r.playback.stall_s), "delivered_fps": _r(r.playback.delivered_fps, 3),
+             "chunks": r.chunks, "prompt_versions": len(r.prompt_versions),
+             "control_p50_s": _r(percentile(r.playback.control_latencies_s, 50)),
+             "min_headroom_s": _r(r.min_headroom_s), "errors": len(r.errors)}
+            for r in admitted
+        ],
+    }
+
+
+def format_table(report: dict) -> str:
+    def f(x, nd=3, unit=""):
+        return "-" if x is None else f"{x:.{nd}f}{unit}"
+
+    t, st, cl, fz, fps = (report[k] for k in ("ttff_s", "stalls", "control_latency_s", "freezes", "delivered_fps"))
+    rows = [
+        ("streams", f"{report['streams']} ({report['admitted']} admitted, {report['refused']['count']} refused)"),
+        ("chunk", f(report["chunk_s"], 4, " s")),
+        ("TTFF p50 / p95 / p99 / max", " / ".join(f(t[k], 3) for k in ("p50", "p95", "p99", "max")) + " s"),
+        ("stalls", f"{st['count']} ({f(st['total_s'], 3)} s, ratio {f(st['ratio'], 5)}, "
+                   f"{st['streams_with_stalls']} streams)"),
+        ("freezes (W3C)", f"{fz['count']} ({f(fz['total_s'], 3)} s)"),
+        ("control latency p50 / p95 / max", " / ".join(f(cl[k], 3) for k in ("p50", "p95", "max"))
+         + f" s (n={cl['n']}, pending {cl['pending']})"),
+        ("delivered fps mean / min", f"{f(fps['mean'], 2)} / {f(fps['min'], 2)}"),
+        ("min headroom at arrival", f(report["min_headroom_s"]["min"], 3, " s")),
+        ("decode per frame", f(report["decode"]["per_frame_ms"], 3, " ms")),
+        ("errors", str(report["errors"]["count"])),
+    ]
+    srv = report.get("server")
+    if srv:
+        fm = srv["forward_ms"]
+        rows.append(("server forward ms (recache/denoise/commit)", " / ".join(f(fm[k], 2) for k in fm)))
+        rows.append(("server engine busy", f(srv["engine_busy"], 3)))
+    cpu = report.get("cpu")
+    if cpu:
+        rows.append(("CPU cores used client / server", f"{f(cpu['client_cores'], 2)} / {f(cpu['server_cores'], 2)}"
+                     f" of {cpu['cores']} (load avg at start {cpu['loadavg_start']})"))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    for reason, n in list(report["refused"]["reasons"].items())[:3]:
+        lines.append(f"refused x{n}: {reason}")
+    for msg, n in list(report["errors"]["messages"].items())[:5]:
+        lines.append(f"error x{n}: {msg}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- running
+
+
+def prompt_schedule(index: int, streams: int, every_s: float, duration_s: float) -> list[tuple[float, str]]:
+    """Viewer ``index``'s prompt changes: every ``every_s`` from a phase in [every_s, 2 every_s), spread over viewers."""
+    if every_s <= 0:
+        return []
+    subject = SUBJECTS[index % len(SUBJECTS)]
+    t = every_s * (1.0 + index / max(1, streams))
+    out = []
+    for k in range(int(duration_s / every_s) + 2):
+        if t > duration_s - PROMPT_QUIET_TAIL_S:
+            break
+        out.append((t, f"{subject}, {STYLES[k % len(STYLES)]} (viewer {index}, change {k + 1})"))
+        t += every_s
+    return out
+
+
+@dataclass
+class _Run:
+    clients: list
+    metrics_url: str
+    started_at: float
+    peak_metrics: dict | None = None  # the scrape with the most open streams
+    first_metrics: dict | None = None
+
+
+async def _progress(run: _Run, every_s: float, duration_s: float) -> None:
+    """One line every few seconds: open streams, chunks, buffers, stalls, prompts; and a /metrics scrape."""
+    prev, prev_t = run.first_metrics, run.started_at
+    for _ in range(int((duration_s + 30) / max(every_s, 0.1)) + 2):
+        await asyncio.sleep(every_s)
+        now = time.monotonic()
+        stats = [c.stats() for c in run.clients if c.ready is not None]
+        stats = [s for s in stats if s is not None]
+        m = await asyncio.to_thread(scrape_metrics, run.metrics_url, 1.0)
+        open_streams = sum(1 for c in run.clients if c.ready is not None and c.closed_reason is None)
+        if m is not None:
+            if run.peak_metrics is None or m.get("streamsvc_kv_bytes", 0) >= run.peak_metrics.get("streamsvc_kv_bytes", 0):
+                run.peak_metrics = m
+        busy = "-"
+        if m is not None and prev is not None and now > prev_t:
+            spent = sum(m.get(f"streamsvc_forward_seconds{{kind={k}}}", 0) - prev.get(f"streamsvc_forward_seconds{{kind={k}}}", 0)
+                        for k in ("recache", "denoise", "commit"))
+            busy = f"{spent / (now - prev_t):.2f}"
+        if m is not None:
+            prev, prev_t = m, now
+        if every_s > 0:
+            buffered = [s.buffered_s for s in stats]
+            print(f"[{now - run.started_at:5.1f} s] open {open_streams:3d}  "
+                  f"chunks {sum(c.chunks for c in run.clients):5d}  "
+                  f"buffer min {min(buffered, default=0):.2f} s  stalls {sum(s.stalls for s in stats)}  "
+                  f"prompts settled {sum(len(s.control_latencies_s) for s in stats)}  engine busy {busy}",
+                  flush=True)
+        if all(c.state.value in ("closed", "refused") for c in run.clients):
+            return
+
+
+async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
+    """Run every viewer at once; the report (without the CPU figures of the caller)."""
+    cls = TRANSPORTS[args.transport]
+    clients = []
+    for i in range(args.streams):
+        cfg = ClientConfig(prompt=SUBJECTS[i % len(SUBJECTS)] + f" (viewer {i})", seed=args.seed + i, fps=args.fps,
+                           stats_every_s=args.stats_every, decode=DecodeMode(args.decode),
+                           open_timeout_s=max(10.0, 0.25 * args.streams))
+        clients.append(cls(url, cfg))
+    murl = metrics_url(url)
+    first = await asyncio.to_thread(scrape_metrics, murl)
+    run = _Run(clients, murl, time.monotonic(), first_metrics=first)
+    progress = asyncio.create_task(_progress(run, args.progress_every or 1.0, args.duration))
+    try:
+        results = await asyncio.gather(*(
+            c.run(args.duration, prompt_schedule(i, args.streams, args.prompt_every, args.duration))
+            for i, c in enumerate(clients)
+        ))
+    finally:
+        progress.cancel()
+        await asyncio.wait([progress], timeout=2)
+    wall = time.monotonic() - run.started_at
+    last = await asyncio.to_thread(scrape_metrics, murl)
+    report = summarize(results, duration_s=args.duration)
+    report["server"] = server_figures(first, last, wall, run.peak_metrics)
+    return report
+
+
+def run(args) -> int:
+    if args.streams < 1 or args.duration <= 0:
+        print("streamsvc loadtest: --streams must be >= 1 and --duration > 0", file=sys.stderr)
+        return 2
+    server = None
+    wall0, load0 = time.monotonic(), os.getloadavg()
+    try:
+        if args.url is None:
+            serve_args = ["--preset", args.preset, "--device", args.device, "--policy", args.policy, *args.server_arg]
+            if args.buffer_cap is not None:
+                serve_args += ["--buffer-cap", str(args.buffer_cap)]
+            server = LocalServer(serve_args, start_timeout_s=args.server_timeout)
+            print(f"starting a local server: streamsvc serve {' '.join(serve_args)}", flush=True)
+            server.start()
+            print(f"server up at {server.ws_url} after {time.monotonic() - wall0:.1f} s", flush=True)
+            url = server.ws_url
+        else:
+            url = args.url
+        print(f"{args.streams} viewers for {args.duration:g} s over {args.transport}, "
+              f"prompt every {args.prompt_every:g} s", flush=True)
+        srv_cpu0, t0, cpu1 = server.cpu_seconds() if server else None, time.monotonic(), time.process_time()
+        report = asyncio.run(run_viewers(args, url, server))
+        wall = time.monotonic() - t0
+        srv_cpu1 = server.cpu_seconds() if server else None
+    except ServerStartError as e:
+        print(f"streamsvc loadtest: {e}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("streamsvc loadtest: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if server is not None:
+            code = server.stop()
+            if code not in (0, None, -signal.SIGTERM):
+                print(f"streamsvc loadtest: the local server exited with code {code}\n{server.log_tail()}",
+                      file=sys.stderr)
+            server.cleanup()
+    report["cpu"] = {
+        "cores": os.cpu_count(),
+        "client_cores": round((time.process_time() - cpu1) / wall, 3),
+        "server_cores": round((srv_cpu1 - srv_cpu0) / wall, 3) if srv_cpu0 is not None and srv_cpu1 is not None else None,
+        "loadavg_start": [round(x, 2) for x in load0],
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+    }
+    report["config"] = {"url": args.url, "transport": args.transport, "local_server": args.url is None,
+                        "preset": args.preset, "device": args.device, "policy": args.policy,
+                        "buffer_cap_s": args.buffer_cap, "prompt_every_s": args.prompt_every,
+                        "decode": args.decode, "stats_every_s": args.stats_every, "server_args": args.server_arg}
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if report["admitted"] == 0 and report["refused"]["count"] == 0:
+        print("streamsvc loadtest: no viewer got a stream (see errors above)", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,539 @@
+"""One viewer over WebSocket: connect, start, decode, play, steer, report.
+
+``StreamClient`` speaks the wire protocol of ``streamsvc/protocol.py`` to a
+server's ``/ws`` endpoint (one connection = one stream): it sends ``start``,
+waits for ``ready`` (or ``error`` with code ``refused``, which ends it with a
+reason, not an exception), receives every chunk as one binary message
+(``protocol.unpack_chunk``), decodes its access units with
+``streamsvc.encode.StreamDecoder`` and pushes the frames into a
+``client.playback.PlaybackBuffer`` under the chunk's prompt version. The
+buffer does all the measuring (DESIGN.md "Measuring a stream"); this module
+only feeds it with what arrives and when.
+
+While a stream plays, three tasks run on the event loop:
+
+- the receiver: chunks, acks, errors, ``closed``;
+- the playback clock: advances the buffer every frame (1 / fps);
+- the reporter: a ``stats`` message every ``stats_every_s`` so the server's
+  scheduler sees the viewer's real buffer.
+
+Every loop is bounded: by the connection's life, by ``max_session_s`` and by a
+count derived from it. Network failures, refusals and server errors end up in
+``StreamResult.errors`` / ``refused_reason``; nothing but programming errors
+(and cancellation) escapes ``run()``.
+
+Imports from ``streamsvc``: the protocol and the decoder only (DESIGN.md's
+dependency rule: the client never sees the engine or the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import av
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+
+from client.playback import PlaybackBuffer, PlaybackState, PlaybackStats
+from streamsvc import protocol as P
+from streamsvc.encode import StreamDecoder
+
+WS_PATH = "/ws"
+
+
+class DecodeMode(enum.Enum):
+    INLINE = "inline"  # decode on the event loop (cheap at small sizes: ~0.3 ms a frame at 128x128)
+    THREAD = "thread"  # decode in a worker thread (asyncio.to_thread), for large frames
+    NONE = "none"  # count frames from the chunk header without decoding (to measure the decoder's cost)
+
+
+class ClientState(enum.Enum):
+    NEW = "new"  # not connected
+    OPENING = "opening"  # connecting, or waiting for ready
+    PLAYING = "playing"  # admitted; chunks arrive
+    REFUSED = "refused"  # the server refused the stream (see refused_reason)
+    CLOSED = "closed"  # the session is over (closed by either side, or the connection failed)
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    prompt: str  # the stream's opening prompt
+    seed: int | None = None  # noise seed; None lets the server pick
+    fps: int | None = None  # requested frame rate; None takes the server's
+    stats_every_s: float = 0.5  # period of the `stats` messages (0: never send any)
+    decode: DecodeMode = DecodeMode.INLINE  # where access units are decoded
+    open_timeout_s: float = 10.0  # connect + handshake + `ready`/`refused`, in all
+    close_timeout_s: float = 2.0  # how long `close()` waits for the server's `closed`
+    max_session_s: float = 3600.0  # hard bound on a session, whatever the caller asks
+
+    def __post_init__(self) -> None:
+        P.Start(prompt=self.prompt, seed=self.seed, fps=self.fps)  # the protocol's own checks, with its messages
+        for name in ("open_timeout_s", "close_timeout_s", "max_session_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
+        if self.stats_every_s < 0:
+            raise ValueError(f"stats_every_s={self.stats_every_s}: must be >= 0 (0 turns stats off)")
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    """What one viewer saw. ``playback`` is None when the stream was never admitted."""
+
+    url: str  # where it connected
+    admitted: bool  # a `ready` came back
+    refused_reason: str | None  # the server's reason when it refused the stream (error code `refused`)
+    stream_id: str | None  # from `ready`
+    fps: int | None  # the stream's frame rate, from `ready`
+    width: int | None  # frame size announced in `ready`
+    height: int | None
+    chunk_frames: int | None  # frames in every chunk after the first, from `ready`
+    playback: PlaybackStats | None  # the playback buffer's measures at the end of the session
+    session_s: float  # connect -> end of the session
+    chunks: int  # chunks received
+    frames_decoded: int  # frames out of the decoder (or counted from headers with DecodeMode.NONE)
+    bad_frames: int  # decoded frames whose size differs from `ready`'s
+    prompt_versions: tuple[int, ...]  # distinct prompt versions seen in chunk headers, in order of arrival
+    acks: tuple[tuple[str, int | None], ...]  # (request, prompt_version) of every ack, in order
+    prompts_sent: int  # set_prompt messages sent
+    min_headroom_s: float | None  # least video left in the buffer when a chunk arrived (after the first)
+    decode_s: float  # wall time spent decoding, all chunks
+    decode_max_s: float  # the slowest chunk's decode
+    closed_reason: str | None  # the server's `closed` reason, if one came
+    errors: tuple[str, ...]  # "code: message" of each error message, and the client's own failures
+
+
+class StreamClient:
+    """One stream over one WebSocket connection.
+
+    Either ``await client.run(duration_s, prompts)`` for a whole session, or
+    drive it step by step (tests)::
+
+        async with StreamClient(url, ClientConfig(prompt="a cat")) as c:   # open(): connect, start, ready
+            await c.wait_until(lambda: c.chunks >= 2, 5)
+            await c.set_prompt("a dog")
+        result = c.result()
+    """
+
+    def __init__(self, url: str, config: ClientConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        if not url.startswith(("ws://", "wss://")):
+            raise ValueError(f"url {url!r} must start with ws:// or wss:// (e.g. ws://127.0.0.1:8000/ws)")
+        self.url = url
+        self.config = config
+        self.clock = clock
+        self.state = ClientState.NEW
+        self.ready: P.Ready | None = None
+        self.refused_reason: str | None = None
+        self.closed_reason: str | None = None
+        self.headers: list[P.Chunk] = []  # every chunk header received, in order
+        self.acks: list[P.Ack] = []
+        self.errors: list[str] = []
+        self.server_errors: list[P.Error] = []  # the error messages themselves (code + message)
+        self.frames_decoded = 0
+        self.bad_frames = 0
+        self.prompts_sent = 0
+        self.decode_s = 0.0
+        self.decode_max_s = 0.0
+        self.min_headroom_s: float | None = None
+        self._ws: ClientConnection | None = None
+        self._buffer: PlaybackBuffer | None = None
+        self._decoder: StreamDecoder | None = None
+        self._connected_at: float | None = None
+        self._ended_at: float | None = None
+        self._final: PlaybackStats | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._changed = asyncio.Event()  # set on every message received and on the end
+        self._ended = asyncio.Event()  # the server closed the stream or the connection went away
+        self._unacked_prompts = 0
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> StreamClient:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    @property
+    def chunks(self) -> int:
+        return len(self.headers)
+
+    async def open(self) -> bool:
+        """Connect, send ``start`` and wait for ``ready``. True when admitted.
+
+        A refusal sets ``refused_reason``; a network failure or a timeout adds to
+        ``errors``; both return False and leave the client CLOSED or REFUSED.
+        """
+        if self.state is not ClientState.NEW:
+            raise RuntimeError(f"cannot open: client is {self.state.value}")
+        self.state = ClientState.OPENING
+        cfg = self.config
+        self._connected_at = self.clock()
+        try:
+            async with asyncio.timeout(cfg.open_timeout_s):
+                self._ws = await connect(self.url, compression=None, max_size=P.MAX_CHUNK_BYTES,
+                                         open_timeout=cfg.open_timeout_s, close_timeout=cfg.close_timeout_s)
+                await self._ws.send(P.encode(P.Start(prompt=cfg.prompt, seed=cfg.seed, fps=cfg.fps)))
+                admitted = await self._await_ready()
+        except TimeoutError:
+            self._fail(f"timeout: no ready or refusal within {cfg.open_timeout_s:g} s")
+            admitted = False
+        except (OSError, InvalidHandshake, InvalidURI) as e:
+            self._fail(f"connect: {type(e).__name__}: {e}")
+            admitted = False
+        except ConnectionClosed as e:
+            self._fail(f"connection closed before ready: {_close_text(e)}")
+            admitted = False
+        if not admitted:
+            await self._drop_socket()
+            self._ended_at = self.clock()
+            return False
+        self.state = ClientState.PLAYING
+        self._buffer = PlaybackBuffer(self.ready.fps)
+        self._buffer.connect(self._connected_at)
+        if cfg.decode is not DecodeMode.NONE:
+            self._decoder = StreamDecoder()
+        self._tasks = [
+            asyncio.create_task(self._receive(), name=f"recv-{self.ready.stream_id}"),
+            asyncio.create_task(self._play_clock(), name=f"clock-{self.ready.stream_id}"),
+        ]
+        if cfg.stats_every_s > 0:
+            self._tasks.append(asyncio.create_task(self._report(), name=f"stats-{self.ready.stream_id}"))
+        return True
+
+    async def _await_ready(self) -> bool:
+        """Read messages until ready (True), or refused / closed (False). Bounded by open()'s timeout."""
+        async for raw in self._ws:
+            if isinstance(raw, bytes):
+                self._fail("a binary chunk arrived before ready")
+                continue
+            msg = self._parse(raw)
+            if isinstance(msg, P.Ready):
+                self.ready = msg
+                return True
+            if isinstance(msg, P.Error):
+                self._on_error(msg)
+                if msg.code is P.ErrorCode.REFUSED:
+                    self.refused_reason = msg.message
+                    self.state = ClientState.REFUSED
+                    return False
+            elif isinstance(msg, P.Closed):
+                self.closed_reason = msg.reason
+                self.state = ClientState.CLOSED
+                return False
+        self._fail("connection closed before ready")
+        return False
+
+    async def close(self) -> None:
+        """End the session: freeze the measures, send ``close``, wait for ``closed`` (bounded), drop the socket."""
+        if self.state in (ClientState.NEW, ClientState.OPENING):
+            self.state = ClientState.CLOSED
+        self._finish()
+        ws = self._ws
+        if ws is not None and self.state is ClientState.PLAYING and self.closed_reason is None:
+            with contextlib.suppress(ConnectionClosed):
+                await ws.send(P.encode(P.Close()))
+                await self.wait_until(lambda: self._ended.is_set(), self.config.close_timeout_s)
+        if self.state is ClientState.PLAYING:
+            self.state = ClientState.CLOSED
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=self.config.close_timeout_s)
+        await self._drop_socket()
+        if self._decoder is not None:
+            self._decoder.close()
+
+    async def _drop_socket(self) -> None:
+        if self._ws is not None:
+            with contextlib.suppress(ConnectionClosed, OSError, TimeoutError):
+                async with asyncio.timeout(self.config.close_timeout_s):
+                    await self._ws.close()
+
+    def _finish(self) -> None:
+        """Close the playback books at now (once)."""
+        if self._ended_at is not None:
+            return
+        now = self.clock()
+        self._ended_at = now
+        if self._buffer is not None and self._buffer.state is not PlaybackState.ENDED:
+            self._buffer.finish(now)
+            self._final = self._buffer.stats()
+
+    # ------------------------------------------------------------ the whole session
+
+    async def run(self, duration_s: float, prompts: Sequence[tuple[float, str]] = ()) -> StreamResult:
+        """Open, play for ``duration_s`` (from connect), send each ``(at_s, prompt)`` at ``at_s`` after
+        connect, close. Ends early if the server closes the stream. Returns the result, whatever happened."""
+        duration_s = min(duration_s, self.config.max_session_s)
+        try:
+            if await self.open():
+                deadline = self._connected_at + duration_s
+                for at_s, prompt in sorted(prompts)[: _max_count(duration_s, 0.01)]:
+                    if self._connected_at + at_s >= deadline or not await self._sleep_until(self._connected_at + at_s):
+                        break
+                    await self.set_prompt(prompt)
+                await self._sleep_until(deadline)
+        finally:
+            await self.close()
+        return self.result()
+
+    async def _sleep_until(self, t: float) -> bool:
+        """Sleep until clock() >= t; False if the stream ended first."""
+        delay = t - self.clock()
+        if delay > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ended.wait(), delay)
+        return not self._ended.is_set()
+
+    # ------------------------------------------------------------ control
+
+    async def set_prompt(self, prompt: str) -> None:
+        """Steer the stream; control latency counts from now to the first frame under this prompt played."""
+        msg = P.SetPrompt(prompt=prompt)  # raises on a bad prompt before anything is sent
+        self._require_playing("set_prompt")
+        self._buffer.prompt_sent_at(self.clock())
+        self._unacked_prompts += 1
+        self.prompts_sent += 1
+        await self._send(P.encode(msg))
+
+    async def pause(self) -> None:
+        """Pause playback here and ask the server to stop generating once the buffer is full."""
+        self._require_playing("pause")
+        self._buffer.pause(self.clock())
+        await self._send(P.encode(P.Pause()))
+
+    async def resume(self) -> None:
+        self._require_playing("resume")
+        self._buffer.resume(self.clock())
+        await self._send(P.encode(P.Resume()))
+
+    async def send_raw(self, data: str | bytes) -> None:
+        """Send anything (tests: malformed messages)."""
+        if self._ws is None:
+            raise RuntimeError(f"cannot send: client is {self.state.value}")
+        await self._send(data)
+
+    async def _send(self, data: str | bytes) -> None:
+        try:
+            await self._ws.send(data)
+        except ConnectionClosed as e:
+            self._lost(e)
+
+    def _require_playing(self, action: str) -> None:
+        if self.state is not ClientState.PLAYING or self._ended_at is not None:
+            raise RuntimeError(f"cannot {action}: client is {self.state.value}")
+
+    # ------------------------------------------------------------ observation
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until ``predicate()`` holds, re-checking after every message."""
+        deadline = self.clock() + timeout_s
+        for _ in range(_max_count(timeout_s, 0.001)):
+            if predicate():
+                return True
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                return False
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(remaining, 0.1))
+        return predicate()
+
+    def stats(self) -> PlaybackStats | None:
+        """The playback measures now (or at the end of the session)."""
+        if self._final is not None:
+            return self._final
+        if self._buffer is None:
+            return None
+        return self._buffer.stats(self.clock())
+
+    def result(self) -> StreamResult:
+        ready = self.ready
+        versions: list[int] = []
+        for h in self.headers:
+            if not versions or versions[-1] != h.prompt_version:
+                versions.append(h.prompt_version)
+        end = self._ended_at if self._ended_at is not None else self.clock()
+        return StreamResult(
+            url=self.url,
+            admitted=ready is not None,
+            refused_reason=self.refused_reason,
+            stream_id=ready.stream_id if ready else None,
+            fps=ready.fps if ready else None,
+            width=ready.width if ready else None,
+            height=ready.height if ready else None,
+            chunk_frames=ready.chunk_frames if ready else None,
+            playback=self.stats(),
+            session_s=0.0 if self._connected_at is None else end - self._connected_at,
+            chunks=len(self.headers),
+            frames_decoded=self.frames_decoded,
+            bad_frames=self.bad_frames,
+            prompt_versions=tuple(versions),
+            acks=tuple((a.request, a.prompt_version) for a in self.acks),
+            prompts_sent=self.prompts_sent,
+            min_headroom_s=self.min_headroom_s,
+            decode_s=self.decode_s,
+            decode_max_s=self.decode_max_s,
+            closed_reason=self.closed_reason,
+            errors=tuple(self.errors),
+        )
+
+    # ------------------------------------------------------------ tasks
+
+    async def _receive(self) -> None:
+        """Every message from the server, in order, until the connection ends."""
+        try:
+            async for raw in self._ws:
+                if isinstance(raw, bytes):
+                    await self._on_chunk(raw)
+                else:
+                    self._on_text(raw)
+                self._changed.set()
+                if self._ended.is_set():
+                    return
+        except ConnectionClosed as e:
+            self._lost(e)
+            return
+        self._lost(None)
+
+    async def _play_clock(self) -> None:
+        """Advance the buffer every frame, so the state is current even with no chunk arriving."""
+        period = 1.0 / self.ready.fps
+        for _ in range(_max_count(self.config.max_session_s, period)):
+            await asyncio.sleep(period)
+            if self._ended_at is not None:
+                return
+            self._buffer.advance(self.clock())
+
+    async def _report(self) -> None:
+        """A `stats` message every stats_every_s while playing."""
+        period = self.config.stats_every_s
+        for _ in range(_max_count(self.config.max_session_s, period)):
+            await asyncio.sleep(period)
+            if self._ended_at is not None or self._ended.is_set():
+                return
+            s = self._buffer.stats(self.clock())
+            await self._send(P.encode(P.Stats(
+                buffered_s=min(s.buffered_s, P.MAX_STAT), frames_played=min(s.frames_played, int(P.MAX_STAT)),
+                stalls=min(s.stalls, int(P.MAX_STAT)), stall_s=min(s.stall_s, P.MAX_STAT), ttff_s=s.ttff_s,
+                freezes=min(s.freezes, int(P.MAX_STAT)), freeze_s=min(s.freeze_s, P.MAX_STAT),
+                delivered_fps=min(s.delivered_fps, 1000.0),
+            )))
+
+    # ------------------------------------------------------------ messages
+
+    async def _on_chunk(self, raw: bytes) -> None:
+        try:
+            header, units = P.unpack_chunk(raw)
+        except P.ProtocolError as e:
+            self._fail(f"bad chunk from the server: {e}")
+            return
+        self.headers.append(header)
+        t0 = time.perf_counter()
+        if self.config.decode is DecodeMode.NONE:
+            frames = header.frames
+        elif self.config.decode is DecodeMode.THREAD:
+            frames = await asyncio.to_thread(self._decode, units)
+        else:
+            frames = self._decode(units)
+        took = time.perf_counter() - t0
+        self.decode_s += took
+        self.decode_max_s = max(self.decode_max_s, took)
+        if frames <= 0 or self._ended_at is not None:
+            return
+        now = self.clock()
+        buf = self._buffer
+        if self.frames_decoded > 0:  # how close to running dry this chunk came
+            left = buf.stats(now).buffered_s
+            self.min_headroom_s = left if self.min_headroom_s is None else min(self.min_headroom_s, left)
+        self.frames_decoded += frames
+        buf.push(frames, header.prompt_version, now)
+
+    def _decode(self, units: list[bytes]) -> int:
+        """Decode a chunk's access units; returns the frames out (wrong-sized ones are counted as bad)."""
+        n = 0
+        want = (self.ready.height, self.ready.width, 3)
+        for au in units:
+            try:
+                frames = self._decoder.decode(au)
+            except av.FFmpegError as e:
+                self._fail(f"decode: {type(e).__name__}: {e}")
+                continue
+            for f in frames:
+                n += 1
+                if f.shape != want:
+                    self.bad_frames += 1
+        return n
+
+    def _on_text(self, raw: str) -> None:
+        msg = self._parse(raw)
+        if msg is None:
+            return
+        if isinstance(msg, P.Ack):
+            self.acks.append(msg)
+            if msg.request == "set_prompt" and msg.prompt_version is not None and self._unacked_prompts > 0:
+                self._unacked_prompts -= 1
+                if self._ended_at is None:
+                    self._buffer.prompt_acked(msg.prompt_version, self.clock())
+        elif isinstance(msg, P.Error):
+            self._on_error(msg)
+            # A set_prompt the server failed on is answered by an `internal` error instead of an ack
+            # (acks and errors keep the order of the requests); forget it so later acks pair up.
+            if (msg.code is P.ErrorCode.INTERNAL and msg.message.startswith("set_prompt")
+                    and self._unacked_prompts > 0):
+                self._unacked_prompts -= 1
+                self._buffer.prompt_rejected()
+        elif isinstance(msg, P.Closed):
+            self.closed_reason = msg.reason
+            self._finish()
+            self._ended.set()
+        elif isinstance(msg, P.Ready):
+            self._fail("a second ready arrived")
+        # Answer (WebRTC signaling) never comes on a ws-transport stream; ignore it.
+
+    def _parse(self, raw: str):
+        try:
+            return P.parse_server(raw)
+        except P.ProtocolError as e:
+            self._fail(f"bad message from the server: {e}")
+            return None
+
+    def _on_error(self, msg: P.Error) -> None:
+        self.server_errors.append(msg)
+        self.errors.append(f"{msg.code.value}: {msg.message}")
+
+    def _fail(self, text: str) -> None:
+        self.errors.append(text)
+
+    def _lost(self, exc: ConnectionClosed | None) -> None:
+        """The connection ended. Without a `closed` message first, that is an error."""
+        if self._ended.is_set():
+            return
+        if self.closed_reason is None and self._ended_at is None:
+            self._fail(f"connection lost: {_close_text(exc)}")
+        self._finish()
+        self._ended.set()
+        self._changed.set()
+
+
+def _close_text(exc: ConnectionClosed | None) -> str:
+    if exc is None:
+        return "closed by the server without a closed message"
+    rcvd = exc.rcvd
+    return f"code {rcvd.code} {rcvd.reason!r}" if rcvd is not None else "no close frame (the connection dropped)"
+
+
+def _max_count(seconds: float, period: float) -> int:
+    """A loop bound: iterations of ``period`` in ``seconds``, with room to spare."""
+    return int(seconds / period) + 10
+
+
+def stream_url(host: str, port: int) -> str:
+    """The WebSocket URL of a server's stream endpoint."""
+    return f"ws://{host}:{port}{WS_PATH}"
