@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from kvcache import CacheSpec
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -72,6 +74,16 @@ class ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
         return replace(PRESETS[name], **overrides)
+
+    def cache_spec(self, **kw) -> CacheSpec:
+        """The KV cache of one stream of this model; `kw` sets the frames, dtype and storage."""
+        return CacheSpec(
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            tokens_per_frame=self.tokens_per_frame,
+            **kw,
+        )
 
     def flops_per_forward(self, query_frames: int, key_frames: int, batch: int = 1) -> float:
         """Matmul FLOPs of one DiT forward: `query_frames` new frames against `key_frames` visible frames

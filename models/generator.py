@@ -127,12 +127,8 @@ class ChunkGenerator:
     # -- streams ------------------------------------------------------------------------------
 
     def cache_spec(self) -> CacheSpec:
-        mc, c = self.model_cfg, self.cfg
-        return CacheSpec(
-            num_layers=mc.num_layers,
-            num_heads=mc.num_heads,
-            head_dim=mc.head_dim,
-            tokens_per_frame=mc.tokens_per_frame,
+        c = self.cfg
+        return self.model_cfg.cache_spec(
             sink_frames=c.sink_frames,
             window_frames=c.window_frames,
             dtype={torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}[self.model.dtype],

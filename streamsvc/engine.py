@@ -47,7 +47,7 @@ class EngineConfig:
     kv_budget_bytes: int | None = None  # KV pool budget; None: 4 GiB on CPU, 85% of free memory on a GPU
     cpu_threads: int = 1  # torch intra-op threads on CPU (the event loop and encoders need the other cores)
     compile: bool = False  # torch.compile the DiT's elementwise helpers (GPU)
-    warmup_chunks: int = 2  # chunks run at start to measure forward costs before admitting anyone
+    warmup_chunks: int = 3  # chunks run at start to measure forward costs (the first, cold, is not counted)
 
 
 @dataclass
@@ -183,6 +183,11 @@ class Engine:
         budget = cfg.kv_budget_bytes
         if budget is None:
             budget = int(torch.cuda.mem_get_info(device)[0] * 0.85) if device.type == "cuda" else 4 * 2**30
+        spec = self.gen.cache_spec()
+        if spec.quant != "none":  # the dequantization scratch is shared by all streams of the device
+            from kvcache.quant import scratch_bytes
+
+            budget -= scratch_bytes(spec)
         self.pool = CachePool(budget, device)
         self.kv_budget_bytes = budget
         self.sched = Scheduler(cfg.scheduler)
@@ -195,7 +200,7 @@ class Engine:
         state = gen.open_stream("warmup", "warm up", seed=0)
         costs: dict[WorkKind, list[float]] = {k: [] for k in WorkKind}
         enc = StreamEncoder(gen.model_cfg.width, gen.model_cfg.height, 16)
-        for chunk_index in range(max(1, self.config.warmup_chunks)):
+        for chunk_index in range(max(2, self.config.warmup_chunks)):
             if chunk_index == self.config.warmup_chunks - 1:
                 gen.set_prompt(state, "warm up again")
             while True:
@@ -205,8 +210,8 @@ class Engine:
                 if out[0] is not None:
                     enc.encode(out[0].frames, start_index=out[0].first_frame)
                 self._sync()
-                kind = {Work.RECACHE: WorkKind.RECACHE, Work.DENOISE: WorkKind.DENOISE, Work.COMMIT: WorkKind.COMMIT}[work]
-                costs[kind].append(self.clock() - t0)
+                if chunk_index > 0:  # the first chunk pays for lazy initialisation
+                    costs[{v: k for k, v in _WORK.items()}[work]].append(self.clock() - t0)
                 if out[0] is not None:
                     break
         enc.close()
