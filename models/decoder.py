@@ -36,8 +36,9 @@ class TinyStreamingDecoder(nn.Module):
     """A TAEHV-class causal decoder: 2D convolutions with a one-frame temporal memory.
 
     Per latent frame: conv_in, a memory block that mixes in the previous frame's features,
-    a 1x1 temporal upsample to 4 frames, then per frame a 3x3 conv and an 8x pixel shuffle
-    on top of a bilinear colour field. Cheap: its convolutions run at latent resolution.
+    a 1x1 temporal upsample to 4 frames, then per frame a 3x3 conv and, per latent pixel, an
+    8x8 patch of detail over a flat colour. Cheap: its convolutions run at latent resolution
+    and the full-resolution frame is written once, in [N, H, W, 3] order.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -86,12 +87,15 @@ class TinyStreamingDecoder(nn.Module):
         x = x.view(fr * self.tu, -1, h, w)  # [F*tu, ch, h, w]
         if first:  # the stream's first latent frame gives one video frame
             x = x[self.tu - 1 :]
-        x = F.silu(self.frame(x))
-        rgb = F.interpolate(self.color(x), scale_factor=self.su, mode="bilinear", align_corners=False)
-        rgb = rgb + F.pixel_shuffle(self.detail(x), self.su)
-        frames = ((torch.tanh(rgb) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
-        state.frames_out += frames.shape[0]
-        return frames.permute(0, 2, 3, 1).contiguous()  # [N, H, W, 3]
+        x = F.silu(self.frame(x))  # [N, ch, h, w]
+        n, su = x.shape[0], self.su
+        # per latent pixel an 8x8 patch: a flat colour plus detail, written straight into [N, H, W, 3] order
+        color = self.color(x).permute(0, 2, 3, 1)[:, :, None, :, None, :]  # [N, h, 1, w, 1, 3]
+        detail = self.detail(x).view(n, 3, su, su, h, w).permute(0, 4, 2, 5, 3, 1)  # [N, h, su, w, su, 3]
+        rgb = (detail + color).reshape(n, h * su, w * su, 3)
+        frames = rgb.clamp_(-1, 1).add_(1).mul_(127.5).round_().to(torch.uint8)
+        state.frames_out += n
+        return frames  # [N, H, W, 3]
 
 
 def frames_per_chunk(latent_frames: int, first: bool, temporal_upsample: int = 4) -> int:
