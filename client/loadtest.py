@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from client.webrtc_client import WebRtcClient
 from client.ws_client import ClientConfig, DecodeMode, StreamClient, StreamResult, stream_url
 
-TRANSPORTS: dict[str, type] = {"ws": StreamClient}
+TRANSPORTS: dict[str, type] = {"ws": StreamClient, "webrtc": WebRtcClient}
 """transport name -> client class (``cls(url, ClientConfig)``, ``await run(duration_s, prompts) -> StreamResult``)."""
 
 SUBJECTS = (
@@ -155,7 +156,7 @@ class LocalServer:
         return proc.returncode
 
     def log_tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
+        if not self._log.closed:
             self._log.flush()
         try:
             text = self.log_path.read_text(errors="replace").splitlines()
@@ -321,7 +322,8 @@ def summarize(results: Sequence[StreamResult], *, duration_s: float) -> dict:
              "stall_s": _r(r.playback.stall_s), "delivered_fps": _r(r.playback.delivered_fps, 3),
              "chunks": r.chunks, "prompt_versions": len(r.prompt_versions),
              "control_p50_s": _r(percentile(r.playback.control_latencies_s, 50)),
-             "min_headroom_s": _r(r.min_headroom_s), "errors": len(r.errors)}
+             "min_headroom_s": _r(r.min_headroom_s), "errors": len(r.errors),
+             "stall_events": [[_r(t, 3), _r(d, 4)] for t, d in r.stall_events]}
             for r in admitted
         ],
     }
@@ -391,7 +393,7 @@ class _Run:
     first_metrics: dict | None = None
 
 
-async def _progress(run: _Run, every_s: float, duration_s: float) -> None:
+async def _progress(run: _Run, every_s: float, duration_s: float, quiet: bool) -> None:
     """One line every few seconds: open streams, chunks, buffers, stalls, prompts; and a /metrics scrape."""
     prev, prev_t = run.first_metrics, run.started_at
     for _ in range(int((duration_s + 30) / max(every_s, 0.1)) + 2):
@@ -411,7 +413,7 @@ async def _progress(run: _Run, every_s: float, duration_s: float) -> None:
             busy = f"{spent / (now - prev_t):.2f}"
         if m is not None:
             prev, prev_t = m, now
-        if every_s > 0:
+        if not quiet:
             buffered = [s.buffered_s for s in stats]
             print(f"[{now - run.started_at:5.1f} s] open {open_streams:3d}  "
                   f"chunks {sum(c.chunks for c in run.clients):5d}  "
@@ -434,7 +436,7 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     murl = metrics_url(url)
     first = await asyncio.to_thread(scrape_metrics, murl)
     run = _Run(clients, murl, time.monotonic(), first_metrics=first)
-    progress = asyncio.create_task(_progress(run, args.progress_every or 1.0, args.duration))
+    progress = asyncio.create_task(_progress(run, args.progress_every or 1.0, args.duration, quiet=args.progress_every <= 0))
     try:
         results = await asyncio.gather(*(
             c.run(args.duration, prompt_schedule(i, args.streams, args.prompt_every, args.duration))
@@ -450,20 +452,28 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     return report
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run(args) -> int:
     if args.streams < 1 or args.duration <= 0:
         print("streamsvc loadtest: --streams must be >= 1 and --duration > 0", file=sys.stderr)
         return 2
-    server = None
+    server, started = None, False
     wall0, load0 = time.monotonic(), os.getloadavg()
+    old_term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM cleans up like Ctrl-C (no orphaned server)
     try:
         if args.url is None:
             serve_args = ["--preset", args.preset, "--device", args.device, "--policy", args.policy, *args.server_arg]
             if args.buffer_cap is not None:
                 serve_args += ["--buffer-cap", str(args.buffer_cap)]
+            if args.transport == "webrtc":  # keep ICE on loopback (the viewers gather on 127.0.0.1 for a local URL)
+                serve_args += ["--ice-address", "127.0.0.1"]
             server = LocalServer(serve_args, start_timeout_s=args.server_timeout)
             print(f"starting a local server: streamsvc serve {' '.join(serve_args)}", flush=True)
             server.start()
+            started = True
             print(f"server up at {server.ws_url} after {time.monotonic() - wall0:.1f} s", flush=True)
             url = server.ws_url
         else:
@@ -481,9 +491,10 @@ def run(args) -> int:
         print("streamsvc loadtest: interrupted", file=sys.stderr)
         return 130
     finally:
+        signal.signal(signal.SIGTERM, old_term)
         if server is not None:
-            code = server.stop()
-            if code not in (0, None, -signal.SIGTERM):
+            code = server.stop()  # idempotent; SIGTERM -> the server closes its streams gracefully
+            if started and code not in (0, None, -signal.SIGTERM):  # (a failed start was reported above)
                 print(f"streamsvc loadtest: the local server exited with code {code}\n{server.log_tail()}",
                       file=sys.stderr)
             server.cleanup()

@@ -14,8 +14,10 @@ While a stream plays, three tasks run on the event loop:
 
 - the receiver: chunks, acks, errors, ``closed``;
 - the playback clock: advances the buffer every frame (1 / fps);
-- the reporter: a ``stats`` message every ``stats_every_s`` so the server's
-  scheduler sees the viewer's real buffer.
+- the reporter: ``stats`` messages so the server's scheduler sees the viewer's
+  real buffer. One goes out right after a chunk arrives (at most one per
+  ``stats_every_s``), when no other chunk can be in flight; a fallback sends
+  one when none went out for ``2 * stats_every_s`` (stalled or paused).
 
 Every loop is bounded: by the connection's life, by ``max_session_s`` and by a
 count derived from it. Network failures, refusals and server errors end up in
@@ -65,7 +67,7 @@ class ClientConfig:
     prompt: str  # the stream's opening prompt
     seed: int | None = None  # noise seed; None lets the server pick
     fps: int | None = None  # requested frame rate; None takes the server's
-    stats_every_s: float = 0.5  # period of the `stats` messages (0: never send any)
+    stats_every_s: float = 0.5  # least time between `stats` messages (0: never send any); see _on_chunk
     decode: DecodeMode = DecodeMode.INLINE  # where access units are decoded
     open_timeout_s: float = 10.0  # connect + handshake + `ready`/`refused`, in all
     close_timeout_s: float = 2.0  # how long `close()` waits for the server's `closed`
@@ -101,6 +103,7 @@ class StreamResult:
     acks: tuple[tuple[str, int | None], ...]  # (request, prompt_version) of every ack, in order
     prompts_sent: int  # set_prompt messages sent
     min_headroom_s: float | None  # least video left in the buffer when a chunk arrived (after the first)
+    stall_events: tuple[tuple[float, float], ...]  # (seconds from connect to the stall's end, its length), ended stalls
     decode_s: float  # wall time spent decoding, all chunks
     decode_max_s: float  # the slowest chunk's decode
     closed_reason: str | None  # the server's `closed` reason, if one came
@@ -139,6 +142,9 @@ class StreamClient:
         self.decode_s = 0.0
         self.decode_max_s = 0.0
         self.min_headroom_s: float | None = None
+        self.stall_events: list[tuple[float, float]] = []  # (seconds from connect to the stall's end, its length)
+        self._stall_s_seen = 0.0  # stall time of the stalls in stall_events
+        self._last_report = float("-inf")  # when the last stats message went out
         self._ws: ClientConnection | None = None
         self._buffer: PlaybackBuffer | None = None
         self._decoder: StreamDecoder | None = None
@@ -378,6 +384,7 @@ class StreamClient:
             acks=tuple((a.request, a.prompt_version) for a in self.acks),
             prompts_sent=self.prompts_sent,
             min_headroom_s=self.min_headroom_s,
+            stall_events=tuple(self.stall_events),
             decode_s=self.decode_s,
             decode_max_s=self.decode_max_s,
             closed_reason=self.closed_reason,
@@ -412,19 +419,26 @@ class StreamClient:
             self._buffer.advance(self.clock())
 
     async def _report(self) -> None:
-        """A `stats` message every stats_every_s while playing."""
+        """The fallback reporter: a `stats` message when none went out for 2 x stats_every_s (the
+        stream is stalled or paused, so no chunk arrival triggers one; see _on_chunk)."""
         period = self.config.stats_every_s
         for _ in range(_max_count(self.config.max_session_s, period)):
             await asyncio.sleep(period)
             if self._ended_at is not None or self._ended.is_set():
                 return
-            s = self._buffer.stats(self.clock())
-            await self._send(P.encode(P.Stats(
-                buffered_s=min(s.buffered_s, P.MAX_STAT), frames_played=min(s.frames_played, int(P.MAX_STAT)),
-                stalls=min(s.stalls, int(P.MAX_STAT)), stall_s=min(s.stall_s, P.MAX_STAT), ttff_s=s.ttff_s,
-                freezes=min(s.freezes, int(P.MAX_STAT)), freeze_s=min(s.freeze_s, P.MAX_STAT),
-                delivered_fps=min(s.delivered_fps, 1000.0),
-            )))
+            if self.clock() - self._last_report >= 2 * period:
+                await self._send_stats()
+
+    async def _send_stats(self) -> None:
+        now = self.clock()
+        self._last_report = now
+        s = self._buffer.stats(now)
+        await self._send(P.encode(P.Stats(
+            buffered_s=min(s.buffered_s, P.MAX_STAT), frames_played=min(s.frames_played, int(P.MAX_STAT)),
+            stalls=min(s.stalls, int(P.MAX_STAT)), stall_s=min(s.stall_s, P.MAX_STAT), ttff_s=s.ttff_s,
+            freezes=min(s.freezes, int(P.MAX_STAT)), freeze_s=min(s.freeze_s, P.MAX_STAT),
+            delivered_fps=min(s.delivered_fps, 1000.0),
+        )))
 
     # ------------------------------------------------------------ messages
 
@@ -452,8 +466,19 @@ class StreamClient:
         if self.frames_decoded > 0:  # how close to running dry this chunk came
             left = buf.stats(now).buffered_s
             self.min_headroom_s = left if self.min_headroom_s is None else min(self.min_headroom_s, left)
+        stalled = buf.state is PlaybackState.STALLED
         self.frames_decoded += frames
         buf.push(frames, header.prompt_version, now)
+        if stalled:  # this chunk ends a stall
+            total = buf.stats().stall_s
+            self.stall_events.append((now - self._connected_at, total - self._stall_s_seen))
+            self._stall_s_seen = total
+        # Report the buffer right after a chunk arrived: the server's buffer cap keeps the next chunk from
+        # being delivered for about (cap - chunk) seconds, so no chunk is in flight that the report would
+        # miss. (A report taken while a chunk travels tells the server the viewer lacks that chunk: it
+        # then makes one more, at a busy moment, and the viewer's buffer overshoots the cap.)
+        if self.config.stats_every_s > 0 and now - self._last_report >= self.config.stats_every_s:
+            await self._send_stats()
 
     def _decode(self, units: list[bytes]) -> int:
         """Decode a chunk's access units; returns the frames out (wrong-sized ones are counted as bad)."""

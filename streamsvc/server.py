@@ -29,6 +29,7 @@ from websockets.http11 import Request, Response
 from streamsvc import protocol as P
 from streamsvc.engine import ChunkOut, Engine, EngineConfig
 from streamsvc.session import Session, SessionState
+from streamsvc.transport.webrtc import SignalingError, WebRtcConfig, WebRtcTransport
 
 log = logging.getLogger("streamsvc.server")
 
@@ -42,6 +43,7 @@ class ServerConfig:
     port: int = 8000  # 0: any free port (see Server.port)
     static_dir: str | None = None  # the browser player's files, served at / (None: no player)
     max_streams: int = 256  # hard cap on open streams, whatever the admission says
+    webrtc: WebRtcConfig = WebRtcConfig()  # ICE servers and candidate addresses of WebRTC streams
 
 
 class Metrics:
@@ -77,6 +79,7 @@ class Server:
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server = None
+        self.webrtc: dict[str, WebRtcTransport] = {}  # stream id -> its peer connection, for transport 'webrtc'
         self.engine = Engine(engine_config, on_chunk=self._from_engine(self._on_chunk),
                              on_error=self._from_engine(self._on_error))
 
@@ -226,9 +229,6 @@ class Server:
             await ws.send(P.encode(msg))
 
     async def _start(self, ws: ServerConnection, msg: P.Start) -> Session | None:
-        if msg.transport == "webrtc":
-            await ws.send(P.encode(P.Error(code=P.ErrorCode.INVALID_FIELD, message="transport 'webrtc' is not served here yet; use 'ws'")))
-            return None
         if len(self.sessions) >= self.config.max_streams:
             self.metrics.refused.inc()
             await ws.send(P.encode(P.Error(code=P.ErrorCode.REFUSED, message=f"server is at its cap of {self.config.max_streams} streams")))
@@ -259,6 +259,11 @@ class Server:
             stream_id=stream_id, fps=fps, width=gen_cfg.width, height=gen_cfg.height,
             first_chunk_frames=gen.frames_in_chunk(0), chunk_frames=gen.frames_in_chunk(1), prompt_version=0,
         )))
+        if msg.transport == "webrtc":  # frames go on a peer connection once the viewer's offer is answered
+            self.webrtc[stream_id] = WebRtcTransport(
+                session, self.engine, self.config.webrtc,
+                on_control=lambda m: self._control(session, m), on_lost=lambda reason: self._end(session, reason),
+            )
         return session
 
     async def _control(self, session: Session, msg) -> None:
@@ -285,26 +290,49 @@ class Server:
             elif isinstance(msg, P.Close):
                 await self._end(session, "closed by client")
             elif isinstance(msg, P.Offer):
-                session.outbox.put_nowait(P.Error(code=P.ErrorCode.INVALID_FIELD, message="WebRTC offers are not served here yet"))
+                rtc = self.webrtc.get(sid)
+                if rtc is None:
+                    session.outbox.put_nowait(P.Error(code=P.ErrorCode.INVALID_FIELD, message=(
+                        "this stream's transport is 'ws'; send start with transport 'webrtc' to use an offer")))
+                    return
+                try:
+                    session.outbox.put_nowait(P.Answer(sdp=await rtc.answer(msg.sdp)))
+                except SignalingError as e:
+                    session.outbox.put_nowait(P.Error(code=P.ErrorCode.INVALID_FIELD, message=str(e)[: P.MAX_TEXT_CHARS]))
         except Exception as e:  # noqa: BLE001 - a failed request is reported, the stream goes on
             if session.closed:
                 return
             session.outbox.put_nowait(P.Error(code=P.ErrorCode.INTERNAL, message=f"{msg.type} failed: {e}"[: P.MAX_TEXT_CHARS]))
 
     async def _sender(self, ws: ServerConnection, session: Session) -> None:
-        """Sends the session's outbox in order: chunks as binary, messages as text, None ends."""
+        """Sends the session's outbox in order: chunks as binary, messages as text, None ends.
+
+        A WebRTC stream's chunks go to its track instead, and its messages on its data channel once that is open.
+        """
+        rtc = self.webrtc.get(session.stream_id)
+        try:
+            await self._send_outbox(ws, session, rtc)
+        finally:
+            if rtc is not None:
+                self.webrtc.pop(session.stream_id, None)
+                await asyncio.shield(rtc.close())  # the peer connection closes even if this task is cancelled
+
+    async def _send_outbox(self, ws: ServerConnection, session: Session, rtc: WebRtcTransport | None) -> None:
         while True:
             item = await session.outbox.get()
             if item is None:
                 return
             try:
                 if isinstance(item, ChunkOut):
-                    await ws.send(item.payload)
+                    if rtc is not None:
+                        rtc.feed(item)  # the track sends its frames (and the header) at the stream's pace
+                    else:
+                        await ws.send(item.payload)
                     session.delivered(self._loop.time())
                     self.metrics.chunks.inc()
                     if session.chunks_sent == 1 and session.ttff_s is not None:
                         self.metrics.ttff.observe(session.ttff_s)
-                else:
+                elif rtc is None or not rtc.send_control(item):
                     await ws.send(P.encode(item))
             except ConnectionClosed:
                 return

@@ -1,0 +1,315 @@
+// streamsvc browser player: WebRTC video, signaling and control on the service's own endpoints.
+//
+// 1. WebSocket to /ws: {"type": "start", "prompt": ..., "transport": "webrtc"} -> "ready"
+//    (or an "error" with code "refused": the page says why).
+// 2. RTCPeerConnection (no STUN/TURN), a recvonly H.264 video transceiver and a data channel
+//    named "control"; the offer goes on the WebSocket once ICE gathering is complete, the
+//    server's "answer" comes back there.
+// 3. The data channel carries the same JSON messages as the WebSocket: "chunk" headers (stream
+//    frame index -> prompt version), "ack", "error", "closed"; the page sends "set_prompt" on it.
+// 4. requestVideoFrameCallback gives each frame's RTP timestamp; frame index = first chunk's pts
+//    + (rtp - first rtp) * fps / 90000, and the chunk headers give its prompt version. getStats()
+//    gives freezeCount / totalFreezesDuration.
+//
+// window.player holds the page's state (read by the end-to-end test).
+"use strict";
+
+(() => {
+  const RTP_CLOCK_HZ = 90000;
+  const H264_PROFILE = "42e01f";  // constrained baseline, what the server's encoder makes
+  const GATHER_TIMEOUT_MS = 5000;
+  const ANSWER_TIMEOUT_MS = 15000;
+  const MAX_HEADERS = 256;
+
+  const $ = (id) => document.getElementById(id);
+  const video = $("video");
+  const input = $("prompt");
+  const button = $("send");
+
+  const player = window.player = {
+    phase: "idle",          // idle, connecting, negotiating, playing, closed, refused, failed
+    streamId: null,
+    fps: null,
+    ttffMs: null,           // start pressed -> first frame on screen
+    presentedFps: 0,        // frames on screen over the last second
+    framesPresented: 0,
+    framesDecoded: 0,       // getStats inbound-rtp
+    freezeCount: 0,         // getStats inbound-rtp (W3C)
+    totalFreezesDuration: 0,
+    versionOnScreen: null,  // prompt version of the frame on screen
+    promptVersion: 0,       // newest version acknowledged by the server
+    steerLatenciesMs: [],   // set_prompt sent -> first frame under it on screen
+    chunks: 0,
+    acks: [],
+    errors: [],
+    message: null,          // the banner's text, if any
+    closedReason: null,
+  };
+
+  let ws = null, pc = null, channel = null;
+  let headers = [];            // chunk headers, oldest first
+  let rtp0 = null, pts0 = null;
+  let startedAt = 0;
+  let presentTimes = [];
+  let pendingSteers = [];      // {sentAt, version|null}
+  let ended = false;
+  let statsTimer = null, answerTimer = null;
+
+  // ------------------------------------------------------------ UI
+
+  function setPhase(phase) {
+    player.phase = phase;
+    const el = $("phase");
+    el.textContent = phase;
+    el.className = "phase " + phase;
+    button.textContent = phase === "playing" || phase === "negotiating" || phase === "connecting" ? "Steer" : "Start";
+  }
+
+  function banner(text, kind = "error", reconnect = false) {
+    player.message = text;
+    const el = $("banner");
+    el.hidden = !text;
+    el.className = "banner " + (kind === "info" ? "info" : "");
+    $("banner-text").textContent = text || "";
+    $("reconnect").hidden = !reconnect;
+  }
+
+  function fmt(x, digits, unit) { return x === null || x === undefined ? "-" : x.toFixed(digits) + unit; }
+
+  function renderOverlay() {
+    $("o-ttff").textContent = fmt(player.ttffMs === null ? null : player.ttffMs / 1000, 2, " s");
+    $("o-fps").textContent = player.framesPresented ? player.presentedFps.toFixed(1) : "-";
+    $("o-version").textContent = player.versionOnScreen === null ? "-" : "v" + player.versionOnScreen;
+    $("o-freezes").textContent = `${player.freezeCount} (${player.totalFreezesDuration.toFixed(2)} s)`;
+    const lat = player.steerLatenciesMs;
+    $("o-steer").textContent = lat.length ? (lat[lat.length - 1] / 1000).toFixed(2) + " s" : "-";
+    $("o-frames").textContent = `${player.framesPresented} shown, ${player.framesDecoded} decoded`;
+  }
+
+  // ------------------------------------------------------------ session
+
+  function wsUrl() {
+    return (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/ws";
+  }
+
+  function reset() {
+    ended = false;
+    headers = []; rtp0 = null; pts0 = null; presentTimes = []; pendingSteers = [];
+    Object.assign(player, {
+      streamId: null, fps: null, ttffMs: null, presentedFps: 0, framesPresented: 0, framesDecoded: 0,
+      freezeCount: 0, totalFreezesDuration: 0, versionOnScreen: null, promptVersion: 0,
+      steerLatenciesMs: [], chunks: 0, acks: [], errors: [], closedReason: null,
+    });
+    banner(null);
+  }
+
+  function start(prompt) {
+    teardown();
+    reset();
+    startedAt = performance.now();
+    setPhase("connecting");
+    ws = new WebSocket(wsUrl());
+    ws.onopen = () => ws.send(JSON.stringify({ type: "start", prompt, transport: "webrtc" }));
+    ws.onmessage = (e) => onMessage(e.data);
+    ws.onerror = () => {};  // onclose follows with the code
+    ws.onclose = (e) => {
+      if (!ended) fail(`Lost the connection to the server (WebSocket closed, code ${e.code}${e.reason ? ": " + e.reason : ""}).`);
+    };
+  }
+
+  async function negotiate() {
+    setPhase("negotiating");
+    pc = new RTCPeerConnection({ iceServers: [] });
+    channel = pc.createDataChannel("control");
+    channel.onmessage = (e) => onMessage(e.data);
+    const transceiver = pc.addTransceiver("video", { direction: "recvonly" });
+    const codecs = RTCRtpReceiver.getCapabilities("video").codecs;
+    const h264 = codecs.filter((c) => c.mimeType.toLowerCase() === "video/h264"
+      && /packetization-mode=1/.test(c.sdpFmtpLine || "") && (c.sdpFmtpLine || "").includes("profile-level-id=" + H264_PROFILE));
+    if (!h264.length) {
+      fail("This browser cannot receive H.264 (constrained baseline) over WebRTC, the only codec the server sends.");
+      return;
+    }
+    transceiver.setCodecPreferences([...h264, ...codecs.filter((c) => c.mimeType.toLowerCase() === "video/rtx")]);
+    pc.ontrack = (e) => {
+      video.srcObject = new MediaStream([e.track]);
+      video.play().catch((err) => banner(`The browser would not start playback: ${err.message}`, "info"));
+    };
+    pc.onconnectionstatechange = () => {
+      if (!pc || ended) return;
+      const s = pc.connectionState;
+      if (s === "failed") fail("The video connection failed (ICE/DTLS): no network path to the server.");
+      else if (s === "disconnected") banner("The video connection is interrupted; waiting for it to come back...", "info");
+      else if (s === "connected" && player.message && player.message.startsWith("The video connection is interrupted")) banner(null);
+    };
+    await pc.setLocalDescription(await pc.createOffer());
+    await gatheringComplete(pc, GATHER_TIMEOUT_MS);
+    if (ended) return;
+    ws.send(JSON.stringify({ type: "offer", sdp: pc.localDescription.sdp }));
+    answerTimer = setTimeout(() => { if (player.phase === "negotiating") fail("The server did not answer the WebRTC offer in time."); }, ANSWER_TIMEOUT_MS);
+    video.requestVideoFrameCallback(onVideoFrame);
+    statsTimer = setInterval(pollStats, 1000);
+  }
+
+  function gatheringComplete(peer, timeoutMs) {
+    if (peer.iceGatheringState === "complete") return Promise.resolve();
+    return new Promise((resolve) => {
+      const timer = setTimeout(done, timeoutMs);  // send what was gathered by then
+      function done() { clearTimeout(timer); peer.removeEventListener("icegatheringstatechange", check); resolve(); }
+      function check() { if (peer.iceGatheringState === "complete") done(); }
+      peer.addEventListener("icegatheringstatechange", check);
+    });
+  }
+
+  function send(msg) {
+    const text = JSON.stringify(msg);
+    if (channel && channel.readyState === "open") channel.send(text);
+    else if (ws && ws.readyState === WebSocket.OPEN) ws.send(text);
+    else return false;
+    return true;
+  }
+
+  function steer(prompt) {
+    if (!send({ type: "set_prompt", prompt })) return;
+    pendingSteers.push({ sentAt: performance.now(), version: null });
+    $("prompt-status").textContent = `Sent: "${prompt}"; waiting for the server...`;
+  }
+
+  function onMessage(raw) {
+    let msg;
+    try { msg = JSON.parse(raw); } catch (e) { player.errors.push("bad JSON from the server"); return; }
+    switch (msg.type) {
+      case "ready":
+        player.streamId = msg.stream_id;
+        player.fps = msg.fps;
+        document.querySelector(".stage").style.aspectRatio = `${msg.width} / ${msg.height}`;
+        negotiate().catch((e) => fail(`WebRTC setup failed: ${e.message}`));
+        break;
+      case "answer":
+        clearTimeout(answerTimer);
+        pc.setRemoteDescription({ type: "answer", sdp: msg.sdp })
+          .then(() => setPhase("playing"))
+          .catch((e) => fail(`The server's answer could not be applied: ${e.message}`));
+        break;
+      case "chunk":
+        headers.push(msg);
+        if (headers.length > MAX_HEADERS) headers.splice(0, headers.length - MAX_HEADERS);
+        if (pts0 === null) pts0 = msg.pts;
+        player.chunks += 1;
+        break;
+      case "ack":
+        player.acks.push(msg);
+        if (msg.request === "set_prompt") {
+          const steer = pendingSteers.find((s) => s.version === null);
+          if (steer) steer.version = msg.prompt_version;
+          player.promptVersion = msg.prompt_version;
+          $("prompt-status").textContent = `Prompt v${msg.prompt_version} accepted; it shows up within a chunk or two.`;
+        }
+        break;
+      case "error":
+        player.errors.push(`${msg.code}: ${msg.message}`);
+        if (msg.code === "refused") {
+          ended = true;
+          setPhase("refused");
+          banner(`The server refused the stream: ${msg.message}`, "error", true);
+          teardown();
+        } else {
+          banner(`Server error (${msg.code}): ${msg.message}`, "info");
+        }
+        break;
+      case "closed":
+        if (ended) break;
+        ended = true;
+        player.closedReason = msg.reason;
+        setPhase("closed");
+        banner(`The stream ended: ${msg.reason}.`, "info", true);
+        teardown();
+        break;
+    }
+  }
+
+  function fail(text) {
+    if (ended) return;
+    ended = true;
+    setPhase("failed");
+    banner(text, "error", true);
+    teardown();
+  }
+
+  function teardown() {
+    clearInterval(statsTimer); statsTimer = null;
+    clearTimeout(answerTimer);
+    if (channel) { channel.onmessage = null; try { channel.close(); } catch (e) {} }
+    if (pc) { pc.onconnectionstatechange = null; pc.close(); }
+    if (ws) {
+      ws.onclose = null; ws.onmessage = null;
+      ws.close();  // the server closes the stream and frees it
+    }
+    channel = null; pc = null; ws = null;
+  }
+
+  // ------------------------------------------------------------ frames and stats
+
+  function versionOf(index) {
+    for (let i = headers.length - 1; i >= 0; i--) {
+      const h = headers[i];
+      if (h.pts <= index && index < h.pts + h.frames) return h.prompt_version;
+      if (h.pts + h.frames <= index) return null;
+    }
+    return null;
+  }
+
+  function onVideoFrame(now, meta) {
+    if (!pc) return;
+    const t = performance.now();
+    player.framesPresented += 1;
+    if (player.ttffMs === null) player.ttffMs = t - startedAt;
+    presentTimes.push(t);
+    while (presentTimes.length && presentTimes[0] <= t - 1000) presentTimes.shift();
+    player.presentedFps = presentTimes.length;
+    if (meta.rtpTimestamp !== undefined && player.fps && pts0 !== null) {
+      if (rtp0 === null) rtp0 = meta.rtpTimestamp;
+      const index = pts0 + Math.round(((meta.rtpTimestamp - rtp0) >>> 0) * player.fps / RTP_CLOCK_HZ);
+      const version = versionOf(index);
+      if (version !== null) {
+        player.versionOnScreen = version;
+        pendingSteers = pendingSteers.filter((s) => {
+          if (s.version === null || version < s.version) return true;
+          player.steerLatenciesMs.push(t - s.sentAt);
+          return false;
+        });
+      }
+    }
+    video.requestVideoFrameCallback(onVideoFrame);
+  }
+
+  async function pollStats() {
+    if (!pc) return;
+    const report = await pc.getStats();
+    report.forEach((s) => {
+      if (s.type === "inbound-rtp" && s.kind === "video") {
+        player.framesDecoded = s.framesDecoded || 0;
+        player.freezeCount = s.freezeCount || 0;
+        player.totalFreezesDuration = s.totalFreezesDuration || 0;
+      }
+    });
+  }
+
+  // ------------------------------------------------------------ wiring
+
+  $("prompt-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    const prompt = input.value.trim();
+    if (!prompt) return;
+    if (player.streamId !== null && !ended) steer(prompt);  // admitted: steer the stream
+    else if (player.phase !== "connecting") start(prompt);
+  });
+  $("reconnect").addEventListener("click", () => start(input.value.trim() || "a lighthouse in a storm"));
+  window.addEventListener("pagehide", teardown);
+  setInterval(renderOverlay, 250);
+  renderOverlay();
+
+  const params = new URLSearchParams(location.search);
+  if (params.has("prompt")) input.value = params.get("prompt");
+  if (params.get("autostart") !== "0") start(input.value.trim());
+})();

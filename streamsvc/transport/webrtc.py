@@ -1,0 +1,544 @@
+"""WebRTC delivery through aiortc: one paced track and one data channel per stream.
+
+What goes where
+---------------
+- Video: ``PacketTrack``, an aiortc ``VideoStreamTrack`` whose ``recv()``
+  awaits the stream's frame queue and returns the stream's own ``av.Packet``
+  (Annex-B, pts on the 90 kHz clock, ``time_base`` 1/90000), one per frame,
+  paced at the stream's fps. aiortc only packetizes a packet it is given
+  (``H264Encoder.pack``): a stream is encoded once whatever the transport.
+  The RTP timestamp of stream frame i is ``origin + i * 90000 // fps``.
+- Control: a data channel named ``control``, opened by the viewer, carries
+  the same JSON messages as the WebSocket (``streamsvc.protocol``): the
+  viewer's ``set_prompt``/``pause``/``resume``/``close``, the server's
+  ``ack``/``error``/``closed``, and each chunk's ``chunk`` header, sent when
+  the track sends the chunk's first frame, so a viewer maps frames (by RTP
+  timestamp) to prompt versions. Before the channel opens, server messages
+  go on the WebSocket; ``closed`` goes on both.
+- Signaling: on the WebSocket, after ``start`` with ``transport: "webrtc"``
+  and ``ready``: the viewer's ``offer`` (complete: it waited for ICE gathering,
+  no trickle), the server's ``answer`` (also complete).
+
+H.264 only: the server's transceiver prefers exactly H.264 packetization-mode 1,
+profile-level-id 42e01f (constrained baseline, up to level 3.1), which is
+what our x264 ultrafast/zerolatency encoder makes (profile_idc 66 with
+constraint_set0/1, no CABAC, no B-frames). An offer without it is refused
+with a message that says so.
+
+The viewer's buffer, as the scheduler sees it: the frames queued in the track
+and not yet sent. The viewer stalls exactly when that queue is empty at a
+frame's due time (its jitter buffer is a few frames at most), so every time
+the track takes or gets frames it reports the queue with
+``engine.observe_buffer(stream_id, frames_queued)``. (The frame on screen is
+counted as played: one frame of margin for the network and the decoder. With
+it counted too, the slack scheduler ran chunks to within milliseconds of
+their due time and a busy 2-core machine saw stalls of a few ms.) A WebRTC viewer therefore
+needs to send no ``stats``. A picture loss (RTCP PLI or FIR) from the viewer
+becomes ``engine.request_keyframe(stream_id)``: the next chunk starts with an
+IDR.
+
+ICE: no STUN/TURN unless configured (``RTCConfiguration(iceServers=[])``; with
+``None`` aiortc would ask a public STUN server). aioice gathers host
+candidates on every interface except 127.0.0.1; ``WebRtcConfig.ice_addresses``
+(``streamsvc serve --ice-address``) picks the addresses instead, through
+``gather_on``, so tests and load tests keep all ICE traffic on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import ipaddress
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import aioice.ice
+import av
+from aiortc import (
+    RTCConfiguration,
+    RTCIceServer,
+    RTCPeerConnection,
+    RTCRtpCodecCapability,
+    RTCRtpSender,
+    RTCSessionDescription,
+    VideoStreamTrack,
+)
+from aiortc.mediastreams import MediaStreamError
+
+from streamsvc import protocol as P
+from streamsvc.session import SessionState
+
+log = logging.getLogger("streamsvc.webrtc")
+
+CONTROL_CHANNEL = "control"
+"""Label of the data channel that carries the protocol's JSON messages."""
+H264_PROFILE_LEVEL_ID = "42e01f"
+"""Constrained baseline, level 3.1: what the stream encoder makes (128x128 up to 832x480 at 30 fps fit 3.1)."""
+H264_PACKETIZATION_MODE = "1"
+KEYFRAME_REQUEST_MIN_INTERVAL_S = 0.25
+"""PLIs closer together than this ask the encoder for one keyframe (a decoder repeats its PLI until one comes)."""
+_POLL_S = 0.25  # longest single wait in a bounded loop
+
+
+class SignalingError(ValueError):
+    """An offer the server cannot answer; the message says why and what to change."""
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class IceServer:
+    """A STUN or TURN server, as in the browser's ``RTCIceServer``."""
+
+    url: str  # stun:host:port, stuns:, turn:host:port?transport=udp or turns:
+    username: str | None = None  # TURN only
+    credential: str | None = None  # TURN only
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("stun:", "stuns:", "turn:", "turns:")):
+            raise ValueError(f"ICE server {self.url!r}: the URL must start with stun:, stuns:, turn: or turns:")
+        if self.url.startswith("turn") and (self.username is None or self.credential is None):
+            raise ValueError(f"TURN server {self.url!r} needs a username and a credential: URL,USERNAME,CREDENTIAL")
+
+    @classmethod
+    def parse(cls, text: str) -> IceServer:
+        """``URL`` or ``URL,USERNAME,CREDENTIAL`` (the command line's ``--ice-server``)."""
+        parts = text.split(",")
+        if len(parts) not in (1, 3):
+            raise ValueError(f"ICE server {text!r}: expected URL or URL,USERNAME,CREDENTIAL")
+        return cls(*parts) if len(parts) == 3 else cls(parts[0])
+
+
+@dataclass(frozen=True)
+class WebRtcConfig:
+    """How the server's peer connections find their viewers."""
+
+    ice_servers: tuple[IceServer, ...] = ()  # STUN/TURN servers; () = none, host candidates only
+    ice_addresses: tuple[str, ...] | None = None  # host candidates on exactly these IPs; None = aioice's pick
+    gather_timeout_s: float = 10.0  # ICE gathering before the answer, at most
+    connect_timeout_s: float = 20.0  # answer sent -> connected, else the stream ends
+    channel_wait_s: float = 2.0  # the track holds its first frame this long at most for the control channel
+    max_frame_wait_s: float = 3600.0  # a track waiting this long for a frame (stalled or paused) ends
+
+    def __post_init__(self) -> None:
+        if self.ice_addresses is not None:
+            if not self.ice_addresses:
+                raise ValueError("ice_addresses is empty: give at least one IP (e.g. 127.0.0.1) or None for every interface")
+            for address in self.ice_addresses:
+                try:
+                    ipaddress.ip_address(address)
+                except ValueError:
+                    raise ValueError(f"ICE address {address!r} is not an IP address (e.g. 127.0.0.1 or ::1)") from None
+        for name in ("gather_timeout_s", "connect_timeout_s", "channel_wait_s", "max_frame_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
+
+
+def rtc_configuration(ice_servers: Sequence[IceServer] = ()) -> RTCConfiguration:
+    """aiortc's configuration: exactly these ICE servers (an empty list, not None: no public STUN)."""
+    return RTCConfiguration(
+        iceServers=[RTCIceServer(urls=s.url, username=s.username, credential=s.credential) for s in ice_servers]
+    )
+
+
+def h264_preferences() -> list[RTCRtpCodecCapability]:
+    """Codec preferences for a video transceiver: H.264 mode 1 constrained baseline, with its RTX."""
+    codecs = RTCRtpSender.getCapabilities("video").codecs
+    h264 = [
+        c for c in codecs
+        if c.mimeType.lower() == "video/h264"
+        and c.parameters.get("packetization-mode") == H264_PACKETIZATION_MODE
+        and c.parameters.get("profile-level-id") == H264_PROFILE_LEVEL_ID
+    ]
+    if not h264:  # aiortc changed its codec table; nothing would negotiate
+        raise RuntimeError(f"aiortc offers no H.264 {H264_PROFILE_LEVEL_ID} packetization-mode 1 codec")
+    return h264 + [c for c in codecs if c.mimeType.lower() == "video/rtx"]
+
+
+# ---------------------------------------------------------------- ICE host addresses
+
+_host_addresses: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "streamsvc_ice_host_addresses", default=None
+)
+
+
+def _install_address_hook() -> None:
+    """Route aioice's host-address lookup through ``_host_addresses`` (once; without a choice it is aioice's own)."""
+    current = aioice.ice.get_host_addresses
+    if getattr(current, "streamsvc_hook", False):
+        return
+
+    def get_host_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
+        chosen = _host_addresses.get()
+        if chosen is None:
+            return current(use_ipv4, use_ipv6)
+        return [a for a in chosen if (use_ipv6 if ":" in a else use_ipv4)]
+
+    get_host_addresses.streamsvc_hook = True  # type: ignore[attr-defined]
+    aioice.ice.get_host_addresses = get_host_addresses
+
+
+@contextlib.contextmanager
+def gather_on(addresses: Sequence[str] | None) -> Iterator[None]:
+    """ICE gathering started inside this block uses exactly ``addresses`` as host candidates.
+
+    aioice looks its host addresses up with ``aioice.ice.get_host_addresses``
+    (every interface but 127.0.0.1). This wraps that function once, process
+    wide, with one that answers from a context variable, so the choice holds
+    for the current task and the tasks it starts (aiortc gathers in
+    ``setLocalDescription``), and for nothing else: other connections in the
+    process keep their own choice. ``None`` keeps aioice's default. Use it as
+    ``with gather_on(["127.0.0.1"]): await pc.setLocalDescription(...)``.
+    """
+    if addresses is None:
+        yield
+        return
+    _install_address_hook()
+    token = _host_addresses.set(tuple(addresses))
+    try:
+        yield
+    finally:
+        _host_addresses.reset(token)
+
+
+async def complete_local_description(
+    pc: RTCPeerConnection, description: RTCSessionDescription, addresses: Sequence[str] | None, timeout_s: float
+) -> str:
+    """Set the local description, gathering every candidate first; the SDP with its full candidate list."""
+    with gather_on(addresses):
+        async with asyncio.timeout(timeout_s):
+            await pc.setLocalDescription(description)
+    return pc.localDescription.sdp
+
+
+# ---------------------------------------------------------------- the track
+
+
+class PacketTrack(VideoStreamTrack):
+    """A stream's video as aiortc sees it: ``recv()`` returns the stream's own packets, paced at ``fps``.
+
+    ``push`` queues a chunk's packets. Frame k after the last (re)start is due
+    at ``anchor + k / fps``; ``recv`` sleeps until then and returns the next
+    queued packet. When the queue is empty at a frame's due time the viewer
+    stalls: ``recv`` waits for the next packet, returns it on arrival and
+    paces from there (the same rule as ``client.playback``). While
+    ``is_paused()`` it holds the next frame and paces afresh on resume.
+
+    Callbacks (on the event loop): ``on_frame(header, buffered)`` for each
+    frame returned, with the chunk's header on its first frame (None on the
+    others); ``on_queue(buffered)`` when packets are pushed; ``on_stall()``
+    when a stall starts. ``buffered`` is ``frames_queued``: the frame sent
+    last counts as played (it still has to cross the network and the viewer's
+    decoder), which leaves the scheduler one frame of margin for that trip.
+    """
+
+    def __init__(
+        self,
+        fps: int,
+        *,
+        on_frame: Callable[[P.Chunk | None, float], None] = lambda header, buffered: None,
+        on_queue: Callable[[float], None] = lambda buffered: None,
+        on_stall: Callable[[], None] = lambda: None,
+        is_paused: Callable[[], bool] = lambda: False,
+        start_gate: Callable[[], Awaitable[object]] | None = None,
+        max_frame_wait_s: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        if not fps > 0:
+            raise ValueError(f"fps must be > 0, got {fps!r}")
+        self.fps = fps
+        self._on_frame, self._on_queue, self._on_stall = on_frame, on_queue, on_stall
+        self._is_paused = is_paused
+        self._start_gate = start_gate  # awaited (bounded by the caller) before the first frame
+        self._max_frame_wait_s = max_frame_wait_s
+        self._clock = clock
+        self._queue: deque[tuple[av.Packet, P.Chunk | None]] = deque()
+        self._arrived = asyncio.Event()
+        self._anchor: float | None = None  # due time of frame k = anchor + k / fps; None: next frame goes at once
+        self._k = 0
+        self.frames_sent = 0
+        self.stalls = 0  # times the queue was empty at a frame's due time
+        self.stall_s = 0.0
+
+    @property
+    def frames_queued(self) -> int:
+        """Frames pushed and not yet sent."""
+        return len(self._queue)
+
+    def push(self, packets: Sequence[av.Packet], header: P.Chunk) -> None:
+        """Queue one chunk: its packets in frame order, its header sent with the first."""
+        if len(packets) != header.frames:
+            raise ValueError(f"chunk {header.index}: {len(packets)} packets for a header of {header.frames} frames")
+        for i, packet in enumerate(packets):
+            self._queue.append((packet, header if i == 0 else None))
+        self._arrived.set()
+        self._on_queue(float(len(self._queue)))
+
+    async def recv(self) -> av.Packet:
+        if self.readyState != "live":
+            raise MediaStreamError
+        if self._start_gate is not None:
+            gate, self._start_gate = self._start_gate, None
+            await gate()
+        if self._anchor is not None:
+            delay = self._anchor + self._k / self.fps - self._clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        waited = await self._wait_for_frame()
+        now = self._clock()
+        if waited or self._anchor is None:
+            self._anchor, self._k = now, 0  # pace afresh from this frame
+        self._k += 1
+        packet, header = self._queue.popleft()
+        self.frames_sent += 1
+        self._on_frame(header, float(len(self._queue)))
+        return packet
+
+    async def _wait_for_frame(self) -> bool:
+        """Wait until a frame is queued and the stream is not paused. True if it had to wait (a stall or a pause)."""
+        stalled_at: float | None = None
+        waited = False
+        for _ in range(int(self._max_frame_wait_s / _POLL_S) + 1):
+            if self.readyState != "live":
+                raise MediaStreamError
+            paused = self._is_paused()
+            if self._queue and not paused:
+                if stalled_at is not None:
+                    self.stall_s += self._clock() - stalled_at
+                return waited
+            waited = True
+            if not self._queue and not paused and stalled_at is None and self._anchor is not None:
+                stalled_at = self._clock()
+                self.stalls += 1
+                self._on_stall()
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), _POLL_S)
+        self.stop()
+        raise MediaStreamError(f"no frame to send for {self._max_frame_wait_s:g} s")
+
+
+# ---------------------------------------------------------------- the server side of one stream
+
+
+class WebRtcTransport:
+    """One stream's peer connection on the server: answers the offer, sends the track, runs the channel.
+
+    The server feeds it: ``feed(chunk)`` for each ``ChunkOut`` (its
+    ``packets`` and ``header``), ``send_control(msg)`` for each server
+    message. It calls back: ``on_control(msg)`` (awaited, in order) for each
+    viewer message from the data channel, ``on_lost(reason)`` once when the
+    connection fails or never comes up. ``engine`` is the stream's engine
+    (``observe_buffer``, ``request_keyframe``); ``session`` its session (its
+    ``stream_id``, ``fps``, ``state`` and ``outbox``).
+    """
+
+    def __init__(
+        self,
+        session,
+        engine,
+        config: WebRtcConfig,
+        *,
+        on_control: Callable[[object], Awaitable[None]],
+        on_lost: Callable[[str], Awaitable[None]],
+    ) -> None:
+        self.session = session
+        self.stream_id = session.stream_id
+        self.engine = engine
+        self.config = config
+        self._on_control, self._on_lost = on_control, on_lost
+        self.pc: RTCPeerConnection | None = None
+        self.channel = None  # the viewer's `control` data channel, once it opened
+        self._channel_open = asyncio.Event()
+        self._inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []  # connect watchdog and channel reader, cancelled by close()
+        self._lost_task: asyncio.Task | None = None  # on_lost(reason), left to finish: it ends the session
+        self._closed = False
+        self._last_keyframe_request = float("-inf")
+        self.keyframe_requests = 0
+        self.track = PacketTrack(
+            session.fps,
+            on_frame=self._frame_sent,
+            on_queue=self._observe,
+            on_stall=self._stalled,
+            is_paused=lambda: session.state is SessionState.PAUSED,
+            start_gate=self._wait_for_channel,
+            max_frame_wait_s=config.max_frame_wait_s,
+        )
+
+    # -- signaling ---------------------------------------------------------------------------
+
+    async def answer(self, offer_sdp: str) -> str:
+        """The SDP answer to the viewer's offer, with every local candidate. Raises ``SignalingError``."""
+        if self._closed:
+            raise SignalingError(f"stream {self.stream_id} is closed")
+        if self.pc is not None:
+            raise SignalingError("this stream already has a peer connection; renegotiation is not supported")
+        pc = self.pc = RTCPeerConnection(rtc_configuration(self.config.ice_servers))
+        try:
+            sdp = await self._answer(pc, offer_sdp)
+        except BaseException:
+            self.pc = None  # the viewer may send a corrected offer
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(pc.close(), 5.0)
+            raise
+        self._tasks.append(asyncio.create_task(self._watch_connect(), name=f"rtc-connect-{self.stream_id}"))
+        self._tasks.append(asyncio.create_task(self._run_inbox(), name=f"rtc-control-{self.stream_id}"))
+        return sdp
+
+    async def _answer(self, pc: RTCPeerConnection, offer_sdp: str) -> str:
+        pc.on("datachannel", self._on_datachannel)
+        pc.on("connectionstatechange", lambda: self._on_connection_state(pc))
+        transceiver = pc.addTransceiver(self.track, direction="sendonly")
+        transceiver.setCodecPreferences(h264_preferences())
+        # aiortc turns an RTCP PLI/FIR into sender._send_keyframe(), which only affects frames aiortc encodes
+        # itself; our packets come from the stream's encoder, so the request goes there.
+        transceiver.sender._send_keyframe = self._keyframe_requested
+        try:
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
+        except Exception as e:  # noqa: BLE001 - aiortc raises several types for a bad offer; the viewer gets the text
+            if "video" in str(e):
+                raise SignalingError(
+                    f"the offer has no usable video codec ({e}): this server sends H.264 only, packetization-mode "
+                    f"{H264_PACKETIZATION_MODE}, profile-level-id {H264_PROFILE_LEVEL_ID}"
+                ) from None
+            raise SignalingError(f"the offer could not be applied: {type(e).__name__}: {e}") from None
+        if transceiver.mid is None:
+            raise SignalingError("the offer has no video m-line: add a recvonly video transceiver before createOffer()")
+        try:
+            return await complete_local_description(
+                pc, await pc.createAnswer(), self.config.ice_addresses, self.config.gather_timeout_s
+            )
+        except TimeoutError:
+            raise SignalingError(f"ICE gathering took longer than {self.config.gather_timeout_s:g} s") from None
+
+    # -- from the server ----------------------------------------------------------------------
+
+    def feed(self, chunk) -> None:
+        """Queue a finished chunk (a ``ChunkOut``) for the track."""
+        if not self._closed:
+            self.track.push(chunk.packets, chunk.header)
+
+    def send_control(self, msg) -> bool:
+        """Send a server message on the data channel. True when it went there only; False: send it on the WebSocket.
+
+        ``answer`` and ``ready`` (signaling) always go on the WebSocket, and
+        so does everything before the channel opens; ``closed`` goes on both.
+        """
+        if isinstance(msg, (P.Answer, P.Ready)) or not self._channel_ready():
+            return False
+        try:
+            self.channel.send(P.encode(msg))
+        except Exception:  # noqa: BLE001 - a channel closing under us: the WebSocket still carries it
+            return False
+        return not isinstance(msg, P.Closed)
+
+    async def close(self) -> None:
+        """Stop the track and close the peer connection (bounded). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.track.stop()
+        t = self.track
+        log.info("stream %s: track sent %d frames, %d stalls (%.3f s), %d keyframe requests",
+                 self.stream_id, t.frames_sent, t.stalls, t.stall_s, self.keyframe_requests)
+        self._inbox.put_nowait(None)
+        if self.pc is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(5.0):
+                    await self.pc.close()
+        others = [t for t in self._tasks if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        if others:
+            await asyncio.wait(others, timeout=2.0)
+
+    # -- track callbacks -------------------------------------------------------------------------
+
+    def _frame_sent(self, header: P.Chunk | None, buffered: float) -> None:
+        if header is not None and not self.send_control(header):
+            self.session.outbox.put_nowait(header)  # no channel: the header goes on the WebSocket as text
+        self._observe(buffered)
+
+    def _observe(self, buffered: float) -> None:
+        if not self._closed:
+            self.engine.observe_buffer(self.stream_id, buffered)
+
+    def _stalled(self) -> None:
+        self._observe(0)
+        self.session.buffer_report(0.0)  # PLAYING -> STALLED; the next chunk delivered makes it PLAYING again
+
+    def _keyframe_requested(self) -> None:
+        now = time.monotonic()
+        if now - self._last_keyframe_request < KEYFRAME_REQUEST_MIN_INTERVAL_S or self._closed:
+            return
+        self._last_keyframe_request = now
+        self.keyframe_requests += 1
+        log.info("stream %s: the viewer lost a picture (PLI/FIR); next chunk starts with an IDR", self.stream_id)
+        self.engine.request_keyframe(self.stream_id)
+
+    async def _wait_for_channel(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._channel_open.wait(), self.config.channel_wait_s)
+
+    # -- peer connection events ------------------------------------------------------------------
+
+    def _channel_ready(self) -> bool:
+        return self.channel is not None and self.channel.readyState == "open"
+
+    def _on_datachannel(self, channel) -> None:
+        if channel.label != CONTROL_CHANNEL or self.channel is not None:
+            log.info("stream %s: ignoring data channel %r (only one named %r is used)",
+                     self.stream_id, channel.label, CONTROL_CHANNEL)
+            return
+        self.channel = channel
+        channel.on("message", self._inbox.put_nowait)
+        self._channel_open.set()
+
+    def _on_connection_state(self, pc: RTCPeerConnection) -> None:
+        if pc is not self.pc:  # a connection given up on during signaling
+            return
+        state = pc.connectionState
+        log.debug("stream %s: peer connection %s", self.stream_id, state)
+        if state == "failed":
+            self._report_lost("the WebRTC connection failed (ICE or DTLS)")
+        elif state == "closed":
+            self._report_lost("the WebRTC connection was closed")
+
+    def _report_lost(self, reason: str) -> None:
+        if self._closed or self._lost_task is not None:
+            return
+        self._lost_task = asyncio.create_task(self._on_lost(reason), name=f"rtc-lost-{self.stream_id}")
+
+    async def _watch_connect(self) -> None:
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        for _ in range(int(self.config.connect_timeout_s / 0.05) + 2):
+            if self._closed or self.pc is None or self.pc.connectionState == "connected":
+                return
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        self._report_lost(f"no WebRTC connection within {self.config.connect_timeout_s:g} s (ICE found no working pair)")
+
+    async def _run_inbox(self) -> None:
+        """The viewer's messages on the data channel, one at a time, in order (like the WebSocket handler)."""
+        while True:  # ends with the None that close() queues
+            raw = await self._inbox.get()
+            if raw is None or self._closed:
+                return
+            try:
+                msg = P.parse_client(raw)
+            except P.ProtocolError as e:
+                self.send_control(e.to_message())
+                continue
+            if isinstance(msg, (P.Start, P.Offer)):
+                self.send_control(P.Error(code=P.ErrorCode.INVALID_FIELD,
+                                          message=f"send '{msg.type}' on the WebSocket, not on the data channel"))
+                continue
+            await self._on_control(msg)

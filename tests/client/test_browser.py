@@ -1,0 +1,106 @@
+"""The browser player end to end: headless Chromium (Debian's) plays a tiny-preset stream over WebRTC on loopback.
+
+Needs ``/usr/bin/chromium`` (``apt-get install -y chromium``) and ``playwright`` from PyPI; skipped
+without either. Playwright only drives the installed browser (``executable_path``): no browser download.
+Saves a screenshot of the player playing to docs/player.png.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+
+import client
+from streamsvc.engine import EngineConfig
+from streamsvc.server import Server, ServerConfig
+from streamsvc.transport.webrtc import WebRtcConfig
+
+CHROMIUM = "/usr/bin/chromium"
+playwright_api = pytest.importorskip("playwright.async_api", reason="playwright is not installed (pip install playwright)")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason=f"{CHROMIUM} is missing (apt-get install -y chromium)"),
+]
+
+STATIC = Path(client.__file__).resolve().parent / "static"
+SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "player.png"
+FLAGS = [
+    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+    "--autoplay-policy=no-user-gesture-required",
+    "--allow-loopback-in-peer-connection",  # without it Chromium never answers over loopback
+    "--disable-features=WebRtcHideLocalIpsWithMdns",  # real 127.0.0.1 candidates, not mDNS names
+    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+]
+PLAY_S = 5.0
+
+
+async def _state(page) -> dict:
+    return await page.evaluate(
+        "() => ({phase: player.phase, shown: player.framesPresented, decoded: player.framesDecoded,"
+        " version: player.versionOnScreen, acked: player.promptVersion, ttff: player.ttffMs,"
+        " fps: player.presentedFps, freezes: player.freezeCount, freeze_s: player.totalFreezesDuration,"
+        " steer: player.steerLatenciesMs, chunks: player.chunks, message: player.message, errors: player.errors})"
+    )
+
+
+async def test_player_plays_steers_and_reports(tmp_path):
+    server = Server(EngineConfig(), ServerConfig(port=0, static_dir=str(STATIC), max_streams=1,
+                                                 webrtc=WebRtcConfig(ice_addresses=("127.0.0.1",))))
+    await server.start()
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        async with playwright_api.async_playwright() as pw:
+            browser = await pw.chromium.launch_persistent_context(
+                str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=FLAGS,
+                viewport={"width": 760, "height": 840},
+            )
+            try:
+                page = await browser.new_page()
+                await page.goto(f"{base}/?prompt=a%20lighthouse%20in%20a%20storm", timeout=15_000)
+                await page.wait_for_function("player.framesPresented > 0", timeout=20_000)
+                first = await _state(page)
+                assert first["phase"] == "playing" and first["ttff"] is not None, first
+
+                await asyncio.sleep(PLAY_S)
+                played = await _state(page)
+                assert played["shown"] >= 0.6 * 16 * PLAY_S, played  # frames were decoded and shown at about 16 fps
+                await page.wait_for_function("player.framesDecoded > 0", timeout=5_000)  # getStats agrees
+                assert played["version"] == 0 and played["chunks"] >= 5, played
+
+                # a second viewer is refused (cap of 1 stream) and told why
+                other = await browser.new_page()
+                await other.goto(base + "/", timeout=15_000)
+                await other.wait_for_function("player.phase === 'refused'", timeout=15_000)
+                banner = await other.inner_text("#banner-text")
+                assert "refused" in banner and "cap of 1" in banner, banner
+                await other.close()
+
+                # steer: type a new prompt into the page
+                await page.fill("#prompt", "a red fox running through snow")
+                await page.press("#prompt", "Enter")
+                await page.wait_for_function("player.versionOnScreen >= 1", timeout=15_000)
+                steered = await _state(page)
+                assert steered["acked"] == 1 and steered["steer"], steered  # the ack came and frames under v1 showed
+                await page.wait_for_function(  # the overlay shows it (it redraws every 250 ms)
+                    "Number(document.getElementById('o-version').textContent.slice(1)) >= 1", timeout=2_000)
+
+                await page.wait_for_timeout(1500)  # a getStats poll after the steer
+                final = await _state(page)
+                assert isinstance(final["freezes"], int) and final["freezes"] >= 0, final
+                print(f"browser: ttff {final['ttff']:.0f} ms, {final['shown']} frames shown, {final['decoded']} decoded, "
+                      f"freezeCount {final['freezes']} ({final['freeze_s']:.2f} s), steer {final['steer'][0]:.0f} ms")
+                SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+                await page.screenshot(path=str(SCREENSHOT))
+
+                # the server goes away: the page says so
+                await asyncio.wait_for(server.stop(), 30)
+                await page.wait_for_function("player.phase === 'closed' || player.phase === 'failed'", timeout=10_000)
+                assert "server shutting down" in await page.inner_text("#banner-text")
+                assert server.engine.kv_used_bytes == 0
+            finally:
+                await browser.close()
+    finally:
+        await asyncio.wait_for(server.stop(), 30)

@@ -1,0 +1,206 @@
+"""End to end over loopback: the server in-process (tiny preset, CPU), real WebSocket clients.
+
+Every wait is bounded (StreamClient.wait_until, asyncio.wait_for); each test takes a few seconds.
+These are the one place where client tests may import the server.
+"""
+
+import asyncio
+import contextlib
+
+import pytest
+from websockets.asyncio.client import connect
+
+from client.loadtest import free_port
+from client.ws_client import ClientConfig, ClientState, StreamClient
+from models import GeneratorConfig, build_generator
+from streamsvc import protocol as P
+from streamsvc.engine import EngineConfig
+from streamsvc.server import Server, ServerConfig
+
+T = 10.0  # generous bound for anything that should take well under a second
+
+
+def engine_config(**kw) -> EngineConfig:
+    return EngineConfig(preset="tiny", device="cpu", **kw)
+
+
+@contextlib.asynccontextmanager
+async def running(config: EngineConfig | None = None):
+    server = Server(config or engine_config(), ServerConfig(port=0))
+    await asyncio.wait_for(server.start(), 60)
+    try:
+        yield server
+    finally:
+        await asyncio.wait_for(server.stop(), 30)
+
+
+@pytest.fixture
+async def server():
+    async with running() as s:
+        yield s
+
+
+def url(server: Server) -> str:
+    return f"ws://127.0.0.1:{server.port}/ws"
+
+
+def viewer(server: Server, prompt: str = "a red fox in the snow", **kw) -> StreamClient:
+    return StreamClient(url(server), ClientConfig(prompt=prompt, seed=kw.pop("seed", 1), **kw))
+
+
+async def wait_for_server(predicate, timeout_s: float = T) -> bool:
+    """Poll server-side state (there is no event for it) until predicate() holds, at most timeout_s."""
+    for _ in range(int(timeout_s / 0.02)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return predicate()
+
+
+async def test_three_clients_at_once_receive_chunks_that_decode_to_frames_of_the_right_size(server):
+    clients = [viewer(server, f"prompt {i}", seed=i) for i in range(3)]
+    assert await asyncio.wait_for(asyncio.gather(*(c.open() for c in clients)), T) == [True] * 3
+    try:
+        for c in clients:
+            assert await c.wait_until(lambda c=c: c.chunks >= 3, T), c.errors
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+    gen = server.engine.gen
+    width, height = gen.model_cfg.width, gen.model_cfg.height
+    assert len({c.ready.stream_id for c in clients}) == 3
+    for c in clients:
+        r = c.result()
+        assert (r.width, r.height) == (width, height)
+        assert r.frames_decoded == sum(h.frames for h in c.headers) and r.bad_frames == 0
+        assert [h.index for h in c.headers] == list(range(r.chunks))
+        assert c.headers[0].keyframe and c.headers[0].frames == gen.frames_in_chunk(0)
+        assert all(h.frames == gen.frames_in_chunk(1) for h in c.headers[1:])
+        assert [h.pts for h in c.headers[1:]] == [h.pts + h.frames for h in c.headers[:-1]]
+        assert r.playback.ttff_s is not None and 0 < r.playback.ttff_s < T
+        assert r.closed_reason == "closed by client" and r.errors == ()
+
+
+async def test_a_prompt_change_shows_in_the_ack_and_the_chunk_headers(server):
+    async with viewer(server) as c:
+        assert await c.wait_until(lambda: c.chunks >= 1, T)
+        await c.set_prompt("a blue whale under the sea")
+        assert await c.wait_until(lambda: any(a.request == "set_prompt" for a in c.acks), T)
+        assert [(a.request, a.prompt_version) for a in c.acks] == [("set_prompt", 1)]
+        assert await c.wait_until(lambda: any(h.prompt_version == 1 for h in c.headers), T)
+        assert await c.wait_until(lambda: len(c.stats().control_latencies_s) == 1, T)
+    versions = [h.prompt_version for h in c.headers]
+    assert versions[0] == 0 and versions == sorted(versions) and set(versions) == {0, 1}
+    r = c.result()
+    assert r.prompt_versions == (0, 1) and r.prompts_sent == 1
+    (latency,) = r.playback.control_latencies_s
+    assert 0 < latency < T
+    assert r.playback.prompts_pending == 0
+
+
+async def test_protocol_errors_get_error_messages_and_the_stream_goes_on(server):
+    async with viewer(server) as c:
+        assert await c.wait_until(lambda: c.chunks >= 1, T)
+        await c.send_raw("{not json")
+        await c.send_raw('{"type": "teleport"}')
+        await c.send_raw('{"type": "stats", "buffered_s": -1, "frames_played": 0}')  # out of range
+        await c.send_raw('{"type": "set_prompt", "prompt": ""}')  # too short
+        await c.send_raw(P.encode(P.Start(prompt="again")))
+        assert await c.wait_until(lambda: len(c.server_errors) >= 5, T), c.errors
+        codes = [e.code for e in c.server_errors]
+        assert codes == [P.ErrorCode.BAD_JSON, P.ErrorCode.UNKNOWN_TYPE, P.ErrorCode.INVALID_FIELD,
+                         P.ErrorCode.INVALID_FIELD, P.ErrorCode.ALREADY_STARTED]
+        assert "buffered_s" in c.server_errors[2].message and "prompt" in c.server_errors[3].message
+        n = c.chunks
+        assert await c.wait_until(lambda: c.chunks >= n + 2, T)  # the stream goes on
+        assert c.state is ClientState.PLAYING and c.closed_reason is None
+    assert c.result().closed_reason == "closed by client"
+
+
+async def test_a_client_dropped_mid_stream_leaves_the_kv_pool_at_its_baseline(server):
+    baseline = server.engine.kv_used_bytes
+    async with viewer(server, "the one that stays") as stays:
+        with_one = server.engine.kv_used_bytes
+        assert with_one > baseline
+        ws = await asyncio.wait_for(connect(url(server), compression=None, max_size=P.MAX_CHUNK_BYTES), T)
+        await ws.send(P.encode(P.Start(prompt="the one that drops", seed=2)))
+        ready = P.parse_server(await asyncio.wait_for(ws.recv(), T))
+        assert isinstance(ready, P.Ready)
+        assert server.engine.kv_used_bytes > with_one
+        for _ in range(5):  # ready, then the first chunk
+            msg = await asyncio.wait_for(ws.recv(), T)
+            if isinstance(msg, bytes):
+                break
+        assert isinstance(msg, bytes) and P.unpack_chunk(msg)[0].index == 0
+        ws.transport.abort()  # no close frame: the TCP connection just goes away
+
+        assert await wait_for_server(lambda: ready.stream_id not in server.sessions)
+        assert await wait_for_server(lambda: server.engine.kv_used_bytes == with_one)  # the other one's cache stays
+        n = stays.chunks
+        assert await stays.wait_until(lambda: stays.chunks >= n + 2, T)  # and still plays
+    assert await wait_for_server(lambda: server.engine.kv_used_bytes == baseline and not server.sessions)
+
+
+async def test_refusal_with_the_kv_pools_reason_when_the_server_is_full():
+    stream_bytes = build_generator("tiny", device="cpu", cfg=GeneratorConfig()).cache_spec().stream_bytes()
+    async with running(engine_config(kv_budget_bytes=stream_bytes * 3 // 2)) as server:
+        async with viewer(server, "first") as first:
+            assert first.ready is not None
+            second = viewer(server, "second")
+            assert await asyncio.wait_for(second.open(), T) is False
+            await second.close()
+            r = second.result()
+            assert not r.admitted and r.playback is None and second.state is ClientState.REFUSED
+            assert r.refused_reason.startswith("kv cache:") and "MiB" in r.refused_reason
+            assert [e.code for e in second.server_errors] == [P.ErrorCode.REFUSED]
+            assert first.state is ClientState.PLAYING
+        assert await wait_for_server(lambda: server.engine.kv_used_bytes == 0)
+
+
+async def test_pause_and_resume_are_acknowledged_and_generation_waits_while_paused(server):
+    async with viewer(server) as c:
+        assert await c.wait_until(lambda: c.chunks >= 2, T)
+        await c.pause()
+        assert await c.wait_until(lambda: [a.request for a in c.acks] == ["pause"], T)
+        await asyncio.sleep(0.5)  # the buffer reaches the cap, then nothing more comes
+        n = c.chunks
+        await asyncio.sleep(1.0)
+        assert c.chunks <= n + 1
+        await c.resume()
+        assert await c.wait_until(lambda: [a.request for a in c.acks] == ["pause", "resume"], T)
+        assert await c.wait_until(lambda: c.chunks >= n + 3, T)
+        assert c.stats().paused_s >= 1.4
+    assert c.result().errors == ()
+
+
+async def test_graceful_stop_sends_closed_to_every_connected_client():
+    async with running() as server:
+        clients = [viewer(server, f"p{i}", seed=i) for i in range(2)]
+        assert await asyncio.wait_for(asyncio.gather(*(c.open() for c in clients)), T) == [True, True]
+        for c in clients:
+            assert await c.wait_until(lambda c=c: c.chunks >= 1, T)
+        await asyncio.wait_for(server.stop(), T)
+        for c in clients:
+            assert await c.wait_until(lambda c=c: c.closed_reason is not None, T)
+    for c in clients:
+        await c.close()
+        r = c.result()
+        assert r.closed_reason == "server shutting down" and r.errors == ()
+        assert r.playback is not None and r.playback.frames_received > 0
+
+
+async def test_a_whole_session_with_run_reports_playback_and_control_latency(server):
+    c = viewer(server, stats_every_s=0.25)
+    r = await asyncio.wait_for(c.run(3.0, [(1.0, "a lighthouse in a storm")]), 3.0 + T)
+    assert r.admitted and r.closed_reason == "closed by client" and r.errors == ()
+    assert 2.9 < r.session_s < 3.0 + T
+    assert r.prompt_versions == (0, 1) and len(r.playback.control_latencies_s) == 1
+    assert r.playback.frames_played > 0 and r.playback.delivered_fps > 0
+    assert r.chunks >= 3 and r.acks == (("set_prompt", 1),)
+
+
+async def test_no_server_is_an_error_in_the_result_not_an_exception():
+    c = StreamClient(f"ws://127.0.0.1:{free_port()}/ws", ClientConfig(prompt="anyone there?", open_timeout_s=2))
+    r = await asyncio.wait_for(c.run(1.0), T)
+    assert not r.admitted and r.refused_reason is None and r.playback is None
+    assert len(r.errors) == 1 and r.errors[0].startswith("connect:")
+    assert c.state is ClientState.CLOSED

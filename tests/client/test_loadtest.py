@@ -1,0 +1,114 @@
+"""The load test's report (pure, exact values) and its local server process (a short real run)."""
+
+import argparse
+import json
+
+import pytest
+
+from client import loadtest
+from client.playback import PlaybackStats
+from client.ws_client import StreamResult
+
+
+def playback(**kw) -> PlaybackStats:
+    base = dict(ttff_s=0.25, stalls=0, stall_s=0.0, play_s=10.0, frames_played=160, frames_received=170,
+                delivered_fps=16.0, freezes=0, freeze_s=0.0, control_latencies_s=(), prompts_pending=0,
+                buffered_s=0.5, paused_s=0.0)
+    base.update(kw)
+    return PlaybackStats(**base)
+
+
+def result(pb: PlaybackStats | None = None, refused: str | None = None, errors=(), **kw) -> StreamResult:
+    admitted = refused is None and pb is not None
+    base = dict(url="ws://x/ws", admitted=admitted, refused_reason=refused, stream_id="s0" if admitted else None,
+                fps=16 if admitted else None, width=128, height=128, chunk_frames=12 if admitted else None,
+                playback=pb, session_s=10.5, chunks=14, frames_decoded=170, bad_frames=0, prompt_versions=(0,),
+                acks=(), prompts_sent=0, min_headroom_s=0.25, stall_events=(), decode_s=0.05, decode_max_s=0.004,
+                closed_reason="closed by client" if admitted else None, errors=tuple(errors))
+    base.update(kw)
+    return StreamResult(**base)
+
+
+def test_percentile_interpolates_between_closest_ranks():
+    assert loadtest.percentile([], 50) is None
+    assert loadtest.percentile([3.0], 95) == 3.0
+    assert loadtest.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert loadtest.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 75) == 4.0
+    assert loadtest.percentile([0.0, 10.0], 95) == 9.5
+    assert loadtest.percentile([5.0, 1.0, 3.0], 0) == 1.0
+
+
+def test_summary_counts_admitted_refused_stalls_and_latencies():
+    results = [
+        result(playback(ttff_s=0.25, control_latencies_s=(0.5, 1.0))),
+        result(playback(ttff_s=0.75, stalls=2, stall_s=0.5, play_s=9.5, delivered_fps=15.0, freezes=1, freeze_s=0.25,
+                        control_latencies_s=(0.75,), prompts_pending=1)),
+        result(refused="compute: busy", errors=["refused: compute: busy"]),
+        result(refused="compute: busy", errors=["refused: compute: busy"]),
+        result(None, errors=["connect: OSError: refused"], admitted=False),
+    ]
+    r = loadtest.summarize(results, duration_s=10.0)
+    assert r["streams"] == 5 and r["admitted"] == 2
+    assert r["refused"] == {"count": 2, "reasons": {"compute: busy": 2}}
+    assert r["chunk_s"] == 0.75 and r["fps"] == 16
+    assert r["ttff_s"] == {"n": 2, "p50": 0.5, "p95": 0.725, "p99": 0.745, "max": 0.75}
+    assert r["stalls"] == {"count": 2, "total_s": 0.5, "ratio": 0.025, "streams_with_stalls": 1}  # 0.5 / 20
+    assert r["freezes"] == {"count": 1, "total_s": 0.25}
+    assert r["control_latency_s"]["n"] == 3 and r["control_latency_s"]["p50"] == 0.75
+    assert r["control_latency_s"]["max"] == 1.0 and r["control_latency_s"]["pending"] == 1
+    assert r["delivered_fps"] == {"mean": 15.5, "min": 15.0}
+    assert r["viewer_time_lost"] == round((0.25 + 0.75 + 0.5) / 21.0, 6)
+    assert r["errors"] == {"count": 1, "messages": {"connect: OSError: refused": 1}}  # refusals are not errors
+    assert len(r["per_stream"]) == 2
+    json.dumps(r)  # the report is plain JSON
+    assert "16 admitted" not in loadtest.format_table(r) and "2 admitted" in loadtest.format_table(r)
+
+
+def test_an_empty_run_summarizes_without_dividing_by_zero():
+    r = loadtest.summarize([result(refused="full")], duration_s=5.0)
+    assert r["admitted"] == 0 and r["ttff_s"]["p95"] is None and r["stalls"]["ratio"] == 0.0
+    assert r["delivered_fps"] == {"mean": None, "min": None} and r["chunk_s"] is None
+    loadtest.format_table(r)
+
+
+def test_prompt_changes_are_spread_over_viewers_and_stop_before_the_end():
+    a = loadtest.prompt_schedule(0, 4, 5.0, 30.0)
+    b = loadtest.prompt_schedule(3, 4, 5.0, 30.0)
+    assert [t for t, _ in a] == [5.0, 10.0, 15.0, 20.0, 25.0]
+    assert [t for t, _ in b] == [8.75, 13.75, 18.75, 23.75]  # 28.75 is inside the 2 s quiet tail
+    assert len({p for _, p in a}) == len(a) and a[0][1] != b[0][1]
+    assert loadtest.prompt_schedule(0, 4, 0.0, 30.0) == []
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    loadtest.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_defaults_follow_the_issue():
+    a = parse()
+    assert (a.streams, a.url, a.duration, a.prompt_every, a.transport, a.preset) == (16, None, 30.0, 5.0, "ws", "tiny")
+    assert loadtest.TRANSPORTS["ws"].__name__ == "StreamClient"
+
+
+@pytest.mark.slow
+def test_a_short_run_against_a_local_server_writes_the_report(tmp_path, capsys):
+    out = tmp_path / "lt.json"
+    code = loadtest.run(parse("--streams", "2", "--duration", "4", "--prompt-every", "1", "--json", str(out),
+                              "--progress-every", "1"))
+    assert code == 0
+    r = json.loads(out.read_text())
+    assert r["streams"] == 2 and r["admitted"] == 2 and r["errors"]["count"] == 0
+    assert r["ttff_s"]["n"] == 2 and r["control_latency_s"]["sent"] == 3  # at 1 and 2 s, and at 1.5 s
+    assert r["control_latency_s"]["n"] + r["control_latency_s"]["pending"] == 3
+    assert r["server"]["chunks"] > 0 and r["server"]["forward_ms"]["commit"] > 0
+    text = capsys.readouterr().out
+    assert "TTFF p50" in text and "server up at ws://127.0.0.1:" in text
+
+
+def test_a_server_that_cannot_start_is_a_clear_error(capsys):
+    code = loadtest.run(parse("--streams", "1", "--duration", "1", "--policy", "no_such_policy"))
+    assert code == 3
+    err = capsys.readouterr().err
+    assert "the local server exited with code 2 before it was healthy" in err and "no_such_policy" in err
