@@ -84,6 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scheduler policy of the local server: slack, least_slack, round_robin or fifo (default slack)")
     g.add_argument("--buffer-cap", type=float, default=None,
                    help="seconds generated ahead of each viewer at most, on the local server (default: the server's)")
+    g.add_argument("--kv-quant", default="none", choices=["none", "int4", "int2"],
+                   help="KV cache storage of the local server (default none)")
     g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `streamsvc serve` (repeatable, e.g. --server-arg=--utilization=0.8)")
     g.add_argument("--server-timeout", type=float, default=90.0,
@@ -465,7 +467,8 @@ def run(args) -> int:
     old_term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM cleans up like Ctrl-C (no orphaned server)
     try:
         if args.url is None:
-            serve_args = ["--preset", args.preset, "--device", args.device, "--policy", args.policy, *args.server_arg]
+            serve_args = ["--preset", args.preset, "--device", args.device, "--policy", args.policy,
+                          "--kv-quant", args.kv_quant, *args.server_arg]
             if args.buffer_cap is not None:
                 serve_args += ["--buffer-cap", str(args.buffer_cap)]
             if args.transport == "webrtc":  # keep ICE on loopback (the viewers gather on 127.0.0.1 for a local URL)
