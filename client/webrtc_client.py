@@ -54,7 +54,6 @@ import ipaddress
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import fields
 from urllib.parse import urlsplit
 
 from aiortc import RTCPeerConnection, RTCSessionDescription
@@ -63,7 +62,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from client.playback import PlaybackBuffer, PlaybackState, PlaybackStats
-from client.ws_client import ClientConfig, ClientState, StreamResult
+from client.ws_client import ClientConfig, ClientState, ViewerClient
 from streamsvc import protocol as P
 from streamsvc.encode import RTP_CLOCK_HZ
 from streamsvc.transport.webrtc import (
@@ -96,7 +95,7 @@ def default_ice_addresses(url: str) -> tuple[str, ...] | None:
     return None
 
 
-class WebRtcClient:
+class WebRtcClient(ViewerClient):
     """One stream over WebRTC, signaled on one WebSocket connection.
 
     ``await client.run(duration_s, prompts)`` for a whole session, or step by step::
@@ -140,6 +139,7 @@ class WebRtcClient:
         self.unmapped_frames = 0  # frames that found no chunk header in time (given the newest version)
         self.channel_messages = 0  # server messages that came on the data channel (the rest came on the WebSocket)
         self.prompts_sent = 0
+        self.decode_s = self.decode_max_s = 0.0  # aiortc decodes in its own thread; not timed here
         self.min_headroom_s: float | None = None  # least video buffered when a frame arrived, once playing
         self.stall_events: list[tuple[float, float]] = []  # (seconds from connect to the stall's end, its length)
         self.versions_played: list[int] = []  # distinct prompt versions of the frames pushed to the buffer
@@ -303,48 +303,7 @@ class WebRtcClient:
 
     # ------------------------------------------------------------ the whole session
 
-    async def run(self, duration_s: float, prompts: Sequence[tuple[float, str]] = ()) -> StreamResult:
-        """Open, play for ``duration_s`` (from connect), send each ``(at_s, prompt)`` at ``at_s``, close."""
-        duration_s = min(duration_s, self.config.max_session_s)
-        try:
-            if await self.open():
-                deadline = self._connected_at + duration_s
-                for at_s, prompt in sorted(prompts)[: int(duration_s / 0.01) + 10]:
-                    if self._connected_at + at_s >= deadline or not await self._sleep_until(self._connected_at + at_s):
-                        break
-                    await self.set_prompt(prompt)
-                await self._sleep_until(deadline)
-        finally:
-            await self.close()
-        return self.result()
-
-    async def _sleep_until(self, t: float) -> bool:
-        delay = t - self.clock()
-        if delay > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ended.wait(), delay)
-        return not self._ended.is_set()
-
     # ------------------------------------------------------------ control
-
-    async def set_prompt(self, prompt: str) -> None:
-        """Steer the stream; control latency counts from now to the first frame under this prompt played."""
-        msg = P.SetPrompt(prompt=prompt)
-        self._require_playing("set_prompt")
-        self._buffer.prompt_sent_at(self.clock())
-        self._unacked_prompts += 1
-        self.prompts_sent += 1
-        await self._send(P.encode(msg))
-
-    async def pause(self) -> None:
-        self._require_playing("pause")
-        self._buffer.pause(self.clock())
-        await self._send(P.encode(P.Pause()))
-
-    async def resume(self) -> None:
-        self._require_playing("resume")
-        self._buffer.resume(self.clock())
-        await self._send(P.encode(P.Resume()))
 
     async def send_raw(self, data: str, *, on_channel: bool = True) -> None:
         """Send anything (tests), on the data channel or the WebSocket."""
@@ -367,56 +326,6 @@ class WebRtcClient:
             await self._ws.send(text)
         except ConnectionClosed as e:
             self._lost(f"connection lost: {e}")
-
-    def _require_playing(self, action: str) -> None:
-        if self.state is not ClientState.PLAYING or self._ended_at is not None:
-            raise RuntimeError(f"cannot {action}: client is {self.state.value}")
-
-    # ------------------------------------------------------------ observation
-
-    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
-        """Wait (at most ``timeout_s``) until ``predicate()`` holds, re-checking after every message or frame."""
-        deadline = self.clock() + timeout_s
-        for _ in range(int(timeout_s / 0.001) + 10):
-            if predicate():
-                return True
-            remaining = deadline - self.clock()
-            if remaining <= 0:
-                return False
-            self._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), min(remaining, 0.1))
-        return predicate()
-
-    def stats(self) -> PlaybackStats | None:
-        if self._final is not None:
-            return self._final
-        if self._buffer is None:
-            return None
-        return self._buffer.stats(self.clock())
-
-    def result(self) -> StreamResult:
-        ready = self.ready
-        versions: list[int] = []
-        for h in self.headers:
-            if not versions or versions[-1] != h.prompt_version:
-                versions.append(h.prompt_version)
-        end = self._ended_at if self._ended_at is not None else self.clock()
-        values = dict(
-            url=self.url, admitted=ready is not None, refused_reason=self.refused_reason,
-            stream_id=ready.stream_id if ready else None, fps=ready.fps if ready else None,
-            width=ready.width if ready else None, height=ready.height if ready else None,
-            chunk_frames=ready.chunk_frames if ready else None, playback=self.stats(),
-            session_s=0.0 if self._connected_at is None else end - self._connected_at,
-            chunks=len(self.headers), frames_decoded=self.frames_decoded, bad_frames=self.bad_frames,
-            prompt_versions=tuple(versions), acks=tuple((a.request, a.prompt_version) for a in self.acks),
-            prompts_sent=self.prompts_sent, min_headroom_s=self.min_headroom_s,
-            stall_events=tuple(self.stall_events),
-            decode_s=0.0, decode_max_s=0.0,  # aiortc decodes in its own thread; not timed here
-            closed_reason=self.closed_reason, errors=tuple(self.errors),
-        )
-        known = {f.name for f in fields(StreamResult)}
-        return StreamResult(**{k: v for k, v in values.items() if k in known})
 
     # ------------------------------------------------------------ tasks
 
@@ -589,18 +498,7 @@ class WebRtcClient:
         if isinstance(raw, bytes):
             self._fail("a binary message arrived on a WebRTC stream's WebSocket")
             return None
-        try:
-            return P.parse_server(raw)
-        except P.ProtocolError as e:
-            self._fail(f"bad message from the server: {e}")
-            return None
-
-    def _on_error(self, msg: P.Error) -> None:
-        self.server_errors.append(msg)
-        self.errors.append(f"{msg.code.value}: {msg.message}")
-
-    def _fail(self, text: str) -> None:
-        self.errors.append(text)
+        return super()._parse(raw)
 
     def _on_connection_state(self) -> None:
         if self._pc is not None and self._pc.connectionState == "failed":

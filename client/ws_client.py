@@ -110,7 +110,131 @@ class StreamResult:
     errors: tuple[str, ...]  # "code: message" of each error message, and the client's own failures
 
 
-class StreamClient:
+class ViewerClient:
+    """What every viewer client shares, whatever the transport: the session's timeline, control
+    messages, waiting, and the result. Subclasses open and close the connection, send (`_send`) and
+    feed frames into `self._buffer` (a PlaybackBuffer); they set the attributes this class reads."""
+
+    async def run(self, duration_s: float, prompts: Sequence[tuple[float, str]] = ()) -> StreamResult:
+        """Open, play for ``duration_s`` (from connect), send each ``(at_s, prompt)`` at ``at_s`` after
+        connect, close. Ends early if the server closes the stream. Returns the result, whatever happened."""
+        duration_s = min(duration_s, self.config.max_session_s)
+        try:
+            if await self.open():
+                deadline = self._connected_at + duration_s
+                for at_s, prompt in sorted(prompts)[: _max_count(duration_s, 0.01)]:
+                    if self._connected_at + at_s >= deadline or not await self._sleep_until(self._connected_at + at_s):
+                        break
+                    await self.set_prompt(prompt)
+                await self._sleep_until(deadline)
+        finally:
+            await self.close()
+        return self.result()
+
+    async def _sleep_until(self, t: float) -> bool:
+        """Sleep until clock() >= t; False if the stream ended first."""
+        delay = t - self.clock()
+        if delay > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ended.wait(), delay)
+        return not self._ended.is_set()
+
+    # ------------------------------------------------------------ control
+
+    async def set_prompt(self, prompt: str) -> None:
+        """Steer the stream; control latency counts from now to the first frame under this prompt played."""
+        msg = P.SetPrompt(prompt=prompt)  # raises on a bad prompt before anything is sent
+        self._require_playing("set_prompt")
+        self._buffer.prompt_sent_at(self.clock())
+        self._unacked_prompts += 1
+        self.prompts_sent += 1
+        await self._send(P.encode(msg))
+
+    async def pause(self) -> None:
+        """Pause playback here and ask the server to stop generating once the buffer is full."""
+        self._require_playing("pause")
+        self._buffer.pause(self.clock())
+        await self._send(P.encode(P.Pause()))
+
+    async def resume(self) -> None:
+        self._require_playing("resume")
+        self._buffer.resume(self.clock())
+        await self._send(P.encode(P.Resume()))
+
+    def _require_playing(self, action: str) -> None:
+        if self.state is not ClientState.PLAYING or self._ended_at is not None:
+            raise RuntimeError(f"cannot {action}: client is {self.state.value}")
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until ``predicate()`` holds, re-checking after every message."""
+        deadline = self.clock() + timeout_s
+        for _ in range(_max_count(timeout_s, 0.001)):
+            if predicate():
+                return True
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                return False
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(remaining, 0.1))
+        return predicate()
+
+    def stats(self) -> PlaybackStats | None:
+        """The playback measures now (or at the end of the session)."""
+        if self._final is not None:
+            return self._final
+        if self._buffer is None:
+            return None
+        return self._buffer.stats(self.clock())
+
+    def result(self) -> StreamResult:
+        ready = self.ready
+        versions: list[int] = []
+        for h in self.headers:
+            if not versions or versions[-1] != h.prompt_version:
+                versions.append(h.prompt_version)
+        end = self._ended_at if self._ended_at is not None else self.clock()
+        return StreamResult(
+            url=self.url,
+            admitted=ready is not None,
+            refused_reason=self.refused_reason,
+            stream_id=ready.stream_id if ready else None,
+            fps=ready.fps if ready else None,
+            width=ready.width if ready else None,
+            height=ready.height if ready else None,
+            chunk_frames=ready.chunk_frames if ready else None,
+            playback=self.stats(),
+            session_s=0.0 if self._connected_at is None else end - self._connected_at,
+            chunks=len(self.headers),
+            frames_decoded=self.frames_decoded,
+            bad_frames=self.bad_frames,
+            prompt_versions=tuple(versions),
+            acks=tuple((a.request, a.prompt_version) for a in self.acks),
+            prompts_sent=self.prompts_sent,
+            min_headroom_s=self.min_headroom_s,
+            stall_events=tuple(self.stall_events),
+            decode_s=self.decode_s,
+            decode_max_s=self.decode_max_s,
+            closed_reason=self.closed_reason,
+            errors=tuple(self.errors),
+        )
+
+    def _parse(self, raw: str):
+        try:
+            return P.parse_server(raw)
+        except P.ProtocolError as e:
+            self._fail(f"bad message from the server: {e}")
+            return None
+
+    def _on_error(self, msg: P.Error) -> None:
+        self.server_errors.append(msg)
+        self.errors.append(f"{msg.code.value}: {msg.message}")
+
+    def _fail(self, text: str) -> None:
+        self.errors.append(text)
+
+
+class StreamClient(ViewerClient):
     """One stream over one WebSocket connection.
 
     Either ``await client.run(duration_s, prompts)`` for a whole session, or
@@ -273,52 +397,6 @@ class StreamClient:
 
     # ------------------------------------------------------------ the whole session
 
-    async def run(self, duration_s: float, prompts: Sequence[tuple[float, str]] = ()) -> StreamResult:
-        """Open, play for ``duration_s`` (from connect), send each ``(at_s, prompt)`` at ``at_s`` after
-        connect, close. Ends early if the server closes the stream. Returns the result, whatever happened."""
-        duration_s = min(duration_s, self.config.max_session_s)
-        try:
-            if await self.open():
-                deadline = self._connected_at + duration_s
-                for at_s, prompt in sorted(prompts)[: _max_count(duration_s, 0.01)]:
-                    if self._connected_at + at_s >= deadline or not await self._sleep_until(self._connected_at + at_s):
-                        break
-                    await self.set_prompt(prompt)
-                await self._sleep_until(deadline)
-        finally:
-            await self.close()
-        return self.result()
-
-    async def _sleep_until(self, t: float) -> bool:
-        """Sleep until clock() >= t; False if the stream ended first."""
-        delay = t - self.clock()
-        if delay > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ended.wait(), delay)
-        return not self._ended.is_set()
-
-    # ------------------------------------------------------------ control
-
-    async def set_prompt(self, prompt: str) -> None:
-        """Steer the stream; control latency counts from now to the first frame under this prompt played."""
-        msg = P.SetPrompt(prompt=prompt)  # raises on a bad prompt before anything is sent
-        self._require_playing("set_prompt")
-        self._buffer.prompt_sent_at(self.clock())
-        self._unacked_prompts += 1
-        self.prompts_sent += 1
-        await self._send(P.encode(msg))
-
-    async def pause(self) -> None:
-        """Pause playback here and ask the server to stop generating once the buffer is full."""
-        self._require_playing("pause")
-        self._buffer.pause(self.clock())
-        await self._send(P.encode(P.Pause()))
-
-    async def resume(self) -> None:
-        self._require_playing("resume")
-        self._buffer.resume(self.clock())
-        await self._send(P.encode(P.Resume()))
-
     async def send_raw(self, data: str | bytes) -> None:
         """Send anything (tests: malformed messages)."""
         if self._ws is None:
@@ -330,66 +408,6 @@ class StreamClient:
             await self._ws.send(data)
         except ConnectionClosed as e:
             self._lost(e)
-
-    def _require_playing(self, action: str) -> None:
-        if self.state is not ClientState.PLAYING or self._ended_at is not None:
-            raise RuntimeError(f"cannot {action}: client is {self.state.value}")
-
-    # ------------------------------------------------------------ observation
-
-    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
-        """Wait (at most ``timeout_s``) until ``predicate()`` holds, re-checking after every message."""
-        deadline = self.clock() + timeout_s
-        for _ in range(_max_count(timeout_s, 0.001)):
-            if predicate():
-                return True
-            remaining = deadline - self.clock()
-            if remaining <= 0:
-                return False
-            self._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), min(remaining, 0.1))
-        return predicate()
-
-    def stats(self) -> PlaybackStats | None:
-        """The playback measures now (or at the end of the session)."""
-        if self._final is not None:
-            return self._final
-        if self._buffer is None:
-            return None
-        return self._buffer.stats(self.clock())
-
-    def result(self) -> StreamResult:
-        ready = self.ready
-        versions: list[int] = []
-        for h in self.headers:
-            if not versions or versions[-1] != h.prompt_version:
-                versions.append(h.prompt_version)
-        end = self._ended_at if self._ended_at is not None else self.clock()
-        return StreamResult(
-            url=self.url,
-            admitted=ready is not None,
-            refused_reason=self.refused_reason,
-            stream_id=ready.stream_id if ready else None,
-            fps=ready.fps if ready else None,
-            width=ready.width if ready else None,
-            height=ready.height if ready else None,
-            chunk_frames=ready.chunk_frames if ready else None,
-            playback=self.stats(),
-            session_s=0.0 if self._connected_at is None else end - self._connected_at,
-            chunks=len(self.headers),
-            frames_decoded=self.frames_decoded,
-            bad_frames=self.bad_frames,
-            prompt_versions=tuple(versions),
-            acks=tuple((a.request, a.prompt_version) for a in self.acks),
-            prompts_sent=self.prompts_sent,
-            min_headroom_s=self.min_headroom_s,
-            stall_events=tuple(self.stall_events),
-            decode_s=self.decode_s,
-            decode_max_s=self.decode_max_s,
-            closed_reason=self.closed_reason,
-            errors=tuple(self.errors),
-        )
 
     # ------------------------------------------------------------ tasks
 
@@ -521,20 +539,6 @@ class StreamClient:
         elif isinstance(msg, P.Ready):
             self._fail("a second ready arrived")
         # Answer (WebRTC signaling) never comes on a ws-transport stream; ignore it.
-
-    def _parse(self, raw: str):
-        try:
-            return P.parse_server(raw)
-        except P.ProtocolError as e:
-            self._fail(f"bad message from the server: {e}")
-            return None
-
-    def _on_error(self, msg: P.Error) -> None:
-        self.server_errors.append(msg)
-        self.errors.append(f"{msg.code.value}: {msg.message}")
-
-    def _fail(self, text: str) -> None:
-        self.errors.append(text)
 
     def _lost(self, exc: ConnectionClosed | None) -> None:
         """The connection ended. Without a `closed` message first, that is an error."""
