@@ -65,7 +65,7 @@ from client.playback import PlaybackBuffer, PlaybackState, PlaybackStats
 from client.ws_client import ClientConfig, ClientState, ViewerClient
 from streamsvc import protocol as P
 from streamsvc.encode import RTP_CLOCK_HZ
-from streamsvc.transport.webrtc import (
+from streamsvc.rtc import (
     CONTROL_CHANNEL,
     IceServer,
     complete_local_description,

@@ -118,7 +118,7 @@ def _webrtc_args(p: argparse.ArgumentParser) -> None:
 
 
 def _webrtc_config(args):
-    from streamsvc.transport.webrtc import IceServer, WebRtcConfig
+    from streamsvc.rtc import IceServer, WebRtcConfig
 
     return WebRtcConfig(ice_servers=tuple(IceServer.parse(s) for s in args.ice_server),
                         ice_addresses=tuple(args.ice_address) or None)

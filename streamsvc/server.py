@@ -29,7 +29,8 @@ from websockets.http11 import Request, Response
 from streamsvc import protocol as P
 from streamsvc.engine import ChunkOut, Engine, EngineConfig
 from streamsvc.session import Session, SessionState
-from streamsvc.transport.webrtc import SignalingError, WebRtcConfig, WebRtcTransport
+from streamsvc.rtc import SignalingError, WebRtcConfig
+from streamsvc.transport.webrtc import WebRtcTransport
 
 log = logging.getLogger("streamsvc.server")
 

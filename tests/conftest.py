@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from models import GeneratorConfig, build_generator
+from models import ChunkGenerator, GeneratorConfig, build_generator
 
 
 @pytest.fixture(autouse=True)
@@ -9,7 +9,7 @@ def _deterministic_threads():
     torch.set_num_threads(1)
 
 
-def tiny_generator(**cfg) -> "ChunkGenerator":  # noqa: F821
+def tiny_generator(**cfg) -> ChunkGenerator:
     return build_generator("tiny", device="cpu", dtype=torch.float32, seed=0, cfg=GeneratorConfig(**cfg))
 
 

@@ -48,172 +48,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import ipaddress
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
 
-import aioice.ice
 import av
 from aiortc import (
-    RTCConfiguration,
-    RTCIceServer,
     RTCPeerConnection,
-    RTCRtpCodecCapability,
-    RTCRtpSender,
     RTCSessionDescription,
     VideoStreamTrack,
 )
 from aiortc.mediastreams import MediaStreamError
 
 from streamsvc import protocol as P
+from streamsvc.rtc import (
+    CONTROL_CHANNEL,
+    H264_PACKETIZATION_MODE,
+    H264_PROFILE_LEVEL_ID,
+    SignalingError,
+    WebRtcConfig,
+    complete_local_description,
+    h264_preferences,
+    rtc_configuration,
+)
 from streamsvc.session import SessionState
 
 log = logging.getLogger("streamsvc.webrtc")
 
-CONTROL_CHANNEL = "control"
-"""Label of the data channel that carries the protocol's JSON messages."""
-H264_PROFILE_LEVEL_ID = "42e01f"
-"""Constrained baseline, level 3.1: what the stream encoder makes (128x128 up to 832x480 at 30 fps fit 3.1)."""
-H264_PACKETIZATION_MODE = "1"
 KEYFRAME_REQUEST_MIN_INTERVAL_S = 0.25
 """PLIs closer together than this ask the encoder for one keyframe (a decoder repeats its PLI until one comes)."""
 _POLL_S = 0.25  # longest single wait in a bounded loop
-
-
-class SignalingError(ValueError):
-    """An offer the server cannot answer; the message says why and what to change."""
-
-
-# ---------------------------------------------------------------- configuration
-
-
-@dataclass(frozen=True)
-class IceServer:
-    """A STUN or TURN server, as in the browser's ``RTCIceServer``."""
-
-    url: str  # stun:host:port, stuns:, turn:host:port?transport=udp or turns:
-    username: str | None = None  # TURN only
-    credential: str | None = None  # TURN only
-
-    def __post_init__(self) -> None:
-        if not self.url.startswith(("stun:", "stuns:", "turn:", "turns:")):
-            raise ValueError(f"ICE server {self.url!r}: the URL must start with stun:, stuns:, turn: or turns:")
-        if self.url.startswith("turn") and (self.username is None or self.credential is None):
-            raise ValueError(f"TURN server {self.url!r} needs a username and a credential: URL,USERNAME,CREDENTIAL")
-
-    @classmethod
-    def parse(cls, text: str) -> IceServer:
-        """``URL`` or ``URL,USERNAME,CREDENTIAL`` (the command line's ``--ice-server``)."""
-        parts = text.split(",")
-        if len(parts) not in (1, 3):
-            raise ValueError(f"ICE server {text!r}: expected URL or URL,USERNAME,CREDENTIAL")
-        return cls(*parts) if len(parts) == 3 else cls(parts[0])
-
-
-@dataclass(frozen=True)
-class WebRtcConfig:
-    """How the server's peer connections find their viewers."""
-
-    ice_servers: tuple[IceServer, ...] = ()  # STUN/TURN servers; () = none, host candidates only
-    ice_addresses: tuple[str, ...] | None = None  # host candidates on exactly these IPs; None = aioice's pick
-    gather_timeout_s: float = 10.0  # ICE gathering before the answer, at most
-    connect_timeout_s: float = 20.0  # answer sent -> connected, else the stream ends
-    channel_wait_s: float = 2.0  # the track holds its first frame this long at most for the control channel
-    max_frame_wait_s: float = 3600.0  # a track waiting this long for a frame (stalled or paused) ends
-
-    def __post_init__(self) -> None:
-        if self.ice_addresses is not None:
-            if not self.ice_addresses:
-                raise ValueError("ice_addresses is empty: give at least one IP (e.g. 127.0.0.1) or None for every interface")
-            for address in self.ice_addresses:
-                try:
-                    ipaddress.ip_address(address)
-                except ValueError:
-                    raise ValueError(f"ICE address {address!r} is not an IP address (e.g. 127.0.0.1 or ::1)") from None
-        for name in ("gather_timeout_s", "connect_timeout_s", "channel_wait_s", "max_frame_wait_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
-
-
-def rtc_configuration(ice_servers: Sequence[IceServer] = ()) -> RTCConfiguration:
-    """aiortc's configuration: exactly these ICE servers (an empty list, not None: no public STUN)."""
-    return RTCConfiguration(
-        iceServers=[RTCIceServer(urls=s.url, username=s.username, credential=s.credential) for s in ice_servers]
-    )
-
-
-def h264_preferences() -> list[RTCRtpCodecCapability]:
-    """Codec preferences for a video transceiver: H.264 mode 1 constrained baseline, with its RTX."""
-    codecs = RTCRtpSender.getCapabilities("video").codecs
-    h264 = [
-        c for c in codecs
-        if c.mimeType.lower() == "video/h264"
-        and c.parameters.get("packetization-mode") == H264_PACKETIZATION_MODE
-        and c.parameters.get("profile-level-id") == H264_PROFILE_LEVEL_ID
-    ]
-    if not h264:  # aiortc changed its codec table; nothing would negotiate
-        raise RuntimeError(f"aiortc offers no H.264 {H264_PROFILE_LEVEL_ID} packetization-mode 1 codec")
-    return h264 + [c for c in codecs if c.mimeType.lower() == "video/rtx"]
-
-
-# ---------------------------------------------------------------- ICE host addresses
-
-_host_addresses: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
-    "streamsvc_ice_host_addresses", default=None
-)
-
-
-def _install_address_hook() -> None:
-    """Route aioice's host-address lookup through ``_host_addresses`` (once; without a choice it is aioice's own)."""
-    current = aioice.ice.get_host_addresses
-    if getattr(current, "streamsvc_hook", False):
-        return
-
-    def get_host_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
-        chosen = _host_addresses.get()
-        if chosen is None:
-            return current(use_ipv4, use_ipv6)
-        return [a for a in chosen if (use_ipv6 if ":" in a else use_ipv4)]
-
-    get_host_addresses.streamsvc_hook = True  # type: ignore[attr-defined]
-    aioice.ice.get_host_addresses = get_host_addresses
-
-
-@contextlib.contextmanager
-def gather_on(addresses: Sequence[str] | None) -> Iterator[None]:
-    """ICE gathering started inside this block uses exactly ``addresses`` as host candidates.
-
-    aioice looks its host addresses up with ``aioice.ice.get_host_addresses``
-    (every interface but 127.0.0.1). This wraps that function once, process
-    wide, with one that answers from a context variable, so the choice holds
-    for the current task and the tasks it starts (aiortc gathers in
-    ``setLocalDescription``), and for nothing else: other connections in the
-    process keep their own choice. ``None`` keeps aioice's default. Use it as
-    ``with gather_on(["127.0.0.1"]): await pc.setLocalDescription(...)``.
-    """
-    if addresses is None:
-        yield
-        return
-    _install_address_hook()
-    token = _host_addresses.set(tuple(addresses))
-    try:
-        yield
-    finally:
-        _host_addresses.reset(token)
-
-
-async def complete_local_description(
-    pc: RTCPeerConnection, description: RTCSessionDescription, addresses: Sequence[str] | None, timeout_s: float
-) -> str:
-    """Set the local description, gathering every candidate first; the SDP with its full candidate list."""
-    with gather_on(addresses):
-        async with asyncio.timeout(timeout_s):
-            await pc.setLocalDescription(description)
-    return pc.localDescription.sdp
 
 
 # ---------------------------------------------------------------- the track

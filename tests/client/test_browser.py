@@ -17,7 +17,7 @@ import pytest
 import client
 from streamsvc.engine import EngineConfig
 from streamsvc.server import Server, ServerConfig
-from streamsvc.transport.webrtc import WebRtcConfig
+from streamsvc.rtc import WebRtcConfig
 
 CHROMIUM = "/usr/bin/chromium"
 playwright_api = pytest.importorskip("playwright.async_api", reason="playwright is not installed (pip install playwright)")

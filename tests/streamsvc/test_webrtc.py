@@ -20,14 +20,8 @@ from client.ws_client import ClientConfig
 from streamsvc import protocol as P
 from streamsvc.engine import EngineConfig
 from streamsvc.server import Server, ServerConfig
-from streamsvc.transport.webrtc import (
-    IceServer,
-    PacketTrack,
-    WebRtcConfig,
-    complete_local_description,
-    gather_on,
-    h264_preferences,
-)
+from streamsvc.rtc import IceServer, WebRtcConfig, complete_local_description, gather_on, h264_preferences
+from streamsvc.transport.webrtc import PacketTrack
 
 LOOPBACK = ("127.0.0.1",)
 CANDIDATE = re.compile(r"^a=candidate:\S+ \d+ \S+ \d+ (\S+) \d+ typ (\S+)", re.M)
