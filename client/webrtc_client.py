@@ -58,10 +58,10 @@ from urllib.parse import urlsplit
 
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-from client.playback import PlaybackBuffer, PlaybackState, PlaybackStats
+from client.playback import PlaybackBuffer, PlaybackState
 from client.ws_client import ClientConfig, ClientState, ViewerClient
 from streamsvc import protocol as P
 from streamsvc.encode import RTP_CLOCK_HZ
@@ -116,63 +116,24 @@ class WebRtcClient(ViewerClient):
         playout_delay_s: float = PLAYOUT_DELAY_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not url.startswith(("ws://", "wss://")):
-            raise ValueError(f"url {url!r} must start with ws:// or wss:// (e.g. ws://127.0.0.1:8000/ws)")
+        super().__init__(url, config, clock)
         if playout_delay_s < 0:
             raise ValueError(f"playout_delay_s={playout_delay_s}: must be >= 0")
-        self.url = url
-        self.config = config
         self.ice_addresses = default_ice_addresses(url) if ice_addresses == LOOPBACK else ice_addresses
         self.ice_servers = tuple(ice_servers)
         self.playout_delay_s = playout_delay_s
-        self.clock = clock
-        self.state = ClientState.NEW
-        self.ready: P.Ready | None = None
-        self.refused_reason: str | None = None
-        self.closed_reason: str | None = None
-        self.headers: list[P.Chunk] = []  # every chunk header received, in order
-        self.acks: list[P.Ack] = []
-        self.errors: list[str] = []
-        self.server_errors: list[P.Error] = []
-        self.frames_decoded = 0  # frames out of aiortc's decoder
-        self.bad_frames = 0  # frames whose size differs from ready's
         self.unmapped_frames = 0  # frames that found no chunk header in time (given the newest version)
         self.channel_messages = 0  # server messages that came on the data channel (the rest came on the WebSocket)
-        self.prompts_sent = 0
-        self.decode_s = self.decode_max_s = 0.0  # aiortc decodes in its own thread; not timed here
-        self.min_headroom_s: float | None = None  # least video buffered when a frame arrived, once playing
-        self.stall_events: list[tuple[float, float]] = []  # (seconds from connect to the stall's end, its length)
         self.versions_played: list[int] = []  # distinct prompt versions of the frames pushed to the buffer
-        self._stall_s_seen = 0.0
-        self._ws: ClientConnection | None = None
         self._pc: RTCPeerConnection | None = None
         self._channel = None
         self._track = None
-        self._buffer: PlaybackBuffer | None = None
-        self._connected_at: float | None = None
-        self._ended_at: float | None = None
-        self._final: PlaybackStats | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._changed = asyncio.Event()
-        self._ended = asyncio.Event()
         self._answer: asyncio.Future | None = None
-        self._unacked_prompts = 0
         self._pending: deque[tuple[int, float]] = deque()  # (pts on the 90 kHz clock, arrival) awaiting a header
         self._held: list[int] = []  # versions of frames waiting out the playout delay (start, or after a stall)
         self._holding = False  # frames go to _held until the playout delay is over
 
     # ------------------------------------------------------------ lifecycle
-
-    async def __aenter__(self) -> WebRtcClient:
-        await self.open()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-    @property
-    def chunks(self) -> int:
-        return len(self.headers)
 
     @property
     def channel_open(self) -> bool:
@@ -210,33 +171,11 @@ class WebRtcClient(ViewerClient):
             if self.state in (ClientState.OPENING, ClientState.PLAYING):
                 self.state = ClientState.CLOSED
             await self._teardown()
-            self._ended_at = self.clock()
-            if self._buffer is not None:
-                self._buffer.finish(self._ended_at)
-                self._final = self._buffer.stats()
+            self._finish()
             return False
         self._tasks.append(asyncio.create_task(self._receive_frames(), name=f"rtp-{self.ready.stream_id}"))
         self._tasks.append(asyncio.create_task(self._play_clock(), name=f"clock-{self.ready.stream_id}"))
         return True
-
-    async def _await_ready(self) -> bool:
-        """Read messages until ready (True), or refused / closed (False). Bounded by open()'s timeout."""
-        async for raw in self._ws:
-            msg = self._parse(raw)
-            if isinstance(msg, P.Ready):
-                self.ready = msg
-                return True
-            if isinstance(msg, P.Error):
-                self._on_error(msg)
-                if msg.code is P.ErrorCode.REFUSED:
-                    self.refused_reason = msg.message
-                    self.state = ClientState.REFUSED
-                    return False
-            elif isinstance(msg, P.Closed):
-                self.closed_reason = msg.reason
-                return False
-        self._fail("connection closed before ready")
-        return False
 
     async def _negotiate(self) -> bool:
         """Offer (complete candidate list), answer, remote description. Bounded by open()'s timeout."""
@@ -286,22 +225,7 @@ class WebRtcClient(ViewerClient):
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.config.close_timeout_s):
                     await self._pc.close()
-        if self._ws is not None:
-            with contextlib.suppress(ConnectionClosed, OSError, TimeoutError):
-                async with asyncio.timeout(self.config.close_timeout_s):
-                    await self._ws.close()
-
-    def _finish(self) -> None:
-        """Close the playback books at now (once)."""
-        if self._ended_at is not None:
-            return
-        now = self.clock()
-        self._ended_at = now
-        if self._buffer is not None and self._buffer.state is not PlaybackState.ENDED:
-            self._buffer.finish(now)
-            self._final = self._buffer.stats()
-
-    # ------------------------------------------------------------ the whole session
+        await self._drop_socket()
 
     # ------------------------------------------------------------ control
 
@@ -470,19 +394,11 @@ class WebRtcClient(ViewerClient):
             else:
                 self._fail("an answer arrived that was not asked for")
         elif isinstance(msg, P.Ack):
-            self.acks.append(msg)
-            if msg.request == "set_prompt" and msg.prompt_version is not None and self._unacked_prompts > 0:
-                self._unacked_prompts -= 1
-                if self._ended_at is None:
-                    self._buffer.prompt_acked(msg.prompt_version, self.clock())
+            self._on_ack(msg)
         elif isinstance(msg, P.Error):
             self._on_error(msg)
             if self._answer is not None and not self._answer.done() and msg.code is not P.ErrorCode.INTERNAL:
                 self._answer.set_result(None)  # the offer was refused; the message says why
-            elif (msg.code is P.ErrorCode.INTERNAL and msg.message.startswith("set_prompt")
-                    and self._unacked_prompts > 0):
-                self._unacked_prompts -= 1
-                self._buffer.prompt_rejected()
         elif isinstance(msg, P.Closed):
             if self.closed_reason is None:
                 self.closed_reason = msg.reason

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import enum
 import time
+from typing import Self
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -114,6 +115,90 @@ class ViewerClient:
     """What every viewer client shares, whatever the transport: the session's timeline, control
     messages, waiting, and the result. Subclasses open and close the connection, send (`_send`) and
     feed frames into `self._buffer` (a PlaybackBuffer); they set the attributes this class reads."""
+
+    def __init__(self, url: str, config: ClientConfig, clock: Callable[[], float]) -> None:
+        if not url.startswith(("ws://", "wss://")):
+            raise ValueError(f"url {url!r} must start with ws:// or wss:// (e.g. ws://127.0.0.1:8000/ws)")
+        self.url = url
+        self.config = config
+        self.clock = clock
+        self.state = ClientState.NEW
+        self.ready: P.Ready | None = None
+        self.refused_reason: str | None = None
+        self.closed_reason: str | None = None
+        self.headers: list[P.Chunk] = []  # every chunk header received, in order
+        self.acks: list[P.Ack] = []
+        self.errors: list[str] = []
+        self.server_errors: list[P.Error] = []  # the error messages themselves (code + message)
+        self.frames_decoded = 0
+        self.bad_frames = 0  # frames whose size differs from ready's
+        self.prompts_sent = 0
+        self.decode_s = 0.0  # wall time spent decoding (0 where the transport decodes elsewhere)
+        self.decode_max_s = 0.0
+        self.min_headroom_s: float | None = None  # least video buffered when a chunk or frame arrived, once playing
+        self.stall_events: list[tuple[float, float]] = []  # (seconds from connect to the stall's end, its length)
+        self._stall_s_seen = 0.0  # stall time of the stalls in stall_events
+        self._ws: ClientConnection | None = None
+        self._buffer: PlaybackBuffer | None = None
+        self._connected_at: float | None = None
+        self._ended_at: float | None = None
+        self._final: PlaybackStats | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._changed = asyncio.Event()  # set on every message received and on the end
+        self._ended = asyncio.Event()  # the server closed the stream or the connection went away
+        self._unacked_prompts = 0
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    @property
+    def chunks(self) -> int:
+        """Chunk headers received so far."""
+        return len(self.headers)
+
+    async def _await_ready(self) -> bool:
+        """Read messages until ready (True), or refused / closed (False). Bounded by open()'s timeout."""
+        async for raw in self._ws:
+            if isinstance(raw, bytes):
+                self._fail("a binary message arrived before ready")
+                continue
+            msg = self._parse(raw)
+            if isinstance(msg, P.Ready):
+                self.ready = msg
+                return True
+            if isinstance(msg, P.Error):
+                self._on_error(msg)
+                if msg.code is P.ErrorCode.REFUSED:
+                    self.refused_reason = msg.message
+                    self.state = ClientState.REFUSED
+                    return False
+            elif isinstance(msg, P.Closed):
+                self.closed_reason = msg.reason
+                self.state = ClientState.CLOSED
+                return False
+        self._fail("connection closed before ready")
+        return False
+
+    async def _drop_socket(self) -> None:
+        """Close the WebSocket (bounded); quiet if it is already gone."""
+        if self._ws is not None:
+            with contextlib.suppress(ConnectionClosed, OSError, TimeoutError):
+                async with asyncio.timeout(self.config.close_timeout_s):
+                    await self._ws.close()
+
+    def _finish(self) -> None:
+        """Close the playback books at now (once)."""
+        if self._ended_at is not None:
+            return
+        now = self.clock()
+        self._ended_at = now
+        if self._buffer is not None and self._buffer.state is not PlaybackState.ENDED:
+            self._buffer.finish(now)
+            self._final = self._buffer.stats()
 
     async def run(self, duration_s: float, prompts: Sequence[tuple[float, str]] = ()) -> StreamResult:
         """Open, play for ``duration_s`` (from connect), send each ``(at_s, prompt)`` at ``at_s`` after
@@ -226,9 +311,21 @@ class ViewerClient:
             self._fail(f"bad message from the server: {e}")
             return None
 
+    def _on_ack(self, msg: P.Ack) -> None:
+        self.acks.append(msg)
+        if msg.request == "set_prompt" and msg.prompt_version is not None and self._unacked_prompts > 0:
+            self._unacked_prompts -= 1
+            if self._ended_at is None:
+                self._buffer.prompt_acked(msg.prompt_version, self.clock())
+
     def _on_error(self, msg: P.Error) -> None:
         self.server_errors.append(msg)
         self.errors.append(f"{msg.code.value}: {msg.message}")
+        # A set_prompt the server failed on is answered by an `internal` error instead of an ack
+        # (acks and errors keep the order of the requests); forget it so later acks pair up.
+        if msg.code is P.ErrorCode.INTERNAL and msg.message.startswith("set_prompt") and self._unacked_prompts > 0:
+            self._unacked_prompts -= 1
+            self._buffer.prompt_rejected()
 
     def _fail(self, text: str) -> None:
         self.errors.append(text)
@@ -247,51 +344,11 @@ class StreamClient(ViewerClient):
     """
 
     def __init__(self, url: str, config: ClientConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
-        if not url.startswith(("ws://", "wss://")):
-            raise ValueError(f"url {url!r} must start with ws:// or wss:// (e.g. ws://127.0.0.1:8000/ws)")
-        self.url = url
-        self.config = config
-        self.clock = clock
-        self.state = ClientState.NEW
-        self.ready: P.Ready | None = None
-        self.refused_reason: str | None = None
-        self.closed_reason: str | None = None
-        self.headers: list[P.Chunk] = []  # every chunk header received, in order
-        self.acks: list[P.Ack] = []
-        self.errors: list[str] = []
-        self.server_errors: list[P.Error] = []  # the error messages themselves (code + message)
-        self.frames_decoded = 0
-        self.bad_frames = 0
-        self.prompts_sent = 0
-        self.decode_s = 0.0
-        self.decode_max_s = 0.0
-        self.min_headroom_s: float | None = None
-        self.stall_events: list[tuple[float, float]] = []  # (seconds from connect to the stall's end, its length)
-        self._stall_s_seen = 0.0  # stall time of the stalls in stall_events
+        super().__init__(url, config, clock)
         self._last_report = float("-inf")  # when the last stats message went out
-        self._ws: ClientConnection | None = None
-        self._buffer: PlaybackBuffer | None = None
         self._decoder: StreamDecoder | None = None
-        self._connected_at: float | None = None
-        self._ended_at: float | None = None
-        self._final: PlaybackStats | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._changed = asyncio.Event()  # set on every message received and on the end
-        self._ended = asyncio.Event()  # the server closed the stream or the connection went away
-        self._unacked_prompts = 0
 
     # ------------------------------------------------------------ lifecycle
-
-    async def __aenter__(self) -> StreamClient:
-        await self.open()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-    @property
-    def chunks(self) -> int:
-        return len(self.headers)
 
     async def open(self) -> bool:
         """Connect, send ``start`` and wait for ``ready``. True when admitted.
@@ -336,29 +393,6 @@ class StreamClient(ViewerClient):
             self._tasks.append(asyncio.create_task(self._report(), name=f"stats-{self.ready.stream_id}"))
         return True
 
-    async def _await_ready(self) -> bool:
-        """Read messages until ready (True), or refused / closed (False). Bounded by open()'s timeout."""
-        async for raw in self._ws:
-            if isinstance(raw, bytes):
-                self._fail("a binary chunk arrived before ready")
-                continue
-            msg = self._parse(raw)
-            if isinstance(msg, P.Ready):
-                self.ready = msg
-                return True
-            if isinstance(msg, P.Error):
-                self._on_error(msg)
-                if msg.code is P.ErrorCode.REFUSED:
-                    self.refused_reason = msg.message
-                    self.state = ClientState.REFUSED
-                    return False
-            elif isinstance(msg, P.Closed):
-                self.closed_reason = msg.reason
-                self.state = ClientState.CLOSED
-                return False
-        self._fail("connection closed before ready")
-        return False
-
     async def close(self) -> None:
         """End the session: freeze the measures, send ``close``, wait for ``closed`` (bounded), drop the socket."""
         if self.state in (ClientState.NEW, ClientState.OPENING):
@@ -378,22 +412,6 @@ class StreamClient(ViewerClient):
         await self._drop_socket()
         if self._decoder is not None:
             self._decoder.close()
-
-    async def _drop_socket(self) -> None:
-        if self._ws is not None:
-            with contextlib.suppress(ConnectionClosed, OSError, TimeoutError):
-                async with asyncio.timeout(self.config.close_timeout_s):
-                    await self._ws.close()
-
-    def _finish(self) -> None:
-        """Close the playback books at now (once)."""
-        if self._ended_at is not None:
-            return
-        now = self.clock()
-        self._ended_at = now
-        if self._buffer is not None and self._buffer.state is not PlaybackState.ENDED:
-            self._buffer.finish(now)
-            self._final = self._buffer.stats()
 
     # ------------------------------------------------------------ the whole session
 
@@ -519,19 +537,9 @@ class StreamClient(ViewerClient):
         if msg is None:
             return
         if isinstance(msg, P.Ack):
-            self.acks.append(msg)
-            if msg.request == "set_prompt" and msg.prompt_version is not None and self._unacked_prompts > 0:
-                self._unacked_prompts -= 1
-                if self._ended_at is None:
-                    self._buffer.prompt_acked(msg.prompt_version, self.clock())
+            self._on_ack(msg)
         elif isinstance(msg, P.Error):
             self._on_error(msg)
-            # A set_prompt the server failed on is answered by an `internal` error instead of an ack
-            # (acks and errors keep the order of the requests); forget it so later acks pair up.
-            if (msg.code is P.ErrorCode.INTERNAL and msg.message.startswith("set_prompt")
-                    and self._unacked_prompts > 0):
-                self._unacked_prompts -= 1
-                self._buffer.prompt_rejected()
         elif isinstance(msg, P.Closed):
             self.closed_reason = msg.reason
             self._finish()
