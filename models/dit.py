@@ -88,13 +88,13 @@ class CrossAttention(SelfAttention):
 
 
 class Block(nn.Module):
+    """Wan's block. Its norm1 and norm2 have no weights: `adaln` does them, fused with the modulation."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.norm1 = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
         self.self_attn = SelfAttention(cfg)
-        self.norm3 = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=True)
+        self.norm3 = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=True)  # weights only: see KERNELS.layer_norm
         self.cross_attn = CrossAttention(cfg)
-        self.norm2 = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
         self.ffn = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, cfg.dim))
         self.modulation = nn.Parameter(torch.randn(1, 6, cfg.dim) / cfg.dim**0.5)
 

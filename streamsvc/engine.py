@@ -27,7 +27,7 @@ from streamsvc.scheduler import Admission, Plan, Scheduler, SchedulerConfig, Sch
 
 log = logging.getLogger("streamsvc.engine")
 
-_WORK = {WorkKind.RECACHE: Work.RECACHE, WorkKind.DENOISE: Work.DENOISE, WorkKind.COMMIT: Work.COMMIT}
+_KIND = {Work.RECACHE: WorkKind.RECACHE, Work.DENOISE: WorkKind.DENOISE, Work.COMMIT: WorkKind.COMMIT}  # generator -> scheduler
 
 
 class EngineError(RuntimeError):
@@ -211,7 +211,7 @@ class Engine:
                     enc.encode(out[0].frames, start_index=out[0].first_frame)
                 self._sync()
                 if chunk_index > 0:  # the first chunk pays for lazy initialisation
-                    costs[{v: k for k, v in _WORK.items()}[work]].append(self.clock() - t0)
+                    costs[_KIND[work]].append(self.clock() - t0)
                 if out[0] is not None:
                     break
         enc.close()
