@@ -225,7 +225,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.inference_mode()
 def error_part(gen, specs: dict, args) -> dict:
-    from models.dit import apply_rope
+    from models.dit import apply_rope, norm_rope
 
     model, dev = gen.model, gen.device
     dense = specs["bf16"]
@@ -238,7 +238,7 @@ def error_part(gen, specs: dict, args) -> dict:
     captured: dict[tuple[int, str], torch.Tensor] = {}
     hooks = []
     for i, blk in enumerate(model.blocks):
-        for name in ("norm_q", "norm_k", "v"):
+        for name in ("q", "k", "v"):
             mod = getattr(blk.self_attn, name)
             hook = lambda _m, _args, out, i=i, name=name: captured.__setitem__((i, name), out[0])  # noqa: E731
             hooks.append(mod.register_forward_hook(hook))
@@ -264,8 +264,9 @@ def error_part(gen, specs: dict, args) -> dict:
             qslots = [s for s in range(n) if store.maps[layer].loc[s][0] == QUANT]
             kerr.append(rel(kq[qslots], kc[qslots]))
             verr.append(rel(vq[qslots], vc[qslots]))
-            q = apply_rope(captured[(layer, "norm_q")].view(-1, h, d), q_cos, q_sin)
-            k_new = apply_rope(captured[(layer, "norm_k")].view(-1, h, d), q_cos, q_sin)
+            sa = model.blocks[layer].self_attn
+            q = norm_rope(captured[(layer, "q")].view(-1, h, d), sa.norm_q.weight, model.cfg.eps, q_cos, q_sin)
+            k_new = norm_rope(captured[(layer, "k")].view(-1, h, d), sa.norm_k.weight, model.cfg.eps, q_cos, q_sin)
             v_new = captured[(layer, "v")].view(-1, h, d)
 
             def attend(kk, vv):

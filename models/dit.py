@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache import StreamCache
+from models import triton_ops
 from models.config import ModelConfig
 
 
@@ -51,15 +52,6 @@ class RMSNorm(nn.Module):
         return KERNELS.rms_norm(x, self.weight, self.eps)
 
 
-class LayerNorm(nn.LayerNorm):
-    """LayerNorm computed in float32 (Wan's WanLayerNorm)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else self.weight.float()
-        b = None if self.bias is None else self.bias.float()
-        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps)
-
-
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -88,12 +80,13 @@ class CrossAttention(SelfAttention):
 
 
 class Block(nn.Module):
-    """Wan's block. Its norm1 and norm2 have no weights: `adaln` does them, fused with the modulation."""
+    """Wan's block. Its norm1 and norm2 have no weights: `adaln` does them, fused with the modulation.
+    The forward lives in `CausalWanModel._block`, which fuses each residual with the next norm."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.self_attn = SelfAttention(cfg)
-        self.norm3 = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=True)  # weights only: see KERNELS.layer_norm
+        self.norm3 = nn.LayerNorm(cfg.dim, eps=cfg.eps)  # weights only: `residual_norm` applies it
         self.cross_attn = CrossAttention(cfg)
         self.ffn = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, cfg.dim))
         self.modulation = nn.Parameter(torch.randn(1, 6, cfg.dim) / cfg.dim**0.5)
@@ -102,7 +95,6 @@ class Block(nn.Module):
 class Head(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.norm = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
         self.head = nn.Linear(cfg.dim, cfg.out_channels * math.prod(cfg.patch))
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
 
@@ -154,19 +146,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + swapped * sin).type_as(x)
 
 
-def rope_cat(kc, kq, c_cos, c_sin, q_cos, q_sin) -> torch.Tensor:
-    # cached keys kc: [Lc, H, D] and this forward's keys kq: [Lq, H, D] -> [Lc + Lq, H, D], both rotated
-    return torch.cat([apply_rope(kc, c_cos, c_sin), apply_rope(kq, q_cos, q_sin)])
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
 
 
-def layer_norm(h: torch.Tensor, weight, bias, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    # h: [B, L, dim] float32 -> affine LayerNorm in `dtype`
-    return F.layer_norm(h, h.shape[-1:], weight.float(), bias.float(), eps).to(dtype)
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [L, H, D] projected queries or keys -> qk-RMSNorm over H*D, then RoPE: [L, H, D]
+    n = rms_norm(x.flatten(-2), weight, eps).view_as(x)
+    return apply_rope(n, cos, sin)
+
+
+def norm_rope_cat(kc, k, weight, eps: float, c_cos, c_sin, q_cos, q_sin) -> tuple[torch.Tensor, torch.Tensor]:
+    # cached keys kc: [Lc, H, D] (normalized, not rotated) and this forward's projected keys k: [Lq, H, D]
+    # -> (all keys rotated [Lc + Lq, H, D], this forward's keys normalized, for the cache)
+    kn = rms_norm(k.flatten(-2), weight, eps).view_as(k)
+    return torch.cat([apply_rope(kc, c_cos, c_sin), apply_rope(kn, q_cos, q_sin)]), kn
 
 
 def adaln(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
@@ -174,25 +169,28 @@ def adaln(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
     return (F.layer_norm(h, h.shape[-1:], eps=eps) * (1 + scale) + shift).to(dtype)
 
 
-def gated_residual(h: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def residual_norm(h, y, gate, weight, bias, eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     # h: [B, F, T, dim] float32; y: same shape, model dtype; gate: [B, F, 1, dim]
-    return h + y.float() * gate
+    # -> (h + y * gate, its affine LayerNorm in `dtype`): one pass instead of two
+    h = h + y.float() * gate
+    return h, F.layer_norm(h, h.shape[-1:], weight.float(), bias.float(), eps).to(dtype)
 
 
-def add_residual(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return h + y.float()
+def residual_adaln(h, y, gate, shift, scale, eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # -> (h + y * gate (gate None: h + y), the next modulated LayerNorm of it in `dtype`)
+    h = h + (y.float() if gate is None else y.float() * gate)
+    return h, adaln(h, shift, scale, eps, dtype)
 
 
 class _Kernels:
     """The elementwise pieces of a block; `compile_helpers()` swaps in torch.compile'd versions."""
 
-    rope = staticmethod(apply_rope)
-    rope_cat = staticmethod(rope_cat)
     rms_norm = staticmethod(rms_norm)
-    layer_norm = staticmethod(layer_norm)
+    norm_rope = staticmethod(norm_rope)
+    norm_rope_cat = staticmethod(norm_rope_cat)
     adaln = staticmethod(adaln)
-    gated_residual = staticmethod(gated_residual)
-    add_residual = staticmethod(add_residual)
+    residual_norm = staticmethod(residual_norm)
+    residual_adaln = staticmethod(residual_adaln)
 
 
 KERNELS = _Kernels()
@@ -200,8 +198,21 @@ KERNELS = _Kernels()
 
 def compile_helpers() -> None:
     """Fuse RoPE, the norms and the residuals with torch.compile (one kernel each instead of several)."""
-    for name in ("rope", "rope_cat", "rms_norm", "layer_norm", "adaln", "gated_residual", "add_residual"):
+    import torch._dynamo
+
+    # one specialization per batch size, cache fill and gate/no gate: more than dynamo's default of 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for name in ("rms_norm", "norm_rope", "norm_rope_cat", "adaln", "residual_norm", "residual_adaln"):
         setattr(KERNELS, name, torch.compile(getattr(_Kernels, name), dynamic=False, fullgraph=True))
+
+
+def feed_forward(ffn: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """Wan's FFN (Linear, tanh-GELU, Linear); on CUDA the GELU runs in the first GEMM's epilogue (cuBLASLt)."""
+    fc1, act, fc2 = ffn
+    if not x.is_cuda:
+        return ffn(x)
+    y = torch._addmm_activation(fc1.bias, x.flatten(0, -2), fc1.weight.t(), use_gelu=True)
+    return fc2(y).view(*x.shape[:-1], -1)
 
 
 def sinusoidal_embedding(dim: int, t: torch.Tensor) -> torch.Tensor:
@@ -287,61 +298,66 @@ class CausalWanModel(nn.Module):
             raise ValueError(f"batch mismatch: x {tuple(x.shape)}, t {tuple(t.shape)}, {len(access)} cache accesses")
         tpf = cfg.tokens_per_frame
 
-        h = self.patch_embedding(x.to(self.dtype)).flatten(2).transpose(1, 2).float()  # [B, L, dim]
+        h = self._patchify(x)  # [B, L, dim] float32, contiguous
         e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, t.flatten()).to(self.dtype)).float()  # [B*F, dim]
         e0 = self.time_projection(e.to(self.dtype)).float().view(b, nf, 1, 6, cfg.dim)  # [B, F, 1, 6, dim]
+        # per block: shift, scale, gate (self-attention), shift, scale, gate (FFN), each [B, F, 1, dim]
+        mods = [(blk.modulation.float().view(1, 1, 1, 6, cfg.dim) + e0).unbind(3) for blk in self.blocks]
+        head = (self.head.modulation.float().view(1, 1, 1, 2, cfg.dim) + e.view(b, nf, 1, 1, cfg.dim)).unbind(3)
         rope = self._rope_tables(access, nf)
         mask = self._attention_mask(access, nf, x.device)
 
+        # Each step adds a residual and normalizes for the next in one pass: a block hands on the
+        # residual h [B, F, T, dim] float32 and the next block's (or the head's) modulated input y.
+        h = h.view(b, nf, tpf, cfg.dim)
+        y = KERNELS.adaln(h, mods[0][0], mods[0][1], cfg.eps, self.dtype)
+        ops = triton_ops if x.is_cuda and triton_ops.AVAILABLE else KERNELS
         with attention_backends():
             for i, blk in enumerate(self.blocks):
-                h = self._block(i, blk, h, e0, text[i], access, rope, mask, b, nf, tpf)
+                shift, scale = mods[i + 1][:2] if i + 1 < len(self.blocks) else head
+                h, y = self._block(ops, i, blk, h, y, mods[i], text[i], shift, scale, access, rope, mask)
 
-        # head, per-frame modulation
-        mod = (self.head.modulation.float().view(1, 1, 1, 2, cfg.dim) + e.view(b, nf, 1, 1, cfg.dim)).unbind(3)
-        out = self.head.norm(h).view(b, nf, tpf, cfg.dim) * (1 + mod[1]) + mod[0]
-        out = self.head.head(out.view(b, nf * tpf, cfg.dim).to(self.dtype)).float()
+        out = self.head.head(y.view(b, nf * tpf, cfg.dim)).float()
         return self._unpatchify(out, nf)
 
-    def _block(self, i, blk: Block, h, e0, text_kv, access, rope, mask, b, nf, tpf) -> torch.Tensor:
-        dim, eps = self.cfg.dim, self.cfg.eps
-        mod = (blk.modulation.float().view(1, 1, 1, 6, dim) + e0).unbind(3)  # 6 x [B, F, 1, dim]
-        shape = (b, nf, tpf, dim)
+    def _block(self, ops, i, blk: Block, h, y, mod, text_kv, next_shift, next_scale, access, rope, mask):
+        """h: residual [B, F, T, dim] float32; y: this block's modulated input -> (h, the next block's y).
+        `ops`: the fused kernels (models/triton_ops.py on CUDA, else the torch references)."""
+        eps, dt = self.cfg.eps, self.dtype
+        b, nf, tpf, dim = h.shape
+        a = self._self_attention(ops, i, blk.self_attn, y.view(b, nf * tpf, dim), access, rope, mask).view_as(h)
+        h, y = ops.residual_norm(h, a, mod[2], blk.norm3.weight, blk.norm3.bias, eps, dt)
+        a = blk.cross_attn(y.view(b, nf * tpf, dim), *text_kv).view_as(h)
+        h, y = ops.residual_adaln(h, a, None, mod[3], mod[4], eps, dt)
+        a = feed_forward(blk.ffn, y)
+        return ops.residual_adaln(h, a, mod[5], next_shift, next_scale, eps, dt)
 
-        y = KERNELS.adaln(h.view(shape), mod[0], mod[1], eps, self.dtype).view(b, nf * tpf, dim)
-        y = self._self_attention(i, blk.self_attn, y, access, rope, mask)
-        h = KERNELS.gated_residual(h.view(shape), y.view(shape), mod[2]).view(b, nf * tpf, dim)
-
-        k, v = text_kv
-        y = KERNELS.layer_norm(h, blk.norm3.weight, blk.norm3.bias, eps, self.dtype)
-        h = KERNELS.add_residual(h, blk.cross_attn(y, k, v))
-
-        y = KERNELS.adaln(h.view(shape), mod[3], mod[4], eps, self.dtype).view(b, nf * tpf, dim)
-        y = blk.ffn(y)
-        return KERNELS.gated_residual(h.view(shape), y.view(shape), mod[5]).view(b, nf * tpf, dim)
-
-    def _self_attention(self, layer, attn: SelfAttention, x, access, rope, mask) -> torch.Tensor:
+    def _self_attention(self, ops, layer, attn: SelfAttention, x, access, rope, mask) -> torch.Tensor:
         b, n = x.shape[:2]
-        hd, nh = attn.head_dim, attn.num_heads
-        q = attn.norm_q(attn.q(x)).view(b, n, nh, hd)  # [B, L, H, D]
-        k = attn.norm_k(attn.k(x)).view(b, n, nh, hd)
+        hd, nh, eps = attn.head_dim, attn.num_heads, self.cfg.eps
+        q = attn.q(x).view(b, n, nh, hd)  # [B, L, H, D], before the qk norm
+        k = attn.k(x).view(b, n, nh, hd)
         v = attn.v(x).view(b, n, nh, hd)
         tpf = self.cfg.tokens_per_frame
 
         keys, values, queries = [], [], []
         for j, acc in enumerate(access):
             (q_cos, q_sin), (c_cos, c_sin) = rope[j]
-            queries.append(KERNELS.rope(q[j], q_cos, q_sin))
+            queries.append(ops.norm_rope(q[j], attn.norm_q.weight, eps, q_cos, q_sin))
+            kn = None
             if acc.cache is not None and acc.read_slots:
                 kc, vc = acc.cache.read(layer, acc.read_slots)  # [S, T, H, D]
-                keys.append(KERNELS.rope_cat(kc.reshape(-1, nh, hd), k[j], c_cos, c_sin, q_cos, q_sin))
+                kr, kn = ops.norm_rope_cat(kc.reshape(-1, nh, hd), k[j], attn.norm_k.weight, eps, c_cos, c_sin, q_cos, q_sin)
+                keys.append(kr)
                 values.append(torch.cat([vc.reshape(-1, nh, hd), v[j]]))
             else:
-                keys.append(KERNELS.rope(k[j], q_cos, q_sin))
+                keys.append(ops.norm_rope(k[j], attn.norm_k.weight, eps, q_cos, q_sin))
                 values.append(v[j])
-            if acc.write_slots is not None:  # store keys before RoPE
+            if acc.write_slots is not None:  # store keys normalized, before RoPE
+                if kn is None:
+                    kn = KERNELS.rms_norm(k[j].flatten(-2), attn.norm_k.weight, eps)
                 nf = n // tpf
-                acc.cache.write(layer, acc.write_slots, k[j].view(nf, tpf, nh, hd), v[j].view(nf, tpf, nh, hd))
+                acc.cache.write(layer, acc.write_slots, kn.view(nf, tpf, nh, hd), v[j].view(nf, tpf, nh, hd))
 
         qs = torch.stack(queries) if b > 1 else queries[0][None]
         ks, vs = _stack_padded(keys), _stack_padded(values)
@@ -374,6 +390,17 @@ class CausalWanModel(nn.Module):
             else:
                 mask[j, :, :, c : c + nf * tpf] = True
         return mask.to(device)
+
+    def _patchify(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, C, F*pt, h*ph, w*pw] -> tokens [B, F*h*w, dim] float32. The patch embedding is a
+        # Conv3d with stride == kernel, i.e. one GEMM over flattened patches (faster than a conv,
+        # and it avoids torch 2.11's wrong bf16 Conv3d on CPU).
+        cfg = self.cfg
+        b, c = x.shape[:2]
+        (pt, ph, pw), conv = cfg.patch, self.patch_embedding
+        nf, gh, gw = x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw
+        p = x.to(self.dtype).view(b, c, nf, pt, gh, ph, gw, pw).permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, nf * gh * gw, -1)
+        return F.linear(p, conv.weight.flatten(1), conv.bias).float()
 
     def _unpatchify(self, out: torch.Tensor, nf: int) -> torch.Tensor:
         # out: [B, F*h*w, C*pt*ph*pw] -> [B, C, F*pt, h*ph, w*pw]
