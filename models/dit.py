@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache import StreamCache
-from models import triton_ops
+from models import flash, triton_ops
 from models.config import ModelConfig
 
 
@@ -361,8 +361,11 @@ class CausalWanModel(nn.Module):
 
         qs = torch.stack(queries) if b > 1 else queries[0][None]
         ks, vs = _stack_padded(keys), _stack_padded(values)
-        out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask)
-        return attn.o(out.transpose(1, 2).reshape(b, n, -1))
+        if mask is None and flash.usable(qs):
+            out = flash.attend(qs, ks, vs)  # [B, L, H, D]
+        else:
+            out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask).transpose(1, 2)
+        return attn.o(out.reshape(b, n, -1))
 
     def _rope_tables(self, access: Sequence[CacheAccess], nf: int):
         dev = self.device

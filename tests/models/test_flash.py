@@ -1,0 +1,34 @@
+"""The optional FlashAttention-4 path (models/flash.py): when it is taken, and that it equals SDPA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import flash
+
+
+def test_not_used_on_cpu_or_when_disabled(monkeypatch):
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
+    assert not flash.usable(q)
+    flash._kernel.cache_clear()
+    monkeypatch.setenv("STREAMSVC_FLASH", "0")
+    try:
+        assert flash._kernel() is None
+    finally:
+        flash._kernel.cache_clear()
+
+
+CUDA_Q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device="cuda") if torch.cuda.is_available() else None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CUDA_Q is None or not flash.usable(CUDA_Q), reason="needs flash-attn-4 on an SM90/SM100 GPU")
+@pytest.mark.parametrize("lq,lk", [(4680, 18720), (300, 77)])  # Wan's 3-frame chunk vs 12 frames; ragged tails
+def test_matches_sdpa(lq, lk):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, n, 12, 128, generator=g, device="cuda").to(torch.bfloat16) for n in (lq, lk, lk))
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float())
+    out = flash.attend(q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    err = (out.float() - ref.transpose(1, 2)).abs().max().item()
+    assert err < 2e-2, err
