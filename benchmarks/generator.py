@@ -3,8 +3,9 @@
     python benchmarks/generator.py --preset wan2.1-1.3b --device cuda
     python benchmarks/generator.py --preset tiny --device cpu --iters 5
 
-Warm-up (and compile, with --compile) is kept out of the timings. TFLOP/s and MFU are
-against a bf16 GEMM measured in the same run. Ends with one JSON line.
+Warm-up (and compile, with --compile, and CUDA-graph capture) is kept out of the timings.
+Forwards go through the generator's path: CUDA graphs on CUDA unless --no-cuda-graphs.
+TFLOP/s and MFU are against a bf16 GEMM measured in the same run. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def forward_ms(gen, states, timer, iters) -> float:
     t = torch.full((b, nf), 937.5, device=gen.device)
     text = [(torch.cat([s.text[i][0] for s in states]), torch.cat([s.text[i][1] for s in states])) for i in range(mc.num_layers)]
     access = [CacheAccess(s.cache, s.cache.num_frames) for s in states]
-    return timer(lambda: gen.model(x, t, text, access), iters)
+    return timer(lambda: gen.forward(x, t, text, access), iters)
 
 
 def chunk_split(gen, state, timer, iters) -> dict:
@@ -97,7 +98,7 @@ def chunk_split(gen, state, timer, iters) -> dict:
     def commit_only():  # the commit forward without advancing the ring, so the fill stays put
         nf = gen.cfg.frames_per_chunk
         slots = state.cache.plan_commit(nf)
-        gen.model(x0[None], torch.zeros(1, nf, device=gen.device), state.text,
+        gen.forward(x0[None], torch.zeros(1, nf, device=gen.device), state.text,
                   [CacheAccess(state.cache, state.cache.num_frames, write_slots=slots)])
 
     commit = timer(commit_only, iters)
@@ -118,6 +119,13 @@ def chunk_split(gen, state, timer, iters) -> dict:
     }
 
 
+def flash_used(gen) -> bool:
+    from models import flash
+
+    mc = gen.model_cfg
+    return flash.usable(torch.empty(1, 1, mc.num_heads, mc.head_dim, device=gen.device, dtype=gen.model.dtype))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
@@ -129,6 +137,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,2,4")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--compile", action="store_true", help="torch.compile the elementwise helpers (compile time excluded)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="launch each forward's kernels from Python (no graph replay)")
     args = p.parse_args()
 
     device = torch.device(args.device)
@@ -139,7 +148,8 @@ def main() -> None:
     peak = gemm_tflops(device, dtype, timer)
     log(f"GEMM ceiling: {peak:.0f} TFLOP/s ({dtype})")
     t0 = time.time()
-    cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant)
+    graphs = not args.no_cuda_graphs
+    cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant, cuda_graphs=graphs)
     gen = build_generator(args.preset, device=device, dtype=dtype, cfg=cfg)
     if args.compile:
         from models.dit import compile_helpers
@@ -172,7 +182,7 @@ def main() -> None:
     log(f"chunk at sink {args.sink_frames} + window {args.window_frames}: {chunk}")
     peer = None
     if args.peer_window and args.peer_window != args.window_frames:
-        pgen_cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.peer_window, kv_quant=args.kv_quant)
+        pgen_cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.peer_window, kv_quant=args.kv_quant, cuda_graphs=graphs)
         pgen = type(gen)(gen.model, pgen_cfg, decoder=gen.decoder)
         pstate = pgen.open_stream("peer", "a timelapse of clouds over mountains", seed=0)
         fill_cache(pgen, pstate, pgen.cache_spec().capacity_frames)
@@ -204,6 +214,8 @@ def main() -> None:
         "window_frames": args.window_frames,
         "kv_quant": args.kv_quant,
         "compile": args.compile,
+        "cuda_graphs": graphs and device.type == "cuda",
+        "flash_attention": flash_used(gen),
         "gemm_tflops": round(peak, 1),
         "forward_by_fill": by_fill,
         "chunk": chunk,

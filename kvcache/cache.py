@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
 
 from kvcache.spec import CacheSpec
 from kvcache.storage import KVStorage, make_storage
+
+
+_uids = itertools.count()
 
 
 class StreamCache:
@@ -25,6 +29,7 @@ class StreamCache:
     def __init__(self, spec: CacheSpec, device: torch.device | str = "cpu", storage: KVStorage | None = None):
         self.spec = spec
         self.storage = storage if storage is not None else make_storage(spec, device)
+        self.uid = next(_uids)  # never reused: what a CUDA graph of a forward over this cache is keyed on
         self.reset()
 
     def reset(self) -> None:

@@ -38,6 +38,13 @@ class CacheAccess:
         return self.cache.positions(self.read_slots) if self.cache is not None and self.read_slots else []
 
 
+def needs_mask(access: Sequence[CacheAccess]) -> bool:
+    """Whether some query must not see some key: streams read unequal cache prefixes, or a
+    forward spans several blocks (a recache's frames, each seeing its own block and earlier)."""
+    reads = {acc.read_slots if acc.cache is not None else 0 for acc in access}
+    return len(reads) > 1 or any(acc.block_ids is not None and len(set(acc.block_ids)) > 1 for acc in access)
+
+
 # Per layer: text keys and values of the cross-attention, each [B, text_len, H, D].
 TextKV = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -157,13 +164,6 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     return apply_rope(n, cos, sin)
 
 
-def norm_rope_cat(kc, k, weight, eps: float, c_cos, c_sin, q_cos, q_sin) -> tuple[torch.Tensor, torch.Tensor]:
-    # cached keys kc: [Lc, H, D] (normalized, not rotated) and this forward's projected keys k: [Lq, H, D]
-    # -> (all keys rotated [Lc + Lq, H, D], this forward's keys normalized, for the cache)
-    kn = rms_norm(k.flatten(-2), weight, eps).view_as(k)
-    return torch.cat([apply_rope(kc, c_cos, c_sin), apply_rope(kn, q_cos, q_sin)]), kn
-
-
 def adaln(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
     # h: [B, F, T, dim] float32 residual; shift, scale: [B, F, 1, dim] -> modulated LayerNorm in `dtype`
     return (F.layer_norm(h, h.shape[-1:], eps=eps) * (1 + scale) + shift).to(dtype)
@@ -183,14 +183,28 @@ def residual_adaln(h, y, gate, shift, scale, eps: float, dtype: torch.dtype) -> 
 
 
 class _Kernels:
-    """The elementwise pieces of a block; `compile_helpers()` swaps in torch.compile'd versions."""
+    """The elementwise pieces of a block; `compile_helpers()` swaps in torch.compile'd versions.
+    The `*_into` forms write into slices of the attention's key / query buffers, as the Triton
+    kernels (models/triton_ops.py) do; here they copy a pure function's result."""
 
     rms_norm = staticmethod(rms_norm)
+    rope = staticmethod(apply_rope)
     norm_rope = staticmethod(norm_rope)
-    norm_rope_cat = staticmethod(norm_rope_cat)
     adaln = staticmethod(adaln)
     residual_norm = staticmethod(residual_norm)
     residual_adaln = staticmethod(residual_adaln)
+
+    def norm_rope_into(self, x, weight, eps: float, cos, sin, out, normed=None) -> None:
+        """out <- RoPE(RMSNorm(x)); normed (if given) <- RMSNorm(x). x: [L, H, D]; cos, sin: [L, 1, D]."""
+        if normed is None:
+            out.copy_(self.norm_rope(x, weight, eps, cos, sin))
+            return
+        normed.copy_(self.rms_norm(x.flatten(-2), weight, eps).view_as(x))
+        out.copy_(self.rope(normed, cos, sin))
+
+    def rope_into(self, x, cos, sin, out) -> None:
+        """out <- RoPE(x): cached keys, stored normalized, rotated to their cache positions."""
+        out.copy_(self.rope(x, cos, sin))
 
 
 KERNELS = _Kernels()
@@ -202,7 +216,7 @@ def compile_helpers() -> None:
 
     # one specialization per batch size, cache fill and gate/no gate: more than dynamo's default of 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    for name in ("rms_norm", "norm_rope", "norm_rope_cat", "adaln", "residual_norm", "residual_adaln"):
+    for name in ("rms_norm", "rope", "norm_rope", "adaln", "residual_norm", "residual_adaln"):
         setattr(KERNELS, name, torch.compile(getattr(_Kernels, name), dynamic=False, fullgraph=True))
 
 
@@ -234,6 +248,37 @@ def attention_backends():
         return sdpa_kernel(order, set_priority=True)
     except TypeError:  # pragma: no cover - torch without set_priority
         return contextlib.nullcontext()
+
+
+class AttentionKV:
+    """One forward's self-attention keys and values, per layer [B, Lk, H, D]: for each stream its
+    cached frames (keys rotated to their cache positions) then this forward's, zero-padded to
+    the longest stream (the mask hides the padding). `buffers` fills the cached part; the
+    layer then writes its own keys and values straight into the tail: no concatenation."""
+
+    def __init__(self, model: CausalWanModel, access: Sequence[CacheAccess], rope, n_tokens: int, ops) -> None:
+        cfg = model.cfg
+        self.access, self.rope, self.ops = access, rope, ops
+        self.reads = [acc.read_slots * cfg.tokens_per_frame if acc.cache is not None else 0 for acc in access]
+        self.n_tokens = n_tokens
+        self.shape = (len(access), max(self.reads) + n_tokens, cfg.num_heads, cfg.head_dim)
+        self.dtype, self.device = model.dtype, model.device
+
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        v = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        nh, hd = self.shape[2:]
+        for j, acc in enumerate(self.access):
+            r, end = self.reads[j], self.reads[j] + self.n_tokens
+            if r:
+                kc, vc = acc.cache.read(layer, acc.read_slots)  # [S, T, H, D]
+                _, (c_cos, c_sin) = self.rope[j]
+                self.ops.rope_into(kc.reshape(-1, nh, hd), c_cos, c_sin, k[j, :r])
+                v[j, :r].copy_(vc.reshape(-1, nh, hd))
+            if end < self.shape[1]:  # padding: masked out, but must hold finite values
+                k[j, end:].zero_()
+                v[j, end:].zero_()
+        return k, v
 
 
 class CausalWanModel(nn.Module):
@@ -312,59 +357,48 @@ class CausalWanModel(nn.Module):
         h = h.view(b, nf, tpf, cfg.dim)
         y = KERNELS.adaln(h, mods[0][0], mods[0][1], cfg.eps, self.dtype)
         ops = triton_ops if x.is_cuda and triton_ops.AVAILABLE else KERNELS
+        kv = AttentionKV(self, access, rope, nf * tpf, ops)
         with attention_backends():
             for i, blk in enumerate(self.blocks):
                 shift, scale = mods[i + 1][:2] if i + 1 < len(self.blocks) else head
-                h, y = self._block(ops, i, blk, h, y, mods[i], text[i], shift, scale, access, rope, mask)
+                h, y = self._block(ops, i, blk, h, y, mods[i], text[i], shift, scale, kv, rope, mask)
 
         out = self.head.head(y.view(b, nf * tpf, cfg.dim)).float()
         return self._unpatchify(out, nf)
 
-    def _block(self, ops, i, blk: Block, h, y, mod, text_kv, next_shift, next_scale, access, rope, mask):
+    def _block(self, ops, i, blk: Block, h, y, mod, text_kv, next_shift, next_scale, kv, rope, mask):
         """h: residual [B, F, T, dim] float32; y: this block's modulated input -> (h, the next block's y).
         `ops`: the fused kernels (models/triton_ops.py on CUDA, else the torch references)."""
         eps, dt = self.cfg.eps, self.dtype
         b, nf, tpf, dim = h.shape
-        a = self._self_attention(ops, i, blk.self_attn, y.view(b, nf * tpf, dim), access, rope, mask).view_as(h)
+        a = self._self_attention(ops, i, blk.self_attn, y.view(b, nf * tpf, dim), kv, rope, mask).view_as(h)
         h, y = ops.residual_norm(h, a, mod[2], blk.norm3.weight, blk.norm3.bias, eps, dt)
         a = blk.cross_attn(y.view(b, nf * tpf, dim), *text_kv).view_as(h)
         h, y = ops.residual_adaln(h, a, None, mod[3], mod[4], eps, dt)
         a = feed_forward(blk.ffn, y)
         return ops.residual_adaln(h, a, mod[5], next_shift, next_scale, eps, dt)
 
-    def _self_attention(self, ops, layer, attn: SelfAttention, x, access, rope, mask) -> torch.Tensor:
+    def _self_attention(self, ops, layer, attn: SelfAttention, x, kv: AttentionKV, rope, mask) -> torch.Tensor:
         b, n = x.shape[:2]
-        hd, nh, eps = attn.head_dim, attn.num_heads, self.cfg.eps
+        hd, nh, eps, tpf = attn.head_dim, attn.num_heads, self.cfg.eps, self.cfg.tokens_per_frame
         q = attn.q(x).view(b, n, nh, hd)  # [B, L, H, D], before the qk norm
         k = attn.k(x).view(b, n, nh, hd)
-        v = attn.v(x).view(b, n, nh, hd)
-        tpf = self.cfg.tokens_per_frame
-
-        keys, values, queries = [], [], []
-        for j, acc in enumerate(access):
-            (q_cos, q_sin), (c_cos, c_sin) = rope[j]
-            queries.append(ops.norm_rope(q[j], attn.norm_q.weight, eps, q_cos, q_sin))
-            kn = None
-            if acc.cache is not None and acc.read_slots:
-                kc, vc = acc.cache.read(layer, acc.read_slots)  # [S, T, H, D]
-                kr, kn = ops.norm_rope_cat(kc.reshape(-1, nh, hd), k[j], attn.norm_k.weight, eps, c_cos, c_sin, q_cos, q_sin)
-                keys.append(kr)
-                values.append(torch.cat([vc.reshape(-1, nh, hd), v[j]]))
-            else:
-                keys.append(ops.norm_rope(k[j], attn.norm_k.weight, eps, q_cos, q_sin))
-                values.append(v[j])
-            if acc.write_slots is not None:  # store keys normalized, before RoPE
-                if kn is None:
-                    kn = KERNELS.rms_norm(k[j].flatten(-2), attn.norm_k.weight, eps)
+        keys, values = kv.buffers(layer)  # [B, Lk, H, D], the cached part filled
+        qs = torch.empty_like(q)
+        for j, acc in enumerate(kv.access):
+            (q_cos, q_sin), _ = rope[j]
+            r = kv.reads[j]
+            ops.norm_rope_into(q[j], attn.norm_q.weight, eps, q_cos, q_sin, qs[j])
+            kn = torch.empty_like(k[j]) if acc.write_slots is not None else None  # stored normalized, before RoPE
+            ops.norm_rope_into(k[j], attn.norm_k.weight, eps, q_cos, q_sin, keys[j, r : r + n], kn)
+            vj = torch.addmm(attn.v.bias, x[j], attn.v.weight.t(), out=values[j, r : r + n].view(n, -1))  # V GEMM into place
+            if kn is not None:
                 nf = n // tpf
-                acc.cache.write(layer, acc.write_slots, kn.view(nf, tpf, nh, hd), v[j].view(nf, tpf, nh, hd))
-
-        qs = torch.stack(queries) if b > 1 else queries[0][None]
-        ks, vs = _stack_padded(keys), _stack_padded(values)
+                acc.cache.write(layer, acc.write_slots, kn.view(nf, tpf, nh, hd), vj.view(nf, tpf, nh, hd))
         if mask is None and flash.usable(qs):
-            out = flash.attend(qs, ks, vs)  # [B, L, H, D]
+            out = flash.attend(qs, keys, values)  # [B, L, H, D]
         else:
-            out = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask).transpose(1, 2)
+            out = F.scaled_dot_product_attention(qs.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask).transpose(1, 2)
         return attn.o(out.reshape(b, n, -1))
 
     def _rope_tables(self, access: Sequence[CacheAccess], nf: int):
@@ -376,11 +410,11 @@ class CausalWanModel(nn.Module):
 
     def _attention_mask(self, access: Sequence[CacheAccess], nf: int, device) -> torch.Tensor | None:
         """Boolean [B, 1, Lq, Lk] (True: attend), or None when every query sees every key."""
+        if not needs_mask(access):
+            return None
         tpf = self.cfg.tokens_per_frame
         reads = [acc.read_slots if acc.cache is not None else 0 for acc in access]
         blocked = [acc.block_ids is not None and len(set(acc.block_ids)) > 1 for acc in access]
-        if len(set(reads)) == 1 and not any(blocked):
-            return None
         lk = (max(reads) + nf) * tpf
         mask = torch.zeros(len(access), 1, nf * tpf, lk, dtype=torch.bool)
         for j, acc in enumerate(access):
@@ -414,12 +448,3 @@ class CausalWanModel(nn.Module):
         x = torch.einsum("bfhwpqrc->bcfphqwr", x)
         return x.reshape(b, cfg.out_channels, nf * pt, gh * ph, gw * pw)
 
-
-def _stack_padded(xs: list[torch.Tensor]) -> torch.Tensor:
-    # list of [Lk_j, H, D] -> [B, max Lk, H, D], zero padding (masked out by the caller)
-    if len(xs) == 1:
-        return xs[0][None]
-    n = max(x.shape[0] for x in xs)
-    if all(x.shape[0] == n for x in xs):
-        return torch.stack(xs)
-    return torch.stack([F.pad(x, (0, 0, 0, 0, 0, n - x.shape[0])) for x in xs])

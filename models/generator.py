@@ -22,6 +22,7 @@ from kvcache import CacheSpec, StreamCache
 from models.config import ModelConfig
 from models.decoder import DecoderState, StreamingDecoder, TinyStreamingDecoder, frames_per_chunk
 from models.dit import CacheAccess, CausalWanModel, TextKV
+from models.graphs import GraphedForward
 from models.text import HashTextEncoder, TextEncoder
 
 
@@ -36,6 +37,7 @@ class GeneratorConfig:
     window_frames: int = 9  # most recent latent frames kept (a ring)
     kv_quant: str = "none"  # KV storage: none | int4 | int2
     recache_sinks: bool = False  # a prompt switch also recomputes the sinks' K/V
+    cuda_graphs: bool = True  # on CUDA, replay forwards as CUDA graphs (models/graphs.py)
 
     def __post_init__(self) -> None:
         if self.frames_per_chunk < 1:
@@ -114,6 +116,8 @@ class ChunkGenerator:
         decoder: StreamingDecoder | None = None,
     ) -> None:
         self.model, self.cfg = model, cfg
+        # every forward goes through here: CUDA graphs on CUDA, the model itself elsewhere
+        self.forward = GraphedForward(model) if cfg.cuda_graphs and model.device.type == "cuda" else model
         mc: ModelConfig = model.cfg
         self.model_cfg = mc
         self.text_encoder = text_encoder or HashTextEncoder(mc.text_dim, mc.text_len)
@@ -212,7 +216,7 @@ class ChunkGenerator:
         x = state.clean[slots].transpose(0, 1)[None]  # [1, C, F, h, w]
         ids = [cache.frame_ids[s] // self.cfg.frames_per_chunk for s in slots]
         t = torch.zeros(1, len(slots), device=self.device)
-        self.model(x, t, state.text, [CacheAccess(cache, read, write_slots=slots, block_ids=ids)])
+        self.forward(x, t, state.text, [CacheAccess(cache, read, write_slots=slots, block_ids=ids)])
 
     @torch.inference_mode()
     def denoise(self, states: Sequence[StreamState]) -> None:
@@ -227,7 +231,7 @@ class ChunkGenerator:
         sig = torch.tensor([self.sigmas[s.step] for s in states], device=self.device, dtype=torch.float64)
         t = (sig * 1000).float()[:, None].expand(-1, nf)
         access = [CacheAccess(s.cache, s.cache.num_frames) for s in states]
-        v = self.model(x, t, _batch_text([s.text for s in states]), access)
+        v = self.forward(x, t, _batch_text([s.text for s in states]), access)
         x0 = (x.double() - sig.view(-1, 1, 1, 1, 1) * v.double()).float()
         for j, s in enumerate(states):
             s.forwards[Work.DENOISE.value] += 1
@@ -249,7 +253,7 @@ class ChunkGenerator:
         slots = [s.cache.plan_commit(nf) for s in states]
         access = [CacheAccess(s.cache, s.cache.num_frames, write_slots=sl) for s, sl in zip(states, slots)]
         t = torch.zeros(len(states), nf, device=self.device)
-        self.model(x0, t, _batch_text([s.text for s in states]), access)
+        self.forward(x0, t, _batch_text([s.text for s in states]), access)
         chunks = []
         for j, s in enumerate(states):
             s.cache.advance(slots[j])

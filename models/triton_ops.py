@@ -4,9 +4,12 @@ references in models/dit.py (which CPU runs and the tests use as ground truth).
 - `residual_norm` / `residual_adaln`: add a (gated) residual branch to the float32 stream h in
   place and write the next LayerNorm of it (affine, or adaLN-modulated) in the model dtype:
   one pass over h instead of the three kernels torch.compile makes of it.
-- `norm_rope`: qk-RMSNorm over the row, then RoPE's pairwise rotation, in one pass.
-- `norm_rope_cat`: the keys of one attention: cached keys rotated at their cache positions and
-  this forward's keys normalized + rotated, written into one buffer (two launches, no cat).
+- `norm_rope_into`: qk-RMSNorm over the row, then RoPE's pairwise rotation, in one pass, written
+  into a slice of the attention's query or key buffer (and, for keys, the normalized rows the
+  cache stores).
+- `rope_into`: cached keys rotated to their cache positions, into the head of the key buffer.
+- `merge_halves`: attention over all keys from its outputs over two halves and their log-sum-exps
+  (models/flash.py splits the keys when that fills the GPU's last wave of tiles).
 
 The roundings follow the references (RMSNorm rounds to the model dtype before its weight, as
 Wan's does), so results match them to within one rounding of the model dtype.
@@ -118,6 +121,32 @@ if AVAILABLE:
         tl.store(out_ptr + r3 * N + off, (x * c + swapped * s).to(dt), mask=m)
 
 
+    @triton.jit
+    def _merge_halves_kernel(
+        o_ptr,  # [2, Lq, H, D]: attention of the same queries over two halves of the keys
+        lse_ptr,  # [2, H, Lq] float32: their log-sum-exps
+        out_ptr,  # [Lq, H, D]
+        R,  # Lq * H rows of D
+        Lq,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        ROWS: tl.constexpr,
+    ):
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        m = r < R
+        q, h = r // H, r % H
+        l1 = tl.load(lse_ptr + h * Lq + q, mask=m, other=0.0)
+        l2 = tl.load(lse_ptr + (H + h) * Lq + q, mask=m, other=0.0)
+        top = tl.maximum(l1, l2)
+        w1, w2 = tl.exp(l1 - top), tl.exp(l2 - top)
+        inv = 1.0 / (w1 + w2)
+        off = r[:, None] * D + tl.arange(0, D)[None, :]
+        o1 = tl.load(o_ptr + off, mask=m[:, None], other=0.0).to(tl.float32)
+        o2 = tl.load(o_ptr + R * D + off, mask=m[:, None], other=0.0).to(tl.float32)
+        out = o1 * (w1 * inv)[:, None] + o2 * (w2 * inv)[:, None]
+        tl.store(out_ptr + off, out.to(out_ptr.dtype.element_ty), mask=m[:, None])
+
+
 # rows per program and warps of the RoPE kernel (tuned on the H200 at Wan's shapes; any value is correct)
 ROPE_ROWS, ROPE_WARPS = 4, 4
 
@@ -166,19 +195,23 @@ def _norm_rope_into(x, weight, eps: float, cos, sin, out, normed=None, norm: boo
     )
 
 
-def norm_rope(x, weight, eps: float, cos, sin) -> torch.Tensor:
-    """x: [L, H, D] projected queries or keys -> RMSNorm over H*D, then RoPE: [L, H, D]."""
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _norm_rope_into(x, weight, eps, cos, sin, out)
+def norm_rope_into(x, weight, eps: float, cos, sin, out, normed=None) -> None:
+    """out <- RoPE(RMSNorm(x)) over H*D; normed (if given) <- RMSNorm(x). x: [L, H, D]; out, normed: contiguous."""
+    _norm_rope_into(x, weight, eps, cos, sin, out, normed)
+
+
+def rope_into(x, cos, sin, out) -> None:
+    """out <- RoPE(x) (cached keys, stored normalized). x: [L, H, D]; out: contiguous [L, H, D]."""
+    _norm_rope_into(x, None, 0.0, cos, sin, out, norm=False)
+
+
+def merge_halves(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Softmax attention over all keys from its two halves: o [2, Lq, H, D] (each half's output),
+    lse [2, H, Lq] float32 (each half's log-sum-exp) -> [Lq, H, D]."""
+    _, lq, nh, d = o.shape
+    if not o.is_contiguous() or not lse.is_contiguous() or lse.shape != (2, nh, lq):
+        raise ValueError(f"merge_halves wants contiguous o [2, Lq, H, D] and lse [2, H, Lq], got {tuple(o.shape)}, {tuple(lse.shape)}")
+    out = torch.empty(o.shape[1:], dtype=o.dtype, device=o.device)
+    rows = lq * nh
+    _merge_halves_kernel[(triton.cdiv(rows, 16),)](o, lse, out, rows, lq, H=nh, D=d, ROWS=16, num_warps=4)
     return out
-
-
-def norm_rope_cat(kc, k, weight, eps: float, c_cos, c_sin, q_cos, q_sin) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cached keys kc [Lc, H, D] rotated, then k [Lq, H, D] normalized + rotated) in one [Lc + Lq, H, D]
-    buffer, and k normalized (for the cache)."""
-    lc = kc.shape[0]
-    out = torch.empty((lc + k.shape[0], *k.shape[1:]), dtype=k.dtype, device=k.device)
-    normed = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    _norm_rope_into(kc, None, eps, c_cos, c_sin, out[:lc], norm=False)
-    _norm_rope_into(k, weight, eps, q_cos, q_sin, out[lc:], normed)
-    return out, normed

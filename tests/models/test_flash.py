@@ -18,12 +18,25 @@ def test_not_used_on_cpu_or_when_disabled(monkeypatch):
         flash._kernel.cache_clear()
 
 
+def test_splits_keys_only_where_that_fills_the_last_wave(monkeypatch):
+    monkeypatch.setattr(flash, "_num_sms", lambda device: 132)  # the H200's
+    monkeypatch.setattr(flash.triton_ops, "AVAILABLE", True)
+    qkv = lambda b, lq, lk: (torch.empty(b, lq, 12, 128), torch.empty(b, lk, 12, 128), torch.empty(b, lk, 12, 128))  # noqa: E731
+    assert flash.kv_splits(*qkv(1, 4680, 18720)) == 2  # 444 tiles: 4 waves, or 3.5 split
+    assert flash.kv_splits(*qkv(1, 4680, 4680)) == 2
+    assert flash.kv_splits(*qkv(1, 33 * 128, 18720)) == 1  # 396 tiles: exactly 3 waves
+    assert flash.kv_splits(*qkv(2, 4680, 18720)) == 1  # batches: not split
+    assert flash.kv_splits(*qkv(1, 4680, 1560)) == 1  # too few keys to halve
+    q, k, v = qkv(1, 4680, 18720)
+    assert flash.kv_splits(q, k[:, ::2], v[:, ::2]) == 1  # halves must be views
+
+
 CUDA_Q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device="cuda") if torch.cuda.is_available() else None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(CUDA_Q is None or not flash.usable(CUDA_Q), reason="needs flash-attn-4 on an SM90/SM100 GPU")
-@pytest.mark.parametrize("lq,lk", [(4680, 18720), (300, 77)])  # Wan's 3-frame chunk vs 12 frames; ragged tails
+@pytest.mark.parametrize("lq,lk", [(4680, 18720), (4680, 4680), (300, 77)])  # Wan's chunk vs 12 / 3 frames (split); ragged
 def test_matches_sdpa(lq, lk):
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, n, 12, 128, generator=g, device="cuda").to(torch.bfloat16) for n in (lq, lk, lk))
