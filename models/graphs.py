@@ -140,7 +140,9 @@ class GraphedForward:
         keep = self.model._rope_tables(access, x.shape[2])  # made now, outside the capture
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # capture only records (a commit's cache write included); the replay right after runs it
+        # Capture only records (a commit's cache write included); the replay right after runs it.
+        # `torch.cuda.graph` also synchronizes and empties the allocator's cache on each capture, which
+        # a new stream's first chunks pay while serving (capturing by hand would avoid it).
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self.model(inputs.x, inputs.t, static_text, access)
