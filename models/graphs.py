@@ -97,22 +97,9 @@ class GraphedForward:
     # -- internals ----------------------------------------------------------------------------
 
     def _key(self, x, t, text, access) -> tuple | None:
-        if not x.is_cuda or torch.cuda.is_current_stream_capturing() or needs_mask(access):
-            return None  # a mask is built on the host
-        parts = []
-        for acc in access:
-            cache = acc.cache
-            if cache is None:
-                parts.append((None, acc.read_slots, None, _tuple(acc.block_ids)))
-                continue
-            if type(cache.storage) is not DenseStorage:
-                return None
-            slots = _tuple(acc.write_slots)
-            if slots is not None and slots != tuple(range(slots[0], slots[0] + len(slots))):
-                return None  # a wrapping write indexes with a tensor made on the host
-            parts.append((cache.uid, acc.read_slots, tuple(acc.key_positions()), slots, _tuple(acc.block_ids)))
-        shapes = tuple(tuple(k.shape) for k, _ in text[:1])
-        return (tuple(x.shape), x.dtype, tuple(t.shape), shapes, tuple(parts))
+        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
+            return None
+        return graph_key(x, t, text, access)
 
     def _remember(self, key, g) -> None:
         self._graphs[key] = g
@@ -147,6 +134,27 @@ class GraphedForward:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self.model(inputs.x, inputs.t, static_text, access)
         return _Graph(graph, inputs, out, keep)
+
+
+def graph_key(x, t, text: TextKV, access: Sequence[CacheAccess]) -> tuple | None:
+    """What a graph of this forward fixes: shapes, and per stream its cache, the prefix read, the
+    RoPE positions (the ring's phase), the slots written. None: the forward must run eagerly."""
+    if needs_mask(access):
+        return None  # a mask is built on the host
+    parts = []
+    for acc in access:
+        cache = acc.cache
+        if cache is None:
+            parts.append((None, acc.read_slots, None, _tuple(acc.block_ids)))
+            continue
+        if type(cache.storage) is not DenseStorage:
+            return None
+        slots = _tuple(acc.write_slots)
+        if slots and slots != tuple(range(slots[0], slots[0] + len(slots))):
+            return None  # a wrapping write indexes with a tensor made on the host
+        parts.append((cache.uid, acc.read_slots, tuple(acc.key_positions()), slots, _tuple(acc.block_ids)))
+    shapes = tuple(tuple(k.shape) for k, _ in text[:1])
+    return (tuple(x.shape), x.dtype, tuple(t.shape), shapes, tuple(parts))
 
 
 def _tuple(xs) -> tuple | None:
