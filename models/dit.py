@@ -30,6 +30,16 @@ class CacheAccess:
     write_slots: Sequence[int] | None = None  # after each layer reads, store this forward's K/V here
     block_ids: Sequence[int] | None = None  # per input frame: frames see same-or-earlier blocks; None: all
 
+    @property
+    def frames_read(self) -> int:
+        """Cached frames this forward attends to (0 without a cache)."""
+        return self.read_slots if self.cache is not None else 0
+
+    @property
+    def spans_blocks(self) -> bool:
+        """Whether the input frames belong to several blocks (each sees its own and earlier ones)."""
+        return self.block_ids is not None and len(set(self.block_ids)) > 1
+
     def query_positions(self, num_frames: int) -> list[int]:
         """Input frames sit right after the frames they read: [read | input]."""
         return list(range(self.read_slots, self.read_slots + num_frames))
@@ -41,8 +51,7 @@ class CacheAccess:
 def needs_mask(access: Sequence[CacheAccess]) -> bool:
     """Whether some query must not see some key: streams read unequal cache prefixes, or a
     forward spans several blocks (a recache's frames, each seeing its own block and earlier)."""
-    reads = {acc.read_slots if acc.cache is not None else 0 for acc in access}
-    return len(reads) > 1 or any(acc.block_ids is not None and len(set(acc.block_ids)) > 1 for acc in access)
+    return len({acc.frames_read for acc in access}) > 1 or any(acc.spans_blocks for acc in access)
 
 
 # Per layer: text keys and values of the cross-attention, each [B, text_len, H, D].
@@ -222,7 +231,7 @@ def compile_helpers() -> None:
 
 def feed_forward(ffn: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     """Wan's FFN (Linear, tanh-GELU, Linear); on CUDA the GELU runs in the first GEMM's epilogue (cuBLASLt)."""
-    fc1, act, fc2 = ffn
+    fc1, _, fc2 = ffn
     if not x.is_cuda:
         return ffn(x)
     y = torch._addmm_activation(fc1.bias, x.flatten(0, -2), fc1.weight.t(), use_gelu=True)
@@ -259,7 +268,7 @@ class AttentionKV:
     def __init__(self, model: CausalWanModel, access: Sequence[CacheAccess], rope, n_tokens: int, ops) -> None:
         cfg = model.cfg
         self.access, self.rope, self.ops = access, rope, ops
-        self.reads = [acc.read_slots * cfg.tokens_per_frame if acc.cache is not None else 0 for acc in access]
+        self.reads = [acc.frames_read * cfg.tokens_per_frame for acc in access]  # tokens
         self.n_tokens = n_tokens
         self.shape = (len(access), max(self.reads) + n_tokens, cfg.num_heads, cfg.head_dim)
         self.dtype, self.device = model.dtype, model.device
@@ -413,14 +422,13 @@ class CausalWanModel(nn.Module):
         if not needs_mask(access):
             return None
         tpf = self.cfg.tokens_per_frame
-        reads = [acc.read_slots if acc.cache is not None else 0 for acc in access]
-        blocked = [acc.block_ids is not None and len(set(acc.block_ids)) > 1 for acc in access]
+        reads = [acc.frames_read for acc in access]
         lk = (max(reads) + nf) * tpf
         mask = torch.zeros(len(access), 1, nf * tpf, lk, dtype=torch.bool)
         for j, acc in enumerate(access):
             c = reads[j] * tpf
             mask[j, :, :, :c] = True
-            if blocked[j]:
+            if acc.spans_blocks:
                 ids = torch.as_tensor(list(acc.block_ids))
                 frame_ok = ids[None, :] <= ids[:, None]  # [Fq, Fk]
                 mask[j, :, :, c : c + nf * tpf] = frame_ok.repeat_interleave(tpf, 0).repeat_interleave(tpf, 1)
