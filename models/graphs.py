@@ -65,24 +65,8 @@ class GraphedForward:
     @torch.inference_mode()  # as the model: static inputs made here are inference tensors, always updated here
     def __call__(self, x: torch.Tensor, t: torch.Tensor, text: TextKV, access: Sequence[CacheAccess]) -> torch.Tensor:
         key = self._key(x, t, text, access)
-        if key is None:
-            self.stats["eager"] += 1
-            return self.model(x, t, text, access)
-        if key not in self._graphs:  # first sight: run eagerly (warm-up), capture next time
-            self._remember(key, None)
-            self.stats["eager"] += 1
-            return self.model(x, t, text, access)
-        g = self._graphs[key]
-        self._graphs.move_to_end(key)
+        g = self._graph(key, x, t, text, access) if key is not None else None
         if g is None:
-            try:
-                g = self._capture(x, t, text, access)
-                self.stats["captures"] += 1
-            except RuntimeError as e:  # e.g. an op that cannot be captured: stay eager for this key
-                log.warning("CUDA graph capture failed, running eagerly: %s", str(e).splitlines()[0][:200])
-                g = _UNCAPTURABLE
-            self._remember(key, g)
-        if g is _UNCAPTURABLE:
             self.stats["eager"] += 1
             return self.model(x, t, text, access)
         self._load(g.inputs, x, t, text)
@@ -90,9 +74,21 @@ class GraphedForward:
         self.stats["replays"] += 1
         return g.out.clone()
 
-    def clear(self) -> None:
-        self._graphs.clear()
-        self._inputs.clear()
+    def _graph(self, key, x, t, text, access) -> _Graph | None:
+        """The graph for `key`, captured on its second sight; None: run this forward eagerly."""
+        if key not in self._graphs:  # first sight: eager (the warm-up), capture next time
+            self._remember(key, None)
+            return None
+        g = self._graphs[key]
+        if g is None:
+            try:
+                g = self._capture(x, t, text, access)
+                self.stats["captures"] += 1
+            except RuntimeError as e:  # e.g. an op that cannot be captured: stay eager for this key
+                log.warning("CUDA graph capture failed, running eagerly: %s", str(e).splitlines()[0][:200])
+                g = _UNCAPTURABLE
+        self._remember(key, g)
+        return g if g is not _UNCAPTURABLE else None
 
     # -- internals ----------------------------------------------------------------------------
 
