@@ -37,6 +37,11 @@ class CacheSpec:
     group_size: int | None = None  # tokens per key group, divides tokens_per_frame; None: largest divisor <= 128
     residual_frames: int = 3  # newest window frames kept in `dtype` until they are quantized (at most window_frames)
     quantize_sinks: bool = False  # sinks stay in `dtype` unless this is set
+    # Dense storage only: frames of value room before slot 0 of each layer. A forward of one stream
+    # writes its own values there, so attention reads them and the cached ones as one tensor, in
+    # place (models/dit.py AttentionKV); without it the cached values are copied every forward.
+    # Costs half a frame's bytes per frame (411 MiB for 3 frames of Wan2.1-1.3B).
+    staging_frames: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "head_dim", "tokens_per_frame"):
@@ -51,6 +56,8 @@ class CacheSpec:
             raise ValueError(f"CacheSpec.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.quant not in QUANT_MODES:
             raise ValueError(f"CacheSpec.quant must be one of {QUANT_MODES}, got {self.quant!r}")
+        if self.staging_frames < 0 or (self.staging_frames and self.quant != "none"):
+            raise ValueError(f"staging_frames must be >= 0 and needs quant='none', got {self.staging_frames} with {self.quant!r}")
         if self.group_size is None:
             object.__setattr__(self, "group_size", default_group_size(self.tokens_per_frame))
         if self.quant != "none":

@@ -33,6 +33,18 @@ class KVStorage(ABC):
         until the next read or write of the same layer.
         """
 
+    @property
+    def staging_frames(self) -> int:
+        """Frames of value room `staged_values` offers before slot 0 (0: none)."""
+        return 0
+
+    def staged_values(self, layer: int, num_own: int, num_slots: int) -> torch.Tensor:
+        """V of `num_own` frames of staging (a forward's own values, to be written by it) followed
+        by slots [0, num_slots), as one tensor [num_own + num_slots, T, H, D]: attention reads the
+        cached values in place. Needs num_own <= `staging_frames`; the staging is valid until
+        the next forward of the same layer."""
+        raise NotImplementedError(f"{type(self).__name__} has no value staging")
+
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this storage allocated (for exact accounting)."""
@@ -48,14 +60,17 @@ class KVStorage(ABC):
 
 
 class DenseStorage(KVStorage):
-    """K/V stored in `spec.dtype` (bf16 or fp32): reads are views, no copy."""
+    """K/V stored in `spec.dtype` (bf16 or fp32): reads are views, no copy. With
+    `spec.staging_frames`, each layer's values have that many frames of room before slot 0."""
 
     def __init__(self, spec: CacheSpec, device: torch.device | str) -> None:
         super().__init__(spec, device)
-        shape = (spec.num_layers, spec.capacity_frames, spec.tokens_per_frame, spec.num_heads, spec.head_dim)
-        # k, v: [L, slots, T, H, D]
-        self.k = torch.zeros(shape, dtype=spec.torch_dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=spec.torch_dtype, device=self.device)
+        frame = (spec.tokens_per_frame, spec.num_heads, spec.head_dim)
+        # k, v: [L, slots, T, H, D]; v is a view of the values with their staging, [L, staging + slots, T, H, D]
+        self.k = torch.zeros(spec.num_layers, spec.capacity_frames, *frame, dtype=spec.torch_dtype, device=self.device)
+        self._staged_v = torch.zeros(spec.num_layers, spec.staging_frames + spec.capacity_frames, *frame,
+                                     dtype=spec.torch_dtype, device=self.device)
+        self.v = self._staged_v[:, spec.staging_frames :]
 
     def write(self, layer: int, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         if len(slots) == 0:
@@ -72,12 +87,22 @@ class DenseStorage(KVStorage):
     def read(self, layer: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer, :num_slots], self.v[layer, :num_slots]
 
+    @property
+    def staging_frames(self) -> int:
+        return self.spec.staging_frames
+
+    def staged_values(self, layer: int, num_own: int, num_slots: int) -> torch.Tensor:
+        if not 0 <= num_own <= self.staging_frames:
+            raise ValueError(f"{num_own} frames of staged values, the storage has room for {self.staging_frames}")
+        start = self.staging_frames - num_own
+        return self._staged_v[layer, start : self.staging_frames + num_slots]
+
     def tensors(self) -> list[torch.Tensor]:
-        return [self.k, self.v]
+        return [self.k, self._staged_v]
 
     @classmethod
     def bytes_for(cls, spec: CacheSpec) -> int:
-        return spec.dense_frame_bytes * spec.capacity_frames
+        return spec.dense_frame_bytes * spec.capacity_frames + spec.dense_frame_bytes // 2 * spec.staging_frames
 
 
 # quant mode -> storage class. Quantized storage registers itself here (kvcache.quant).

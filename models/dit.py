@@ -263,30 +263,46 @@ class AttentionKV:
     """One forward's self-attention keys and values, per layer [B, Lk, H, D]: for each stream its
     cached frames (keys rotated to their cache positions) then this forward's, zero-padded to
     the longest stream (the mask hides the padding). `buffers` fills the cached part; the
-    layer then writes its own keys and values straight into the tail: no concatenation."""
+    layer then writes its own keys and values straight into their place (`own_at`): no
+    concatenation.
 
-    def __init__(self, model: CausalWanModel, access: Sequence[CacheAccess], rope, n_tokens: int, ops) -> None:
+    Staged: one stream that sees every key, over storage with value staging (CacheSpec.staging_frames).
+    Then the order is [own | cached] (attention without a mask does not care), the values are
+    the storage's own tensor and the layer's V GEMM writes into its staging: the cached values
+    are not copied at all, only the keys, which RoPE rotates at read time anyway."""
+
+    def __init__(self, model: CausalWanModel, access: Sequence[CacheAccess], rope, n_tokens: int, ops, masked: bool) -> None:
         cfg = model.cfg
         self.access, self.rope, self.ops = access, rope, ops
         self.reads = [acc.frames_read * cfg.tokens_per_frame for acc in access]  # tokens
-        self.n_tokens = n_tokens
+        self.n_tokens, self.n_frames = n_tokens, n_tokens // cfg.tokens_per_frame
         self.shape = (len(access), max(self.reads) + n_tokens, cfg.num_heads, cfg.head_dim)
         self.dtype, self.device = model.dtype, model.device
+        cache = access[0].cache
+        self.staged = len(access) == 1 and not masked and cache is not None and cache.storage.staging_frames >= self.n_frames
+        self.own_at = [0] if self.staged else self.reads  # where each stream's own keys and values go
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        v = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         nh, hd = self.shape[2:]
+        if self.staged:
+            acc = self.access[0]
+            v = acc.cache.storage.staged_values(layer, self.n_frames, acc.read_slots).view(self.shape)
+        else:
+            v = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        n = self.n_tokens
         for j, acc in enumerate(self.access):
-            r, end = self.reads[j], self.reads[j] + self.n_tokens
+            r = self.reads[j]  # either order fills [0, r + n): [cached | own], or staged [own | cached]
             if r:
                 kc, vc = acc.cache.read(layer, acc.read_slots)  # [S, T, H, D]
                 _, (c_cos, c_sin) = self.rope[j]
-                self.ops.rope_into(kc.reshape(-1, nh, hd), c_cos, c_sin, k[j, :r])
-                v[j, :r].copy_(vc.reshape(-1, nh, hd))
-            if end < self.shape[1]:  # padding: masked out, but must hold finite values
-                k[j, end:].zero_()
-                v[j, end:].zero_()
+                cached = slice(n, n + r) if self.staged else slice(0, r)
+                self.ops.rope_into(kc.reshape(-1, nh, hd), c_cos, c_sin, k[j, cached])
+                if not self.staged:
+                    v[j, cached].copy_(vc.reshape(-1, nh, hd))
+            if r + n < self.shape[1]:  # padding: masked out, but must hold finite values
+                k[j, r + n :].zero_()
+                v[j, r + n :].zero_()
         return k, v
 
 
@@ -366,7 +382,7 @@ class CausalWanModel(nn.Module):
         h = h.view(b, nf, tpf, cfg.dim)
         y = KERNELS.adaln(h, mods[0][0], mods[0][1], cfg.eps, self.dtype)
         ops = triton_ops if x.is_cuda and triton_ops.AVAILABLE else KERNELS
-        kv = AttentionKV(self, access, rope, nf * tpf, ops)
+        kv = AttentionKV(self, access, rope, nf * tpf, ops, masked=mask is not None)
         with attention_backends():
             for i, blk in enumerate(self.blocks):
                 shift, scale = mods[i + 1][:2] if i + 1 < len(self.blocks) else head
@@ -394,20 +410,22 @@ class CausalWanModel(nn.Module):
         k = attn.k(x).view(b, n, nh, hd)
         keys, values = kv.buffers(layer)  # [B, Lk, H, D], the cached part filled
         qs = torch.empty_like(q)
+        writes = []  # (access, K normalized before RoPE, V), stored once attention has read the cache
         for j, acc in enumerate(kv.access):
             (q_cos, q_sin), _ = rope[j]
-            r = kv.reads[j]
+            r = kv.own_at[j]
             ops.norm_rope_into(q[j], attn.norm_q.weight, eps, q_cos, q_sin, qs[j])
-            kn = torch.empty_like(k[j]) if acc.write_slots is not None else None  # stored normalized, before RoPE
+            kn = torch.empty_like(k[j]) if acc.write_slots is not None else None
             ops.norm_rope_into(k[j], attn.norm_k.weight, eps, q_cos, q_sin, keys[j, r : r + n], kn)
             vj = torch.addmm(attn.v.bias, x[j], attn.v.weight.t(), out=values[j, r : r + n].view(n, -1))  # V GEMM into place
             if kn is not None:
-                nf = n // tpf
-                acc.cache.write(layer, acc.write_slots, kn.view(nf, tpf, nh, hd), vj.view(nf, tpf, nh, hd))
+                writes.append((acc, kn.view(-1, tpf, nh, hd), vj.view(-1, tpf, nh, hd)))
         if mask is None and flash.usable(qs):
             out = flash.attend(qs, keys, values)  # [B, L, H, D]
         else:
             out = F.scaled_dot_product_attention(qs.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask).transpose(1, 2)
+        for acc, kn, vj in writes:  # staged values are the cache itself: a write before would overwrite what is read
+            acc.cache.write(layer, acc.write_slots, kn, vj)
         return attn.o(out.reshape(b, n, -1))
 
     def _rope_tables(self, access: Sequence[CacheAccess], nf: int):

@@ -74,10 +74,10 @@ def kv_splits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Unmasked attention, [B, Lq, H, D] x [B, Lk, H, D] -> [B, Lq, H, D] (FA4's layout is ours)."""
     if kv_splits(q, k, v) == 2:
-        # the key halves as a batch of 2 (views), the queries repeated: twice the tiles, each half
-        # as long, then the halves' outputs merged by their log-sum-exps
+        # the key halves as a batch of 2 (views), the queries broadcast (FA4 takes a stride-0 batch):
+        # twice the tiles, each half as long, then the halves' outputs merged by their log-sum-exps
         lk = k.shape[1]
-        out, lse = _kernel()(q.expand(2, *q.shape[1:]).contiguous(), k.view(2, lk // 2, *k.shape[2:]),
+        out, lse = _kernel()(q.expand(2, *q.shape[1:]), k.view(2, lk // 2, *k.shape[2:]),
                              v.view(2, lk // 2, *v.shape[2:]), return_lse=True)
         return triton_ops.merge_halves(out, lse)[None]
     out = _kernel()(q, k, v)

@@ -92,3 +92,23 @@ def test_pool_accounting_refusal_and_release_without_memory():
     assert pool.used_bytes == per and pool.free_bytes == pool.budget_bytes - per
     assert pool.allocate("c", s) is not None
     assert pool.num_streams == 2
+
+
+def test_value_staging_sits_before_slot_0_and_is_counted():
+    s = spec(staging_frames=2)
+    cache = StreamCache(s)
+    commit(cache, 4, 1.0)  # sinks 0-1, window 2-3
+    store = cache.storage
+    staged = store.staged_values(1, 2, 3)  # [2 own | slots 0, 1, 2]
+    assert staged.shape == (5, s.tokens_per_frame, s.num_heads, s.head_dim)
+    assert torch.equal(staged[2:], cache.read(1, 3)[1])  # the cached values, in place
+    staged[:2] = 7.0  # what a forward writes as its own values
+    assert torch.equal(store.staged_values(1, 1, 0)[0], staged[1])  # fewer own frames: the staging's tail
+    assert not (cache.read(1)[1] == 7.0).any() and (cache.read(0)[1] != 7.0).all()  # slots and other layers untouched
+    assert staged.data_ptr() == store.staged_values(1, 2, 0).data_ptr()  # a view, not a copy
+    with pytest.raises(ValueError, match="room for 2"):
+        store.staged_values(0, 3, 1)
+    assert store.nbytes == s.stream_bytes() == spec().stream_bytes() + s.dense_frame_bytes // 2 * 2
+    assert sum(t.untyped_storage().nbytes() for t in store.tensors()) == store.nbytes
+    with pytest.raises(ValueError, match="staging_frames"):
+        spec(staging_frames=1, quant="int2", group_size=3, head_dim=8)

@@ -46,6 +46,23 @@ def test_cached_generation_equals_full_recompute():
         assert torch.allclose(c.latents, r, atol=1e-4, rtol=1e-4), (c.index, (c.latents - r).abs().max())
 
 
+def test_staged_values_equal_copied_values_past_the_window():
+    # staged, attention reads the cached values in place and a chunk's own go to the storage's staging;
+    # a commit past the window overwrites the oldest frames, which it must read first
+    runs = {}
+    for stage in (True, False):
+        gen = tiny_generator(sink_frames=3, window_frames=6, stage_values=stage)
+        state = gen.open_stream("s", "a lighthouse", seed=4)
+        assert state.cache.spec.staging_frames == (3 if stage else 0)
+        runs[stage] = (run_chunks(gen, state, 6), state.cache)  # 18 frames, past 3 + 6
+    (staged, cache_s), (copied, cache_c) = runs[True], runs[False]
+    for a, b in zip(staged, copied):
+        assert torch.allclose(a.latents, b.latents, atol=1e-5), (a.index, (a.latents - b.latents).abs().max())
+    for layer in range(2):
+        for x, y in zip(cache_s.read(layer), cache_c.read(layer)):
+            assert torch.allclose(x, y, atol=1e-5)
+
+
 def test_past_window_sinks_hold_first_frames_window_latest_memory_constant():
     gen = tiny_generator(sink_frames=3, window_frames=6)
     state = gen.open_stream("s", "waves", seed=1)
