@@ -1,5 +1,9 @@
 """Generator speed: ms per forward by cache fill, ms per chunk (denoise / commit / decode), batch scaling.
 
+One stream's forward reads its cache in place and rotates the cached keys once per chunk (at the
+first denoising step; models/dit.py AttentionKV): "ms" by fill is a later step's forward,
+"ms_rotating" the first's. Batch scaling compares forwards that all rotate (a batch always does).
+
     python benchmarks/generator.py --preset wan2.1-1.3b --device cuda
     python benchmarks/generator.py --preset tiny --device cpu --iters 5
 
@@ -31,22 +35,28 @@ class Timer:
         self.cuda = device.type == "cuda"
 
     def __call__(self, fn, iters: int, warmup: int = 2) -> float:
+        return self.split([fn], iters, warmup)[0]
+
+    def split(self, fns, iters: int, warmup: int = 2) -> list[float]:
+        """Median ms of each of `fns`, run in turn `iters` times (after `warmup` rounds)."""
         for _ in range(warmup):
-            fn()
-        times = []
+            for fn in fns:
+                fn()
+        times = [[] for _ in fns]
         for _ in range(iters):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times)
+            for fn, ts in zip(fns, times):
+                if self.cuda:
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    fn()
+                    b.record()
+                    torch.cuda.synchronize()
+                    ts.append(a.elapsed_time(b))
+                else:
+                    t = time.perf_counter()
+                    fn()
+                    ts.append((time.perf_counter() - t) * 1e3)
+        return [statistics.median(ts) for ts in times]
 
 
 def gemm_tflops(device, dtype, timer: Timer) -> float:
@@ -73,35 +83,43 @@ def fill_cache(gen, state, frames: int) -> None:
         cache.advance(slots)
 
 
-def forward_ms(gen, states, timer, iters) -> float:
+def forward_ms(gen, states, timer, iters, rotate: bool = False) -> float:
+    """ms of one denoising forward at the caches' current fill. One stream reads its cache in place
+    and, as a chunk's later steps do, reuses the keys rotated by the forward before; `rotate`
+    marks the caches changed before each forward, so that each rotates them (a chunk's first step)."""
     mc, nf = gen.model_cfg, gen.cfg.frames_per_chunk
     b = len(states)
     x = torch.randn(b, mc.in_channels, nf, mc.latent_height, mc.latent_width, device=gen.device)
     t = torch.full((b, nf), 937.5, device=gen.device)
     text = [(torch.cat([s.text[i][0] for s in states]), torch.cat([s.text[i][1] for s in states])) for i in range(mc.num_layers)]
     access = [CacheAccess(s.cache, s.cache.num_frames) for s in states]
-    return timer(lambda: gen.forward(x, t, text, access), iters)
+
+    def run():
+        if rotate:
+            for s in states:
+                s.cache.touch()
+        gen.forward(x, t, text, access)
+
+    return timer(run, iters)
 
 
 def chunk_split(gen, state, timer, iters) -> dict:
     """ms of the denoise steps, the commit and the decode of one chunk at the cache's current fill."""
     steps = len(gen.sigmas)
+    nf = gen.cfg.frames_per_chunk
 
     def denoise_all():
         gen.abandon_chunk(state)
         for _ in range(steps):
             gen.denoise([state])
 
-    denoise = timer(denoise_all, iters)
-    x0 = state.x0.clone()
-
-    def commit_only():  # the commit forward without advancing the ring, so the fill stays put
-        nf = gen.cfg.frames_per_chunk
+    def commit_only():  # the commit forward right after the steps, without advancing the ring: the fill stays put
         slots = state.cache.plan_commit(nf)
-        gen.forward(x0[None], torch.zeros(1, nf, device=gen.device), state.text,
-                  [CacheAccess(state.cache, state.cache.num_frames, write_slots=slots)])
+        gen.forward(state.x0[None], torch.zeros(1, nf, device=gen.device), state.text,
+                    [CacheAccess(state.cache, state.cache.num_frames, write_slots=slots)])
 
-    commit = timer(commit_only, iters)
+    denoise, commit = timer.split([denoise_all, commit_only], iters)
+    x0 = state.x0.clone()
     dec_state = gen.decoder.init_state()
     gen.decoder.decode(x0, dec_state)  # past the first chunk: 12 frames
     decode = timer(lambda: gen.decoder.decode(x0, dec_state), iters)
@@ -165,16 +183,19 @@ def main() -> None:
     for fill in sorted({0, 3, 6, 9, cap} & set(range(cap + 1))):
         fill_cache(gen, state, fill)
         ms = forward_ms(gen, [state], timer, args.iters)
+        rot = forward_ms(gen, [state], timer, args.iters, rotate=True)
         flops = mc.flops_per_forward(nf, fill + nf)
         row = {
             "cached_frames": fill,
             "keys": (fill + nf) * mc.tokens_per_frame,
             "ms": round(ms, 2),
+            "ms_rotating": round(rot, 2),
             "tflops": round(flops / (ms / 1e3) / 1e12, 1),
             "mfu": round(flops / (ms / 1e3) / 1e12 / peak, 3),
         }
         by_fill.append(row)
-        log(f"forward, {fill:2d} cached frames ({row['keys']} keys): {ms:7.2f} ms  {row['tflops']:6.1f} TFLOP/s  MFU {row['mfu']:.2f}")
+        log(f"forward, {fill:2d} cached frames ({row['keys']} keys): {ms:7.2f} ms  {row['tflops']:6.1f} TFLOP/s  MFU {row['mfu']:.2f}"
+            f"  (rotating the cached keys: {rot:.2f} ms)")
 
     # ms per chunk at a full cache, split into denoise / commit / decode
     fill_cache(gen, state, cap)
@@ -198,7 +219,7 @@ def main() -> None:
             s = gen.open_stream(f"b{len(states)}", f"prompt {len(states)}", seed=len(states))
             fill_cache(gen, s, cap)
             states.append(s)
-        ms = forward_ms(gen, states[:b], timer, args.iters)
+        ms = forward_ms(gen, states[:b], timer, args.iters, rotate=True)  # a batch copies and rotates every forward
         batches.append({"batch": b, "ms": round(ms, 2), "ms_per_stream": round(ms / b, 2)})
     base = batches[0]["ms_per_stream"]
     for row in batches:

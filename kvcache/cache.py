@@ -24,12 +24,16 @@ class StreamCache:
     Positions are cache-relative: sinks sit at 0..S-1, the window's frames at S.. in time
     order, and the chunk being denoised right after them. `positions()` gives each
     physical slot's position so RoPE can be applied at read time.
+
+    `version` changes with every change to what a slot holds or where it sits. Storage with
+    staging keeps a rotated copy of the keys; `keys_rotated` says whether that copy is current.
     """
 
     def __init__(self, spec: CacheSpec, device: torch.device | str = "cpu", storage: KVStorage | None = None):
         self.spec = spec
         self.storage = storage if storage is not None else make_storage(spec, device)
         self.uid = next(_uids)  # never reused: what a CUDA graph of a forward over this cache is keyed on
+        self.version = 0
         self.reset()
 
     def reset(self) -> None:
@@ -39,6 +43,21 @@ class StreamCache:
         self.frames_seen = 0  # frames committed over the stream's life
         # absolute frame index held by each physical slot (-1: empty), for inspection and tests
         self.frame_ids = [-1] * self.spec.capacity_frames
+        self.touch()
+
+    def touch(self) -> None:
+        """Mark the contents or positions changed: the rotated keys are stale."""
+        self.version += 1
+        self._rotated: tuple[int, int] | None = None  # (version, slots) the rotated keys were made at
+
+    def keys_rotated(self, num_slots: int) -> bool:
+        """Whether the storage's rotated keys of slots [0, num_slots) are current (`note_rotated`
+        since the last change), so a forward may read them without rotating again."""
+        return self._rotated == (self.version, num_slots)
+
+    def note_rotated(self, num_slots: int) -> None:
+        """A forward has rotated slots [0, num_slots) into the storage's rotated keys."""
+        self._rotated = (self.version, num_slots)
 
     @property
     def num_frames(self) -> int:
@@ -85,6 +104,7 @@ class StreamCache:
     def write(self, layer: int, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's K/V ([len(slots), T, H, D], keys before RoPE) at `slots`."""
         self.storage.write(layer, slots, k, v)
+        self.touch()
 
     def read(self, layer: int, num_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K/V of slots [0, num_slots): each [num_slots, T, H, D]."""
@@ -105,6 +125,7 @@ class StreamCache:
                 self.head = (self.head + 1) % w
             self.frame_ids[slot] = self.frames_seen
             self.frames_seen += 1
+        self.touch()
 
     def window_slots_in_order(self) -> list[int]:
         """Physical window slots from oldest to newest."""
@@ -122,5 +143,6 @@ class StreamCache:
         slots = list(range(s, s + len(ids)))
         for slot, fid in zip(slots, ids):
             self.frame_ids[slot] = fid
+        self.touch()
         return slots
 

@@ -37,10 +37,11 @@ class CacheSpec:
     group_size: int | None = None  # tokens per key group, divides tokens_per_frame; None: largest divisor <= 128
     residual_frames: int = 3  # newest window frames kept in `dtype` until they are quantized (at most window_frames)
     quantize_sinks: bool = False  # sinks stay in `dtype` unless this is set
-    # Dense storage only: frames of value room before slot 0 of each layer. A forward of one stream
-    # writes its own values there, so attention reads them and the cached ones as one tensor, in
-    # place (models/dit.py AttentionKV); without it the cached values are copied every forward.
-    # Costs half a frame's bytes per frame (411 MiB for 3 frames of Wan2.1-1.3B).
+    # Dense storage only: frames of room before slot 0 of each layer, in the values and in a copy of
+    # the keys kept rotated to their slots' current positions. A forward of one stream writes its own
+    # K/V there, so attention reads [own | cached] from the storage in place, and the cached keys are
+    # rotated again only after the cache changed (models/dit.py AttentionKV). Costs a key per slot
+    # and a key and value per staging frame: 2.4 GiB for Wan2.1-1.3B at sink 3 + window 9, 3 frames.
     staging_frames: int = 0
 
     def __post_init__(self) -> None:

@@ -35,15 +35,15 @@ class KVStorage(ABC):
 
     @property
     def staging_frames(self) -> int:
-        """Frames of value room `staged_values` offers before slot 0 (0: none)."""
+        """Frames of room `staged` offers before slot 0 (0: none)."""
         return 0
 
-    def staged_values(self, layer: int, num_own: int, num_slots: int) -> torch.Tensor:
-        """V of `num_own` frames of staging (a forward's own values, to be written by it) followed
-        by slots [0, num_slots), as one tensor [num_own + num_slots, T, H, D]: attention reads the
-        cached values in place. Needs num_own <= `staging_frames`; the staging is valid until
-        the next forward of the same layer."""
-        raise NotImplementedError(f"{type(self).__name__} has no value staging")
+    def staged(self, layer: int, num_own: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `num_own` frames of staging (a forward's own, which it writes) followed by
+        slots [0, num_slots), each one tensor [num_own + num_slots, T, H, D]: the values are the
+        stored ones, the keys a copy that the caller keeps rotated (StreamCache.keys_rotated says
+        when it is current). Needs num_own <= `staging_frames`."""
+        raise NotImplementedError(f"{type(self).__name__} has no staging")
 
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
@@ -61,16 +61,19 @@ class KVStorage(ABC):
 
 class DenseStorage(KVStorage):
     """K/V stored in `spec.dtype` (bf16 or fp32): reads are views, no copy. With
-    `spec.staging_frames`, each layer's values have that many frames of room before slot 0."""
+    `spec.staging_frames`, each layer has that many frames of room before slot 0 in its values and
+    in a copy of its keys that attention reads rotated (`staged`)."""
 
     def __init__(self, spec: CacheSpec, device: torch.device | str) -> None:
         super().__init__(spec, device)
         frame = (spec.tokens_per_frame, spec.num_heads, spec.head_dim)
-        # k, v: [L, slots, T, H, D]; v is a view of the values with their staging, [L, staging + slots, T, H, D]
+        # k, v: [L, slots, T, H, D]. v is a view of the values with their staging, [L, staging + slots,
+        # T, H, D]; rotated_k holds the keys as attention reads them, in that same layout.
         self.k = torch.zeros(spec.num_layers, spec.capacity_frames, *frame, dtype=spec.torch_dtype, device=self.device)
         self._staged_v = torch.zeros(spec.num_layers, spec.staging_frames + spec.capacity_frames, *frame,
                                      dtype=spec.torch_dtype, device=self.device)
         self.v = self._staged_v[:, spec.staging_frames :]
+        self.rotated_k = torch.zeros_like(self._staged_v) if spec.staging_frames else None
 
     def write(self, layer: int, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         if len(slots) == 0:
@@ -91,18 +94,20 @@ class DenseStorage(KVStorage):
     def staging_frames(self) -> int:
         return self.spec.staging_frames
 
-    def staged_values(self, layer: int, num_own: int, num_slots: int) -> torch.Tensor:
+    def staged(self, layer: int, num_own: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= num_own <= self.staging_frames:
-            raise ValueError(f"{num_own} frames of staged values, the storage has room for {self.staging_frames}")
-        start = self.staging_frames - num_own
-        return self._staged_v[layer, start : self.staging_frames + num_slots]
+            raise ValueError(f"{num_own} frames of staged K/V, the storage has room for {self.staging_frames}")
+        frames = slice(self.staging_frames - num_own, self.staging_frames + num_slots)
+        return self.rotated_k[layer, frames], self._staged_v[layer, frames]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.k, self._staged_v]
+        return [self.k, self._staged_v] + ([self.rotated_k] if self.rotated_k is not None else [])
 
     @classmethod
     def bytes_for(cls, spec: CacheSpec) -> int:
-        return spec.dense_frame_bytes * spec.capacity_frames + spec.dense_frame_bytes // 2 * spec.staging_frames
+        s = spec.staging_frames
+        staged = s + (s + spec.capacity_frames if s else 0)  # values' staging; rotated keys of staging and slots
+        return spec.dense_frame_bytes * spec.capacity_frames + spec.dense_frame_bytes // 2 * staged
 
 
 # quant mode -> storage class. Quantized storage registers itself here (kvcache.quant).

@@ -29,6 +29,9 @@ class CacheAccess:
     read_slots: int  # attend to cache slots [0, read_slots) (a prefix: sinks first, then the window)
     write_slots: Sequence[int] | None = None  # after each layer reads, store this forward's K/V here
     block_ids: Sequence[int] | None = None  # per input frame: frames see same-or-earlier blocks; None: all
+    # the storage's rotated keys of [0, read_slots) are current (StreamCache.keys_rotated): read them as
+    # they are. Only forwards that read in place (`in_place`) use them; the caller checks and notes.
+    keys_rotated: bool = False
 
     @property
     def frames_read(self) -> int:
@@ -52,6 +55,13 @@ def needs_mask(access: Sequence[CacheAccess]) -> bool:
     """Whether some query must not see some key: streams read unequal cache prefixes, or a
     forward spans several blocks (a recache's frames, each seeing its own block and earlier)."""
     return len({acc.frames_read for acc in access}) > 1 or any(acc.spans_blocks for acc in access)
+
+
+def in_place(access: Sequence[CacheAccess], num_frames: int) -> bool:
+    """Whether a forward of `num_frames` frames reads its cache in place (AttentionKV's staged
+    layout): one stream that sees every key, over storage with staging room for its frames."""
+    cache = access[0].cache if len(access) == 1 else None
+    return cache is not None and not needs_mask(access) and cache.storage.staging_frames >= num_frames
 
 
 # Per layer: text keys and values of the cross-attention, each [B, text_len, H, D].
@@ -266,44 +276,49 @@ class AttentionKV:
     layer then writes its own keys and values straight into their place (`own_at`): no
     concatenation.
 
-    Staged: one stream that sees every key, over storage with value staging (CacheSpec.staging_frames).
-    Then the order is [own | cached] (attention without a mask does not care), the values are
-    the storage's own tensor and the layer's V GEMM writes into its staging: the cached values
-    are not copied at all, only the keys, which RoPE rotates at read time anyway."""
+    In place (`in_place`: one stream, no mask, storage with staging): the order is [own | cached]
+    (attention without a mask does not care) and both are the storage's staged tensors. The
+    values are the stored ones, never copied; the keys are the storage's rotated copy, rotated
+    again only when the cache changed since (`CacheAccess.keys_rotated`): within a chunk the
+    denoising steps and the commit read the same cache at the same positions."""
 
-    def __init__(self, model: CausalWanModel, access: Sequence[CacheAccess], rope, n_tokens: int, ops, masked: bool) -> None:
+    def __init__(self, model: CausalWanModel, access: Sequence[CacheAccess], rope, n_tokens: int, ops) -> None:
         cfg = model.cfg
         self.access, self.rope, self.ops = access, rope, ops
         self.reads = [acc.frames_read * cfg.tokens_per_frame for acc in access]  # tokens
         self.n_tokens, self.n_frames = n_tokens, n_tokens // cfg.tokens_per_frame
         self.shape = (len(access), max(self.reads) + n_tokens, cfg.num_heads, cfg.head_dim)
         self.dtype, self.device = model.dtype, model.device
-        cache = access[0].cache
-        self.staged = len(access) == 1 and not masked and cache is not None and cache.storage.staging_frames >= self.n_frames
+        self.staged = in_place(access, self.n_frames)
         self.own_at = [0] if self.staged else self.reads  # where each stream's own keys and values go
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         nh, hd = self.shape[2:]
+        n = self.n_tokens
         if self.staged:
             acc = self.access[0]
-            v = acc.cache.storage.staged_values(layer, self.n_frames, acc.read_slots).view(self.shape)
-        else:
-            v = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        n = self.n_tokens
+            k, v = (t.view(self.shape) for t in acc.cache.storage.staged(layer, self.n_frames, acc.read_slots))
+            if self.reads[0] and not acc.keys_rotated:
+                self._rotate(layer, 0, k[0, n:])
+            return k, v
+        k = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        v = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         for j, acc in enumerate(self.access):
-            r = self.reads[j]  # either order fills [0, r + n): [cached | own], or staged [own | cached]
+            r = self.reads[j]  # [cached | own] fills [0, r + n)
             if r:
-                kc, vc = acc.cache.read(layer, acc.read_slots)  # [S, T, H, D]
-                _, (c_cos, c_sin) = self.rope[j]
-                cached = slice(n, n + r) if self.staged else slice(0, r)
-                self.ops.rope_into(kc.reshape(-1, nh, hd), c_cos, c_sin, k[j, cached])
-                if not self.staged:
-                    v[j, cached].copy_(vc.reshape(-1, nh, hd))
+                self._rotate(layer, j, k[j, :r])
+                v[j, :r].copy_(acc.cache.read(layer, acc.read_slots)[1].reshape(-1, nh, hd))
             if r + n < self.shape[1]:  # padding: masked out, but must hold finite values
                 k[j, r + n :].zero_()
                 v[j, r + n :].zero_()
         return k, v
+
+    def _rotate(self, layer: int, j: int, out: torch.Tensor) -> None:
+        """out <- stream j's cached keys rotated to their cache positions."""
+        acc = self.access[j]
+        kc = acc.cache.read(layer, acc.read_slots)[0]  # [S, T, H, D], stored before RoPE
+        _, (c_cos, c_sin) = self.rope[j]
+        self.ops.rope_into(kc.reshape(-1, *self.shape[2:]), c_cos, c_sin, out)
 
 
 class CausalWanModel(nn.Module):
@@ -382,7 +397,7 @@ class CausalWanModel(nn.Module):
         h = h.view(b, nf, tpf, cfg.dim)
         y = KERNELS.adaln(h, mods[0][0], mods[0][1], cfg.eps, self.dtype)
         ops = triton_ops if x.is_cuda and triton_ops.AVAILABLE else KERNELS
-        kv = AttentionKV(self, access, rope, nf * tpf, ops, masked=mask is not None)
+        kv = AttentionKV(self, access, rope, nf * tpf, ops)
         with attention_backends():
             for i, blk in enumerate(self.blocks):
                 shift, scale = mods[i + 1][:2] if i + 1 < len(self.blocks) else head

@@ -134,7 +134,8 @@ class GraphedForward:
 
 def graph_key(x, t, text: TextKV, access: Sequence[CacheAccess]) -> tuple | None:
     """What a graph of this forward fixes: shapes, and per stream its cache, the prefix read, the
-    RoPE positions (the ring's phase), the slots written. None: the forward must run eagerly."""
+    RoPE positions (the ring's phase), the slots written, whether it rotates the cached keys.
+    None: the forward must run eagerly."""
     if needs_mask(access):
         return None  # a mask is built on the host
     parts = []
@@ -148,7 +149,7 @@ def graph_key(x, t, text: TextKV, access: Sequence[CacheAccess]) -> tuple | None
         slots = _tuple(acc.write_slots)
         if slots and slots != tuple(range(slots[0], slots[0] + len(slots))):
             return None  # a wrapping write indexes with a tensor made on the host
-        parts.append((cache.uid, acc.read_slots, tuple(acc.key_positions()), slots, _tuple(acc.block_ids)))
+        parts.append((cache.uid, acc.read_slots, tuple(acc.key_positions()), slots, _tuple(acc.block_ids), acc.keys_rotated))
     shapes = tuple(tuple(k.shape) for k, _ in text[:1])
     return (tuple(x.shape), x.dtype, tuple(t.shape), shapes, tuple(parts))
 

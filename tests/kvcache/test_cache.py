@@ -94,21 +94,39 @@ def test_pool_accounting_refusal_and_release_without_memory():
     assert pool.num_streams == 2
 
 
-def test_value_staging_sits_before_slot_0_and_is_counted():
+def test_staging_sits_before_slot_0_and_is_counted():
     s = spec(staging_frames=2)
     cache = StreamCache(s)
     commit(cache, 4, 1.0)  # sinks 0-1, window 2-3
     store = cache.storage
-    staged = store.staged_values(1, 2, 3)  # [2 own | slots 0, 1, 2]
-    assert staged.shape == (5, s.tokens_per_frame, s.num_heads, s.head_dim)
-    assert torch.equal(staged[2:], cache.read(1, 3)[1])  # the cached values, in place
-    staged[:2] = 7.0  # what a forward writes as its own values
-    assert torch.equal(store.staged_values(1, 1, 0)[0], staged[1])  # fewer own frames: the staging's tail
+    k, v = store.staged(1, 2, 3)  # [2 own | slots 0, 1, 2]
+    assert k.shape == v.shape == (5, s.tokens_per_frame, s.num_heads, s.head_dim)
+    assert torch.equal(v[2:], cache.read(1, 3)[1])  # the stored values themselves
+    v[:2] = 7.0  # what a forward writes as its own values
+    assert torch.equal(store.staged(1, 1, 0)[1][0], v[1])  # fewer own frames: the staging's tail
     assert not (cache.read(1)[1] == 7.0).any() and (cache.read(0)[1] != 7.0).all()  # slots and other layers untouched
-    assert staged.data_ptr() == store.staged_values(1, 2, 0).data_ptr()  # a view, not a copy
+    assert v.data_ptr() == store.staged(1, 2, 0)[1].data_ptr() and k.data_ptr() == store.rotated_k[1].data_ptr()  # views
+    k[2:] = 5.0  # the rotated copy is not the stored keys
+    assert not (cache.read(1)[0] == 5.0).any()
     with pytest.raises(ValueError, match="room for 2"):
-        store.staged_values(0, 3, 1)
-    assert store.nbytes == s.stream_bytes() == spec().stream_bytes() + s.dense_frame_bytes // 2 * 2
+        store.staged(0, 3, 1)
+    # values' staging (2 frames) and rotated keys of staging + slots (2 + 5), each half a frame's K/V
+    assert store.nbytes == s.stream_bytes() == spec().stream_bytes() + s.dense_frame_bytes // 2 * (2 + 7)
     assert sum(t.untyped_storage().nbytes() for t in store.tensors()) == store.nbytes
     with pytest.raises(ValueError, match="staging_frames"):
         spec(staging_frames=1, quant="int2", group_size=3, head_dim=8)
+
+
+def test_rotated_keys_are_current_until_the_cache_changes():
+    cache = StreamCache(spec(staging_frames=2))
+    commit(cache, 2, 1.0)
+    assert not cache.keys_rotated(2)
+    cache.note_rotated(2)
+    assert cache.keys_rotated(2) and not cache.keys_rotated(1)  # another prefix was not rotated
+    slots = cache.plan_commit(2)  # planning changes nothing
+    assert cache.keys_rotated(2)
+    for change in (lambda: cache.write(0, slots, *cache.read(0, 2)), lambda: cache.advance(slots),
+                   cache.relayout_window, cache.reset, cache.touch):
+        cache.note_rotated(2)
+        change()
+        assert not cache.keys_rotated(2)

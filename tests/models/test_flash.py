@@ -49,9 +49,10 @@ def test_matches_sdpa(lq, lk):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(CUDA_Q is None or not flash.usable(CUDA_Q), reason="needs flash-attn-4 on an SM90/SM100 GPU")
-def test_staged_values_match_copied_ones():
-    """bf16 at head dim 128, so FA4 runs (split keys from 2,048 keys on): through a ring that rolls,
-    forwards that read the cached values in place (staged) equal forwards over a copy of them."""
+def test_in_place_reads_match_copies():
+    """bf16 at head dim 128, so FA4 runs (split keys from 2,048 keys on), through CUDA graphs and a
+    ring that rolls: forwards that read the cache in place (values as stored, keys rotated once per
+    chunk) equal forwards over copies, rotated every time."""
     from models import CacheAccess, GeneratorConfig
     from models.config import ModelConfig
     from models.dit import CausalWanModel
@@ -59,18 +60,21 @@ def test_staged_values_match_copied_ones():
 
     mc = ModelConfig.from_name("tiny", dim=256, num_heads=2, latent_height=64, latent_width=64)  # 256 tokens a frame
     model = CausalWanModel(mc).init_weights(3).to("cuda", torch.bfloat16).eval()
-    xs = torch.randn(6, 1, mc.in_channels, 3, 64, 64, generator=torch.Generator().manual_seed(0)).cuda()
-    outs = []
+    xs = torch.randn(8, 1, mc.in_channels, 3, 64, 64, generator=torch.Generator().manual_seed(0)).cuda()
+    outs, stats = [], []
     for stage in (True, False):
-        gen = ChunkGenerator(model, GeneratorConfig(sink_frames=3, window_frames=6, stage_values=stage, cuda_graphs=False))
+        gen = ChunkGenerator(model, GeneratorConfig(sink_frames=3, window_frames=6, stage_kv=stage))
         s = gen.open_stream("a", "a red kite", seed=1)
         assert s.cache.spec.staging_frames == (3 if stage else 0)
         got = []
-        for c in range(6):  # 18 frames through 3 sinks + 6 window slots: the last commits overwrite
+        for c in range(8):  # 24 frames through 3 sinks + 6 window slots: the later commits overwrite
+            for step in (900.0, 500.0):  # two denoising steps: the second reuses the rotated keys
+                got.append(gen.forward(xs[c], torch.full((1, 3), step, device="cuda"), s.text, [CacheAccess(s.cache, s.cache.num_frames)]))
             slots = s.cache.plan_commit(3)
-            acc = CacheAccess(s.cache, s.cache.num_frames, write_slots=slots)
-            got.append(gen.model(xs[c], torch.zeros(1, 3, device="cuda"), s.text, [acc]).float())
+            got.append(gen.forward(xs[c], torch.zeros(1, 3, device="cuda"), s.text, [CacheAccess(s.cache, s.cache.num_frames, write_slots=slots)]))
             s.cache.advance(slots)
-        outs.append(torch.stack(got))
+        outs.append(torch.stack(got).float())
+        stats.append(gen.runner.stats)
     err = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
     assert err < 1e-2, err
+    assert stats[0]["replays"] > 5, stats

@@ -46,16 +46,22 @@ def test_cached_generation_equals_full_recompute():
         assert torch.allclose(c.latents, r, atol=1e-4, rtol=1e-4), (c.index, (c.latents - r).abs().max())
 
 
-def test_staged_values_equal_copied_values_past_the_window():
-    # staged, attention reads the cached values in place and a chunk's own go to the storage's staging;
-    # a commit past the window overwrites the oldest frames, which it must read first
+def test_in_place_reads_equal_copies_past_the_window():
+    # staged, attention reads the cache in place: the cached values as stored, a chunk's own K/V in
+    # the storage's staging, and the cached keys rotated once per chunk. A commit past the window
+    # overwrites the oldest frames, which it must read first; each commit and advance makes the
+    # rotated keys stale.
     runs = {}
     for stage in (True, False):
-        gen = tiny_generator(sink_frames=3, window_frames=6, stage_values=stage)
+        gen = tiny_generator(sink_frames=3, window_frames=6, stage_kv=stage)
+        rotated = []
+        runner = gen.runner
+        gen.runner = lambda x, t, text, access: rotated.append(access[0].keys_rotated) or runner(x, t, text, access)
         state = gen.open_stream("s", "a lighthouse", seed=4)
         assert state.cache.spec.staging_frames == (3 if stage else 0)
-        runs[stage] = (run_chunks(gen, state, 6), state.cache)  # 18 frames, past 3 + 6
-    (staged, cache_s), (copied, cache_c) = runs[True], runs[False]
+        runs[stage] = (run_chunks(gen, state, 6), state.cache, rotated)  # 18 frames, past 3 + 6
+    (staged, cache_s, rotated), (copied, cache_c, never) = runs[True], runs[False]
+    assert rotated == [False, True, True, True, True] * 6 and not any(never)  # 4 steps + commit, rotated at the first
     for a, b in zip(staged, copied):
         assert torch.allclose(a.latents, b.latents, atol=1e-5), (a.index, (a.latents - b.latents).abs().max())
     for layer in range(2):

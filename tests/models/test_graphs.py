@@ -37,6 +37,7 @@ def test_key_follows_the_ring_phase_and_the_cache_not_the_values():
         commit(other.cache)
     assert graph_key(x, t, other.text, [CacheAccess(other.cache, other.cache.num_frames)]) != read()  # another cache
     assert graph_key(x, t, s.text, [CacheAccess(s.cache, 3)]) != read()  # another prefix
+    assert graph_key(x, t, s.text, [CacheAccess(s.cache, s.cache.num_frames, keys_rotated=True)]) != read()  # no rotation
 
 
 def test_key_tells_writes_apart_and_refuses_what_cannot_be_captured():
@@ -59,7 +60,7 @@ def test_key_tells_writes_apart_and_refuses_what_cannot_be_captured():
 def test_cpu_runs_the_model_itself():
     gen, x, t = setup()
     s = gen.open_stream("a", "a kite", seed=0)
-    assert gen.forward is gen.model
+    assert gen.runner is gen.model
     graphed = GraphedForward(gen.model)
     acc = [CacheAccess(s.cache, 0)]
     torch.testing.assert_close(graphed(x, t, s.text, acc), gen.model(x, t, s.text, acc), rtol=0, atol=0)

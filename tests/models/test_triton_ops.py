@@ -213,4 +213,4 @@ def test_cuda_graph_replay_equals_eager():
         lat.append(torch.stack(out))
         gens.append(gen)
     torch.testing.assert_close(lat[0], lat[1], rtol=1e-5, atol=1e-5)
-    assert gens[0].forward.stats["replays"] > 10
+    assert gens[0].runner.stats["replays"] > 10
