@@ -387,7 +387,9 @@ class CausalWanModel(nn.Module):
         e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, t.flatten()).to(self.dtype)).float()  # [B*F, dim]
         e0 = self.time_projection(e.to(self.dtype)).float().view(b, nf, 1, 6, cfg.dim)  # [B, F, 1, 6, dim]
         # per block: shift, scale, gate (self-attention), shift, scale, gate (FFN), each [B, F, 1, dim]
-        mods = [(blk.modulation.float().view(1, 1, 1, 6, cfg.dim) + e0).unbind(3) for blk in self.blocks]
+        # all blocks' in one add (two kernels, not two per block): [layers, B, F, 1, 6, dim]
+        mod = torch.stack([blk.modulation for blk in self.blocks]).float().view(-1, 1, 1, 1, 6, cfg.dim) + e0
+        mods = [m.unbind(3) for m in mod]
         head = (self.head.modulation.float().view(1, 1, 1, 2, cfg.dim) + e.view(b, nf, 1, 1, cfg.dim)).unbind(3)
         rope = self._rope_tables(access, nf)
         mask = self._attention_mask(access, nf, x.device)
