@@ -299,24 +299,23 @@ class AttentionKV:
             acc = self.access[0]
             k, v = (t.view(self.shape) for t in acc.cache.storage.staged(layer, self.n_frames, acc.read_slots))
             if self.reads[0] and not acc.keys_rotated:
-                self._rotate(layer, 0, k[0, n:])
+                self._rotate(0, acc.cache.read(layer, acc.read_slots)[0], k[0, n:])
             return k, v
         k = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         v = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         for j, acc in enumerate(self.access):
             r = self.reads[j]  # [cached | own] fills [0, r + n)
             if r:
-                self._rotate(layer, j, k[j, :r])
-                v[j, :r].copy_(acc.cache.read(layer, acc.read_slots)[1].reshape(-1, nh, hd))
+                kc, vc = acc.cache.read(layer, acc.read_slots)  # once: quantized storage dequantizes on read
+                self._rotate(j, kc, k[j, :r])
+                v[j, :r].copy_(vc.reshape(-1, nh, hd))
             if r + n < self.shape[1]:  # padding: masked out, but must hold finite values
                 k[j, r + n :].zero_()
                 v[j, r + n :].zero_()
         return k, v
 
-    def _rotate(self, layer: int, j: int, out: torch.Tensor) -> None:
-        """out <- stream j's cached keys rotated to their cache positions."""
-        acc = self.access[j]
-        kc = acc.cache.read(layer, acc.read_slots)[0]  # [S, T, H, D], stored before RoPE
+    def _rotate(self, j: int, kc: torch.Tensor, out: torch.Tensor) -> None:
+        """out <- stream j's cached keys kc ([S, T, H, D], stored before RoPE) rotated to their cache positions."""
         _, (c_cos, c_sin) = self.rope[j]
         self.ops.rope_into(kc.reshape(-1, *self.shape[2:]), c_cos, c_sin, out)
 
