@@ -8,8 +8,8 @@ references in models/dit.py (which CPU runs and the tests use as ground truth).
   into a slice of the attention's query or key buffer (and, for keys, the normalized rows the
   cache stores).
 - `rope_into`: cached keys rotated to their cache positions, into the head of the key buffer.
-- `merge_halves`: attention over all keys from its outputs over two halves and their log-sum-exps
-  (models/flash.py splits the keys when that fills the GPU's last wave of tiles).
+- `merge_parts`: attention over all keys from its outputs over two parts of them and their
+  log-sum-exps (models/flash.py splits the keys where that fills the GPU's waves of tiles better).
 
 The roundings follow the references (RMSNorm rounds to the model dtype before its weight, as
 Wan's does), so results match them to within one rounding of the model dtype.
@@ -122,8 +122,8 @@ if AVAILABLE:
 
 
     @triton.jit
-    def _merge_halves_kernel(
-        o_ptr,  # [2, Lq, H, D]: attention of the same queries over two halves of the keys
+    def _merge_parts_kernel(
+        o_ptr,  # [2, Lq, H, D]: attention of the same queries over two parts of the keys
         lse_ptr,  # [2, H, Lq] float32: their log-sum-exps
         out_ptr,  # [Lq, H, D]
         R,  # Lq * H rows of D
@@ -205,13 +205,13 @@ def rope_into(x, cos, sin, out) -> None:
     _norm_rope_into(x, None, 0.0, cos, sin, out, norm=False)
 
 
-def merge_halves(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Softmax attention over all keys from its two halves: o [2, Lq, H, D] (each half's output),
-    lse [2, H, Lq] float32 (each half's log-sum-exp) -> [Lq, H, D]."""
+def merge_parts(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Softmax attention over all keys from two parts of them: o [2, Lq, H, D] (each part's output),
+    lse [2, H, Lq] float32 (each part's log-sum-exp) -> [Lq, H, D]."""
     _, lq, nh, d = o.shape
     if not o.is_contiguous() or not lse.is_contiguous() or lse.shape != (2, nh, lq):
-        raise ValueError(f"merge_halves wants contiguous o [2, Lq, H, D] and lse [2, H, Lq], got {tuple(o.shape)}, {tuple(lse.shape)}")
+        raise ValueError(f"merge_parts wants contiguous o [2, Lq, H, D] and lse [2, H, Lq], got {tuple(o.shape)}, {tuple(lse.shape)}")
     out = torch.empty(o.shape[1:], dtype=o.dtype, device=o.device)
     rows = lq * nh
-    _merge_halves_kernel[(triton.cdiv(rows, 16),)](o, lse, out, rows, lq, H=nh, D=d, ROWS=16, num_warps=4)
+    _merge_parts_kernel[(triton.cdiv(rows, 16),)](o, lse, out, rows, lq, H=nh, D=d, ROWS=16, num_warps=4)
     return out

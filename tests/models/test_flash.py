@@ -18,17 +18,28 @@ def test_not_used_on_cpu_or_when_disabled(monkeypatch):
         flash._kernel.cache_clear()
 
 
-def test_splits_keys_only_where_that_fills_the_last_wave(monkeypatch):
+def test_splits_keys_where_that_fills_the_waves(monkeypatch):
     monkeypatch.setattr(flash, "_num_sms", lambda device: 132)  # the H200's
     monkeypatch.setattr(flash.triton_ops, "AVAILABLE", True)
-    qkv = lambda b, lq, lk: (torch.empty(b, lq, 12, 128), torch.empty(b, lk, 12, 128), torch.empty(b, lk, 12, 128))  # noqa: E731
-    assert flash.kv_splits(*qkv(1, 4680, 18720)) == 2  # 444 tiles: 4 waves, or 3.5 split
-    assert flash.kv_splits(*qkv(1, 4680, 4680)) == 2
-    assert flash.kv_splits(*qkv(1, 33 * 128, 18720)) == 1  # 396 tiles: exactly 3 waves
-    assert flash.kv_splits(*qkv(2, 4680, 18720)) == 1  # batches: not split
-    assert flash.kv_splits(*qkv(1, 4680, 1560)) == 1  # too few keys to halve
+    flash._plan.cache_clear()
+    qkv = lambda b, lq, lk, d=128: (torch.empty(b, lq, 12, d), torch.empty(b, lk, 12, d), torch.empty(b, lk, 12, d))  # noqa: E731
+    parts = flash.kv_parts(*qkv(1, 4680, 18720))  # 444 tiles: 4 waves whole, the last a third full
+    assert len(parts) == 2 and sum(parts) == 18720 and parts[0] % flash.TILE_N == 0
+    assert parts[0] > parts[1]  # the long part's tiles go first, the short ones fill the tail
+    tiles, blocks = 444, 147
+    split = flash._finish(tiles, (parts[0] // 128, blocks - parts[0] // 128), 132)
+    assert split < flash._finish(tiles, (74, 73), 132) < flash._finish(tiles, (blocks,), 132)  # beats equal halves and whole
+    assert flash.kv_parts(*qkv(1, 33 * 128, 33 * 128 * 4)) == (33 * 128 * 4,)  # 396 tiles: exactly 3 full waves
+    assert flash.kv_parts(*qkv(2, 4680, 18720)) == (18720,)  # batches: not split
+    assert flash.kv_parts(*qkv(1, 4680, 1560)) == (1560,)  # too few keys
+    assert flash.kv_parts(*qkv(1, 4680, 18720, d=64)) == (18720,)  # another tile shape: not modelled
     q, k, v = qkv(1, 4680, 18720)
-    assert flash.kv_splits(q, k[:, ::2], v[:, ::2]) == 1  # halves must be views
+    assert flash.kv_parts(q, k[:, ::2], v[:, ::2]) == (9360,)  # the parts must be rows of one buffer
+
+
+@pytest.mark.parametrize("tiles,blocks,sms,want", [(4, 3, 2, 2 * (3 + 2)), (5, 3, 2, 3 * (3 + 2)), (132, 10, 132, 12)])
+def test_finish_time_of_a_grid(tiles, blocks, sms, want):
+    assert flash._finish(tiles, (blocks,), sms) == want
 
 
 CUDA_Q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device="cuda") if torch.cuda.is_available() else None
@@ -36,7 +47,7 @@ CUDA_Q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16, device="cuda") if torch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(CUDA_Q is None or not flash.usable(CUDA_Q), reason="needs flash-attn-4 on an SM90/SM100 GPU")
-@pytest.mark.parametrize("lq,lk", [(4680, 18720), (4680, 4680), (300, 77)])  # Wan's chunk vs 12 / 3 frames (split); ragged
+@pytest.mark.parametrize("lq,lk", [(4680, 18720), (4680, 4680), (4680, 23400), (300, 77)])  # Wan's chunk vs 12, 3, 15 frames (split); ragged
 def test_matches_sdpa(lq, lk):
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, n, 12, 128, generator=g, device="cuda").to(torch.bfloat16) for n in (lq, lk, lk))

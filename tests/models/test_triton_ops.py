@@ -105,8 +105,8 @@ def test_norm_rope_and_key_buffer_matches_reference(dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_merge_halves_matches_reference(dtype):
-    """Attention over two halves of the keys, merged by log-sum-exp, equals attention over all."""
+def test_merge_parts_matches_reference(dtype):
+    """Attention over two unequal parts of the keys, merged by log-sum-exp, equals attention over all."""
     from models import triton_ops
 
     skip_interpreted_bf16(dtype)
@@ -119,11 +119,12 @@ def test_merge_halves_matches_reference(dtype):
         s = torch.einsum("qhd,khd->hqk", q, keys) * scale
         return torch.einsum("hqk,khd->qhd", s.softmax(-1), values), s.logsumexp(-1)
 
-    halves = [attend(k[i * lk // 2 : (i + 1) * lk // 2], v[i * lk // 2 : (i + 1) * lk // 2]) for i in range(2)]
-    o = torch.stack([h[0] for h in halves]).to(dtype)
-    lse = torch.stack([h[1] for h in halves]).float().contiguous()
-    got, want = triton_ops.merge_halves(o, lse).float().cpu(), attend(k, v)[0].float().cpu()
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the halves' outputs are rounded before merging
+    cut = lk * 4 // 5
+    parts = [attend(k[:cut], v[:cut]), attend(k[cut:], v[cut:])]
+    o = torch.stack([p[0] for p in parts]).to(dtype)
+    lse = torch.stack([p[1] for p in parts]).float().contiguous()
+    got, want = triton_ops.merge_parts(o, lse).float().cpu(), attend(k, v)[0].float().cpu()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the parts' outputs are rounded before merging
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
