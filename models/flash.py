@@ -86,7 +86,7 @@ def kv_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ..
 
     At Wan's shape, 12 heads x 37 query tiles = 444 tiles on 132 SMs take 4 waves, the last a
     third full. Split 119 + 28 key blocks, the long tiles run first and the short ones fill in
-    behind them: about 13 % sooner than whole, 3 % sooner than two equal halves."""
+    behind them: 1.1 ms a forward sooner than two equal halves on the H200."""
     b, lq, nh = q.shape[:3]
     lk = k.shape[1]
     if b != 1 or q.shape[-1] != 128 or lk < 2048 or not triton_ops.AVAILABLE or not (k.is_contiguous() and v.is_contiguous()):
