@@ -58,11 +58,11 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _finish(tiles: int, blocks: tuple[int, ...], sms: int) -> float:
+def _finish(tiles: int, blocks: tuple[int, ...], sms: int) -> int:
     """When the last of the kernel's tiles ends: FA4's SM90 grid is one CTA per (query tile,
     head, batch entry), handed out in that order to whichever SM frees first; a tile over
     `n` key blocks takes n + CTA_COST."""
-    free = [0.0] * sms
+    free = [0] * sms
     for n in blocks:
         for _ in range(tiles):
             heapq.heapreplace(free, free[0] + n + CTA_COST)
@@ -71,11 +71,12 @@ def _finish(tiles: int, blocks: tuple[int, ...], sms: int) -> float:
 
 @functools.cache
 def _plan(tiles: int, lk: int, sms: int) -> tuple[int, ...]:
+    """The split of `lk` keys (in whole key blocks, the ragged block in the short part) that `_finish` says ends first."""
     blocks = -(-lk // TILE_N)
     best, parts = _finish(tiles, (blocks,), sms), (lk,)
     for first in range((blocks + 1) // 2, blocks):  # the long part first: its tiles start, the short ones fill the tail
         t = _finish(tiles, (first, blocks - first), sms)
-        if t < best - 1e-9:
+        if t < best:
             best, parts = t, (first * TILE_N, lk - first * TILE_N)
     return parts
 
