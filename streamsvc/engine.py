@@ -99,8 +99,12 @@ class Engine:
         self.snapshot: SchedulerStats | None = None
         self.kv_used_bytes = 0
         self.kv_budget_bytes = 0
-        self.forward_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}
-        self.forwards: dict[str, int] = {w.value: 0 for w in WorkKind}
+        self.forwards: dict[str, int] = {w.value: 0 for w in WorkKind}  # forwards run, by kind
+        self.forward_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # wall: launch to finish, by kind
+        self.gpu_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # device time (CUDA events; CPU: wall)
+        self.encode_seconds = 0.0  # output stage: frames to host, x264 and packing, summed over chunks
+        self.chunks_encoded = 0
+        self.chunk_latency_max_s = 0.0  # the slowest chunk so far: its first forward's launch to its hand-over
         self.gen: ChunkGenerator | None = None
         self.sched: Scheduler | None = None
 
