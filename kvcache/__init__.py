@@ -4,6 +4,7 @@ from kvcache.cache import StreamCache
 from kvcache.pool import CachePool, PoolFull, Reservation
 from kvcache.spec import QUANT_MODES, CacheSpec
 from kvcache.storage import DenseStorage, KVStorage, make_storage, storage_bytes
+from kvcache.workspace import Workspace
 
 __all__ = [
     "QUANT_MODES",
@@ -14,6 +15,7 @@ __all__ = [
     "PoolFull",
     "Reservation",
     "StreamCache",
+    "Workspace",
     "make_storage",
     "storage_bytes",
 ]

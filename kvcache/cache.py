@@ -32,7 +32,7 @@ class StreamCache:
     def __init__(self, spec: CacheSpec, device: torch.device | str = "cpu", storage: KVStorage | None = None):
         self.spec = spec
         self.storage = storage if storage is not None else make_storage(spec, device)
-        self.uid = next(_uids)  # never reused: what a CUDA graph of a forward over this cache is keyed on
+        self.uid = next(_uids)  # never reused
         self.version = 0
         self.reset()
 
@@ -101,9 +101,14 @@ class StreamCache:
             raise ValueError(f"a commit of {num_frames} frames overruns the window of {w} frames")
         return slots
 
-    def write(self, layer: int, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one layer's K/V ([len(slots), T, H, D], keys before RoPE) at `slots`."""
-        self.storage.write(layer, slots, k, v)
+    def write(self, layer: int, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor,
+              index: torch.Tensor | None = None) -> None:
+        """Store one layer's K/V ([len(slots), T, H, D], keys before RoPE) at `slots`; `index`, a
+        device tensor of the same slots, lets a CUDA graph write wherever its replay is told to."""
+        if index is None:
+            self.storage.write(layer, slots, k, v)
+        else:
+            self.storage.write_indexed(layer, index, k, v)
         self.touch()
 
     def read(self, layer: int, num_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
 
 from kvcache.spec import CacheSpec
+
+_uids = itertools.count()
 
 
 class KVStorage(ABC):
@@ -20,6 +23,7 @@ class KVStorage(ABC):
     def __init__(self, spec: CacheSpec, device: torch.device | str) -> None:
         self.spec = spec
         self.device = torch.device(device)
+        self.uid = next(_uids)  # never reused: what a CUDA graph that reads this storage is keyed on
 
     @abstractmethod
     def write(self, layer: int, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -83,9 +87,12 @@ class DenseStorage(KVStorage):
             self.k[layer, start : start + len(slots)] = k
             self.v[layer, start : start + len(slots)] = v
         else:
-            idx = torch.as_tensor(list(slots), device=self.device)
-            self.k[layer].index_copy_(0, idx, k.to(self.k.dtype))
-            self.v[layer].index_copy_(0, idx, v.to(self.v.dtype))
+            self.write_indexed(layer, torch.as_tensor(list(slots), device=self.device), k, v)
+
+    def write_indexed(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`write` with the slots as a device tensor ([n] int64): what a CUDA graph replays with any slots."""
+        self.k[layer].index_copy_(0, index, k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, index, v.to(self.v.dtype))
 
     def read(self, layer: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer, :num_slots], self.v[layer, :num_slots]

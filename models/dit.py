@@ -32,6 +32,9 @@ class CacheAccess:
     # the storage's rotated keys of [0, read_slots) are current (StreamCache.keys_rotated): read them as
     # they are. Only forwards that read in place (`in_place`) use them; the caller checks and notes.
     keys_rotated: bool = False
+    # CUDA graphs (models/graphs.py) pass what differs between replays as fixed device buffers:
+    write_index: torch.Tensor | None = None  # [len(write_slots)] int64, the write slots on the device
+    key_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of key_positions(); None: looked up
 
     @property
     def frames_read(self) -> int:
@@ -441,15 +444,18 @@ class CausalWanModel(nn.Module):
         else:
             out = F.scaled_dot_product_attention(qs.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask).transpose(1, 2)
         for acc, kn, vj in writes:  # staged values are the cache itself: a write before would overwrite what is read
-            acc.cache.write(layer, acc.write_slots, kn, vj)
+            acc.cache.write(layer, acc.write_slots, kn, vj, index=acc.write_index)
         return attn.o(out.reshape(b, n, -1))
 
     def _rope_tables(self, access: Sequence[CacheAccess], nf: int):
         dev = self.device
-        return [
-            (self.rope.table(acc.query_positions(nf), dev), self.rope.table(acc.key_positions(), dev) if acc.read_slots else (None, None))
-            for acc in access
-        ]
+        return [(self.rope.table(acc.query_positions(nf), dev), self.key_rope(acc)) for acc in access]
+
+    def key_rope(self, acc: CacheAccess) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """cos, sin of the cached keys' positions ([read_slots * T, 1, D] each); (None, None) without any."""
+        if not acc.read_slots:
+            return None, None
+        return acc.key_rope if acc.key_rope is not None else self.rope.table(acc.key_positions(), self.device)
 
     def _attention_mask(self, access: Sequence[CacheAccess], nf: int, device) -> torch.Tensor | None:
         """Boolean [B, 1, Lq, Lk] (True: attend), or None when every query sees every key."""

@@ -23,15 +23,34 @@ import torch
 from models import triton_ops
 
 
+INSTALL_HINT = "pip install 'flash-attn-4[cu13]' (CUDA 13; plain flash-attn-4 for CUDA 12), or pip install -e '.[gpu]'"
+
+
 @functools.cache
-def _kernel():
+def _load():
+    """(FA4's varlen forward, None) or (None, why it is not available)."""
     if os.environ.get("STREAMSVC_FLASH", "1") == "0":
-        return None
+        return None, "turned off (STREAMSVC_FLASH=0)"
     try:
         from flash_attn.cute import flash_attn_varlen_func
-    except Exception:  # noqa: BLE001 - missing package or CUDA/CuTe mismatch: fall back to SDPA
-        return None
-    return flash_attn_varlen_func
+    except ImportError as e:  # missing package or a CUDA/CuTe mismatch: SDPA instead
+        return None, f"flash_attn.cute does not import ({type(e).__name__}: {e}); {INSTALL_HINT}"
+    except Exception as e:  # noqa: BLE001 - the package raises other errors on a broken CUDA setup
+        return None, f"flash_attn.cute failed to load ({type(e).__name__}: {e}); {INSTALL_HINT}"
+    return flash_attn_varlen_func, None
+
+
+def _kernel():
+    return _load()[0]
+
+
+def status(device: torch.device) -> str | None:
+    """None when the self-attention on `device` runs FA4; else why not, with how to get it."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if not _arch_ok(device.index if device.index is not None else torch.cuda.current_device()):
+        return f"FA4 needs an SM90 or SM100 GPU (Hopper, Blackwell), this is {torch.cuda.get_device_name(device)}"
+    return _load()[1]
 
 
 @functools.cache

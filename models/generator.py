@@ -12,13 +12,13 @@ interleave streams forward by forward; `stream()` strings them together for offl
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 import torch
 
-from kvcache import CacheSpec, StreamCache
+from kvcache import CacheSpec, StreamCache, Workspace
 from models.config import ModelConfig
 from models.decoder import DecoderState, StreamingDecoder, TinyStreamingDecoder, frames_per_chunk
 from models.dit import CacheAccess, CausalWanModel, TextKV, in_place
@@ -38,9 +38,10 @@ class GeneratorConfig:
     kv_quant: str = "none"  # KV storage: none | int4 | int2
     recache_sinks: bool = False  # a prompt switch also recomputes the sinks' K/V
     cuda_graphs: bool = True  # on CUDA, replay forwards as CUDA graphs (models/graphs.py)
-    # dense KV: room for one chunk before the cache's slots and a rotated copy of the keys
-    # (CacheSpec.staging_frames), so one stream's forward reads its cache in place and a chunk rotates
-    # the cached keys once, not five times; 2.4 GiB more per wan2.1-1.3b stream (3.2 -> 5.6 GiB)
+    # dense KV: one stream's forwards run in the device's workspace (kvcache/workspace.py), which has
+    # room for one chunk before the cache's slots and a rotated copy of the keys, so a forward reads its
+    # cache in place, a chunk rotates the cached keys once, not five times, and one set of CUDA graphs
+    # serves every stream; the workspace costs 5.6 GiB once for wan2.1-1.3b (streams keep 3.2 GiB each)
     stage_kv: bool = True
 
     def __post_init__(self) -> None:
@@ -81,8 +82,8 @@ class Chunk:
 
     index: int  # chunk number within the stream, from 0
     first_frame: int  # index of its first video frame in the stream (its pts in frames)
-    frames: np.ndarray  # [N, H, W, 3] uint8 video frames
-    latents: torch.Tensor  # [C, F, h, w] float32 clean latents
+    frames: torch.Tensor  # [N, H, W, 3] uint8 video frames, on the model's device (the caller copies them out)
+    latents: torch.Tensor  # [C, F, h, w] float32 clean latents, on the model's device
     prompt_version: int  # version of the prompt it was generated under
 
 
@@ -130,19 +131,30 @@ class ChunkGenerator:
         self.decoder = decoder
         self.sigmas = cfg.sigmas
         self.device = model.device
+        self._sigmas = torch.tensor(self.sigmas, dtype=torch.float64, device=self.device)  # [steps], read by index
         self._prompts: dict[str, TextKV] = {}
+        # the device's working copy of one stream's cache at a time (dense storage only)
+        self.workspace = Workspace(self.workspace_spec(), self.device) if cfg.stage_kv and cfg.kv_quant == "none" else None
 
     # -- streams ------------------------------------------------------------------------------
 
     def cache_spec(self) -> CacheSpec:
+        """What each stream's own cache holds (what the pool allocates per stream)."""
         c = self.cfg
         return self.model_cfg.cache_spec(
             sink_frames=c.sink_frames,
             window_frames=c.window_frames,
             dtype={torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}[self.model.dtype],
             quant=c.kv_quant,
-            staging_frames=c.frames_per_chunk if c.stage_kv and c.kv_quant == "none" else 0,
         )
+
+    def workspace_spec(self) -> CacheSpec:
+        """The device's workspace: a stream's cache with room for a chunk's own K/V before its slots."""
+        return replace(self.cache_spec(), quant="none", staging_frames=self.cfg.frames_per_chunk)
+
+    def workspace_bytes(self) -> int:
+        """Device memory the generator holds beside the streams' caches (the workspace)."""
+        return 0 if self.workspace is None else self.workspace.nbytes
 
     def open_stream(self, stream_id: str, prompt: str, seed: int, cache: StreamCache | None = None) -> StreamState:
         """A new stream; `cache` comes from the device's pool (a private one is made if None)."""
@@ -158,6 +170,11 @@ class ChunkGenerator:
             decoder=self.decoder.init_state(),
             clean=torch.zeros(cache.spec.capacity_frames, mc.in_channels, mc.latent_height, mc.latent_width, device=self.device),
         )
+
+    def close_stream(self, state: StreamState) -> None:
+        """The stream is done: the workspace forgets it (its cache goes back to the pool)."""
+        if self.workspace is not None:
+            self.workspace.release(state.cache)
 
     def encode_prompt(self, prompt: str) -> TextKV:
         """Cross-attention K/V of a prompt, computed once and kept while it is in use."""
@@ -188,9 +205,12 @@ class ChunkGenerator:
     # -- the three forwards -------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, text: TextKV, access: Sequence[CacheAccess]) -> torch.Tensor:
-        """Every forward of the generator. A forward that reads its cache in place reuses the keys
-        rotated by an earlier one if the cache has not changed since (a chunk's later steps and
-        its commit); the bookkeeping is here, outside the model, since a graph replay skips it."""
+        """Every forward of the generator. One stream's forward runs in the workspace (its cache is
+        copied in if another stream's is there); a batch reads each stream's own cache. A forward
+        that reads in place reuses the keys rotated by an earlier one if the cache has not changed
+        since (a chunk's later steps and its commit). The bookkeeping is here, outside the model,
+        since a graph replay skips the model's host code."""
+        self._place(access)
         if in_place(access, x.shape[2] // self.model_cfg.patch[0]):
             acc = access[0]
             rotated = acc.cache.keys_rotated(acc.read_slots)
@@ -201,7 +221,20 @@ class ChunkGenerator:
         for acc in access:
             if acc.write_slots is not None:  # what a graph replay wrote, the host did not see
                 acc.cache.touch()
+                if self.workspace is not None:
+                    self.workspace.written(acc.cache, acc.write_slots)
         return out
+
+    def _place(self, access: Sequence[CacheAccess]) -> None:
+        """One stream: into the workspace. Several: each reads its own storage, which must be current."""
+        ws = self.workspace
+        if ws is None:
+            return
+        caches = [acc.cache for acc in access if acc.cache is not None]
+        if len(access) == 1 and caches and ws.fits(caches[0]):
+            ws.attach(caches[0])
+        elif ws.owner is not None and any(c is ws.owner for c in caches):
+            ws.detach()
 
     @torch.inference_mode()
     def run(self, work: Work, states: Sequence[StreamState]) -> list[Chunk | None]:
@@ -217,7 +250,13 @@ class ChunkGenerator:
 
     @torch.inference_mode()
     def recache(self, state: StreamState) -> None:
-        """Apply the pending prompt and recompute the cached frames' K/V under it (one forward)."""
+        """Apply the pending prompt and recompute the cached frames' K/V under it.
+
+        One forward per chunk of cached frames, oldest first, each reading the cache up to it: the
+        block-causal attention of one forward over the whole window (each chunk sees the sinks, the
+        chunks before it and itself), without a mask, in the shapes of a commit (so the commit's
+        CUDA graphs replay it). At sink 3 + window 9 on the H200: forwards over 3, 6 and 9 cached
+        frames, about 125 ms, where the masked forward over the window took about 320."""
         if state.pending_prompt is None:
             raise ValueError(f"stream {state.stream_id}: recache without a pending prompt")
         self._apply_prompt(state)
@@ -227,17 +266,20 @@ class ChunkGenerator:
         old_window = cache.window_slots_in_order()
         new_window = cache.relayout_window()
         if old_window:
-            state.clean[new_window] = state.clean[old_window].clone()
+            state.clean[_rows(new_window, self.device)] = state.clean[_rows(old_window, self.device)].clone()
         if self.cfg.recache_sinks:
             read, slots = 0, list(range(sinks)) + new_window
         else:
             read, slots = sinks, new_window
         if not slots:
             return
-        x = state.clean[slots].transpose(0, 1)[None]  # [1, C, F, h, w]
-        ids = [cache.frame_ids[s] // self.cfg.frames_per_chunk for s in slots]
-        t = torch.zeros(1, len(slots), device=self.device)
-        self.forward(x, t, state.text, [CacheAccess(cache, read, write_slots=slots, block_ids=ids)])
+        blocks = [cache.frame_ids[s] // self.cfg.frames_per_chunk for s in slots]
+        for _, group in itertools.groupby(zip(blocks, slots), key=lambda b_s: b_s[0]):
+            part = [slot for _, slot in group]  # one chunk's frames, in consecutive slots
+            x = state.clean[_rows(part, self.device)].transpose(0, 1)[None]  # [1, C, F, h, w]
+            t = torch.zeros(1, len(part), device=self.device)
+            self.forward(x, t, state.text, [CacheAccess(cache, read, write_slots=part)])
+            read += len(part)
 
     @torch.inference_mode()
     def denoise(self, states: Sequence[StreamState]) -> None:
@@ -249,7 +291,7 @@ class ChunkGenerator:
                 self._start_chunk(s)
         nf = self.cfg.frames_per_chunk
         x = torch.stack([s.x for s in states])  # [B, C, F, h, w]
-        sig = torch.tensor([self.sigmas[s.step] for s in states], device=self.device, dtype=torch.float64)
+        sig = torch.stack([self._sigmas[s.step] for s in states])  # [B] float64, no copy from the host
         t = (sig * 1000).float()[:, None].expand(-1, nf)
         access = [CacheAccess(s.cache, s.cache.num_frames) for s in states]
         v = self.forward(x, t, _batch_text([s.text for s in states]), access)
@@ -278,14 +320,47 @@ class ChunkGenerator:
         chunks = []
         for j, s in enumerate(states):
             s.cache.advance(slots[j])
-            s.clean[slots[j]] = x0[j].transpose(0, 1)
+            s.clean[_rows(slots[j], self.device)] = x0[j].transpose(0, 1)
             s.forwards[Work.COMMIT.value] += 1
-            frames = self.decoder.decode(x0[j], s.decoder).cpu().numpy()
-            chunks.append(Chunk(s.chunks_done, s.frames_done, frames, x0[j].cpu(), s.chunk_version))
+            frames = self.decoder.decode(x0[j], s.decoder)
+            chunks.append(Chunk(s.chunks_done, s.frames_done, frames, x0[j], s.chunk_version))
             s.chunks_done += 1
             s.frames_done += frames.shape[0]
             s.step, s.x, s.x0 = 0, None, None
         return chunks
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> int:
+        """Capture every CUDA graph that serving replays, before serving (then `freeze`): with a
+        throwaway stream, at each cache fill, a chunk's first denoising step (it rotates the cached
+        keys), its later steps, its commit, and a commit that rotates (after a switch of streams,
+        or in a recache); then a recache. Returns the number of graphs captured (0 off CUDA)."""
+        runner = self.runner
+        if not isinstance(runner, GraphedForward):
+            return 0
+        mc, nf = self.model_cfg, self.cfg.frames_per_chunk
+        state = self.open_stream("capture", "capture", seed=0)
+        cache = state.cache
+        x = torch.randn(1, mc.in_channels, nf, mc.latent_height, mc.latent_width, generator=state.noise, device=self.device)
+        t, t0 = torch.full((1, nf), 500.0, device=self.device), torch.zeros(1, nf, device=self.device)
+        seen: set[int] = set()
+        try:
+            while cache.num_frames not in seen:  # fills 0, 3, ... up to a full cache
+                n = cache.num_frames
+                seen.add(n)
+                slots = cache.plan_commit(nf)
+                self.forward(x, t0, state.text, [CacheAccess(cache, n, write_slots=slots)])  # a commit that rotates
+                self.forward(x, t, state.text, [CacheAccess(cache, n)])  # a chunk's first step: rotates
+                self.forward(x, t, state.text, [CacheAccess(cache, n)])  # its later steps
+                self.forward(x, t0, state.text, [CacheAccess(cache, n, write_slots=slots)])  # its commit
+                cache.advance(slots)
+                state.clean[_rows(slots, self.device)] = x[0].transpose(0, 1)
+            self.set_prompt(state, "capture again")
+            self.recache(state)
+        finally:
+            self.close_stream(state)
+        runner.freeze()
+        return runner.stats["captures"]
 
     # -- offline ------------------------------------------------------------------------------
 
@@ -321,6 +396,15 @@ class ChunkGenerator:
         shape = (mc.in_channels, self.cfg.frames_per_chunk, mc.latent_height, mc.latent_width)
         state.x = torch.randn(shape, generator=state.noise, device=self.device)
         state.chunk_version = state.prompt_version
+
+
+def _rows(slots: Sequence[int], device: torch.device) -> slice | torch.Tensor:
+    """An index of `slots` along a tensor's first dimension that never waits for the device: a slice
+    when they are consecutive, else an index tensor sent without a synchronize."""
+    slots = list(slots)
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return slice(slots[0], slots[0] + len(slots))
+    return torch.tensor(slots).to(device, non_blocking=True)
 
 
 def _batch_text(texts: list[TextKV]) -> TextKV:

@@ -1,43 +1,48 @@
-"""CUDA-graph replay of the DiT forward.
+"""CUDA-graph replay of the DiT forward, one set of graphs for every stream.
 
 A forward launches about 500 kernels; launched from Python one by one, the GPU idles between
 them, and on a slow or busy host the launches fall behind the GPU altogether. A graph replays
 the whole forward in one launch.
 
-A graph fixes everything it touches except its inputs: the caches it reads and writes, which
-slots, the RoPE positions (they follow the ring's head), the shapes. `GraphedForward` keys its
-graphs on exactly those, so a stream in steady state cycles through a few (one per ring
-phase, denoise and commit apart). The inputs x, t and the prompt's text K/V are copied into
-static buffers shared by all graphs of a batch size; graphs share one memory pool and run one
-at a time, and each output is cloned at once, before another graph can reuse its memory.
-
-A key seen for the first time runs eagerly (that is the warm-up: Triton and FlashAttention
-compile there, and the RoPE tables get made); the second time it is captured. Anything that
-cannot be captured safely (CPU, quantized storage whose reads keep scratch state, slots that
-need an index tensor) runs eagerly.
+A graph fixes the addresses of everything it touches. What differs between streams and between
+the chunks of one stream therefore goes in as values in fixed buffers, copied in before each
+replay (gpt-fast's `input_pos`, vLLM's persistent inputs):
+- the inputs x, t and the prompt's text K/V;
+- the slots a commit writes (`CacheAccess.write_index`), which follow the ring's head;
+- the cos/sin of the cached keys' RoPE positions (`CacheAccess.key_rope`), which do too;
+- the K/V themselves: every stream's forward reads and writes the device's one workspace
+  (kvcache/workspace.py), which the stream about to run is copied into.
+What is left in the key (`graph_key`) is the shape of the work: how many cached frames are
+read, how many written, and whether the cached keys must be rotated first. At sink 3 + window 9
+that is 18 graphs, all captured at start-up (`capturing`, then `freeze()`); a key first seen
+while serving runs eagerly, with a warning, and is never captured there.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvcache.storage import DenseStorage
-from models.dit import CacheAccess, CausalWanModel, TextKV, needs_mask
+from models.dit import CacheAccess, CausalWanModel, TextKV, in_place
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Inputs:
-    x: torch.Tensor
-    t: torch.Tensor
-    text: list[torch.Tensor]  # per layer k, v, flattened: [k0, v0, k1, v1, ...]
+    """The buffers a graph reads its inputs from, shared by every graph of the same shapes."""
+
+    x: torch.Tensor  # [B, C, F, h, w]
+    t: torch.Tensor  # [B, F]
+    text: list[torch.Tensor]  # per layer k, v, flattened: [k0, v0, k1, v1, ...], each [B, text_len, H, D]
+    index: torch.Tensor | None  # [frames written] int64: the slots a commit writes
+    key_cos: torch.Tensor | None  # [read_slots * T, 1, D] float32: RoPE of the cached keys' positions
+    key_sin: torch.Tensor | None
 
 
 @dataclass
@@ -45,7 +50,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: _Inputs
     out: torch.Tensor
-    keep: object  # what the graph reads that nothing else may free: the RoPE tables
+    keep: object  # what the graph reads that nothing else may free: the queries' RoPE tables
 
 
 _UNCAPTURABLE = object()  # a key whose capture failed
@@ -54,105 +59,128 @@ _UNCAPTURABLE = object()  # a key whose capture failed
 class GraphedForward:
     """Drop-in for `model(x, t, text, access)` that replays CUDA graphs where it safely can."""
 
-    def __init__(self, model: CausalWanModel, max_graphs: int = 128) -> None:
+    def __init__(self, model: CausalWanModel) -> None:
         self.model = model
-        self.max_graphs = max_graphs
-        self._graphs: OrderedDict[tuple, object] = OrderedDict()  # a _Graph; None: seen once; _UNCAPTURABLE
+        # while True (the warm-up), a forward of a new key runs eagerly (its kernels compile) and is
+        # captured; after freeze() new keys run eagerly and nothing is captured
+        self.capturing = True
+        self._graphs: dict[tuple, object] = {}  # key -> _Graph or _UNCAPTURABLE
         self._inputs: dict[tuple, _Inputs] = {}
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}  # write slots -> the same on the device
         self._pool = None
+        self._warned: set[tuple] = set()
         self.stats = {"replays": 0, "captures": 0, "eager": 0}
+
+    def freeze(self) -> None:
+        """Serving starts: replay what was captured, run anything else eagerly, capture nothing."""
+        self.capturing = False
+
+    @property
+    def keys(self) -> list[tuple]:
+        """The keys captured so far."""
+        return [k for k, g in self._graphs.items() if g is not _UNCAPTURABLE]
 
     @torch.inference_mode()  # as the model: static inputs made here are inference tensors, always updated here
     def __call__(self, x: torch.Tensor, t: torch.Tensor, text: TextKV, access: Sequence[CacheAccess]) -> torch.Tensor:
-        key = self._key(x, t, text, access)
-        g = self._graph(key, x, t, text, access) if key is not None else None
-        if g is None:
+        key = None
+        if x.is_cuda and not torch.cuda.is_current_stream_capturing():
+            key = graph_key(x, t, text, access, self.model.cfg.patch[0])
+        g = self._graphs.get(key) if key is not None else None
+        if g is None and key is not None and self.capturing:
+            out = self.model(x, t, text, access)  # first sight: Triton, FlashAttention and dynamo compile here
+            self.stats["eager"] += 1
+            self._graphs[key] = self._try_capture(x, t, text, access)
+            return out
+        if not isinstance(g, _Graph):
+            if key is not None and g is None and key not in self._warned:
+                self._warned.add(key)
+                log.warning("no CUDA graph was captured at start-up for %s: running it eagerly", describe(key))
             self.stats["eager"] += 1
             return self.model(x, t, text, access)
-        self._load(g.inputs, x, t, text)
+        self._load(g.inputs, x, t, text, access[0])
         g.graph.replay()
         self.stats["replays"] += 1
         return g.out.clone()
 
-    def _graph(self, key, x, t, text, access) -> _Graph | None:
-        """The graph for `key`, captured on its second sight; None: run this forward eagerly."""
-        if key not in self._graphs:  # first sight: eager (the warm-up), capture next time
-            self._remember(key, None)
-            return None
-        g = self._graphs[key]
-        if g is None:
-            try:
-                g = self._capture(x, t, text, access)
-                self.stats["captures"] += 1
-            except RuntimeError as e:  # e.g. an op that cannot be captured: stay eager for this key
-                log.warning("CUDA graph capture failed, running eagerly: %s", str(e).splitlines()[0][:200])
-                g = _UNCAPTURABLE
-        self._remember(key, g)
-        return g if g is not _UNCAPTURABLE else None
-
     # -- internals ----------------------------------------------------------------------------
 
-    def _key(self, x, t, text, access) -> tuple | None:
-        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
-            return None
-        return graph_key(x, t, text, access)
+    def _try_capture(self, x, t, text, access) -> object:
+        try:
+            g = self._capture(x, t, text, access)
+        except RuntimeError as e:  # e.g. an op that cannot be captured: this key stays eager
+            log.warning("CUDA graph capture failed, running eagerly: %s", str(e).splitlines()[0][:200])
+            return _UNCAPTURABLE
+        self.stats["captures"] += 1
+        return g
 
-    def _remember(self, key, g) -> None:
-        self._graphs[key] = g
-        self._graphs.move_to_end(key)
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
-
-    def _static_inputs(self, x, t, text) -> _Inputs:
-        key = (tuple(x.shape), x.dtype, tuple(t.shape), tuple(tuple(k.shape) for k, _ in text))
+    def _static_inputs(self, x, t, text, acc: CacheAccess) -> _Inputs:
+        writes = None if acc.write_slots is None else len(acc.write_slots)
+        key = (tuple(x.shape), x.dtype, tuple(t.shape), tuple(tuple(k.shape) for k, _ in text), acc.read_slots, writes)
         if key not in self._inputs:
             flat = [torch.empty_like(a) for a in itertools.chain.from_iterable(text)]
-            self._inputs[key] = _Inputs(torch.empty_like(x), torch.empty_like(t), flat)
+            index = None if writes is None else torch.empty(writes, dtype=torch.long, device=x.device)
+            cos = sin = None
+            if acc.read_slots:
+                cos, sin = (torch.empty_like(a) for a in self.model.key_rope(acc))
+            self._inputs[key] = _Inputs(torch.empty_like(x), torch.empty_like(t), flat, index, cos, sin)
         return self._inputs[key]
 
-    @staticmethod
-    def _load(inputs: _Inputs, x, t, text) -> None:
+    def _index(self, slots: Sequence[int], device: torch.device) -> torch.Tensor:
+        """The slots as a device tensor, made once per slot tuple (a ring has a few)."""
+        key = tuple(slots)
+        if key not in self._indices:
+            self._indices[key] = torch.tensor(key, dtype=torch.long, device=device)
+        return self._indices[key]
+
+    def _load(self, inputs: _Inputs, x, t, text, acc: CacheAccess) -> None:
+        """Copy this forward's values into the graph's buffers (device to device: nothing waits)."""
         inputs.x.copy_(x)
         inputs.t.copy_(t)
         torch._foreach_copy_(inputs.text, list(itertools.chain.from_iterable(text)))
+        if inputs.index is not None:
+            inputs.index.copy_(self._index(acc.write_slots, x.device))
+        if inputs.key_cos is not None and not acc.keys_rotated:  # rotated keys are read as they are
+            cos, sin = self.model.key_rope(acc)
+            inputs.key_cos.copy_(cos)
+            inputs.key_sin.copy_(sin)
 
     def _capture(self, x, t, text, access) -> _Graph:
-        inputs = self._static_inputs(x, t, text)
-        self._load(inputs, x, t, text)
+        acc = access[0]
+        inputs = self._static_inputs(x, t, text, acc)
+        self._load(inputs, x, t, text, acc)
         static_text = [(inputs.text[2 * i], inputs.text[2 * i + 1]) for i in range(len(text))]
-        keep = self.model._rope_tables(access, x.shape[2])  # made now, outside the capture
+        key_rope = None if inputs.key_cos is None else (inputs.key_cos, inputs.key_sin)
+        static_acc = replace(acc, write_index=inputs.index, key_rope=key_rope)
+        keep = self.model.rope.table(acc.query_positions(x.shape[2] // self.model.cfg.patch[0]), x.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # Capture only records (a commit's cache write included); the replay right after runs it.
-        # `torch.cuda.graph` also synchronizes and empties the allocator's cache on each capture, which
-        # a new stream's first chunks pay while serving (capturing by hand would avoid it).
+        # Capture only records (a commit's cache write included). `torch.cuda.graph` synchronizes and
+        # empties the allocator's cache: fine at start-up, which is the only time anything is captured.
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self.model(inputs.x, inputs.t, static_text, access)
+            out = self.model(inputs.x, inputs.t, static_text, [static_acc])
         return _Graph(graph, inputs, out, keep)
 
 
-def graph_key(x, t, text: TextKV, access: Sequence[CacheAccess]) -> tuple | None:
-    """What a graph of this forward fixes: shapes, and per stream its cache, the prefix read, the
-    RoPE positions (the ring's phase), the slots written, whether it rotates the cached keys.
-    None: the forward must run eagerly."""
-    if needs_mask(access):
-        return None  # a mask is built on the host
-    parts = []
-    for acc in access:
-        cache = acc.cache
-        if cache is None:
-            parts.append((None, acc.read_slots, None, _tuple(acc.block_ids)))
-            continue
-        if type(cache.storage) is not DenseStorage:
-            return None
-        slots = _tuple(acc.write_slots)
-        if slots and slots != tuple(range(slots[0], slots[0] + len(slots))):
-            return None  # a wrapping write indexes with a tensor made on the host
-        parts.append((cache.uid, acc.read_slots, tuple(acc.key_positions()), slots, _tuple(acc.block_ids), acc.keys_rotated))
+def graph_key(x, t, text: TextKV, access: Sequence[CacheAccess], patch_t: int = 1) -> tuple | None:
+    """What a graph of this forward fixes: the shapes, the storage it reads (the device's workspace),
+    how many cached frames it reads and how many it writes, and whether it rotates the cached keys
+    first. Not the stream, the slots or the RoPE positions: those are copied in before each replay.
+    None: the forward must run eagerly (several streams, a mask, storage read through a copy)."""
+    if len(access) != 1 or access[0].cache is None or not in_place(access, x.shape[2] // patch_t):
+        return None
+    acc = access[0]
+    storage = acc.cache.storage
+    if type(storage) is not DenseStorage:
+        return None
+    writes = None if acc.write_slots is None else len(acc.write_slots)
+    rotated = acc.keys_rotated or acc.read_slots == 0  # nothing cached: nothing to rotate
     shapes = tuple(tuple(k.shape) for k, _ in text[:1])
-    return (tuple(x.shape), x.dtype, tuple(t.shape), shapes, tuple(parts))
+    return (tuple(x.shape), x.dtype, tuple(t.shape), shapes, storage.uid, acc.read_slots, writes, rotated)
 
 
-def _tuple(xs) -> tuple | None:
-    return None if xs is None else tuple(xs)
+def describe(key: tuple) -> str:
+    """A graph key in words, for logs."""
+    x_shape, *_, read, writes, rotated = key
+    what = "a forward" if writes is None else f"a forward writing {writes} frames"
+    return f"{what} of {x_shape[2]} frames over {read} cached frames ({'keys rotated' if rotated else 'rotating keys'})"

@@ -61,7 +61,7 @@ def generate_video(
         vs.width, vs.height, vs.pix_fmt = mc.width, mc.height, "yuv420p"
         vs.options = {"crf": "18", "preset": "veryfast"}
         for chunk in gen.stream(state, prompt_at):
-            for rgb in chunk.frames[: total - written]:
+            for rgb in chunk.frames[: total - written].cpu().numpy():
                 frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
                 for packet in vs.encode(frame):
                     container.mux(packet)

@@ -7,15 +7,35 @@ import torch.nn.functional as F
 from models import flash
 
 
-def test_not_used_on_cpu_or_when_disabled(monkeypatch):
+def test_not_used_on_cpu_or_when_disabled_and_says_why(monkeypatch):
     q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
     assert not flash.usable(q)
-    flash._kernel.cache_clear()
+    assert flash.status(torch.device("cpu")) == "not a CUDA device"
+    flash._load.cache_clear()
     monkeypatch.setenv("STREAMSVC_FLASH", "0")
     try:
-        assert flash._kernel() is None
+        assert flash._kernel() is None and "STREAMSVC_FLASH=0" in flash._load()[1]
     finally:
-        flash._kernel.cache_clear()
+        flash._load.cache_clear()
+
+
+def test_a_missing_package_names_the_install(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_flash(name, *args, **kwargs):
+        if name.startswith("flash_attn"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    flash._load.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", no_flash)
+    try:
+        kernel, why = flash._load()
+        assert kernel is None and "does not import" in why and "pip install" in why
+    finally:
+        flash._load.cache_clear()
 
 
 def test_splits_keys_where_that_fills_the_waves(monkeypatch):
@@ -76,7 +96,7 @@ def test_in_place_reads_match_copies():
     for stage in (True, False):
         gen = ChunkGenerator(model, GeneratorConfig(sink_frames=3, window_frames=6, stage_kv=stage))
         s = gen.open_stream("a", "a red kite", seed=1)
-        assert s.cache.spec.staging_frames == (3 if stage else 0)
+        assert (gen.workspace is not None) == stage
         got = []
         for c in range(8):  # 24 frames through 3 sinks + 6 window slots: the later commits overwrite
             for step in (900.0, 500.0):  # two denoising steps: the second reuses the rotated keys

@@ -58,7 +58,7 @@ def test_in_place_reads_equal_copies_past_the_window():
         runner = gen.runner
         gen.runner = lambda x, t, text, access: rotated.append(access[0].keys_rotated) or runner(x, t, text, access)
         state = gen.open_stream("s", "a lighthouse", seed=4)
-        assert state.cache.spec.staging_frames == (3 if stage else 0)
+        assert (gen.workspace is not None) == stage and state.cache.spec.staging_frames == 0
         runs[stage] = (run_chunks(gen, state, 6), state.cache, rotated)  # 18 frames, past 3 + 6
     (staged, cache_s, rotated), (copied, cache_c, never) = runs[True], runs[False]
     assert rotated == [False, True, True, True, True] * 6 and not any(never)  # 4 steps + commit, rotated at the first
@@ -94,7 +94,7 @@ def test_same_seed_same_frames_other_seed_differs():
     assert all(np.array_equal(x.frames, y.frames) for x, y in zip(a, b))
     assert not np.array_equal(a[1].frames, c[1].frames)
     assert a[0].frames.shape == (9, 128, 128, 3) and a[1].frames.shape == (12, 128, 128, 3)
-    assert a[0].frames.dtype == np.uint8
+    assert a[0].frames.dtype == torch.uint8
 
 
 @pytest.mark.parametrize("recache_sinks", [False, True])
@@ -129,6 +129,56 @@ def test_prompt_switch_recache_equals_fresh_computation(recache_sinks):
     # the next chunk is generated under the new version
     chunk = run_chunks(gen, state, 1)[0]
     assert chunk.prompt_version == 1
+
+
+def test_recache_chunk_by_chunk_equals_one_masked_forward_over_the_window():
+    # a recache runs one forward per chunk of the window (no mask, a commit's shapes); the reference is
+    # one forward over the whole window, block-causal through a mask, as recaches were computed before
+    gen = tiny_generator(sink_frames=3, window_frames=9)
+    state = gen.open_stream("s", "a forest", seed=2)
+    run_chunks(gen, state, 6)  # the window has rolled: its slots are out of time order
+    ref = StreamCache(state.cache.spec)
+    gen.set_prompt(state, "a desert")
+    gen.run(Work.RECACHE, [state])
+    assert state.forwards["recache"] == 1
+    for layer in range(gen.model_cfg.num_layers):  # the sinks as they were, the window in time order
+        k, v = state.cache.read(layer)
+        ref.write(layer, range(12), k, v)
+    ref.sinks_filled, ref.window_filled = 3, 9
+    x = state.clean[3:12].transpose(0, 1)[None]  # [1, C, 9, h, w], oldest first
+    blocks = [state.cache.frame_ids[s] // 3 for s in range(3, 12)]
+    assert blocks == [3, 3, 3, 4, 4, 4, 5, 5, 5]
+    gen.model(x, torch.zeros(1, 9), gen.encode_prompt("a desert"), [CacheAccess(ref, 3, write_slots=list(range(3, 12)), block_ids=blocks)])
+    for layer in range(gen.model_cfg.num_layers):
+        for got, want in zip(state.cache.read(layer), ref.read(layer)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_streams_switching_through_the_workspace_equal_each_alone():
+    # one stream's forwards run in the device's workspace; two streams interleaved forward by forward
+    # (each switch copies one in and the other's new frames back) give what each gives alone
+    alone = []
+    for seed in (1, 2):
+        gen = tiny_generator(sink_frames=3, window_frames=6)
+        alone.append(run_chunks(gen, gen.open_stream("s", f"prompt {seed}", seed), 5))
+    gen = tiny_generator(sink_frames=3, window_frames=6)
+    states = [gen.open_stream(f"s{seed}", f"prompt {seed}", seed) for seed in (1, 2)]
+    together = [[], []]
+    for c in range(5):
+        for _ in range(len(gen.sigmas)):
+            for s in states:
+                gen.run(Work.DENOISE, [s])
+        if c == 3:
+            gen.set_prompt(states[0], "prompt 1")  # the same prompt again: a recache that changes nothing
+            gen.run(Work.RECACHE, [states[0]])
+        for j, s in enumerate(states):
+            together[j] += gen.run(Work.COMMIT, [s])
+    assert gen.workspace.switches > 2 * 5 * len(gen.sigmas)
+    for a, b in zip(alone, together):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x.latents, y.latents, atol=1e-5, rtol=1e-5)
+    gen.close_stream(states[1])  # the attached one goes away: nothing is copied back
+    assert gen.workspace.owner is None and states[1].cache.storage is not gen.workspace.storage
 
 
 def test_first_prompt_switch_without_cache_needs_no_recache():

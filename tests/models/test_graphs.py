@@ -1,10 +1,13 @@
-"""What a CUDA graph of a forward is keyed on (models/graphs.py): a graph replayed under the wrong
-key would read the wrong cache slots or positions, so the key must change whenever they do."""
+"""What a CUDA graph of a forward is keyed on (models/graphs.py). One set of graphs serves every
+stream, so the key holds the shape of the work (cached frames read, frames written, whether the
+cached keys are rotated first) and the workspace, never the stream, its slots or its RoPE phase;
+and a forward that a graph cannot replay safely gets no key."""
 
+import pytest
 import torch
 
 from models import CacheAccess, GeneratorConfig, build_generator
-from models.graphs import GraphedForward, graph_key
+from models.graphs import GraphedForward, describe, graph_key
 
 
 def setup(**cfg):
@@ -20,48 +23,97 @@ def commit(cache, n=3):
     return slots
 
 
-def test_key_follows_the_ring_phase_and_the_cache_not_the_values():
+def key(gen, x, t, state, **acc):
+    gen.workspace.attach(state.cache)
+    return graph_key(x, t, state.text, [CacheAccess(state.cache, state.cache.num_frames, **acc)])
+
+
+def test_streams_and_ring_phases_share_keys():
     gen, x, t = setup()
-    s = gen.open_stream("a", "a kite", seed=0)
-    read = lambda: graph_key(x, t, s.text, [CacheAccess(s.cache, s.cache.num_frames)])  # noqa: E731
-    keys = []
+    a, b = gen.open_stream("a", "a kite", seed=0), gen.open_stream("b", "a boat", seed=1)
+    keys_a, keys_b = [], []
     for _ in range(3 + 6 // 3 * 2):  # sinks, fill the window, then two turns of the ring
-        commit(s.cache)
-        keys.append(read())
-    # sinks, window 3/6, window full at head 0, 3, 0, 3: positions repeat with the ring's phase
-    assert len({keys[0], keys[1], keys[2]}) == 3
-    assert keys[2] == keys[4] and keys[3] == keys[5] and keys[2] != keys[3]
-    assert graph_key(x + 1, t + 500, s.text, [CacheAccess(s.cache, s.cache.num_frames)]) == read()  # inputs: copied in
-    other = gen.open_stream("b", "a kite", seed=0)
-    for _ in range(len(keys)):
-        commit(other.cache)
-    assert graph_key(x, t, other.text, [CacheAccess(other.cache, other.cache.num_frames)]) != read()  # another cache
-    assert graph_key(x, t, s.text, [CacheAccess(s.cache, 3)]) != read()  # another prefix
-    assert graph_key(x, t, s.text, [CacheAccess(s.cache, s.cache.num_frames, keys_rotated=True)]) != read()  # no rotation
+        commit(a.cache)
+        commit(b.cache)
+        keys_a.append(key(gen, x, t, a))
+        keys_b.append(key(gen, x, t, b))
+    assert keys_a == keys_b  # another stream, another prompt: the same graphs
+    # fills 3, 6, 9 differ; the full cache at every phase of the ring is one graph
+    assert len(set(keys_a[:3])) == 3 and set(keys_a[2:]) == {keys_a[2]}
+    assert key(gen, x + 1, t + 500, a) == key(gen, x, t, a)  # values: copied in
+    writes = key(gen, x, t, a, write_slots=a.cache.plan_commit(3))
+    assert writes not in (None, keys_a[-1])
+    assert key(gen, x, t, a, write_slots=[5, 3, 4]) == writes  # which slots: copied in
+    assert key(gen, x, t, a, keys_rotated=True) != keys_a[-1]  # reads the rotated keys as they are
+    assert "6 cached frames" in describe(keys_a[1]) and "writing 3 frames" in describe(writes)
 
 
-def test_key_tells_writes_apart_and_refuses_what_cannot_be_captured():
+def test_no_key_for_what_a_graph_cannot_replay():
     gen, x, t = setup()
     a, b = gen.open_stream("a", "a kite", seed=0), gen.open_stream("b", "a kite", seed=0)
     commit(a.cache)
     n = a.cache.num_frames
-    plain = graph_key(x, t, a.text, [CacheAccess(a.cache, n)])
-    write = graph_key(x, t, a.text, [CacheAccess(a.cache, n, write_slots=a.cache.plan_commit(3))])
-    assert write is not None and write != plain
-    assert graph_key(x, t, a.text, [CacheAccess(a.cache, n, write_slots=[5, 3, 4])]) is None  # wrapping write
+    assert graph_key(x, t, a.text, [CacheAccess(a.cache, n)]) is None  # not in the workspace: its own storage
     two = torch.cat([x, x]), torch.cat([t, t])
-    assert graph_key(*two, a.text, [CacheAccess(a.cache, n), CacheAccess(b.cache, 0)]) is None  # unequal reads: masked
-    assert graph_key(x, t, a.text, [CacheAccess(None, 0, block_ids=[0, 0, 1])]) is None  # several blocks: masked
+    assert graph_key(*two, a.text, [CacheAccess(a.cache, n), CacheAccess(b.cache, 0)]) is None  # a batch
+    gen.workspace.attach(a.cache)
+    assert graph_key(x, t, a.text, [CacheAccess(a.cache, n)]) is not None
+    assert graph_key(x, t, a.text, [CacheAccess(a.cache, n, block_ids=[0, 0, 1])]) is None  # several blocks: masked
     q, xq, tq = setup(kv_quant="int2")
     s = q.open_stream("q", "a kite", seed=0)
-    assert graph_key(xq, tq, s.text, [CacheAccess(s.cache, 0)]) is None  # quantized storage
+    assert q.workspace is None and graph_key(xq, tq, s.text, [CacheAccess(s.cache, 0)]) is None  # quantized
 
 
-def test_cpu_runs_the_model_itself():
+def test_cpu_runs_the_model_itself_and_captures_nothing():
     gen, x, t = setup()
     s = gen.open_stream("a", "a kite", seed=0)
-    assert gen.runner is gen.model
+    assert gen.runner is gen.model and gen.capture_graphs() == 0
     graphed = GraphedForward(gen.model)
     acc = [CacheAccess(s.cache, 0)]
     torch.testing.assert_close(graphed(x, t, s.text, acc), gen.model(x, t, s.text, acc), rtol=0, atol=0)
     assert graphed.stats == {"replays": 0, "captures": 0, "eager": 1}
+
+
+def chunk(gen, state):
+    """Run `state`'s forwards until its next chunk is out."""
+    for _ in range(10):
+        out = gen.run(gen.next_work(state), [state])
+        if out[0] is not None:
+            return out[0]
+    raise AssertionError("no chunk after 10 forwards")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphs_captured_at_start_serve_every_stream_and_equal_eager():
+    """bf16 on the GPU: the graphs captured before serving replay every forward of two streams
+    that take turns in the workspace, through every ring phase and a prompt switch (a recache),
+    nothing runs eagerly or is captured while serving, and the chunks equal eager forwards'."""
+    from dataclasses import replace
+
+    from models.config import ModelConfig
+    from models.dit import CausalWanModel
+    from models.generator import ChunkGenerator
+
+    mc = ModelConfig.from_name("tiny", dim=256, num_heads=2, latent_height=64, latent_width=64)  # 256 tokens a frame
+    model = CausalWanModel(mc).init_weights(3).to("cuda", torch.bfloat16).eval()
+    cfg = GeneratorConfig(sink_frames=3, window_frames=6)
+    graphed, eager = ChunkGenerator(model, cfg), ChunkGenerator(model, replace(cfg, cuda_graphs=False))
+    captured = graphed.capture_graphs()
+    assert captured == len(graphed.runner.keys) == 2 + 3 * 4  # fill 0: step + commit; 3, 6, 9: both rotating or not
+    before = dict(graphed.runner.stats)
+    latents = []
+    for gen in (graphed, eager):
+        states = [gen.open_stream(f"s{i}", f"prompt {i}", seed=i) for i in range(2)]
+        got = []
+        for c in range(6):  # 18 frames through 3 sinks + 6 window slots: every phase of the ring
+            if c == 4:
+                gen.set_prompt(states[0], "another prompt")
+            for s in states:  # chunk by chunk: each chunk switches the workspace to its stream
+                got.append(chunk(gen, s).latents)
+        latents.append(torch.stack(got).float())
+    stats = graphed.runner.stats
+    assert stats["captures"] == before["captures"] and stats["eager"] == before["eager"], (before, stats)
+    assert stats["replays"] - before["replays"] == 2 * 6 * 5 + 2, stats  # 5 forwards a chunk, a 2-forward recache
+    err = ((latents[0] - latents[1]).norm() / latents[1].norm()).item()
+    assert err < 1e-2, err
