@@ -1,11 +1,17 @@
 """Discrete-event simulation of one device serving live streams, driving the real Scheduler.
 
-The engine is replaced by its cost model (forwards with jitter, a dearer recache,
-the buffer cap) and the viewers by the playback buffer of DESIGN.md "Measuring a
-stream". Viewers arrive as a Poisson process, watch for a random time, switch
-prompts at random and leave; load is the offered compute as a fraction of the
-device's capacity. Each (policy, load, admission) cell runs several seeds on the
-same workloads (common random numbers), pooled before the figures are taken:
+The engine is replaced by its cost model (forwards with jitter, a dearer recache)
+and its pipeline: it completes a plan as soon as it launches it (up to
+`launch_depth` forwards queued on the device, costs learnt when each forward ends,
+`observe_cost`), and a COMMIT's frames reach the viewer `hand_over_s` after the
+forward ends (copy and encode on worker threads, `delivered`). The viewers are the
+playback buffer of DESIGN.md "Measuring a stream".
+
+Scenario `load` (the default): viewers arrive as a Poisson process, watch for a
+random time, switch prompts at random and leave; load is the offered compute as a
+fraction of the device's capacity. Each (policy, load, admission) cell runs several
+seeds on the same workloads (common random numbers), pooled before the figures are
+taken:
 
   stall ratio        total stall time / (play time + stall time)
   viewer time lost   (startup wait + stall time) / session time, summed over admitted viewers;
@@ -16,9 +22,19 @@ same workloads (common random numbers), pooled before the figures are taken:
 Calibration (the issue's reference case): 5 forwards of 50 ms per 0.75 s chunk, so
 the device holds 3 streams; 2 s buffer cap.
 
-    PYTHONPATH=. python benchmarks/scheduler.py                          # full run, ~1 min on 2 cores
+Scenario `h200`: 1, 2, 3 streams requested together (50 ms apart; `--stagger`: each
+2-12 s after the previous, joining a stream that plays) on an H200
+(DENOISE 50 ms, COMMIT 55 ms, RECACHE 130 ms; a first chunk of 9 frames, then 12 at
+16 fps), each watching for the whole run and sending a prompt every ~10 s; reports
+admitted streams, stalls, TTFF p95, control latency p50/p95 and chunk latency p95
+(due -> delivered, what the start rule's lead is made of), for the default start
+rule and, as a baseline, without it (`start_margin_s=inf`: run ahead to the cap).
+
+    PYTHONPATH=. python benchmarks/scheduler.py                          # full run, ~3 min on 2 cores
     PYTHONPATH=. python benchmarks/scheduler.py --quick                  # a smoke run
     PYTHONPATH=. python benchmarks/scheduler.py --stall-guard-chunks -1  # the policies without the guard
+    PYTHONPATH=. python benchmarks/scheduler.py --scenario h200          # 1, 2, 3 streams on an H200
+    PYTHONPATH=. python benchmarks/scheduler.py --scenario h200 --stagger --startup-slack-s 0.75
 
 Ends with one JSON line; exits 1 when a must-show check fails (not with --quick).
 """
@@ -26,6 +42,7 @@ Ends with one JSON line; exits 1 when a must-show check fails (not with --quick)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import json
 import math
@@ -41,8 +58,11 @@ from streamsvc.scheduler import POLICIES, Plan, Scheduler, SchedulerConfig, Stre
 
 @dataclass(frozen=True)
 class SimConfig:
-    forward_s: float = 0.05  # mean wall time of a DENOISE or COMMIT forward (batch 1)
+    forward_s: float = 0.05  # mean wall time of a DENOISE forward (batch 1)
+    commit_s: float = 0.05  # mean wall time of a COMMIT forward (batch 1: the chunk's K/V and its decode)
     recache_s: float = 0.075  # mean wall time of a RECACHE forward (it runs over the whole window)
+    hand_over_s: float = 0.02  # a COMMIT's end -> its frames at the viewer (copy to host, encode, send)
+    launch_depth: int = 2  # forwards the engine keeps launched on the device (1: decide when the device idles)
     jitter: float = 0.1  # sigma of the lognormal factor (mean 1) on every forward's time
     batch_gain: float = 0.04  # a batch of b costs b x (1 - batch_gain) forwards for b > 1 (DESIGN: 3-5 %)
     denoise_steps: int = 4  # DENOISE forwards per chunk; one COMMIT follows
@@ -60,9 +80,16 @@ class SimConfig:
         return self.chunk_frames / self.fps
 
     @property
+    def chunk_cost_s(self) -> float:
+        return self.denoise_steps * self.forward_s + self.commit_s
+
+    @property
     def capacity_streams(self) -> float:
         """Streams the device can serve at 100 % busy (recaches aside)."""
-        return self.chunk_s / ((self.denoise_steps + 1) * self.forward_s)
+        return self.chunk_s / self.chunk_cost_s
+
+
+H200 = SimConfig(forward_s=0.050, commit_s=0.055, recache_s=0.130, duration_s=300.0)
 
 
 @dataclass
@@ -72,6 +99,7 @@ class Viewer:
     leave: float  # disconnects, whatever happened
     prompt_times: list[float]  # when it sends a new prompt
     admitted: bool = False  # admission accepted it
+    refusal: str | None = None  # admission's reason when it refused
     first_frame: float | None = None  # its first chunk arrived
     play_until: float = 0.0  # the buffered content lasts until then
     stall_s: float = 0.0  # total stall time
@@ -129,11 +157,31 @@ def make_workload(sim: SimConfig, load: float, seed: int) -> list[Viewer]:
         viewers.append(Viewer(f"s{len(viewers)}", arrive=t, leave=t + length, prompt_times=prompts))
 
 
-def simulate(sim: SimConfig, sched_cfg: SchedulerConfig, load: float, seed: int) -> dict:
-    """One run; returns the summed raw figures of its viewers."""
-    viewers = make_workload(sim, load, seed)
-    jitter = random.Random(f"jitter:{seed}:{load}")
+def make_fixed_workload(sim: SimConfig, streams: int, seed: int, stagger: bool = False) -> list[Viewer]:
+    """`streams` viewers asking 50 ms apart (`stagger`: each 2-12 s after the previous one, joining
+    streams that play), all staying until `duration_s`, a prompt every ~prompt_every_s."""
+    rng = random.Random(f"fixed:{seed}:{streams}:{stagger}")
+    viewers, arrive = [], 0.0
+    for i in range(streams):
+        if i:
+            arrive += rng.uniform(2.0, 12.0) if stagger else 0.05
+        prompts, p = [], arrive
+        while True:
+            p += rng.expovariate(1 / sim.prompt_every_s)
+            if p >= sim.duration_s:
+                break
+            prompts.append(p)
+        viewers.append(Viewer(f"s{i}", arrive=arrive, leave=sim.duration_s, prompt_times=prompts))
+    return viewers
+
+
+def simulate(sim: SimConfig, sched_cfg: SchedulerConfig, viewers: list[Viewer], jitter_key: str) -> dict:
+    """One run over `viewers` (forward times drawn from `jitter_key`); the summed raw figures of its viewers."""
+    jitter = random.Random(f"jitter:{jitter_key}")
     sched = Scheduler(sched_cfg)
+    mean_s = {WorkKind.DENOISE: sim.forward_s, WorkKind.COMMIT: sim.commit_s, WorkKind.RECACHE: sim.recache_s}
+    for kind, cost in mean_s.items():  # the engine's warm-up measures every kind before serving
+        sched.observe_cost(kind, 1, cost)
     events: list[tuple[float, int, str, object]] = []
     seq = 0
 
@@ -148,30 +196,34 @@ def simulate(sim: SimConfig, sched_cfg: SchedulerConfig, load: float, seed: int)
         for p in v.prompt_times:
             push(p, "prompt", v)
     by_id = {v.stream_id: v for v in viewers}
-    busy = False  # a plan is running
+    launched = 0  # forwards launched on the device and not finished
+    device_free_at = 0.0  # the last launched forward ends then
     wake_pending = math.inf  # earliest wake-up already queued
     busy_s = 0.0
+    chunk_latency_s: list[float] = []
 
     def forward_cost(plan: Plan) -> float:
-        base = sim.recache_s if plan.kind is WorkKind.RECACHE else sim.forward_s
         b = len(plan.stream_ids)
         factor = 1.0 if b == 1 else b * (1 - sim.batch_gain)
-        return base * factor * jitter.lognormvariate(-sim.jitter**2 / 2, sim.jitter)
+        return mean_s[plan.kind] * factor * jitter.lognormvariate(-sim.jitter**2 / 2, sim.jitter)
 
     def kick(now: float) -> None:
-        nonlocal busy, wake_pending, busy_s
-        if busy:
-            return
-        plan = sched.next(now)
-        if plan is not None:
+        """The engine's loop: decide and launch while the device queue has room."""
+        nonlocal launched, device_free_at, wake_pending, busy_s
+        while launched < sim.launch_depth:
+            plan = sched.next(now)
+            if plan is None:
+                wake = sched.wake_at(now)
+                if wake is not None and wake < wake_pending:
+                    wake_pending = wake
+                    push(wake, "wake", None)
+                return
             cost = forward_cost(plan)
-            busy, busy_s = True, busy_s + cost
-            push(now + cost, "done", (plan, cost))
-            return
-        wake = sched.wake_at(now)
-        if wake is not None and wake < wake_pending:
-            wake_pending = wake
-            push(wake, "wake", None)
+            device_free_at = max(now, device_free_at) + cost
+            busy_s += cost
+            launched += 1
+            sched.complete(plan, now, None, deliver=False)
+            push(device_free_at, "done", (plan, cost))
 
     end = 0.0
     while events:
@@ -180,7 +232,8 @@ def simulate(sim: SimConfig, sched_cfg: SchedulerConfig, load: float, seed: int)
         if what == "arrive":
             v = payload
             req = StreamRequest(v.stream_id, sim.fps, sim.first_chunk_frames, sim.chunk_frames)
-            v.admitted = sched.admit(req, now).accepted
+            admission = sched.admit(req, now)
+            v.admitted, v.refusal = admission.accepted, admission.reason
         elif what == "leave":
             payload.close()
             sched.remove(payload.stream_id)
@@ -191,13 +244,20 @@ def simulate(sim: SimConfig, sched_cfg: SchedulerConfig, load: float, seed: int)
         elif what == "wake":
             if now >= wake_pending:
                 wake_pending = math.inf
-        else:
+        elif what == "done":
             plan, cost = payload
-            busy = False
-            for stream_id in sched.complete(plan, now, cost):
-                i = plan.stream_ids.index(stream_id)
-                frames = sim.first_chunk_frames if plan.chunk_index[i] == 0 else sim.chunk_frames
-                by_id[stream_id].deliver(now, frames, plan.prompt_seqs[i], sim.fps)
+            launched -= 1
+            sched.observe_cost(plan.kind, len(plan.stream_ids), cost)
+            if plan.kind is WorkKind.COMMIT:
+                for i, stream_id in enumerate(plan.stream_ids):
+                    frames = sim.first_chunk_frames if plan.chunk_index[i] == 0 else sim.chunk_frames
+                    push(now + sim.hand_over_s, "delivered", (stream_id, frames, plan.prompt_seqs[i]))
+        else:
+            stream_id, frames, version = payload
+            latency = sched.delivered(stream_id, now)
+            if latency is not None:  # None: the viewer left while its chunk was on its way
+                chunk_latency_s.append(latency)
+                by_id[stream_id].deliver(now, frames, version, sim.fps)
         kick(now)
 
     admitted = [v for v in viewers if v.admitted]
@@ -211,6 +271,8 @@ def simulate(sim: SimConfig, sched_cfg: SchedulerConfig, load: float, seed: int)
         "streams_with_stalls": sum(1 for v in admitted if v.stalls),
         "ttff_s": [v.startup_s for v in admitted],
         "control_s": [c for v in admitted for c in v.control_s],
+        "chunk_latency_s": chunk_latency_s,
+        "refusals": [v.refusal for v in viewers if not v.admitted],
         "busy": busy_s / end if end > 0 else 0.0,
     }
 
@@ -226,7 +288,7 @@ def percentile(values: list[float], q: float) -> float | None:
 def run_cell(args: tuple[SimConfig, SchedulerConfig, float, list[int]]) -> dict:
     """All seeds of one (policy, load, admission) cell, pooled."""
     sim, sched_cfg, load, seeds = args
-    runs = [simulate(sim, sched_cfg, load, seed) for seed in seeds]
+    runs = [simulate(sim, sched_cfg, make_workload(sim, load, seed), f"{seed}:{load}") for seed in seeds]
     total = {k: sum(r[k] for r in runs) for k in ("viewers", "admitted", "session_s", "startup_s", "stall_s", "stalls")}
     ttff = [x for r in runs for x in r["ttff_s"]]
     control = [x for r in runs for x in r["control_s"]]
@@ -249,6 +311,131 @@ def run_cell(args: tuple[SimConfig, SchedulerConfig, float, list[int]]) -> dict:
         "busy": sum(r["busy"] for r in runs) / len(runs),
         "time_lost_by_seed": [(r["startup_s"] + r["stall_s"]) / max(r["session_s"], 1e-9) for r in runs],
     }
+
+
+def run_fixed_cell(args: tuple[SimConfig, SchedulerConfig, int, list[int]]) -> dict:
+    """All seeds of one (start rule, streams requested) cell of the fixed scenario, pooled."""
+    sim, sched_cfg, streams, seeds, stagger = args
+    runs = [
+        simulate(sim, sched_cfg, make_fixed_workload(sim, streams, seed, stagger), f"{seed}:{streams}:{stagger}")
+        for seed in seeds
+    ]
+    pooled = {k: [x for r in runs for x in r[k]] for k in ("ttff_s", "control_s", "chunk_latency_s", "refusals")}
+    stall_s = sum(r["stall_s"] for r in runs)
+    play_s = sum(r["session_s"] - r["startup_s"] - r["stall_s"] for r in runs)
+    return {
+        "start_rule": math.isfinite(sched_cfg.start_margin_s),
+        "buffer_cap_s": sched_cfg.buffer_cap_s,
+        "requested": streams,
+        "admitted": sum(r["admitted"] for r in runs) / len(runs),
+        "stalls": sum(r["stalls"] for r in runs),
+        "stall_ratio": stall_s / (play_s + stall_s) if play_s + stall_s > 0 else 0.0,
+        "ttff_p95_s": percentile(pooled["ttff_s"], 95),
+        "control_p50_s": percentile(pooled["control_s"], 50),
+        "control_p95_s": percentile(pooled["control_s"], 95),
+        "control_n": len(pooled["control_s"]),
+        "chunk_latency_p50_s": percentile(pooled["chunk_latency_s"], 50),
+        "chunk_latency_p95_s": percentile(pooled["chunk_latency_s"], 95),
+        "busy": sum(r["busy"] for r in runs) / len(runs),
+        "refusal": pooled["refusals"][0] if pooled["refusals"] else None,
+    }
+
+
+def print_fixed_table(cells: list[dict]) -> None:
+    header = (
+        f"{'rule':>5} {'cap':>4} {'asked':>5} {'admit':>5} {'stalls':>6} {'stall%':>6} {'ttff95':>6} "
+        f"{'ctl50':>6} {'ctl95':>6} {'lat50':>6} {'lat95':>6} {'busy%':>5}"
+    )
+    print(header)
+    print("-" * len(header))
+    fmt = lambda x: "   -  " if x is None else f"{x:6.3f}"  # noqa: E731
+    for c in cells:
+        print(
+            f"{'lead' if c['start_rule'] else 'cap':>5} {c['buffer_cap_s']:4.1f} {c['requested']:>5} "
+            f"{c['admitted']:5.2f} {c['stalls']:>6} {100 * c['stall_ratio']:6.2f} {fmt(c['ttff_p95_s'])} "
+            f"{fmt(c['control_p50_s'])} {fmt(c['control_p95_s'])} {fmt(c['chunk_latency_p50_s'])} "
+            f"{fmt(c['chunk_latency_p95_s'])} {100 * c['busy']:5.1f}"
+        )
+    for c in cells:
+        if c["refusal"]:
+            print(f"\nrefused ({'lead' if c['start_rule'] else 'cap'}, {c['requested']} asked): {c['refusal']}")
+            break
+
+
+def fixed_checks(cells: list[dict]) -> dict:
+    """The issue's targets for 2 streams on an H200 under the start rule, and a third refused."""
+    rule = [c for c in cells if c["start_rule"]]
+    two = [c for c in rule if c["requested"] == 2]
+    three = [c for c in rule if c["requested"] == 3]
+    result: dict = {}
+    if two:
+        c = two[0]
+        result["two_admitted_zero_stalls"] = c["admitted"] == 2 and c["stalls"] == 0
+        result["two_ttff_p95_le_1s"] = c["ttff_p95_s"] is not None and c["ttff_p95_s"] <= 1.0
+        result["two_control_p95_le_1.5s"] = c["control_p95_s"] is not None and c["control_p95_s"] <= 1.5
+    if three:
+        result["third_refused_with_reason"] = three[0]["admitted"] == 2 and three[0]["refusal"] is not None
+    return result
+
+
+def main_fixed(args: argparse.Namespace, seeds: list[int]) -> int:
+    sim = dataclasses.replace(H200, duration_s=args.duration if args.duration_set else H200.duration_s)
+    if args.buffer_cap is not None:
+        sim = dataclasses.replace(sim, buffer_cap_s=args.buffer_cap)
+    margins = [args.start_margin_s, math.inf] if math.isfinite(args.start_margin_s) else [math.inf]
+    jobs = []
+    for margin in margins:
+        for streams in (1, 2, 3):
+            cfg = SchedulerConfig(
+                denoise_steps=sim.denoise_steps,
+                buffer_cap_s=sim.buffer_cap_s,
+                max_batch=args.max_batch,
+                utilization_target=args.utilization_target,
+                initial_forward_s=sim.forward_s,
+                start_margin_s=margin,
+                startup_slack_s=args.startup_slack_s,
+            )
+            jobs.append((sim, cfg, streams, seeds, args.stagger))
+    t0 = time.perf_counter()
+    if args.workers > 1:
+        with ProcessPoolExecutor(max_workers=args.workers) as pool:
+            cells = list(pool.map(run_fixed_cell, jobs))
+    else:
+        cells = [run_fixed_cell(job) for job in jobs]
+    wall_s = time.perf_counter() - t0
+    print(
+        f"scheduler simulation, H200: DENOISE {sim.forward_s * 1e3:g} ms x {sim.denoise_steps} + COMMIT "
+        f"{sim.commit_s * 1e3:g} ms = {sim.chunk_cost_s * 1e3:g} ms per {sim.chunk_s:g} s chunk "
+        f"({sim.capacity_streams:.2f} streams at 100 %), RECACHE {sim.recache_s * 1e3:g} ms, jitter {sim.jitter:g}, "
+        f"hand-over {sim.hand_over_s * 1e3:g} ms, {sim.launch_depth} forwards launched ahead; buffer cap "
+        f"{sim.buffer_cap_s:g} s, start margin {args.start_margin_s:g} s, startup slack {args.startup_slack_s:g} s; "
+        f"viewers join {'2-12 s apart' if args.stagger else 'together'}, a prompt every ~{sim.prompt_every_s:g} s; "
+        f"{len(seeds)} seeds x {sim.duration_s:g} s"
+    )
+    print("rule: lead = the start rule, cap = run ahead to the cap (start_margin_s=inf); admit: mean per seed;")
+    print("ctl = prompt sent -> first frame under it played; lat = chunk latency, due -> delivered (every chunk,")
+    print("those running ahead to a new prompt included); times in s\n")
+    print_fixed_table(cells)
+    verdict = fixed_checks(cells)
+    print(f"\nchecks (wall {wall_s:.1f} s):")
+    for key, value in verdict.items():
+        print(f"  {key}: {value}")
+    summary = {
+        "bench": "scheduler",
+        "scenario": "h200",
+        "sim": asdict(sim),
+        "seeds": len(seeds),
+        "start_margin_s": args.start_margin_s if math.isfinite(args.start_margin_s) else None,  # None: no rule
+        "startup_slack_s": args.startup_slack_s,
+        "stagger": args.stagger,
+        "utilization_target": args.utilization_target,
+        "max_batch": args.max_batch,
+        "checks": verdict,
+        "wall_s": round(wall_s, 2),
+        "cells": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items()} for c in cells],
+    }
+    print(json.dumps(summary))
+    return 0 if args.quick or all(verdict.values()) else 1
 
 
 def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -314,9 +501,17 @@ def print_table(cells: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenario", choices=("load", "h200"), default="load", help="see the module docstring")
     ap.add_argument("--seeds", type=int, default=8, help="seeds per cell (default 8)")
     ap.add_argument("--first-seed", type=int, default=0, help="seeds are first-seed .. first-seed+seeds-1")
-    ap.add_argument("--duration", type=float, default=900.0, help="seconds of arrivals per run (default 900)")
+    ap.add_argument(
+        "--duration", type=float, default=None, help="seconds of arrivals per run (default 900; h200: 300 of viewing)"
+    )
+    ap.add_argument(
+        "--start-margin-s", type=float, default=SchedulerConfig.start_margin_s, help="inf: no start rule (to the cap)"
+    )
+    ap.add_argument("--buffer-cap", type=float, default=None, help="buffer_cap_s (default 2.0)")
+    ap.add_argument("--stagger", action="store_true", help="h200: viewers join 2-12 s apart, not together")
     ap.add_argument("--loads", default="0.5,0.6,0.7,0.8,0.9,1.0,1.1,1.2", help="offered loads, comma separated")
     ap.add_argument("--policies", default=",".join(POLICIES), help="policies, comma separated")
     ap.add_argument("--admission", choices=("both", "on", "off"), default="both")
@@ -333,13 +528,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-restart", action="store_true", help="restart_on_prompt=False")
     ap.add_argument("--max-batch", type=int, default=1)
     args = ap.parse_args(argv)
+    args.duration_set = args.duration is not None
+    if args.duration is None:
+        args.duration = 900.0
     if args.quick:
         args.seeds, args.duration, args.loads = 3, 300.0, "0.5,0.9,1.2"
+        args.duration_set = True
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    if args.scenario == "h200":
+        return main_fixed(args, seeds)
     loads = [float(x) for x in args.loads.split(",")]
     policies = args.policies.split(",")
     admissions = {"both": (True, False), "on": (True,), "off": (False,)}[args.admission]
     sim = SimConfig(duration_s=args.duration)
-    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    if args.buffer_cap is not None:
+        sim = dataclasses.replace(sim, buffer_cap_s=args.buffer_cap)
 
     jobs = []
     for admission in admissions:
@@ -356,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
                     restart_margin_chunks=args.restart_margin_chunks,
                     startup_slack_s=args.startup_slack_s,
                     stall_guard_chunks=None if args.stall_guard_chunks < 0 else args.stall_guard_chunks,
+                    start_margin_s=args.start_margin_s,
                 )
                 jobs.append((sim, cfg, load, seeds))
     t0 = time.perf_counter()
@@ -369,7 +573,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"scheduler simulation: capacity {sim.capacity_streams:g} streams ({sim.denoise_steps + 1} forwards of "
         f"{sim.forward_s * 1e3:g} ms, jitter {sim.jitter:g}, recache {sim.recache_s * 1e3:g} ms, per "
-        f"{sim.chunk_s:g} s chunk), buffer cap {sim.buffer_cap_s:g} s, sessions ~{sim.session_mean_s:g} s, "
+        f"{sim.chunk_s:g} s chunk), buffer cap {sim.buffer_cap_s:g} s, start margin {args.start_margin_s:g} s, "
+        f"hand-over {sim.hand_over_s * 1e3:g} ms, {sim.launch_depth} forwards launched ahead, "
+        f"sessions ~{sim.session_mean_s:g} s, "
         f"a prompt every ~{sim.prompt_every_s:g} s; {len(seeds)} seeds x {sim.duration_s:g} s per cell"
     )
     print("stall% = stall / (play + stall); lost% = (startup + stall) / session; times in s\n")
@@ -387,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         "restart_margin_chunks": args.restart_margin_chunks,
         "restart_on_prompt": not args.no_restart,
         "stall_guard_chunks": args.stall_guard_chunks,
+        "start_margin_s": args.start_margin_s if math.isfinite(args.start_margin_s) else None,  # None: no rule
         "max_batch": args.max_batch,
         "checks": verdict,
         "wall_s": round(wall_s, 2),

@@ -6,29 +6,62 @@ it events and asserting exact plans (sans-I/O, like vLLM's `schedule()` /
 `update_from_output()`).
 
 The unit of work is one forward. A chunk is `denoise_steps` DENOISE forwards
-(steps 0..n-1) and one COMMIT forward (which writes the chunk's K/V, decodes and
-delivers it). A new prompt adds one RECACHE forward before the next chunk of a
-stream whose cache already holds committed frames. The engine drives it:
+(steps 0..n-1) and one COMMIT forward (which writes the chunk's K/V and decodes
+it). A new prompt adds one RECACHE forward before the next chunk of a stream whose
+cache already holds committed frames. The engine drives it:
 
-    plan = sched.next(now)              # None: nothing needs work; sleep until wake_at() or an event
-    ... run the forward(s) of `plan`, each stream under plan.prompt_seqs[i] ...
-    delivered = sched.complete(plan, now, elapsed_s)
+    plan = sched.next(now)                  # None: nothing to start; sleep until wake_at() or an event
+    ... launch the forward(s) of `plan`, each stream under plan.prompt_seqs[i] ...
+    sched.complete(plan, now, None, deliver=False)  # the state advances; the cost is not known yet
+    ... later, from the forward's CUDA events:  sched.observe_cost(plan.kind, len(plan.stream_ids), seconds)
+    ... a COMMIT's frames reach the transports: sched.delivered(stream_id, now)
 
-Each stream's viewer buffer is modelled (DESIGN.md "Measuring a stream": playback
-starts when the first chunk arrives, then consumes frames at fps and stalls when
-empty) from delivered chunks and `now`, or set exactly by `observe_buffer`.
+(`complete(plan, now, elapsed_s)` with the default deliver=True does all three at
+once, for a caller that runs a forward to its end before deciding the next one.)
+A committed chunk not yet delivered is in flight: its frames count toward the
+start rule, the cap and the slack as if buffered, but the viewer's buffer model
+is credited only by `delivered`. Each stream's viewer buffer is modelled
+(DESIGN.md "Measuring a stream": playback starts when the first chunk arrives,
+then consumes frames at fps and stalls when empty) from delivered chunks and
+`now`, or set exactly by `observe_buffer`.
 
-Slack = time until the buffer runs dry - estimated time of the forwards the
-stream's next chunk still needs (a pending RECACHE included). Ranking, smallest
-key first, among streams below the buffer cap:
+When a stream's next chunk may start (the start rule). Its lead is the p95 of its
+last `latency_window` chunk latencies plus `start_margin_s`; a chunk's latency runs
+from the moment the rule made it due (or its first forward was issued, if earlier)
+to its delivery, so it includes queueing behind other streams' work and a RECACHE
+pending then. Only chunks that started due are samples (one running ahead, see
+below, had time to spare and waited behind due ones). While a stream has fewer than
+`latency_min_samples` samples taken since the last admission (an admission adds
+queueing the older samples did not see), its latency is the larger of that p95 and
+a prediction: one chunk of every admitted stream (batched by `max_batch`; its own
+included) plus its own pending RECACHE.
+A fresh chunk (step 0) is runnable when buffered + in flight <= lead, and only when
+buffered + in flight + the chunk <= `buffer_cap_s`, which bounds everything: how far
+ahead a stream runs, so how old its buffered video is when a new prompt arrives
+(steering latency); it is not what keeps a stream fed, the lead is. A stream with a
+prompt pending (no chunk yet started under its newest prompt) may start as soon as
+the cap allows: running ahead under the new prompt is what its viewer wants. A chunk
+in progress goes on while under the cap; a RECACHE is always runnable (no video).
+`start_margin_s=math.inf` turns the rule off: every stream runs ahead to the cap.
+
+Slack = time until the buffer (in flight included) runs dry - estimated time of the
+forwards the stream's next chunk still needs (a pending RECACHE included). Ranking,
+smallest key first, among runnable streams:
 
 1. Streams about to stall (slack under `stall_guard_chunks` chunks of work) go
    before streams that are only working ahead, whatever the policy, and among
-   them a chunk in progress goes first and keeps the device until delivered (two
-   streams near empty that alternate forwards both deliver late). Admission
-   bounds the average load; this guard is what turns that into no stalls during
-   transients (two viewers joining at once, a burst of prompts), for every policy.
-2. Within each group, the policy (`SchedulerConfig.policy`):
+   them a chunk in progress goes first and keeps the device until committed, the
+   one with the fewest forwards left first (two streams near empty that alternate
+   forwards both deliver late). Admission bounds the average load; this guard is
+   what turns that into no stalls during transients (two viewers joining at once,
+   a burst of prompts), for every policy.
+2. Among the others, with `chunk_granular`, a due chunk in progress (its stream at
+   or under its lead) goes first too, again the fewest forwards left first:
+   finishing one chunk before starting another lowers the average chunk latency,
+   and the engine pays a KV-cache copy each time it switches streams. A chunk
+   running ahead (steering to a new prompt, above its lead) keeps no such
+   precedence: it has time to spare, a due stream may not.
+3. Within each group, the policy (`SchedulerConfig.policy`):
    slack        the default. Streams already late (negative slack: newcomers,
                 stalled streams, streams that cannot make it) first, the one with
                 the fewest forwards left of its chunk first, so the one closest to
@@ -40,22 +73,31 @@ key first, among streams below the buffer cap:
                 with a healthy buffer: low TTFF, but not ahead of one about to stall).
    least_slack  the plain rule, a baseline: least slack first, a newcomer's or a
                 stalled stream's buffer counting as 0 s.
-   round_robin  one forward per stream in turn, in admission order.
+   round_robin  one forward per stream in turn, in admission order (one chunk per
+                stream in turn with `chunk_granular`).
    fifo         the earliest admitted stream first.
 
 Prompts: the next chunk runs under the newest prompt, after a RECACHE when the
 stream has committed frames. A chunk in progress is abandoned for the new prompt
 (`restart_on_prompt`) only while the stream keeps `restart_margin_chunks` chunks
-of slack after redoing it; a RECACHE that would make the stream stall, where
-skipping it would not, waits one chunk (that chunk keeps the old prompt). So a
-prompt never causes a stall; it shows up later instead.
+of slack after redoing it; a RECACHE that would leave the stream less slack than
+`start_margin_s` (one forward at least), where skipping it would not stall it,
+waits one chunk (that chunk keeps the old prompt). So a prompt does not cause a
+stall; it shows up later instead.
+
+Admission refuses, with the numbers and the fix, a stream whose KV cache does not
+fit (the pool's reason), whose chunk does not fit the cap, whose compute would put
+the predicted load over `utilization_target`, or that the start rule cannot serve:
+with it admitted, the predicted lead (one chunk of every stream, batched, plus the
+margin) and a chunk no longer fit under `buffer_cap_s`.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field, replace
 
 POLICIES = ("slack", "least_slack", "round_robin", "fifo")
 
@@ -77,10 +119,13 @@ class WorkKind(enum.Enum):
 class SchedulerConfig:
     policy: str = "slack"  # one of POLICIES
     denoise_steps: int = 4  # DENOISE forwards per chunk (steps 0..n-1), then one COMMIT
-    # Generate no further ahead: a stream whose buffered video plus its next chunk exceeds this is not runnable.
+    # Generate no further ahead: a stream whose buffered + in-flight video plus its next chunk exceeds this is
+    # not runnable. It bounds steering latency (how much old video plays after a new prompt), not throughput;
+    # it must hold a stream's lead plus a chunk (2 streams on an H200: ~0.75 s + 0.75 s).
     buffer_cap_s: float = 2.0
     max_batch: int = 1  # streams per forward, grouped only when their next work has the same kind and step
-    # Admission keeps the predicted busy fraction of the device at or under this; math.inf turns it off.
+    # Admission keeps the predicted busy fraction of the device at or under this; math.inf turns it off
+    # (and the start rule's check with it: every stream is admitted, as when measuring overload).
     utilization_target: float = 0.9
     initial_forward_s: float = 0.05  # cost of one forward of any kind until one of that kind is measured
     # Weight of a new measurement in the moving cost estimate, in (0, 1]; the first one replaces the guess.
@@ -92,6 +137,15 @@ class SchedulerConfig:
     # Every policy: streams with less slack than this many chunks of work go first, chunks in progress
     # first, before streams that are only working ahead; None: off.
     stall_guard_chunks: float | None = 1.0
+    # A fresh chunk starts when buffered + in-flight video falls to its p95 chunk latency plus this margin
+    # (what the estimates miss: jitter beyond the p95, the hand-over, a forward queued ahead on the device;
+    # a RECACHE must leave this much slack too); math.inf: no start rule, every stream runs ahead to the cap.
+    start_margin_s: float = 0.25
+    latency_window: int = 32  # chunk latencies per stream the p95 is taken over (the most recent ones)
+    # Fewer samples than this since the last admission: the lead is at least the predicted latency.
+    latency_min_samples: int = 3
+    # Among streams not about to stall, a chunk in progress goes first (finish one chunk before starting another).
+    chunk_granular: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -119,6 +173,17 @@ class SchedulerConfig:
         guard = self.stall_guard_chunks
         if guard is not None and not (guard >= 0 and math.isfinite(guard)):
             raise ValueError(f"stall_guard_chunks={guard}: must be a finite number >= 0 (e.g. 1.0), or None for off")
+        if not self.start_margin_s >= 0:
+            raise ValueError(
+                f"start_margin_s={self.start_margin_s}: must be >= 0 s (e.g. 0.25), or math.inf for no start rule"
+            )
+        if self.latency_window < 1:
+            raise ValueError(f"latency_window={self.latency_window}: must be >= 1 chunk latency (e.g. 32)")
+        if not 0 <= self.latency_min_samples <= self.latency_window:
+            raise ValueError(
+                f"latency_min_samples={self.latency_min_samples}: must be in [0, latency_window="
+                f"{self.latency_window}] (e.g. 3; 0 trusts the measured p95 from the first sample)"
+            )
 
 
 @dataclass(frozen=True)
@@ -163,13 +228,16 @@ class StreamStats:
     stream_id: str  # the stream
     buffered_s: float  # modelled (or last observed, then drained) video in the viewer's buffer
     slack_s: float  # what the ranking uses: time until the buffer runs dry - estimated work its next chunk needs
-    runnable: bool  # whether it wants a forward now (False once its buffer is at the cap)
+    runnable: bool  # whether it wants a forward now (False above its lead or at the cap)
     paused: bool  # the viewer paused: nothing is consumed
     chunks_delivered: int  # chunks committed and delivered
     stalls: int  # stalls modelled (count of times the buffer ran dry while playing)
     stall_s: float  # modelled stall time, an ongoing stall included
     ttff_s: float | None  # admission -> first chunk delivered; None until then
     prompt_pending: bool  # a newer prompt than the one its cache or its next chunk was computed under
+    in_flight_s: float  # video committed but not yet delivered (counts toward the start rule and the cap)
+    lead_s: float  # a fresh chunk starts when buffered + in flight falls to this (the start rule)
+    latency_p95_s: float | None  # p95 of its recent chunk latencies; None before the first delivery
 
 
 @dataclass(frozen=True)
@@ -296,19 +364,33 @@ class CostModel:
             self._estimate[key] += self.smoothing * (elapsed_s - self._estimate[key])
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    frames: int  # frames the chunk holds
+    due_at: float  # when the chunk became due (its latency runs from here to its delivery)
+    sampled: bool  # its latency is a sample of the start rule (it started due, not running ahead)
+
+
 @dataclass
 class _Stream:
     request: StreamRequest  # what was admitted
     order: int  # admission sequence number (fifo and round robin order)
     admitted_at: float  # time of admission
     playback: PlaybackModel  # the viewer's buffer
+    latencies: deque[float]  # the most recent chunk latencies (due -> delivered), at most latency_window
     step: int = 0  # next denoise step of the chunk in progress; 0: none in progress; denoise_steps: COMMIT is next
-    chunks_done: int = 0  # chunks committed and delivered
+    chunks_done: int = 0  # chunks committed (delivered or in flight)
     prompt_seq: int = 0  # latest prompt version (number of set_prompt calls)
     cache_seq: int = 0  # prompt version the KV cache was last computed under
-    chunk_seq: int = 0  # prompt version the chunk in progress runs under
+    chunk_seq: int = 0  # prompt version the chunk in progress (or, between chunks, the last one) runs under
     deferred_seq: int = 0  # newest prompt version a chunk was already made without (a prompt waits one chunk at most)
     first_delivered_at: float | None = None  # time the first chunk was delivered
+    in_flight: deque[_InFlight] = field(default_factory=deque)  # committed, not yet delivered, oldest first
+    chunk_due_at: float | None = None  # when the chunk being made became due; None until its first forward completes
+    chunk_sampled: bool = True  # the chunk being made started due (at or under the lead), so its latency is a sample
+    last_commit_at: float = 0.0  # time of the last COMMIT (admission before the first): no chunk is due before it
+    fresh_samples: int = 0  # latency samples taken since the last admission (of any stream)
+    prompt_at: float = 0.0  # time of the latest set_prompt
 
 
 @dataclass(frozen=True)
@@ -317,16 +399,28 @@ class _Work:
     step: int  # Plan.step of that forward
     restart: bool  # it abandons a partial chunk
     prompt_seq: int  # prompt version it runs under
-    remaining_s: float  # estimated time of the forwards left until its next chunk is delivered, this one included
+    remaining_s: float  # estimated time of the forwards left until its next chunk is committed, this one included
     chunk_forwards_left: int  # DENOISE + COMMIT forwards left of that chunk (a RECACHE not counted)
-    slack_s: float  # time until its buffer runs dry (as the policy counts it) minus remaining_s
-    runnable: bool  # below the buffer cap (RECACHE adds no video and is always runnable)
+    slack_s: float  # time until its buffer (in flight included) runs dry (as the policy counts it) minus remaining_s
+    runnable: bool  # the start rule and the cap allow it (a RECACHE adds no video and is always runnable)
+    due: bool  # buffered + in flight is at or under the stream's lead: needed work, not work ahead
 
 
 @dataclass(frozen=True)
 class _Outstanding:
     plan: Plan  # handed out by next(), not yet completed or cancelled
     orders: tuple[int, ...]  # admission order of each of its streams (a re-admitted id is another stream)
+    # Per stream: when its chunk became due, for a forward that starts a chunk (RECACHE, step 0); else None.
+    due_at: tuple[float | None, ...]
+    due: tuple[bool, ...]  # per stream: at or under its lead when the plan was made (see _Work.due)
+
+
+def _p95(samples: deque[float]) -> float | None:
+    """Nearest-rank 95th percentile (None for no samples)."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return ordered[math.ceil(0.95 * len(ordered)) - 1]
 
 
 class Scheduler:
@@ -356,8 +450,10 @@ class Scheduler:
         """Add `req` if the device can serve it without the others stalling.
 
         Refused when its KV cache does not fit (`kv_refusal`, the pool's reason,
-        computed by the caller), when its chunk is longer than the buffer cap, or
-        when the predicted load with it would exceed `utilization_target`.
+        computed by the caller), when its chunk is longer than the buffer cap, when
+        the predicted load with it would exceed `utilization_target`, or when the
+        start rule could not serve the streams with it (predicted lead + a chunk
+        over the cap).
         """
         if req.stream_id in self._streams:
             raise SchedulerError(f"stream {req.stream_id!r} is already admitted")
@@ -374,6 +470,20 @@ class Scheduler:
                 f"a chunk of {longest_chunk_s:.3f} s at {req.fps:g} fps cannot fit the "
                 f"{cfg.buffer_cap_s:g} s buffer cap; raise buffer_cap_s or shorten the chunk"
             )
+        elif math.isfinite(cfg.start_margin_s) and math.isfinite(cfg.utilization_target):
+            n = len(self._streams) + 1
+            latency_s = self._queue_work_s(n)
+            lead_s = latency_s + cfg.start_margin_s
+            chunk_s = max([longest_chunk_s] + [self._longest_chunk_s(s.request) for s in self._streams.values()])
+            if lead_s + chunk_s > cfg.buffer_cap_s + _EPS_S:
+                fix = math.ceil((lead_s + chunk_s) * 100 - 1e-6) / 100
+                reasons.append(
+                    f"start rule: with {n} streams a chunk must start {lead_s:.3f} s before its buffer runs dry "
+                    f"({latency_s * 1e3:.1f} ms of predicted chunk latency, one chunk of every stream, + "
+                    f"{cfg.start_margin_s:g} s margin) and a {chunk_s:.3f} s chunk must fit above that: "
+                    f"{lead_s + chunk_s:.3f} s > the {cfg.buffer_cap_s:g} s buffer cap; raise the buffer cap "
+                    f"(--buffer-cap, buffer_cap_s) to {fix:g} s or try again when a stream closes"
+                )
         if total > cfg.utilization_target + _EPS_S:
             cost_ms = self._chunk_cost_s() * 1e3
             reasons.append(
@@ -383,37 +493,44 @@ class Scheduler:
             )
         if reasons:
             return Admission(accepted=False, reason="; ".join(reasons), predicted_load=current)
+        for s in self._streams.values():  # their samples did not see the newcomer's queueing
+            s.fresh_samples = 0
         self._streams[req.stream_id] = _Stream(
             request=req,
             order=self._next_order,
             admitted_at=now,
             playback=PlaybackModel(fps=req.fps, updated_at=now),
+            latencies=deque(maxlen=cfg.latency_window),
+            last_commit_at=now,
         )
         self._next_order += 1
         return Admission(accepted=True, reason=None, predicted_load=total)
 
     def remove(self, stream_id: str) -> bool:
-        """Forget a stream (closed or failed); False if it was not there. A plan in flight for it is fine."""
+        """Forget a stream (closed or failed); False if it was not there. A plan in flight for it is
+        fine, and so is a chunk of it in flight (`delivered` then returns None)."""
         return self._streams.pop(stream_id, None) is not None
 
     def set_prompt(self, stream_id: str, now: float) -> int:
         """A new prompt; returns its version. The next chunk runs under it (after a RECACHE if
-        the stream has committed frames); with restart_on_prompt a chunk in progress is
-        abandoned when the stream's slack allows."""
+        the stream has committed frames) and may start as soon as the cap allows; with
+        restart_on_prompt a chunk in progress is abandoned when the stream's slack allows."""
         s = self._get(stream_id)
         s.playback.advance(now)
         s.prompt_seq += 1
+        s.prompt_at = now
         return s.prompt_seq
 
     def pause(self, stream_id: str, now: float) -> None:
-        """The viewer stopped consuming; generation goes on until the buffer reaches the cap."""
+        """The viewer stopped consuming; generation goes on until the buffer reaches the start rule's lead."""
         self._get(stream_id).playback.pause(now)
 
     def resume(self, stream_id: str, now: float) -> None:
         self._get(stream_id).playback.resume(now)
 
     def observe_buffer(self, stream_id: str, buffered_frames: float, now: float) -> None:
-        """An exact report of the viewer's buffer; replaces the model's figure from `now` on."""
+        """An exact report of the viewer's buffer (delivered frames only, not those in flight);
+        replaces the model's figure from `now` on."""
         if buffered_frames < 0:
             raise ValueError(f"stream {stream_id!r}: buffered_frames={buffered_frames} must be >= 0")
         self._get(stream_id).playback.observe(buffered_frames, now)
@@ -421,7 +538,7 @@ class Scheduler:
     # ----- planning ------------------------------------------------------------------
 
     def next(self, now: float) -> Plan | None:
-        """The next forward to run, or None when no stream needs work (no streams, or all at the cap)."""
+        """The next forward to run, or None when no stream may start work (no streams, all above their lead)."""
         if self._outstanding is not None:
             raise SchedulerError(
                 f"plan {self._outstanding.plan.kind.value} for {self._outstanding.plan.stream_ids} is still "
@@ -451,26 +568,47 @@ class Scheduler:
             prompt_seqs=tuple(w.prompt_seq for _, w in batch),
             chunk_index=tuple(s.chunks_done for s, _ in batch),
         )
-        self._outstanding = _Outstanding(plan=plan, orders=tuple(s.order for s, _ in batch))
+        self._outstanding = _Outstanding(
+            plan=plan,
+            orders=tuple(s.order for s, _ in batch),
+            due_at=tuple(self._due_at(s, now) if w.step <= 0 else None for s, w in batch),
+            due=tuple(w.due for _, w in batch),
+        )
         return plan
 
-    def complete(self, plan: Plan, now: float, elapsed_s: float) -> list[str]:
-        """`plan` ran in `elapsed_s`: advance its streams and the cost estimate.
+    def complete(self, plan: Plan, now: float, elapsed_s: float | None, deliver: bool = True) -> list[str]:
+        """`plan` ran (or was launched): advance its streams, and the cost estimate by `elapsed_s`.
 
-        Returns the streams whose chunk was delivered now (after a COMMIT). Streams
-        removed while the plan ran are skipped.
+        `elapsed_s` None: no cost sample (give it later to `observe_cost`). `deliver`
+        False: a COMMIT's chunk is in flight until `delivered` is called for it; it
+        counts toward the start rule and the cap meanwhile. Returns the streams whose
+        chunk was delivered now (a COMMIT with `deliver`). Streams removed while the
+        plan ran are skipped.
         """
-        if not (elapsed_s >= 0 and math.isfinite(elapsed_s)):
-            raise ValueError(f"elapsed_s={elapsed_s}: a forward's wall time must be a finite number >= 0")
-        orders = self._take_outstanding(plan)
-        self.costs.observe(plan.kind, len(plan.stream_ids), elapsed_s)
-        self._rr_cursor = orders[-1]
+        if elapsed_s is not None and not (elapsed_s >= 0 and math.isfinite(elapsed_s)):
+            raise ValueError(f"elapsed_s={elapsed_s}: a forward's wall time must be a finite number >= 0, or None")
+        if deliver and plan.kind is WorkKind.COMMIT and self._outstanding and self._outstanding.plan == plan:
+            for stream_id, order in zip(plan.stream_ids, self._outstanding.orders):
+                s = self._streams.get(stream_id)
+                if s is not None and s.order == order and s.in_flight:
+                    raise SchedulerError(
+                        f"stream {stream_id!r} has {len(s.in_flight)} chunk(s) in flight: deliver=True would credit "
+                        "this one before them; complete with deliver=False and call delivered() in order"
+                    )
+        outstanding = self._take_outstanding(plan)
+        if elapsed_s is not None:
+            self.costs.observe(plan.kind, len(plan.stream_ids), elapsed_s)
+        self._rr_cursor = outstanding.orders[-1]
         delivered = []
-        for stream_id, order, prompt_seq in zip(plan.stream_ids, orders, plan.prompt_seqs):
+        for stream_id, order, prompt_seq, due_at, due in zip(
+            plan.stream_ids, outstanding.orders, plan.prompt_seqs, outstanding.due_at, outstanding.due
+        ):
             s = self._streams.get(stream_id)
             if s is None or s.order != order:  # removed while the plan ran
                 continue
             s.playback.advance(now)
+            if due_at is not None and s.chunk_due_at is None:  # the chunk's first forward (a restart keeps it)
+                s.chunk_due_at, s.chunk_sampled = due_at, due
             if plan.kind is WorkKind.RECACHE:
                 s.step = 0  # a partial chunk (if any) is abandoned
                 s.cache_seq = prompt_seq
@@ -482,28 +620,60 @@ class Scheduler:
                 s.step = plan.step + 1
             else:
                 frames = s.request.first_chunk_frames if s.chunks_done == 0 else s.request.chunk_frames
-                s.playback.deliver(frames, now)
-                if s.first_delivered_at is None:
-                    s.first_delivered_at = now
+                chunk = _InFlight(frames, now if s.chunk_due_at is None else s.chunk_due_at, s.chunk_sampled)
+                s.chunk_due_at = None
+                s.last_commit_at = now
                 s.chunks_done += 1
                 s.cache_seq = s.chunk_seq  # the committed frames' K/V were computed under the chunk's prompt
                 s.step = 0
-                delivered.append(stream_id)
+                if deliver:
+                    self._credit(s, chunk, now)
+                    delivered.append(stream_id)
+                else:
+                    s.in_flight.append(chunk)
         return delivered
+
+    def delivered(self, stream_id: str, now: float) -> float | None:
+        """The oldest in-flight chunk of the stream reached the transports at `now`: the viewer's
+        buffer gets its frames (the first one sets TTFF). Returns its latency (due -> now), a
+        sample of the start rule unless the chunk ran ahead; None if the stream was removed."""
+        s = self._streams.get(stream_id)
+        if s is None:
+            return None
+        if not s.in_flight:
+            raise SchedulerError(
+                f"stream {stream_id!r} has no chunk in flight (committed {s.chunks_done}); "
+                "call delivered() once per COMMIT completed with deliver=False"
+            )
+        return self._credit(s, s.in_flight.popleft(), now)
+
+    def observe_cost(self, kind: WorkKind, batch: int, seconds: float) -> None:
+        """A measured forward: `batch` streams' `kind` forward took `seconds` (e.g. from CUDA events)."""
+        if batch < 1:
+            raise ValueError(f"batch={batch}: a forward runs at least 1 stream")
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            raise ValueError(f"seconds={seconds}: a forward's time must be a finite number >= 0")
+        self.costs.observe(kind, batch, seconds)
 
     def cancel(self, plan: Plan) -> None:
         """`plan` will not run (e.g. shutting down): forget it, nothing advances."""
         self._take_outstanding(plan)
 
     def wake_at(self, now: float) -> float | None:
-        """Earliest time a stream at the buffer cap becomes runnable by playback alone (None: never
-        by time; new events such as an admission, a prompt or a resume may still make work)."""
+        """Earliest time a stream becomes runnable by playback alone: its buffer drains to its lead
+        (to the cap for a stream steering to a new prompt). None: never by time; new events such as
+        a delivery, an admission, a prompt or a resume may still make work."""
         wake = math.inf
         for s in self._streams.values():
-            if s.playback.paused:
+            work = self._work(s, now)
+            if work.runnable:
+                return now
+            if s.playback.paused or s.playback.dry_at() is None:  # not draining
                 continue
-            over = s.playback.seconds(now) + self._next_chunk_s(s) - self.config.buffer_cap_s
-            wake = min(wake, now + max(0.0, over))
+            buffered = s.playback.seconds(now)
+            excess = buffered + self._in_flight_s(s) - self._start_threshold_s(s, work.kind, work.step)
+            if excess <= buffered + _EPS_S:  # the buffer alone can drain that much
+                wake = min(wake, now + max(0.0, excess))
         return None if wake == math.inf else wake
 
     # ----- figures -------------------------------------------------------------------
@@ -516,6 +686,10 @@ class Scheduler:
         """Busy fraction of the device the admitted streams need; recaches are left to the headroom."""
         return sum(self.stream_load(s.request) for s in self._streams.values())
 
+    def lead_s(self, stream_id: str) -> float:
+        """Buffered + in-flight video at which the stream's next fresh chunk becomes due (the start rule)."""
+        return self._lead_s(self._get(stream_id))
+
     def stream_stats(self, stream_id: str, now: float) -> StreamStats:
         s = self._get(stream_id)
         work = self._work(s, now)
@@ -526,11 +700,14 @@ class Scheduler:
             slack_s=work.slack_s,
             runnable=work.runnable,
             paused=pb.paused,
-            chunks_delivered=s.chunks_done,
+            chunks_delivered=s.chunks_done - len(s.in_flight),
             stalls=pb.stall_count(now),
             stall_s=pb.stall_seconds(now),
             ttff_s=None if s.first_delivered_at is None else s.first_delivered_at - s.admitted_at,
             prompt_pending=self._prompt_pending(s),
+            in_flight_s=self._in_flight_s(s),
+            lead_s=self._lead_s(s),
+            latency_p95_s=_p95(s.latencies),
         )
 
     def stats(self, now: float) -> SchedulerStats:
@@ -554,39 +731,108 @@ class Scheduler:
         except KeyError:
             raise SchedulerError(f"stream {stream_id!r} is not admitted (admitted: {list(self._streams)})") from None
 
-    def _take_outstanding(self, plan: Plan) -> tuple[int, ...]:
-        """Clear the outstanding plan, which must be `plan`; returns its streams' admission orders."""
+    def _take_outstanding(self, plan: Plan) -> _Outstanding:
+        """Clear the outstanding plan, which must be `plan`, and return it."""
         if self._outstanding is None or self._outstanding.plan != plan:
             raise SchedulerError(f"plan {plan.kind.value} for {plan.stream_ids} is not the outstanding plan")
-        orders = self._outstanding.orders
+        outstanding = self._outstanding
         self._outstanding = None
-        return orders
+        return outstanding
+
+    def _credit(self, s: _Stream, chunk: _InFlight, now: float) -> float:
+        """The viewer gets `chunk` at `now`; returns its latency, recorded if the chunk started due."""
+        s.playback.deliver(chunk.frames, now)
+        if s.first_delivered_at is None:
+            s.first_delivered_at = now
+        latency = max(0.0, now - chunk.due_at)
+        if chunk.sampled:
+            s.latencies.append(latency)
+            s.fresh_samples += 1
+        return latency
 
     def _guard_s(self) -> float:
         """Slack under which a stream counts as about to stall (0 with the guard off)."""
         return (self.config.stall_guard_chunks or 0.0) * self._chunk_cost_s()
 
-    def _chunk_cost_s(self) -> float:
-        """Estimated time of one chunk's forwards at batch 1 (no recache)."""
-        denoise = self.costs.estimate(WorkKind.DENOISE)
-        return self.config.denoise_steps * denoise + self.costs.estimate(WorkKind.COMMIT)
+    def _chunk_cost_s(self, batch: int = 1) -> float:
+        """Estimated time of one chunk's forwards at `batch` streams (no recache)."""
+        denoise = self.costs.estimate(WorkKind.DENOISE, batch)
+        return self.config.denoise_steps * denoise + self.costs.estimate(WorkKind.COMMIT, batch)
+
+    def _queue_work_s(self, streams: int) -> float:
+        """One chunk of each of `streams` streams, in batches of up to max_batch: what a chunk may wait for."""
+        batch = max(1, min(streams, self.config.max_batch))
+        return math.ceil(streams / batch) * self._chunk_cost_s(batch)
+
+    def _longest_chunk_s(self, req: StreamRequest) -> float:
+        return max(req.first_chunk_frames, req.chunk_frames) / req.fps
 
     def _next_chunk_s(self, s: _Stream) -> float:
         frames = s.request.first_chunk_frames if s.chunks_done == 0 else s.request.chunk_frames
         return frames / s.request.fps
+
+    def _in_flight_s(self, s: _Stream) -> float:
+        return sum(c.frames for c in s.in_flight) / s.request.fps
 
     def _prompt_pending(self, s: _Stream) -> bool:
         if s.step > 0:
             return s.prompt_seq > s.chunk_seq
         return s.chunks_done > 0 and s.prompt_seq > s.cache_seq
 
-    def _fresh_chunk_s(self, s: _Stream, recache: bool) -> float:
-        """Estimated time of a whole chunk from now, with a RECACHE first if `recache`."""
-        extra = self.costs.estimate(WorkKind.RECACHE) if recache else 0.0
-        return extra + self._chunk_cost_s()
+    def _steering(self, s: _Stream) -> bool:
+        """No chunk started yet under the newest prompt (a stream with committed frames)."""
+        return s.chunks_done > 0 and s.prompt_seq > s.chunk_seq
+
+    def _predicted_latency_s(self, s: _Stream) -> float:
+        """A chunk's latency before enough are measured: one chunk of every stream, and its own RECACHE."""
+        recache = s.chunks_done > 0 and s.prompt_seq > s.cache_seq
+        return self._queue_work_s(len(self._streams)) + (self.costs.estimate(WorkKind.RECACHE) if recache else 0.0)
+
+    def _lead_s(self, s: _Stream) -> float:
+        """The start rule's lead: p95 chunk latency (at least the prediction while samples are few) + margin."""
+        p95 = _p95(s.latencies)
+        latency = p95
+        if p95 is None or s.fresh_samples < self.config.latency_min_samples:
+            latency = max(p95 or 0.0, self._predicted_latency_s(s))
+        return latency + self.config.start_margin_s
+
+    def _start_threshold_s(self, s: _Stream, kind: WorkKind, step: int) -> float:
+        """Buffered + in-flight video at or under which the stream's `kind` forward at `step` may start."""
+        cap_s = self.config.buffer_cap_s - self._next_chunk_s(s)
+        if kind is WorkKind.RECACHE:
+            return math.inf
+        if step > 0 or self._steering(s):  # a chunk in progress, or running ahead to a new prompt
+            return cap_s
+        return min(cap_s, self._lead_s(s))
+
+    def _due_at(self, s: _Stream, now: float) -> float:
+        """When the stream's next chunk became due under the start rule, `now` at the latest (pure).
+
+        Not before its previous COMMIT (or its admission). A playing stream: when its
+        buffered + in-flight video fell to its lead, or, steering to a new prompt, to the
+        cap (not before the prompt came), whichever is earlier. A paused stream: `now`.
+        """
+        pb = s.playback
+        dry_at = pb.dry_at()
+        if pb.paused:
+            return now
+        if dry_at is None:  # not started: due since its previous chunk (or admission)
+            return s.last_commit_at
+        ahead_until = dry_at + self._in_flight_s(s)  # when buffered + in flight would run out
+        cap_s = self.config.buffer_cap_s - self._next_chunk_s(s)
+        due = ahead_until - min(cap_s, self._lead_s(s))
+        if self._steering(s):
+            due = min(due, max(s.prompt_at, ahead_until - cap_s))
+        return max(s.last_commit_at, min(now, due))
+
+    def _recache_headroom_s(self) -> float:
+        """Slack a RECACHE must leave, else it waits a chunk: the start margin (what the estimates do not
+        see: the hand-over, a forward already queued on the device, jitter), at least one forward."""
+        margin = self.config.start_margin_s
+        return max(self.costs.estimate(WorkKind.DENOISE), margin if math.isfinite(margin) else 0.0)
 
     def _slack(self, s: _Stream, now: float, remaining_s: float, plain: bool) -> float:
-        """Time until the buffer runs dry minus `remaining_s`.
+        """Time until the buffer (in flight included) runs dry minus `remaining_s`.
 
         `plain` (least_slack): the buffered seconds, 0 for a newcomer or a stalled stream.
         Otherwise a newcomer runs dry `startup_slack_s` after admission and a stalled
@@ -595,16 +841,19 @@ class Scheduler:
         pb = s.playback
         if pb.paused:
             return math.inf
+        in_flight = self._in_flight_s(s)
         if plain:
-            dry_in = pb.seconds(now)
+            dry_in = pb.seconds(now) + in_flight
         elif pb.started:
-            dry_in = pb.dry_at() - now
+            dry_in = pb.dry_at() - now + in_flight
+        elif s.in_flight:  # the first chunk is on its way: it plays from its arrival, about now
+            dry_in = in_flight
         else:
             dry_in = s.admitted_at + self.config.startup_slack_s - now
         return dry_in - remaining_s
 
     def _work(self, s: _Stream, now: float) -> _Work:
-        """What stream `s` would run next and how urgent it is (pure)."""
+        """What stream `s` would run next, how urgent it is, and whether it may start (pure)."""
         cfg = self.config
         plain = cfg.policy == "least_slack"
         chunk_s = self._chunk_cost_s()
@@ -623,7 +872,7 @@ class Scheduler:
         else:  # a fresh chunk
             recache = s.chunks_done > 0 and s.prompt_seq > s.cache_seq
             if recache and not restart and s.deferred_seq < s.prompt_seq:
-                headroom_s = self.costs.estimate(WorkKind.DENOISE)  # one forward, for estimate error
+                headroom_s = self._recache_headroom_s()
                 with_recache = self._slack(s, now, chunk_s + recache_s, plain)
                 if with_recache < headroom_s and self._slack(s, now, chunk_s, plain) >= 0:
                     # With the recache the stream would (nearly) stall, without it the chunk makes it:
@@ -635,8 +884,7 @@ class Scheduler:
                 prompt_seq = s.cache_seq if s.chunks_done > 0 else s.prompt_seq
                 kind, step, remaining_s = WorkKind.DENOISE, 0, chunk_s
             forwards_left = cfg.denoise_steps + 1
-        below_cap = s.playback.seconds(now) + self._next_chunk_s(s) <= cfg.buffer_cap_s + _EPS_S
-        return _Work(
+        work = _Work(
             kind=kind,
             step=step,
             restart=restart,
@@ -644,16 +892,29 @@ class Scheduler:
             remaining_s=remaining_s,
             chunk_forwards_left=forwards_left,
             slack_s=self._slack(s, now, remaining_s, plain),
-            runnable=below_cap or kind is WorkKind.RECACHE,
+            runnable=True,
+            due=True,
         )
+        ahead_s = s.playback.seconds(now) + self._in_flight_s(s)
+        if ahead_s > self._lead_s(s) + _EPS_S:
+            work = replace(work, due=False)
+        if ahead_s > self._start_threshold_s(s, kind, step) + _EPS_S:
+            work = replace(work, runnable=False)
+        return work
 
     def _rank_key(self, candidate: tuple[_Stream, _Work]) -> tuple:
-        """Sort key, smallest first: streams about to stall, then the rest, each in the policy's order."""
+        """Sort key, smallest first: streams about to stall, chunks in progress first; then the rest,
+        with chunk_granular due chunks in progress first; each group in the policy's order."""
         s, work = candidate
+        # Chunks in progress that keep the device: the one closest to its COMMIT first, so two of them
+        # never alternate forwards (least slack would: each one's slack grows as it advances).
         if self.config.stall_guard_chunks is not None and work.slack_s < self._guard_s():
-            # Needed work before work-ahead; a chunk in progress keeps the device until it is delivered.
-            return (0, work.step <= 0, *self._policy_key(s, work))
-        return (1, False, *self._policy_key(s, work))
+            # Needed work before work-ahead; a chunk in progress keeps the device until it is committed.
+            first = work.step > 0
+            return (0, not first, work.chunk_forwards_left if first else 0, *self._policy_key(s, work))
+        # A chunk running ahead (steering above its lead) keeps no precedence over a due one.
+        first = self.config.chunk_granular and work.step > 0 and work.due
+        return (1, not first, work.chunk_forwards_left if first else 0, *self._policy_key(s, work))
 
     def _policy_key(self, s: _Stream, work: _Work) -> tuple:
         policy = self.config.policy
