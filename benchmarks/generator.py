@@ -6,6 +6,7 @@ first denoising step; models/dit.py AttentionKV): "ms" by fill is a later step's
 
     python benchmarks/generator.py --preset wan2.1-1.3b --device cuda
     python benchmarks/generator.py --preset tiny --device cpu --iters 5
+    python benchmarks/generator.py --preset wan2.1-1.3b --only-chunk   # the full-cache chunk only (benchmarks/service.py)
 
 Warm-up (and compile, with --compile, and CUDA-graph capture) is kept out of the timings.
 Forwards go through the generator's path: CUDA graphs on CUDA unless --no-cuda-graphs.
@@ -126,6 +127,7 @@ def chunk_split(gen, state, timer, iters) -> dict:
     frames = gen.frames_in_chunk(1)
     total = denoise + commit + decode
     return {
+        "steps": steps,
         "denoise_ms": round(denoise, 2),
         "denoise_step_ms": round(denoise / steps, 2),
         "commit_ms": round(commit, 2),
@@ -156,6 +158,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--compile", action="store_true", help="torch.compile the elementwise helpers (compile time excluded)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="launch each forward's kernels from Python (no graph replay)")
+    p.add_argument("--only-chunk", action="store_true",
+                   help="time only the chunk at a full cache (no fill sweep, peer window or batch scaling)")
     args = p.parse_args()
 
     device = torch.device(args.device)
@@ -180,7 +184,7 @@ def main() -> None:
     # ms per forward by cache fill
     state = gen.open_stream("bench", "a timelapse of clouds over mountains", seed=0)
     by_fill = []
-    for fill in sorted({0, 3, 6, 9, cap} & set(range(cap + 1))):
+    for fill in [] if args.only_chunk else sorted({0, 3, 6, 9, cap} & set(range(cap + 1))):
         fill_cache(gen, state, fill)
         ms = forward_ms(gen, [state], timer, args.iters)
         rot = forward_ms(gen, [state], timer, args.iters, rotate=True)
@@ -202,7 +206,7 @@ def main() -> None:
     chunk = chunk_split(gen, state, timer, max(2, args.iters // 2))
     log(f"chunk at sink {args.sink_frames} + window {args.window_frames}: {chunk}")
     peer = None
-    if args.peer_window and args.peer_window != args.window_frames:
+    if args.peer_window and args.peer_window != args.window_frames and not args.only_chunk:
         pgen_cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.peer_window, kv_quant=args.kv_quant, cuda_graphs=graphs)
         pgen = type(gen)(gen.model, pgen_cfg, decoder=gen.decoder)
         pstate = pgen.open_stream("peer", "a timelapse of clouds over mountains", seed=0)
@@ -214,14 +218,14 @@ def main() -> None:
     # batch scaling at a full cache
     batches = []
     states = [state]
-    for b in [int(x) for x in args.batches.split(",")]:
+    for b in [] if args.only_chunk else [int(x) for x in args.batches.split(",")]:
         while len(states) < b:
             s = gen.open_stream(f"b{len(states)}", f"prompt {len(states)}", seed=len(states))
             fill_cache(gen, s, cap)
             states.append(s)
         ms = forward_ms(gen, states[:b], timer, args.iters, rotate=True)  # a batch copies and rotates every forward
         batches.append({"batch": b, "ms": round(ms, 2), "ms_per_stream": round(ms / b, 2)})
-    base = batches[0]["ms_per_stream"]
+    base = batches[0]["ms_per_stream"] if batches else None
     for row in batches:
         row["throughput_vs_b1"] = round(base / row["ms_per_stream"], 3)
         log(f"batch {row['batch']}: {row['ms']:.2f} ms per forward, {row['ms_per_stream']:.2f} ms per stream, x{row['throughput_vs_b1']}")

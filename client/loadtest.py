@@ -204,7 +204,11 @@ def process_cpu_seconds(pid: int) -> float | None:
 
 
 def scrape_metrics(url: str, timeout_s: float = 2.0) -> dict[str, float] | None:
-    """The server's /metrics as {name{labels}: value}, or None when it does not answer."""
+    """The server's /metrics as {name{labels}: value}, or None when it does not answer.
+
+    Labels are sorted and written ``k=v`` without quotes; a histogram bucket's ``le`` is written as
+    Python's ``repr(float(le))``, e.g. ``streamsvc_chunk_latency_seconds_bucket{le=1.0}`` (see ``bucket_key``).
+    """
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -215,11 +219,15 @@ def scrape_metrics(url: str, timeout_s: float = 2.0) -> dict[str, float] | None:
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "le")
-            if "le" in s.labels:
-                continue  # histogram buckets: sums and counts are enough here
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+            labels = {k: (repr(float(v)) if k == "le" else v) for k, v in s.labels.items()}
+            joined = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+            out[f"{s.name}{{{joined}}}" if joined else s.name] = s.value
     return out
+
+
+def bucket_key(histogram: str, le: float) -> str:
+    """The ``scrape_metrics`` key of a (label-less) histogram's cumulative bucket ``le``."""
+    return f"{histogram}_bucket{{le={float(le)!r}}}"
 
 
 def metrics_url(ws_url: str) -> str:
@@ -229,7 +237,9 @@ def metrics_url(ws_url: str) -> str:
 
 
 def server_figures(first: dict | None, last: dict | None, wall_s: float, peak: dict | None) -> dict | None:
-    """A few server figures over the run: forward costs, engine busy fraction, chunk latency, stalls."""
+    """A few server figures over the run: forward costs (wall and device), engine busy fraction, output
+    stage cost, chunk latency, stalls. Counters are deltas between the first and the last scrape, except
+    ``chunk_latency_max_s``: the server's slowest chunk since it started (the last scrape's value)."""
     if last is None:
         return None
     first = first or {}
@@ -240,16 +250,23 @@ def server_figures(first: dict | None, last: dict | None, wall_s: float, peak: d
     kinds = ("recache", "denoise", "commit")
     forwards = {k: delta(f"streamsvc_forwards{{kind={k}}}") for k in kinds}
     seconds = {k: delta(f"streamsvc_forward_seconds{{kind={k}}}") for k in kinds}
+    gpu_seconds = {k: delta(f"streamsvc_forward_gpu_seconds{{kind={k}}}") for k in kinds}
     chunks_n = delta("streamsvc_chunk_latency_seconds_count")
+    encoded_n = delta("streamsvc_chunks_encoded")
+    le_1s = bucket_key("streamsvc_chunk_latency_seconds", 1.0)
     ttff_n = delta("streamsvc_ttff_seconds_count")
     return {
         "admitted": delta("streamsvc_streams_admitted_total"),
         "refused": delta("streamsvc_streams_refused_total"),
         "chunks": delta("streamsvc_chunks_total"),
         "forward_ms": {k: round(1e3 * seconds[k] / forwards[k], 3) if forwards[k] else None for k in kinds},
+        "gpu_ms": {k: round(1e3 * gpu_seconds[k] / forwards[k], 3) if forwards[k] else None for k in kinds},
+        "encode_ms_per_chunk": round(1e3 * delta("streamsvc_encode_seconds") / encoded_n, 3) if encoded_n else None,
         "forwards": forwards,
         "engine_busy": round(sum(seconds.values()) / wall_s, 4) if wall_s > 0 else None,
         "chunk_latency_mean_s": round(delta("streamsvc_chunk_latency_seconds_sum") / chunks_n, 4) if chunks_n else None,
+        "chunk_latency_max_s": last.get("streamsvc_chunk_latency_max_seconds"),
+        "chunks_over_1s": chunks_n - delta(le_1s) if le_1s in last else None,
         "server_ttff_mean_s": round(delta("streamsvc_ttff_seconds_sum") / ttff_n, 4) if ttff_n else None,
         "client_stalls": delta("streamsvc_client_stalls_total"),
         "modelled_stalls_peak": None if peak is None else peak.get("streamsvc_modelled_stalls"),
@@ -354,6 +371,11 @@ def format_table(report: dict) -> str:
     if srv:
         fm = srv["forward_ms"]
         rows.append(("server forward ms (recache/denoise/commit)", " / ".join(f(fm[k], 2) for k in fm)))
+        gm = srv.get("gpu_ms") or {}
+        rows.append(("server device ms (recache/denoise/commit)", " / ".join(f(gm[k], 2) for k in gm)))
+        rows.append(("server encode per chunk", f(srv.get("encode_ms_per_chunk"), 2, " ms")))
+        rows.append(("server chunk latency mean / max", f"{f(srv['chunk_latency_mean_s'], 3)} / "
+                     f"{f(srv.get('chunk_latency_max_s'), 3)} s ({f(srv.get('chunks_over_1s'), 0)} chunks over 1 s)"))
         rows.append(("server engine busy", f(srv["engine_busy"], 3)))
     cpu = report.get("cpu")
     if cpu:

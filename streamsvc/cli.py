@@ -21,12 +21,22 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generator(args):
+    """The generator `generate` runs, in the fastest exact configuration of its device."""
+    import logging
+
+    from streamsvc.engine import log_attention
     from streamsvc.offline import default_device
 
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    device = default_device(args.device)
     cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant)
-    return build_generator(
-        args.preset, device=default_device(args.device), seed=args.weights_seed, checkpoint=args.checkpoint, cfg=cfg
-    )
+    gen = build_generator(args.preset, device=device, seed=args.weights_seed, checkpoint=args.checkpoint, cfg=cfg)
+    log_attention(device)
+    if device.type == "cuda":
+        from models.dit import compile_helpers
+
+        compile_helpers()
+    return gen
 
 
 def cmd_generate(args) -> int:
@@ -68,18 +78,23 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     from streamsvc.scheduler import POLICIES
 
     p.add_argument("--policy", default="slack", choices=POLICIES, help="which stream runs next (default: slack = least slack first)")
-    p.add_argument("--buffer-cap", type=float, default=1.0,
-                   help="seconds of video generated ahead of each viewer at most (default 1.0; lower: faster steering, higher: fewer stalls)")
+    p.add_argument("--buffer-cap", type=float, default=2.0,
+                   help="seconds of video generated ahead of each viewer at most (default 2.0). It bounds how far ahead "
+                        "a stream runs, so how much old video plays after a new prompt (steering latency), not "
+                        "throughput: a chunk starts when the buffer falls to its measured latency plus a margin, and "
+                        "that lead plus one chunk must fit under the cap (2 streams on an H200: ~0.75 + 0.75 s)")
     p.add_argument("--max-batch", type=int, default=None,
                    help="streams per forward when their work matches (default 1 on a GPU, where batching gains ~6%%, "
                         "4 on CPU, where it halves the per-stream cost of the tiny preset)")
     p.add_argument("--utilization", type=float, default=None,
                    help="admit streams while the predicted engine load stays under this fraction (default 0.9 on a "
                         "GPU, 0.6 on CPU, where the engine shares its cores with the event loop and the encoders)")
-    p.add_argument("--startup-slack", type=float, default=0.0,
-                   help="seconds a new stream may wait behind playing streams that are about to stall (default 0)")
+    p.add_argument("--startup-slack", type=float, default=0.75,
+                   help="seconds a new stream's first chunk may wait behind playing streams that are about to stall "
+                        "(default 0.75: a viewer joining never makes another stall, and still sees video within about 1 s)")
     p.add_argument("--kv-budget-gib", type=float, default=None, help="KV pool budget (default: 4 GiB on CPU, 85%% of free GPU memory)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the DiT's elementwise helpers (GPU)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the DiT's elementwise helpers (default: on with CUDA, off on CPU)")
 
 
 def cmd_serve(args) -> int:

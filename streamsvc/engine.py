@@ -1,17 +1,31 @@
-"""The engine: one thread per device that runs the scheduler's plans on the model.
+"""The engine: one thread per device that decides and launches the scheduler's plans.
 
-The event loop never touches the model, the scheduler or the KV pool. It sends
-commands (open, prompt, pause, close, ...) that the engine thread applies between
-forwards and answers through concurrent futures; finished chunks come back through
-`on_chunk`, errors through `on_error`, both called with `loop.call_soon_threadsafe`.
+The loop reads like vLLM v1's core: `plan = scheduler.next()`, launch the plan's forward (a CUDA
+graph replay on a GPU), record CUDA events around it, and go on to the next plan while the GPU
+works. The scheduler counts a plan done when it is launched; what it cost comes from the events
+once they have passed, and a chunk counts as delivered when the output stage (streamsvc/output.py)
+has encoded it. At most two plans are in flight on the device, so a command (a prompt, a close)
+waits at most one forward.
+
+The event loop never touches the model, the scheduler or the KV pool. It sends commands (open,
+prompt, pause, close, ...) that the engine thread applies between launches and answers through
+concurrent futures; finished chunks come back through `on_chunk` (from the output workers),
+errors through `on_error`, both of which the server wraps in `loop.call_soon_threadsafe`.
+
+Before serving, the engine captures every CUDA graph serving replays (models/graphs.py) and runs
+a throwaway stream through a full window, every ring phase and prompt switches, timing each kind
+of forward at least five times; the scheduler starts from the medians.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -21,11 +35,12 @@ import torch
 from kvcache import CachePool
 from models import ChunkGenerator, GeneratorConfig, StreamState, Work, build_generator
 from streamsvc.encode import StreamEncoder
-from streamsvc.protocol import Chunk as ChunkHeader
-from streamsvc.protocol import pack_chunk
+from streamsvc.output import ChunkOut, OutputStage, StreamOutput
 from streamsvc.scheduler import Admission, Plan, Scheduler, SchedulerConfig, SchedulerStats, StreamRequest, WorkKind
 
 log = logging.getLogger("streamsvc.engine")
+
+__all__ = ["ChunkOut", "Engine", "EngineConfig", "EngineError"]
 
 _KIND = {Work.RECACHE: WorkKind.RECACHE, Work.DENOISE: WorkKind.DENOISE, Work.COMMIT: WorkKind.COMMIT}  # generator -> scheduler
 
@@ -43,32 +58,22 @@ class EngineConfig:
     checkpoint: str | None = None  # local DiT weights; None: random from weights_seed
     weights_seed: int = 0
     generator: GeneratorConfig = GeneratorConfig()
-    scheduler: SchedulerConfig = SchedulerConfig(buffer_cap_s=1.0)
+    scheduler: SchedulerConfig = SchedulerConfig()
     kv_budget_bytes: int | None = None  # KV pool budget; None: 4 GiB on CPU, 85% of free memory on a GPU
     cpu_threads: int = 1  # torch intra-op threads on CPU (the event loop and encoders need the other cores)
-    compile: bool = False  # torch.compile the DiT's elementwise helpers (GPU)
-    warmup_chunks: int = 3  # chunks run at start to measure forward costs (the first, cold, is not counted)
-
-
-@dataclass
-class ChunkOut:
-    """A finished, encoded chunk on its way to the transports."""
-
-    stream_id: str
-    header: ChunkHeader  # what the client sees first: index, pts, frame count, prompt version
-    access_units: list[bytes]  # one H.264 access unit per frame
-    packets: list  # the same frames as av.Packet (pts on the 90 kHz clock), for WebRTC
-    payload: bytes  # the WebSocket binary message: framed header + access units, built once
-    latency_s: float  # from the start of the chunk's first denoising step to now
+    compile: bool | None = None  # torch.compile the DiT's elementwise helpers; None: on CUDA only
+    warmup_chunks: int = 6  # chunks the warm-up stream runs once its window is full (>= 5 samples per kind)
+    output_workers: int | None = None  # encoder threads; None: a quarter of the cores, 1 to 4
 
 
 @dataclass
 class _Stream:
     state: StreamState
     fps: int
-    encoder: StreamEncoder
+    output: StreamOutput  # its encoder, on its output worker
     prompts: dict[int, str]  # prompt text by version
-    chunk_started_at: float = 0.0
+    chunk_started_at: float = 0.0  # launch of the chunk in progress's first forward
+    recached: bool = False  # a recache launched the chunk about to start (its time counts from there)
     keyframe: bool = True  # next chunk starts with an IDR (a viewer joined)
 
 
@@ -77,6 +82,18 @@ class _Command:
     fn: Callable  # run in the engine thread
     args: tuple
     future: Future = field(default_factory=Future)
+
+
+@dataclass
+class _InFlight:
+    """A launched plan whose forward the device may still be running."""
+
+    kind: WorkKind
+    batch: int  # streams in the forward
+    launched_at: float  # engine clock at launch
+    start: torch.cuda.Event | None  # recorded before its forward (None on CPU: it ran at launch)
+    end: torch.cuda.Event | None
+    elapsed_s: float = 0.0  # CPU: the forward's wall time
 
 
 class Engine:
@@ -92,6 +109,7 @@ class Engine:
         self.clock = clock
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._in_flight: deque[_InFlight] = deque()
         self._thread = threading.Thread(target=self._main, name=f"engine-{config.device}", daemon=True)
         self._ready = Future()
         self._stopping = False
@@ -102,11 +120,23 @@ class Engine:
         self.forwards: dict[str, int] = {w.value: 0 for w in WorkKind}  # forwards run, by kind
         self.forward_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # wall: launch to finish, by kind
         self.gpu_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # device time (CUDA events; CPU: wall)
-        self.encode_seconds = 0.0  # output stage: frames to host, x264 and packing, summed over chunks
-        self.chunks_encoded = 0
-        self.chunk_latency_max_s = 0.0  # the slowest chunk so far: its first forward's launch to its hand-over
+        self.attention = "sdpa"  # the self-attention backend, for the log and /metrics
         self.gen: ChunkGenerator | None = None
         self.sched: Scheduler | None = None
+        self.output: OutputStage | None = None
+
+    # output-stage figures, read by the event loop (metrics)
+    @property
+    def encode_seconds(self) -> float:
+        return self.output.encode_seconds if self.output else 0.0
+
+    @property
+    def chunks_encoded(self) -> int:
+        return self.output.chunks if self.output else 0
+
+    @property
+    def chunk_latency_max_s(self) -> float:
+        return self.output.latency_max_s if self.output else 0.0
 
     # -- lifecycle (any thread) ---------------------------------------------------------------
 
@@ -120,8 +150,10 @@ class Engine:
         self._commands.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.output is not None:
+            self.output.stop()
 
-    # -- commands (any thread; answered by the engine thread between forwards) ---------------
+    # -- commands (any thread; answered by the engine thread between launches) ---------------
 
     def open_stream(self, stream_id: str, prompt: str, seed: int, fps: int) -> Future:
         """Future[Admission]: admitted streams start generating at once."""
@@ -156,7 +188,7 @@ class Engine:
             self._commands.put(cmd)
         return cmd.future
 
-    # -- engine thread --------------------------------------------------------------------------
+    # -- engine thread: start-up ----------------------------------------------------------------
 
     def _main(self) -> None:
         try:
@@ -169,6 +201,7 @@ class Engine:
         try:
             self._loop()
         finally:
+            self._wait_all()
             for cmd in self._drain():
                 cmd.future.set_exception(EngineError("engine stopped"))
             for sid in list(self._streams):
@@ -179,15 +212,18 @@ class Engine:
         device = torch.device(cfg.device)
         if device.type == "cpu":
             torch.set_num_threads(cfg.cpu_threads)
-        self.gen = build_generator(cfg.preset, device=device, seed=cfg.weights_seed, checkpoint=cfg.checkpoint, cfg=cfg.generator)
-        if cfg.compile:
+        t0 = time.monotonic()
+        self.gen = gen = build_generator(cfg.preset, device=device, seed=cfg.weights_seed, checkpoint=cfg.checkpoint,
+                                         cfg=cfg.generator)
+        self.attention = log_attention(device)
+        if cfg.compile if cfg.compile is not None else device.type == "cuda":
             from models.dit import compile_helpers
 
             compile_helpers()
         budget = cfg.kv_budget_bytes
         if budget is None:
             budget = int(torch.cuda.mem_get_info(device)[0] * 0.85) if device.type == "cuda" else 4 * 2**30
-        spec = self.gen.cache_spec()
+        spec = gen.cache_spec()
         if spec.quant != "none":  # the dequantization scratch is shared by all streams of the device
             from kvcache.quant import scratch_bytes
 
@@ -195,38 +231,51 @@ class Engine:
         self.pool = CachePool(budget, device)
         self.kv_budget_bytes = budget
         self.sched = Scheduler(cfg.scheduler)
+        workers = cfg.output_workers or min(4, max(1, (os.cpu_count() or 1) // 4))
+        self.output = OutputStage(device, workers, self._handed_over, self._output_failed, self.clock)
+        if device.type == "cuda":
+            log.info("capturing CUDA graphs (compiles kernels on first sight; takes a while the first time)")
+            n = gen.capture_graphs()
+            log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
         self._warm_up()
         self.snapshot = self.sched.stats(self.clock())
 
     def _warm_up(self) -> None:
-        """Run a throwaway stream so the first admissions use measured costs, not a guess."""
-        gen = self.gen
+        """Time what serving runs: a throwaway stream fills its window, turns the ring and switches
+        prompts (a full-window recache each time); at least 5 samples of each kind of forward once
+        the window is full, the median of each goes to the scheduler."""
+        gen, cfg = self.gen, self.config
         state = gen.open_stream("warmup", "warm up", seed=0)
-        costs: dict[WorkKind, list[float]] = {k: [] for k in WorkKind}
         enc = StreamEncoder(gen.model_cfg.width, gen.model_cfg.height, 16)
-        for chunk_index in range(max(2, self.config.warmup_chunks)):
-            if chunk_index == self.config.warmup_chunks - 1:
-                gen.set_prompt(state, "warm up again")
-            while True:
-                work = gen.next_work(state)
-                t0 = self.clock()
-                out = gen.run(work, [state])
-                if out[0] is not None:
-                    enc.encode(out[0].frames, start_index=out[0].first_frame)
-                self._sync()
-                if chunk_index > 0:  # the first chunk pays for lazy initialisation
-                    costs[_KIND[work]].append(self.clock() - t0)
-                if out[0] is not None:
-                    break
-        enc.close()
-        for kind, times in costs.items():
-            if times:
-                self.sched.costs.observe(kind, 1, sorted(times)[len(times) // 2])
-        log.info("warm-up costs (ms): %s", {k.value: round(1e3 * sorted(v)[len(v) // 2], 2) for k, v in costs.items() if v})
+        costs: dict[WorkKind, list[float]] = {k: [] for k in WorkKind}
+        capacity = gen.cache_spec().capacity_frames
+        full_chunks = 0
+        try:
+            while full_chunks < max(5, cfg.warmup_chunks):
+                full = state.cache.num_frames == capacity
+                if full:
+                    gen.set_prompt(state, f"warm up {full_chunks}")
+                    full_chunks += 1
+                while True:
+                    work = gen.next_work(state)
+                    timer = _Timer(gen.device, self.clock)
+                    out = gen.run(work, [state])
+                    seconds = timer.seconds()
+                    if full:
+                        costs[_KIND[work]].append(seconds)
+                    if out[0] is not None:
+                        enc.encode(out[0].frames.cpu().numpy(), start_index=out[0].first_frame)
+                        break
+        finally:
+            gen.close_stream(state)
+            enc.close()
+        medians = {kind: statistics.median(times) for kind, times in costs.items() if times}
+        for kind, seconds in medians.items():
+            self.sched.observe_cost(kind, 1, seconds)
+        log.info("warm-up: forward costs at a full cache, median of %s runs (ms): %s",
+                 "/".join(str(len(costs[k])) for k in medians), {k.value: round(1e3 * v, 2) for k, v in medians.items()})
 
-    def _sync(self) -> None:
-        if self.gen.device.type == "cuda":
-            torch.cuda.synchronize(self.gen.device)
+    # -- engine thread: the loop ------------------------------------------------------------------
 
     def _drain(self) -> list[_Command]:
         out = []
@@ -248,27 +297,35 @@ class Engine:
         while not self._stopping:
             for cmd in self._drain():
                 self._apply(cmd)
+            self._retire(wait=False)
             now = self.clock()
             plan = self.sched.next(now)
-            if plan is None:
-                self.snapshot = self.sched.stats(now)
-                wake = self.sched.wake_at(now)
-                timeout = 0.5 if wake is None else min(0.5, max(0.0, wake - now))
-                try:
-                    cmd = self._commands.get(timeout=timeout)
-                except queue.Empty:
-                    continue
-                if cmd is not None:
-                    self._apply(cmd)
+            if plan is not None:
+                if len(self._in_flight) >= 2:  # the device has a forward running and one queued
+                    self._retire(wait=True)
+                self._launch(plan)
                 continue
-            self._execute(plan)
+            self.snapshot = self.sched.stats(now)
+            if self._in_flight:  # nothing to launch: wait for the device instead of the clock
+                self._retire(wait=True)
+                continue
+            wake = self.sched.wake_at(now)
+            timeout = 0.5 if wake is None else min(0.5, max(0.0, wake - now))
+            try:
+                cmd = self._commands.get(timeout=timeout)
+            except queue.Empty:
+                continue
+            if cmd is not None:
+                self._apply(cmd)
 
-    def _execute(self, plan: Plan) -> None:
+    def _launch(self, plan: Plan) -> None:
+        """Launch `plan`'s forward (and for a COMMIT, its decode and the copy of its frames to the
+        host) and count it done in the scheduler; its cost is read from its events later."""
         streams = [self._streams[sid] for sid in plan.stream_ids]
-        t0 = self.clock()
+        now = self.clock()
+        timer = _Timer(self.gen.device, self.clock)
         try:
-            chunks = self._run(plan, streams)
-            self._sync()
+            chunks = self._run(plan, streams, now)
         except Exception as e:  # noqa: BLE001 - one plan's failure ends its streams, not the engine
             log.exception("forward %s for %s failed", plan.kind.value, plan.stream_ids)
             self.sched.cancel(plan)
@@ -276,16 +333,41 @@ class Engine:
                 self._close(sid)
                 self._on_error(sid, f"generation failed: {type(e).__name__}: {e}")
             return
-        now = self.clock()
-        elapsed = now - t0
-        self.forwards[plan.kind.value] += 1
-        self.forward_seconds[plan.kind.value] += elapsed
-        self.sched.complete(plan, now, elapsed)
-        for out in chunks:
-            self._on_chunk(out)
+        self._in_flight.append(timer.launched(plan.kind, len(streams), now))
+        self.sched.complete(plan, now, None, deliver=False)
+        for st, chunk in chunks:
+            keyframe, st.keyframe = st.keyframe, False
+            self.output.submit(st.output, chunk.frames, index=chunk.index, first_frame=chunk.first_frame,
+                               prompt_version=chunk.prompt_version, keyframe=keyframe, started_at=st.chunk_started_at)
         self.snapshot = self.sched.stats(now)
 
-    def _run(self, plan: Plan, streams: list[_Stream]) -> list[ChunkOut]:
+    def _retire(self, wait: bool) -> None:
+        """Account the forwards the device has finished (with `wait`: at least the oldest one)."""
+        while self._in_flight:
+            f = self._in_flight[0]
+            if f.end is not None:
+                if not f.end.query():
+                    if not wait:
+                        return
+                    f.end.synchronize()  # releases the GIL
+                f.elapsed_s = f.start.elapsed_time(f.end) / 1e3
+            wait = False
+            self._in_flight.popleft()
+            kind = f.kind.value
+            self.forwards[kind] += 1
+            self.gpu_seconds[kind] += f.elapsed_s
+            self.forward_seconds[kind] += self.clock() - f.launched_at
+            self.sched.observe_cost(f.kind, f.batch, f.elapsed_s)
+
+    def _wait_all(self) -> None:
+        try:
+            while self._in_flight:
+                self._retire(wait=True)
+        except Exception:  # noqa: BLE001 - shutting down after a device error: nothing more to account
+            log.exception("waiting for the device at shutdown failed")
+            self._in_flight.clear()
+
+    def _run(self, plan: Plan, streams: list[_Stream], now: float) -> list[tuple[_Stream, object]]:
         gen = self.gen
         for st, seq, restart in zip(streams, plan.prompt_seqs, plan.restart):
             state = st.state
@@ -297,29 +379,40 @@ class Engine:
                 raise EngineError(f"stream {state.stream_id}: plan step {plan.step}, generator at step {state.step}")
         states = [st.state for st in streams]
         if plan.kind is WorkKind.RECACHE:
-            for state in states:
-                if state.pending_prompt is None:  # the plan's version is already applied: nothing to redo
-                    continue
-                gen.recache(state)
+            for st in streams:
+                st.chunk_started_at, st.recached = now, True  # the prompt's chunk starts with its recache
+                if st.state.pending_prompt is not None:  # else the plan's version is already applied
+                    gen.recache(st.state)
             return []
         if plan.kind is WorkKind.DENOISE:
             if plan.step == 0:
                 for st in streams:
-                    st.chunk_started_at = self.clock()
+                    if not st.recached:
+                        st.chunk_started_at = now
+                    st.recached = False
             gen.denoise(states)
             return []
-        now = self.clock()
-        outs = []
-        for st, chunk in zip(streams, gen.commit(states)):
-            keyframe = st.keyframe
-            st.keyframe = False
-            packets = st.encoder.encode(chunk.frames, start_index=chunk.first_frame, keyframe=keyframe)
-            aus = [bytes(p) for p in packets]
-            header = ChunkHeader.describe(
-                aus, index=chunk.index, pts=chunk.first_frame, prompt_version=chunk.prompt_version, keyframe=keyframe
-            )
-            outs.append(ChunkOut(st.state.stream_id, header, aus, packets, pack_chunk(header, aus), now - st.chunk_started_at))
-        return outs
+        return list(zip(streams, gen.commit(states)))
+
+    def _handed_over(self, out: ChunkOut, stream: StreamOutput) -> None:
+        """An output worker has encoded a chunk: to the transports, and (as a command) to the scheduler."""
+        self._on_chunk(out)
+        self._commands.put(_Command(self._delivered, (stream, self.clock())))
+
+    def _delivered(self, stream: StreamOutput, now: float) -> None:
+        if self._is_open(stream):  # not a closed stream whose id was opened again
+            self.sched.delivered(stream.stream_id, now)
+
+    def _output_failed(self, stream: StreamOutput, message: str) -> None:
+        self._commands.put(_Command(self._fail, (stream, message)))
+
+    def _fail(self, stream: StreamOutput, message: str) -> None:
+        if self._is_open(stream) and self._close(stream.stream_id):
+            self._on_error(stream.stream_id, message)
+
+    def _is_open(self, stream: StreamOutput) -> bool:
+        st = self._streams.get(stream.stream_id)
+        return st is not None and st.output is stream
 
     # -- command bodies (engine thread) ---------------------------------------------------------
 
@@ -347,7 +440,7 @@ class Engine:
             self.sched.remove(stream_id)
             self.pool.release(stream_id)
             raise
-        self._streams[stream_id] = _Stream(state, fps, encoder, {0: prompt})
+        self._streams[stream_id] = _Stream(state, fps, self.output.open(stream_id, encoder), {0: prompt})
         self.kv_used_bytes = self.pool.used_bytes
         return admission
 
@@ -373,9 +466,53 @@ class Engine:
     def _close(self, stream_id: str) -> bool:
         st = self._streams.pop(stream_id, None)
         self.sched.remove(stream_id)
-        self.pool.release(stream_id)
+        if st is not None:
+            self.gen.close_stream(st.state)
+        self.pool.release(stream_id)  # launched forwards that write it run first on the device's one queue
         self.kv_used_bytes = self.pool.used_bytes
         if st is None:
             return False
-        st.encoder.close()
+        self.output.close(st.output)
         return True
+
+
+class _Timer:
+    """CUDA events around launched work (read later), or the wall time of work that ran at once."""
+
+    def __init__(self, device: torch.device, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.start = self.end = None
+        self.t0 = clock()
+        if device.type == "cuda":
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def launched(self, kind: WorkKind, batch: int, now: float) -> _InFlight:
+        if self.start is not None:
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.end.record()
+        return _InFlight(kind, batch, now, self.start, self.end, self.clock() - self.t0)
+
+    def seconds(self) -> float:
+        """Wait for the work and return its time (warm-up)."""
+        if self.start is None:
+            return self.clock() - self.t0
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return self.start.elapsed_time(end) / 1e3
+
+
+def log_attention(device: torch.device) -> str:
+    """Say which self-attention kernel runs on `device`, and how to get the fast one when it is
+    missing; returns the backend's name ("fa4" or "sdpa")."""
+    from models import flash
+
+    if device.type != "cuda":
+        return "sdpa"
+    why_not = flash.status(device)
+    if why_not is None:
+        log.info("attention: FlashAttention-4 for the self-attention, cuDNN SDPA for the cross-attention")
+        return "fa4"
+    log.warning("attention: SDPA (cuDNN) for all attention; FlashAttention-4 is not in use: %s", why_not)
+    return "sdpa"

@@ -68,6 +68,13 @@ class Metrics:
         self.kv_budget = Gauge("streamsvc_kv_budget_bytes", "KV pool budget", registry=r)
         self.forwards = Gauge("streamsvc_forwards", "Forwards run, by kind", ["kind"], registry=r)
         self.forward_s = Gauge("streamsvc_forward_seconds", "Time spent in forwards, by kind", ["kind"], registry=r)
+        self.forward_gpu_s = Gauge("streamsvc_forward_gpu_seconds",
+                                   "Device time of forwards by CUDA events (CPU: wall time), by kind", ["kind"], registry=r)
+        self.encode_s = Gauge("streamsvc_encode_seconds", "Output stage time: frames to host, x264 and packing",
+                              registry=r)
+        self.chunks_encoded = Gauge("streamsvc_chunks_encoded", "Chunks through the output stage", registry=r)
+        self.chunk_latency_max = Gauge("streamsvc_chunk_latency_max_seconds",
+                                       "Slowest chunk so far: its first forward's launch to its hand-over", registry=r)
         self.errors = Counter("streamsvc_protocol_errors", "Bad client messages answered with an error", registry=r)
 
 
@@ -180,6 +187,10 @@ class Server:
         for kind, n in self.engine.forwards.items():
             m.forwards.labels(kind).set(n)
             m.forward_s.labels(kind).set(self.engine.forward_seconds[kind])
+            m.forward_gpu_s.labels(kind).set(self.engine.gpu_seconds[kind])
+        m.encode_s.set(self.engine.encode_seconds)
+        m.chunks_encoded.set(self.engine.chunks_encoded)
+        m.chunk_latency_max.set(self.engine.chunk_latency_max_s)
         if snap is not None:
             m.queue.set(snap.queue_length)
             m.load.set(snap.predicted_load)

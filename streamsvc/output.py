@@ -1,0 +1,158 @@
+"""The output stage: a finished chunk's frames from the device to the transports.
+
+The engine thread only decides and launches. Once a chunk's commit and decode are launched,
+`OutputStage.submit` queues a copy of its frames into pinned host memory on a side CUDA stream
+and records an event behind it; a worker thread waits for that event (without the GIL), encodes
+the frames with the stream's x264 encoder (PyAV releases the GIL), packs the WebSocket message
+and hands the chunk over. So the GPU never waits for x264, and x264 never holds up a launch.
+
+A stream's chunks go to one worker, in order (its encoder is stateful); streams are spread over
+the workers. A stream that closes has its encoder closed by its worker, after what is queued.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from streamsvc.encode import StreamEncoder
+from streamsvc.protocol import Chunk as ChunkHeader
+from streamsvc.protocol import pack_chunk
+
+log = logging.getLogger("streamsvc.output")
+
+
+@dataclass
+class ChunkOut:
+    """A finished, encoded chunk on its way to the transports."""
+
+    stream_id: str
+    header: ChunkHeader  # what the client sees first: index, pts, frame count, prompt version
+    access_units: list[bytes]  # one H.264 access unit per frame
+    packets: list  # the same frames as av.Packet (pts on the 90 kHz clock), for WebRTC
+    payload: bytes  # the WebSocket binary message: framed header + access units, built once
+    latency_s: float  # from the launch of the chunk's first forward to the hand-over
+
+
+@dataclass
+class StreamOutput:
+    """One stream's end of the output stage."""
+
+    stream_id: str
+    encoder: StreamEncoder
+    worker: int  # the worker that encodes all of its chunks
+    closed: bool = False  # set by the engine thread; its worker then skips what is still queued
+
+
+@dataclass
+class _Job:
+    stream: StreamOutput
+    frames: torch.Tensor  # [N, H, W, 3] uint8 on the host (pinned when copied from a GPU)
+    ready: torch.cuda.Event | None  # recorded after the copy to the host; None: already there
+    index: int  # chunk number in the stream
+    first_frame: int  # stream index of its first frame
+    prompt_version: int
+    keyframe: bool
+    started_at: float  # launch of the chunk's first forward (engine clock)
+
+
+class OutputStage:
+    """Worker threads that wait for chunks' frames, encode, pack and hand them over."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        workers: int,
+        on_chunk: Callable[[ChunkOut, StreamOutput], None],
+        on_failed: Callable[[StreamOutput, str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`on_chunk(out, stream)` and `on_failed(stream, message)` are called from the workers."""
+        self.device = device
+        self._on_chunk, self._on_failed, self.clock = on_chunk, on_failed, clock
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(max(1, workers))]
+        self._next_worker = itertools.count()
+        self._threads = [
+            threading.Thread(target=self._work, args=(q,), name=f"output-{i}", daemon=True) for i, q in enumerate(self._queues)
+        ]
+        for t in self._threads:
+            t.start()
+        self._lock = threading.Lock()  # guards the figures below
+        self.encode_seconds = 0.0  # waiting for nothing: encode + pack time, summed
+        self.chunks = 0
+        self.latency_max_s = 0.0
+
+    def open(self, stream_id: str, encoder: StreamEncoder) -> StreamOutput:
+        return StreamOutput(stream_id, encoder, next(self._next_worker) % len(self._queues))
+
+    def submit(self, stream: StreamOutput, frames: torch.Tensor, *, index: int, first_frame: int, prompt_version: int,
+               keyframe: bool, started_at: float) -> None:
+        """Queue a chunk whose frames ([N, H, W, 3] uint8, maybe still being computed on the device) are launched."""
+        ready = None
+        if frames.is_cuda:
+            host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
+            cs = self._copy_stream
+            cs.wait_stream(torch.cuda.current_stream(frames.device))
+            with torch.cuda.stream(cs):
+                host.copy_(frames, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(cs)
+            frames.record_stream(cs)  # the decoder's output is not reused before the copy has read it
+            frames = host
+        job = _Job(stream, frames, ready, index, first_frame, prompt_version, keyframe, started_at)
+        self._queues[stream.worker].put(job)
+
+    def close(self, stream: StreamOutput) -> None:
+        """The stream is gone: its worker closes its encoder after what is queued."""
+        stream.closed = True
+        self._queues[stream.worker].put(stream)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout)
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _work(self, q: queue.SimpleQueue) -> None:
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            if isinstance(job, StreamOutput):
+                job.encoder.close()
+                continue
+            if job.stream.closed:
+                continue
+            try:
+                self._deliver(job)
+            except Exception as e:  # noqa: BLE001 - one stream's failure ends that stream, not the worker
+                log.exception("output of chunk %d of %s failed", job.index, job.stream.stream_id)
+                job.stream.closed = True
+                self._on_failed(job.stream, f"encoding failed: {type(e).__name__}: {e}")
+
+    def _deliver(self, job: _Job) -> None:
+        if job.ready is not None:
+            job.ready.synchronize()  # the frames are on the host (waits without the GIL)
+        t0 = self.clock()
+        packets = job.stream.encoder.encode(job.frames.numpy(), start_index=job.first_frame, keyframe=job.keyframe)
+        aus = [bytes(p) for p in packets]
+        header = ChunkHeader.describe(aus, index=job.index, pts=job.first_frame, prompt_version=job.prompt_version,
+                                      keyframe=job.keyframe)
+        payload = pack_chunk(header, aus)
+        now = self.clock()
+        out = ChunkOut(job.stream.stream_id, header, aus, packets, payload, now - job.started_at)
+        with self._lock:
+            self.encode_seconds += now - t0
+            self.chunks += 1
+            self.latency_max_s = max(self.latency_max_s, out.latency_s)
+        self._on_chunk(out, job.stream)

@@ -1,0 +1,87 @@
+"""The engine on the tiny preset (CPU): plans launched, chunks encoded by the output stage and
+delivered in order, prompts applied from the next chunk, costs measured, streams closed cleanly."""
+
+import threading
+import time
+
+import pytest
+
+from streamsvc.encode import StreamDecoder
+from streamsvc.engine import Engine, EngineConfig, EngineError
+from streamsvc.scheduler import SchedulerConfig, WorkKind
+
+
+class Collector:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.chunks: dict[str, list] = {}
+        self.errors: list[tuple[str, str]] = []
+
+    def on_chunk(self, out):
+        with self.lock:
+            self.chunks.setdefault(out.stream_id, []).append(out)
+
+    def on_error(self, stream_id, message):
+        with self.lock:
+            self.errors.append((stream_id, message))
+
+    def wait(self, predicate, timeout=20.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if predicate(self):
+                    return
+            time.sleep(0.02)
+        raise AssertionError(f"timed out; chunks {({k: len(v) for k, v in self.chunks.items()})}, errors {self.errors}")
+
+
+@pytest.fixture
+def engine():
+    got = Collector()
+    eng = Engine(EngineConfig(preset="tiny", device="cpu", scheduler=SchedulerConfig(buffer_cap_s=2.0), warmup_chunks=5),
+                 got.on_chunk, got.on_error)
+    eng.start().result(timeout=60)
+    yield eng, got
+    eng.stop()
+
+
+def test_streams_get_their_chunks_in_order_and_prompts_take_effect(engine):
+    eng, got = engine
+    guess = eng.sched.config.initial_forward_s
+    assert all(0 < eng.sched.costs.estimate(kind) != guess for kind in WorkKind)  # measured at warm-up
+    for sid in ("a", "b"):
+        assert eng.open_stream(sid, f"prompt {sid}", seed=1, fps=16).result(timeout=10).accepted
+    got.wait(lambda g: all(len(g.chunks.get(s, [])) >= 2 for s in ("a", "b")))
+    version = eng.set_prompt("a", "a new prompt").result(timeout=10)
+    assert version == 1
+    got.wait(lambda g: any(c.header.prompt_version == 1 for c in g.chunks["a"]))
+    assert not got.errors
+    for sid in ("a", "b"):
+        chunks = got.chunks[sid]
+        assert [c.header.index for c in chunks] == list(range(len(chunks)))
+        assert [c.header.pts for c in chunks[1:]] == [c.header.pts + c.header.frames for c in chunks[:-1]]
+        versions = [c.header.prompt_version for c in chunks]
+        assert versions == sorted(versions)  # a prompt, once applied, stays
+        dec = StreamDecoder()
+        frames = [f for c in chunks for au in c.access_units for f in dec.decode(au)]
+        assert len(frames) == sum(c.header.frames for c in chunks) and frames[0].shape == (128, 128, 3)
+        assert all(c.latency_s > 0 for c in chunks)
+    assert eng.forwards["denoise"] >= 4 * eng.forwards["commit"] > 0 and eng.forwards["recache"] >= 1
+    assert eng.gpu_seconds["denoise"] > 0 and eng.chunks_encoded >= len(got.chunks["a"]) + len(got.chunks["b"])
+
+
+def test_close_frees_the_stream_and_unknown_streams_are_errors(engine):
+    eng, got = engine
+    assert eng.open_stream("a", "x", seed=0, fps=16).result(timeout=10).accepted
+    got.wait(lambda g: len(g.chunks.get("a", [])) >= 1)
+    used = eng.kv_used_bytes
+    assert used > 0
+    assert eng.close_stream("a").result(timeout=10) is True
+    assert eng.kv_used_bytes == 0 and eng.gen.workspace.owner is None
+    assert eng.close_stream("a").result(timeout=10) is False
+    with pytest.raises(EngineError, match="not open"):
+        eng.set_prompt("a", "y").result(timeout=10)
+    n = len(got.chunks["a"])
+    time.sleep(0.3)
+    assert len(got.chunks["a"]) <= n + 1  # at most the chunk that was in the output stage
+    assert not got.errors
