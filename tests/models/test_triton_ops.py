@@ -189,8 +189,8 @@ def test_interpreted_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_cuda_graph_replay_equals_eager():
-    """Chunks through a rolling ring and a prompt switch, batched and alone: the generator with
-    CUDA graphs (models/graphs.py) gives the same latents as without, and does replay."""
+    """Chunks of two streams taking turns through a rolling ring and a prompt switch: the generator
+    with CUDA graphs (models/graphs.py) gives the same latents as without, and does replay."""
     from models import GeneratorConfig, build_generator
 
     lat, gens = [], []
@@ -205,12 +205,13 @@ def test_cuda_graph_replay_equals_eager():
             for s in (a, b):
                 if gen.next_work(s).value == "recache":
                     gen.run(gen.next_work(s), [s])
-            while True:  # a and b step together (batched) until both commit
-                work = gen.next_work(a)
-                chunks = gen.run(work, [a, b])
-                if work.value == "commit":
-                    out += [ch.latents for ch in chunks]
-                    break
+            for s in (a, b):  # one chunk each, in turn: each switches the workspace
+                while True:
+                    work = gen.next_work(s)
+                    chunks = gen.run(work, [s])
+                    if work.value == "commit":
+                        out += [ch.latents for ch in chunks]
+                        break
         lat.append(torch.stack(out))
         gens.append(gen)
     torch.testing.assert_close(lat[0], lat[1], rtol=1e-5, atol=1e-5)
