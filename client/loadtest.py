@@ -263,7 +263,9 @@ def server_figures(first: dict | None, last: dict | None, wall_s: float, peak: d
         "gpu_ms": {k: round(1e3 * gpu_seconds[k] / forwards[k], 3) if forwards[k] else None for k in kinds},
         "encode_ms_per_chunk": round(1e3 * delta("streamsvc_encode_seconds") / encoded_n, 3) if encoded_n else None,
         "forwards": forwards,
-        "engine_busy": round(sum(seconds.values()) / wall_s, 4) if wall_s > 0 else None,
+        # device time: with forwards launched ahead, launch-to-finish wall times overlap
+        "engine_busy": round(sum((gpu_seconds if any(gpu_seconds.values()) else seconds).values()) / wall_s, 4)
+        if wall_s > 0 else None,
         "chunk_latency_mean_s": round(delta("streamsvc_chunk_latency_seconds_sum") / chunks_n, 4) if chunks_n else None,
         "chunk_latency_max_s": last.get("streamsvc_chunk_latency_max_seconds"),
         "chunks_over_1s": chunks_n - delta(le_1s) if le_1s in last else None,
@@ -432,7 +434,7 @@ async def _progress(run: _Run, every_s: float, duration_s: float, quiet: bool) -
                 run.peak_metrics = m
         busy = "-"
         if m is not None and prev is not None and now > prev_t:
-            spent = sum(m.get(f"streamsvc_forward_seconds{{kind={k}}}", 0) - prev.get(f"streamsvc_forward_seconds{{kind={k}}}", 0)
+            spent = sum(m.get(f"streamsvc_forward_gpu_seconds{{kind={k}}}", 0) - prev.get(f"streamsvc_forward_gpu_seconds{{kind={k}}}", 0)
                         for k in ("recache", "denoise", "commit"))
             busy = f"{spent / (now - prev_t):.2f}"
         if m is not None:

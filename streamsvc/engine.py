@@ -435,7 +435,8 @@ class Engine:
         try:
             cache = self.pool.allocate_or_raise(stream_id, spec)
             state = gen.open_stream(stream_id, prompt, seed, cache)
-            encoder = StreamEncoder(gen.model_cfg.width, gen.model_cfg.height, fps)
+            # on a GPU host, two x264 threads per stream: the encode is part of every chunk's latency
+            encoder = StreamEncoder(gen.model_cfg.width, gen.model_cfg.height, fps, threads=2 if gen.device.type == "cuda" else 1)
         except Exception:
             self.sched.remove(stream_id)
             self.pool.release(stream_id)
