@@ -313,6 +313,14 @@ def run_cell(args: tuple[SimConfig, SchedulerConfig, float, list[int]]) -> dict:
     }
 
 
+
+def run_all(fn, jobs: list, workers: int) -> list:
+    """fn over jobs, in worker processes when `workers` > 1; results in order."""
+    if workers > 1:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(fn, jobs))
+    return [fn(job) for job in jobs]
+
 def run_fixed_cell(args: tuple[SimConfig, SchedulerConfig, int, list[int]]) -> dict:
     """All seeds of one (start rule, streams requested) cell of the fixed scenario, pooled."""
     sim, sched_cfg, streams, seeds, stagger = args
@@ -397,11 +405,7 @@ def main_fixed(args: argparse.Namespace, seeds: list[int]) -> int:
             )
             jobs.append((sim, cfg, streams, seeds, args.stagger))
     t0 = time.perf_counter()
-    if args.workers > 1:
-        with ProcessPoolExecutor(max_workers=args.workers) as pool:
-            cells = list(pool.map(run_fixed_cell, jobs))
-    else:
-        cells = [run_fixed_cell(job) for job in jobs]
+    cells = run_all(run_fixed_cell, jobs, args.workers)
     wall_s = time.perf_counter() - t0
     print(
         f"scheduler simulation, H200: DENOISE {sim.forward_s * 1e3:g} ms x {sim.denoise_steps} + COMMIT "
@@ -563,11 +567,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 jobs.append((sim, cfg, load, seeds))
     t0 = time.perf_counter()
-    if args.workers > 1:
-        with ProcessPoolExecutor(max_workers=args.workers) as pool:
-            cells = list(pool.map(run_cell, jobs))
-    else:
-        cells = [run_cell(job) for job in jobs]
+    cells = run_all(run_cell, jobs, args.workers)
     wall_s = time.perf_counter() - t0
 
     print(

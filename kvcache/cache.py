@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import torch
@@ -11,7 +10,6 @@ from kvcache.spec import CacheSpec
 from kvcache.storage import KVStorage, make_storage
 
 
-_uids = itertools.count()
 
 
 class StreamCache:
@@ -32,7 +30,6 @@ class StreamCache:
     def __init__(self, spec: CacheSpec, device: torch.device | str = "cpu", storage: KVStorage | None = None):
         self.spec = spec
         self.storage = storage if storage is not None else make_storage(spec, device)
-        self.uid = next(_uids)  # never reused
         self.version = 0
         self.reset()
 
