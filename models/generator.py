@@ -421,20 +421,34 @@ def build_generator(
     seed: int = 0,
     checkpoint: str | None = None,
     cfg: GeneratorConfig = GeneratorConfig(),
+    lora: str | None = None,
+    wrapper: str = "auto",
 ) -> ChunkGenerator:
-    """A generator for a preset: random weights from `seed`, or a local checkpoint."""
-    from models.weights import load_checkpoint
+    """A generator for a preset: random weights from `seed`, or a local checkpoint (a .pt/.safetensors
+    file, `wrapper` choosing its `generator_ema` / `generator`, or a Wan2.1 folder) whose shapes win over
+    the preset's (models/weights.py `infer_config`), with an optional LoRA merged in fp32."""
+    from models.weights import checkpoint_num_heads, infer_config, load_state_dict, merge_lora, read_state_dict
+    from models.dit import Rope
 
+    if lora and not checkpoint:
+        raise ValueError("lora needs a checkpoint: it is merged into the checkpoint's weights")
     mc = ModelConfig.from_name(preset)
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with torch.device("meta" if checkpoint else "cpu"):
-        model = CausalWanModel(mc)
     if checkpoint:
-        model = model.to_empty(device="cpu")
-        load_checkpoint(model, checkpoint)
+        sd = read_state_dict(checkpoint, wrapper)
+        mc = infer_config(mc, sd, num_heads=checkpoint_num_heads(checkpoint))
+        with torch.device("meta"):  # no random init of weights about to be overwritten
+            model = CausalWanModel(mc)
+        model = load_state_dict(model.to_empty(device="cpu"), sd)
+        model.rope = Rope(mc)  # its tables are plain tensors, not parameters: built on meta above
+        del sd
+        if lora:
+            merge_lora(model, lora)  # logs the layers merged
     else:
+        with torch.device("cpu"):
+            model = CausalWanModel(mc)
         model.init_weights(seed)
     model = model.to(device=device, dtype=dtype).eval()
     return ChunkGenerator(model, cfg)

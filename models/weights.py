@@ -1,53 +1,287 @@
-"""Loading Wan / Self-Forcing-layout checkpoints from a local path (never from a hub)."""
+"""Loading Wan / Self-Forcing / LongLive DiT checkpoints from a local path (never from a hub).
+
+What loads, all into Wan2.1's module names (models/dit.py):
+- a .safetensors / .pt state dict, bare or wrapped: Self-Forcing's `self_forcing_dmd.pt` keeps the
+  inference weights under `generator_ema` (and the raw ones under `generator`), LongLive's
+  `longlive_base.pt` under `generator`; keys may carry a `model.` prefix (Self-Forcing wraps the DiT);
+- a Wan2.1 folder: Wan's original layout (`config.json` + `diffusion_pytorch_model*.safetensors` at the
+  root, maybe sharded with an index json) or the Diffusers layout (`transformer/`, in diffusers'
+  WanTransformer3DModel names, renamed here to Wan's);
+- a LoRA (LongLive's `lora.pt`, PEFT keys, maybe under `generator_lora`), merged into the weights.
+
+The model's shapes come from the weights (`infer_config`); the preset gives resolution and sampling.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-_WRAPPERS = ("generator_ema", "generator", "state_dict", "model")  # nested dicts to unwrap, in order
-_PREFIXES = ("model.", "_fsdp_wrapped_module.", "_orig_mod.", "module.")
+from models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+WRAPPERS = ("auto", "generator", "generator_ema")  # `wrapper=` choices: auto takes generator_ema, else generator
+_INNER_WRAPPERS = ("state_dict", "model")  # generic nesting taken off after the generator choice
+_PREFIXES = ("base_model.model.", "model.", "module.")  # leading prefixes stripped, repeatedly
+_INFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")  # wrapper names, dropped anywhere
+_LORA = re.compile(r"^(?P<module>.+)\.(?P<half>lora_A|lora_B|lora_down|lora_up)(?:\.(?P<adapter>[^.]+))?\.weight$")
+_LORA_HALF = {"lora_A": "A", "lora_down": "A", "lora_B": "B", "lora_up": "B"}
+
+# diffusers' WanTransformer3DModel name -> Wan's name (the inverse of diffusers' convert_wan_to_diffusers.py)
+_DIFFUSERS_TOP = {
+    "scale_shift_table": "head.modulation",
+    "proj_out.weight": "head.head.weight",
+    "proj_out.bias": "head.head.bias",
+    "patch_embedding.weight": "patch_embedding.weight",
+    "patch_embedding.bias": "patch_embedding.bias",
+    "condition_embedder.time_embedder.linear_1.": "time_embedding.0.",
+    "condition_embedder.time_embedder.linear_2.": "time_embedding.2.",
+    "condition_embedder.time_proj.": "time_projection.1.",
+    "condition_embedder.text_embedder.linear_1.": "text_embedding.0.",
+    "condition_embedder.text_embedder.linear_2.": "text_embedding.2.",
+}
+_DIFFUSERS_BLOCK = {  # after `blocks.N.`
+    "scale_shift_table": "modulation",
+    "attn1.to_q.": "self_attn.q.",
+    "attn1.to_k.": "self_attn.k.",
+    "attn1.to_v.": "self_attn.v.",
+    "attn1.to_out.0.": "self_attn.o.",
+    "attn1.norm_q.": "self_attn.norm_q.",
+    "attn1.norm_k.": "self_attn.norm_k.",
+    "attn2.to_q.": "cross_attn.q.",
+    "attn2.to_k.": "cross_attn.k.",
+    "attn2.to_v.": "cross_attn.v.",
+    "attn2.to_out.0.": "cross_attn.o.",
+    "attn2.norm_q.": "cross_attn.norm_q.",
+    "attn2.norm_k.": "cross_attn.norm_k.",
+    "norm2.": "norm3.",  # diffusers orders the norms 1, 2, 3 as applied; Wan's affine cross-attn norm is norm3
+    "ffn.net.0.proj.": "ffn.0.",
+    "ffn.net.2.": "ffn.2.",
+}
 
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match the model: the message names the keys."""
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Tensors of a local .safetensors or .pt/.pth file, unwrapped to the DiT's own keys."""
+def _shown(keys) -> str:
+    keys = list(keys)
+    return ", ".join(map(str, keys[:8])) + (f", ... ({len(keys) - 8} more)" if len(keys) > 8 else "")
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+def read_state_dict(path: str | Path, wrapper: str = "auto") -> dict[str, torch.Tensor]:
+    """Tensors of a local .safetensors / .pt file or Wan2.1 folder, unwrapped to the DiT's own keys."""
     path = Path(path)
+    if path.is_dir():
+        if wrapper != "auto":
+            raise CheckpointError(f"checkpoint {path} is a Wan folder: wrapper={wrapper!r} applies to .pt files only")
+        return load_wan_dir_dit(path)
+    return unwrap(_read_file(path), wrapper)
+
+
+def _read_file(path: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist (weights load from a local path only)")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        sd = load_file(str(path))
-    elif path.suffix in (".pt", ".pth", ".bin"):
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-    else:
-        raise CheckpointError(f"checkpoint {path}: expected .safetensors or .pt, got {path.suffix!r}")
-    return unwrap(sd)
+        return load_file(str(path))
+    if path.suffix in (".pt", ".pth", ".bin"):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    raise CheckpointError(f"checkpoint {path}: expected .safetensors or .pt, got {path.suffix!r}")
 
 
-def unwrap(sd: dict) -> dict[str, torch.Tensor]:
-    """Take `generator_ema` / `generator` / `model` wrappers off and strip `model.`-style prefixes."""
-    for key in _WRAPPERS:
-        if isinstance(sd.get(key), dict):
-            return unwrap(sd[key])
+def unwrap(sd: dict, wrapper: str = "auto") -> dict[str, torch.Tensor]:
+    """Take the `generator_ema` / `generator` (then `state_dict` / `model`) wrappers off and strip
+    `model.`-style prefixes. `wrapper="auto"` takes `generator_ema` when present, else `generator`, else
+    the dict as it is; `"generator"` / `"generator_ema"` insist on that entry (LongLive's base wants
+    `generator`: its EMA copy, if any, is not what it runs)."""
+    if wrapper not in WRAPPERS:
+        raise CheckpointError(f"wrapper must be one of {', '.join(WRAPPERS)}, got {wrapper!r}")
+    top = sorted(map(str, sd))
+    if wrapper == "auto":
+        wrapper = next((w for w in ("generator_ema", "generator") if isinstance(sd.get(w), dict)), None)
+    elif not isinstance(sd.get(wrapper), dict):
+        raise CheckpointError(f"checkpoint has no {wrapper!r} state dict; its top-level keys are: {_shown(top)}")
+    if wrapper is not None:
+        sd = sd[wrapper]
+    while (inner := next((w for w in _INNER_WRAPPERS if isinstance(sd.get(w), dict)), None)) is not None:
+        sd = sd[inner]
+    return _tensors(sd, what="checkpoint", top=top)
+
+
+def _tensors(sd: dict, what: str, top: list[str]) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in sd.items():
         if not isinstance(v, torch.Tensor):
-            raise CheckpointError(f"checkpoint entry {k!r} is a {type(v).__name__}, not a tensor")
-        changed = True
-        while changed:
-            changed = False
-            for p in _PREFIXES:
-                if k.startswith(p):
-                    k, changed = k[len(p) :], True
-        out[k] = v
+            raise CheckpointError(
+                f"{what} entry {k!r} is a {type(v).__name__}, not a tensor (top-level keys: {_shown(top)})"
+            )
+        out[_strip(k)] = v
     return out
+
+
+def _strip(key: str) -> str:
+    for infix in _INFIXES:
+        key = key.replace(infix, "")
+    changed = True
+    while changed:
+        changed = False
+        for p in _PREFIXES:
+            if key.startswith(p):
+                key, changed = key[len(p) :], True
+    return key
+
+
+# ---------------------------------------------------------------------------------------------- Wan folders
+
+
+def load_wan_dir_dit(path: str | Path) -> dict[str, torch.Tensor]:
+    """The base DiT of a local Wan2.1 folder, in Wan's names: the original layout (`config.json` +
+    `diffusion_pytorch_model*.safetensors` at the root) or the Diffusers layout (`transformer/`, or that
+    folder itself), sharded (with `diffusion_pytorch_model.safetensors.index.json`) or not."""
+    path = Path(path)
+    folder = _dit_folder(path)
+    sd = _read_shards(folder)
+    if any(k.startswith("condition_embedder.") or ".attn1." in k for k in sd):
+        sd = diffusers_to_wan(sd)
+    return sd
+
+
+def checkpoint_num_heads(path: str | Path) -> int | None:
+    """Attention heads a checkpoint states: a Wan folder's config.json (`num_heads`, or diffusers'
+    `num_attention_heads`); None for a state-dict file, which cannot say."""
+    if not Path(path).is_dir():
+        return None
+    cfg = json.loads((_dit_folder(Path(path)) / "config.json").read_text())
+    heads = cfg.get("num_heads", cfg.get("num_attention_heads"))
+    return int(heads) if heads is not None else None
+
+
+def _dit_folder(path: Path) -> Path:
+    if not path.is_dir():
+        raise CheckpointError(f"Wan folder {path} does not exist (weights load from a local path only)")
+    for folder in (path, path / "transformer"):
+        if (folder / "config.json").is_file() and any(folder.glob("diffusion_pytorch_model*.safetensors")):
+            return folder
+    found = sorted(p.name for p in path.iterdir())
+    raise CheckpointError(
+        f"{path} holds no DiT: expected config.json + diffusion_pytorch_model*.safetensors at its root (Wan's layout) "
+        f"or in transformer/ (Diffusers' layout); found: {_shown(found)}"
+    )
+
+
+def _read_shards(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+        absent = [f for f in files if not (folder / f).is_file()]
+        if absent:
+            raise CheckpointError(f"{index} names shard(s) that are not in {folder}: {_shown(absent)}")
+    else:
+        weight_map = None
+        files = sorted(p.name for p in folder.glob("diffusion_pytorch_model*.safetensors"))
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(folder / f)))
+    if weight_map is not None and (lost := sorted(set(weight_map) - set(sd))):
+        raise CheckpointError(f"{index} maps key(s) that no shard holds: {_shown(lost)}")
+    return {_strip(k): v for k, v in sd.items()}
+
+
+def diffusers_to_wan(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename diffusers' WanTransformer3DModel keys to Wan's; a key with no Wan name (image embedder,
+    added K/V projections of I2V, fused projections) is an error naming it."""
+    out, unknown = {}, []
+    for k, v in sd.items():
+        new = _rename(k, _DIFFUSERS_TOP)
+        if new is None and (m := re.match(r"^(blocks\.\d+\.)(.+)$", k)):
+            rest = _rename(m.group(2), _DIFFUSERS_BLOCK)
+            new = m.group(1) + rest if rest is not None else None
+        if new is None:
+            unknown.append(k)
+        else:
+            out[new] = v
+    if unknown:
+        raise CheckpointError(
+            f"{len(unknown)} Diffusers transformer key(s) have no Wan2.1 T2V name: {_shown(sorted(unknown))}"
+        )
+    return out
+
+
+def _rename(key: str, table: dict[str, str]) -> str | None:
+    for src, dst in table.items():
+        if key == src or (src.endswith(".") and key.startswith(src)):
+            return dst + key[len(src) :]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+
+
+def infer_config(
+    preset_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], num_heads: int | None = None
+) -> ModelConfig:
+    """The preset with the DiT's shapes read from the weights: dim, ffn_dim, num_layers, text_dim,
+    freq_dim, patch and in/out channels (Wan's config.json leaves text_dim at 4096; the weights say what
+    the model holds). Heads cannot be read from shapes: `num_heads` (a Wan folder's config.json) when
+    given, else the preset's while dim is the preset's, else the preset's head_dim (128 in every Wan2.1
+    size). Resolution, text length and the decoder stay the preset's."""
+
+    def shape(key: str, ndim: int) -> torch.Size:
+        if key not in state_dict:
+            raise CheckpointError(f"checkpoint has no {key!r}: cannot infer the model's shape (is it a Wan2.1 DiT?)")
+        s = state_dict[key].shape
+        if len(s) != ndim:
+            raise CheckpointError(f"checkpoint {key!r} has shape {tuple(s)}, expected {ndim} dims")
+        return s
+
+    pe = shape("patch_embedding.weight", 5)  # [dim, in_channels, pt, ph, pw]
+    dim, in_channels, patch = pe[0], pe[1], tuple(int(p) for p in pe[2:])
+    blocks = {int(m.group(1)) for k in state_dict if (m := re.match(r"^blocks\.(\d+)\.", k))}
+    if not blocks:
+        raise CheckpointError("checkpoint has no blocks.N.* keys: cannot infer num_layers (is it a Wan2.1 DiT?)")
+    head_out = shape("head.head.weight", 2)[0]
+    if head_out % (patch[0] * patch[1] * patch[2]):
+        raise CheckpointError(f"head.head.weight has {head_out} outputs, not a multiple of the patch {patch}")
+    if num_heads is None:
+        num_heads = preset_cfg.num_heads if dim == preset_cfg.dim else dim // preset_cfg.head_dim
+        if dim != preset_cfg.dim and dim % preset_cfg.head_dim:
+            raise CheckpointError(
+                f"checkpoint dim {dim} is not a multiple of the {preset_cfg.name!r} preset's head_dim "
+                f"{preset_cfg.head_dim}: pass num_heads"
+            )
+    try:
+        return replace(
+            preset_cfg,
+            dim=int(dim),
+            ffn_dim=int(shape("blocks.0.ffn.0.weight", 2)[0]),
+            num_heads=int(num_heads),
+            num_layers=max(blocks) + 1,
+            text_dim=int(shape("text_embedding.0.weight", 2)[1]),
+            freq_dim=int(shape("time_embedding.0.weight", 2)[1]),
+            in_channels=int(in_channels),
+            out_channels=head_out // (patch[0] * patch[1] * patch[2]),
+            patch=patch,
+        )
+    except ValueError as e:
+        raise CheckpointError(f"the checkpoint's shapes do not fit preset {preset_cfg.name!r}: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------- loading
 
 
 def check_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
@@ -63,17 +297,20 @@ def check_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
     problems = []
     for what, keys in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes)):
         if keys:
-            shown = ", ".join(keys[:8]) + (f", ... ({len(keys) - 8} more)" if len(keys) > 8 else "")
-            problems.append(f"{len(keys)} {what} key(s): {shown}")
+            problems.append(f"{len(keys)} {what} key(s): {_shown(keys)}")
     if problems:
         raise CheckpointError("checkpoint does not match the model: " + "; ".join(problems))
 
 
-def load_checkpoint(model: nn.Module, path: str | Path) -> nn.Module:
-    sd = read_state_dict(path)
+def load_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> nn.Module:
+    """Copy `sd` into `model` strictly, after `check_state_dict`."""
     check_state_dict(model, sd)
     model.load_state_dict(sd, strict=True, assign=False)
     return model
+
+
+def load_checkpoint(model: nn.Module, path: str | Path, wrapper: str = "auto") -> nn.Module:
+    return load_state_dict(model, read_state_dict(path, wrapper))
 
 
 def save_checkpoint(model: nn.Module, path: str | Path) -> None:
@@ -85,3 +322,85 @@ def save_checkpoint(model: nn.Module, path: str | Path) -> None:
         save_file(sd, str(path))
     else:
         torch.save(sd, path)
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+
+
+def read_lora(path: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{Linear's module name: (A [r, in], B [out, r])} of a PEFT LoRA file: bare, or nested under
+    `generator_lora` (LongLive's `lora.pt`, whose `critic_lora` and `step` are ignored). Keys may carry
+    `base_model.model.` / `model.` prefixes and an adapter name (`lora_A.default.weight`);
+    `lora_down` / `lora_up` are read as A / B."""
+    sd = _read_file(Path(path))
+    top = sorted(map(str, sd))
+    if isinstance(sd.get("generator_lora"), dict):
+        sd = sd["generator_lora"]
+    elif any(not isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(
+            f"LoRA file {path} has no 'generator_lora' state dict; its top-level keys are: {_shown(top)}"
+        )
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in _tensors(sd, what="LoRA", top=top).items():
+        m = _LORA.match(key)
+        if m is None:
+            raise CheckpointError(f"LoRA file {path}: key {key!r} is not a lora_A / lora_B weight")
+        half = halves.setdefault(m.group("module"), {})
+        if _LORA_HALF[m.group("half")] in half:
+            raise CheckpointError(
+                f"LoRA file {path}: {m.group('module')} has two {m.group('half')} (several adapters?)"
+            )
+        half[_LORA_HALF[m.group("half")]] = t
+    pairs = {}
+    for module, half in sorted(halves.items()):
+        if set(half) != {"A", "B"}:
+            lacking = "lora_B" if "A" in half else "lora_A"
+            raise CheckpointError(f"LoRA file {path}: {module} has no {lacking} weight")
+        a, b = half["A"], half["B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise CheckpointError(
+                f"LoRA file {path}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}: "
+                "not [r, in] and [out, r]"
+            )
+        pairs[module] = (a, b)
+    return pairs
+
+
+def merge_lora(
+    model_or_state_dict: nn.Module | dict[str, torch.Tensor], lora_path: str | Path, alpha: float | None = None
+) -> int:
+    """Merge a LoRA into a model's Linears (or a state dict's `<module>.weight`s) in place:
+    W += (alpha / r) * B @ A, computed in fp32, r read from A's shape, alpha the rank when None (scale 1:
+    LongLive's rank-256 alpha-256 LoRA; its file holds no alpha). Every pair must match a Linear of the
+    right shape. Returns the number of layers merged."""
+    pairs = read_lora(lora_path)
+    if isinstance(model_or_state_dict, nn.Module):
+        modules = dict(model_or_state_dict.named_modules())
+        targets = {m: modules[m].weight for m in pairs if isinstance(modules.get(m), nn.Linear)}
+    else:
+        targets = {m: model_or_state_dict[f"{m}.weight"] for m in pairs if f"{m}.weight" in model_or_state_dict}
+        targets = {m: w for m, w in targets.items() if w.ndim == 2}
+    unmatched = sorted(set(pairs) - set(targets))
+    if unmatched:
+        raise CheckpointError(
+            f"LoRA {lora_path}: {len(unmatched)} pair(s) match no Linear of the model: {_shown(unmatched)}"
+        )
+    for module, (a, b) in pairs.items():
+        w = targets[module]
+        if (b.shape[0], a.shape[1]) != tuple(w.shape):
+            raise CheckpointError(
+                f"LoRA {lora_path}: {module} gives B @ A {(b.shape[0], a.shape[1])} for a weight {tuple(w.shape)}"
+            )
+    for module, (a, b) in pairs.items():
+        w = targets[module]
+        scale = (a.shape[0] if alpha is None else alpha) / a.shape[0]
+        delta = b.to(w.device, torch.float32) @ a.to(w.device, torch.float32)
+        merged = (w.detach().float() + scale * delta).to(w.dtype)
+        if isinstance(model_or_state_dict, nn.Module):
+            with torch.no_grad():
+                w.copy_(merged)
+        else:
+            model_or_state_dict[f"{module}.weight"] = merged
+    ranks = sorted({a.shape[0] for a, _ in pairs.values()})
+    log.info("merged LoRA %s (rank %s) into %d layers", lora_path, "/".join(map(str, ranks)), len(pairs))
+    return len(pairs)
