@@ -1,0 +1,224 @@
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+from diffusers import AutoencoderKLWan  # noqa: E402
+
+from models.weights import CheckpointError  # noqa: E402
+from models.wan_vae import (  # noqa: E402
+    WAN_VAE_FILE,
+    WanVAEDecoder,
+    diffusers_key_to_wan,
+    wan21_vae_config,
+    wan_key_to_diffusers,
+    wan_vae_state_bytes,
+)
+
+H, W = 4, 6  # latent size of the tiny tests: video 32x48
+
+
+def wan_layout_shapes(base: int = 96, z: int = 16, dim_mult=(1, 2, 4, 4), nrb: int = 2, tdown=(False, True, True)):
+    """Wan's own VAE key names and shapes, enumerated from the structure of wan/modules/vae.py."""
+    keys: dict[str, tuple[int, ...]] = {}
+
+    def conv(prefix, cin, cout, k):
+        keys[f"{prefix}.weight"] = (cout, cin, *k)
+        keys[f"{prefix}.bias"] = (cout,)
+
+    def resblock(prefix, cin, cout):
+        keys[f"{prefix}.residual.0.gamma"] = (cin, 1, 1, 1)
+        conv(f"{prefix}.residual.2", cin, cout, (3, 3, 3))
+        keys[f"{prefix}.residual.3.gamma"] = (cout, 1, 1, 1)
+        conv(f"{prefix}.residual.6", cout, cout, (3, 3, 3))
+        if cin != cout:
+            conv(f"{prefix}.shortcut", cin, cout, (1, 1, 1))
+
+    def middle(prefix, d):
+        resblock(f"{prefix}.middle.0", d, d)
+        keys[f"{prefix}.middle.1.norm.gamma"] = (d, 1, 1)
+        conv(f"{prefix}.middle.1.to_qkv", d, 3 * d, (1, 1))
+        conv(f"{prefix}.middle.1.proj", d, d, (1, 1))
+        resblock(f"{prefix}.middle.2", d, d)
+
+    last = len(dim_mult) - 1
+    dims = [base * u for u in (1, *dim_mult)]  # encoder
+    conv("encoder.conv1", 3, dims[0], (3, 3, 3))
+    n = 0
+    for i, (cin, cout) in enumerate(zip(dims[:-1], dims[1:])):
+        for _ in range(nrb):
+            resblock(f"encoder.downsamples.{n}", cin, cout)
+            cin, n = cout, n + 1
+        if i != last:
+            conv(f"encoder.downsamples.{n}.resample.1", cout, cout, (3, 3))
+            if tdown[i]:
+                conv(f"encoder.downsamples.{n}.time_conv", cout, cout, (3, 1, 1))
+            n += 1
+    middle("encoder", dims[-1])
+    keys["encoder.head.0.gamma"] = (dims[-1], 1, 1, 1)
+    conv("encoder.head.2", dims[-1], 2 * z, (3, 3, 3))
+    conv("conv1", 2 * z, 2 * z, (1, 1, 1))
+    conv("conv2", z, z, (1, 1, 1))
+    dims = [base * u for u in (dim_mult[-1], *dim_mult[::-1])]  # decoder
+    conv("decoder.conv1", z, dims[0], (3, 3, 3))
+    middle("decoder", dims[0])
+    n, tup = 0, tdown[::-1]
+    for i, (cin, cout) in enumerate(zip(dims[:-1], dims[1:])):
+        if i > 0:
+            cin //= 2  # Wan2.1: the previous stage's upsample halved the channels
+        for _ in range(nrb + 1):
+            resblock(f"decoder.upsamples.{n}", cin, cout)
+            cin, n = cout, n + 1
+        if i != last:
+            conv(f"decoder.upsamples.{n}.resample.1", cout, cout // 2, (3, 3))
+            if tup[i]:
+                conv(f"decoder.upsamples.{n}.time_conv", cout, 2 * cout, (3, 1, 1))
+            n += 1
+    keys["decoder.head.0.gamma"] = (dims[-1], 1, 1, 1)
+    conv("decoder.head.2", dims[-1], 3, (3, 3, 3))
+    return keys
+
+
+def test_full_size_wan_keys_map_onto_diffusers():
+    wan = wan_layout_shapes()
+    assert len(wan) == 194
+    with torch.device("meta"):
+        model_sd = AutoencoderKLWan(**wan21_vae_config()).state_dict()
+    renamed = {wan_key_to_diffusers(k): shape for k, shape in wan.items()}
+    assert len(renamed) == 194
+    assert set(renamed) == set(model_sd)
+    for k, shape in renamed.items():
+        assert tuple(model_sd[k].shape) == shape, k
+    for k in wan:
+        assert diffusers_key_to_wan(wan_key_to_diffusers(k)) == k
+
+
+def test_full_size_state_bytes():
+    nbytes = wan_vae_state_bytes(480, 832, torch.bfloat16)
+    assert 1.85e9 < nbytes < 1.95e9, nbytes
+    assert wan_vae_state_bytes(480, 832, torch.float32) == 2 * nbytes
+
+
+@pytest.fixture(scope="module")
+def tiny_vae():
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**wan21_vae_config(base_dim=8)).eval()
+    with torch.no_grad():  # spread the RMS-norm gains so every layer matters
+        for name, p in vae.named_parameters():
+            if name.endswith("gamma"):
+                p.uniform_(0.5, 1.5)
+    return vae
+
+
+def wan_state_dict(vae) -> dict[str, torch.Tensor]:
+    return {diffusers_key_to_wan(k): v.clone() for k, v in vae.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def layouts(tiny_vae, tmp_path_factory):
+    root = tmp_path_factory.mktemp("vae")
+    (root / "wan").mkdir()
+    torch.save(wan_state_dict(tiny_vae), root / "wan" / WAN_VAE_FILE)
+    tiny_vae.save_pretrained(root / "diffusers" / "vae")
+    return root
+
+
+def test_tiny_wan_file_has_wan_layout(tiny_vae):
+    wan = wan_state_dict(tiny_vae)
+    expected = wan_layout_shapes(base=8)
+    assert {k: tuple(v.shape) for k, v in wan.items()} == expected
+
+
+@pytest.mark.parametrize("where", ["wan/" + WAN_VAE_FILE, "wan", "diffusers", "diffusers/vae"])
+def test_both_layouts_load_the_same_decoder(tiny_vae, layouts, where):
+    dec = WanVAEDecoder.from_path(layouts / where, device="cpu", dtype=torch.float32)
+    got = dec.vae.state_dict()
+    for k, v in tiny_vae.state_dict().items():
+        assert torch.equal(got[k], v), k
+    assert dec.vae.config.base_dim == 8 and dec.dtype == torch.float32
+
+
+def _write(tmp_path, sd):
+    torch.save(sd, tmp_path / WAN_VAE_FILE)
+    return tmp_path / WAN_VAE_FILE
+
+
+def test_strict_missing_extra_misshaped(tiny_vae, tmp_path):
+    sd = wan_state_dict(tiny_vae)
+    missing = dict(sd)
+    del missing["decoder.upsamples.7.time_conv.weight"]
+    with pytest.raises(CheckpointError, match=r"missing.*decoder\.up_blocks\.1\.upsamplers\.0\.time_conv\.weight"):
+        WanVAEDecoder.from_path(_write(tmp_path, missing), device="cpu", dtype=torch.float32)
+    extra = dict(sd, **{"decoder.extra.weight": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match=r"unexpected.*decoder\.extra\.weight"):
+        WanVAEDecoder.from_path(_write(tmp_path, extra), device="cpu", dtype=torch.float32)
+    bad = dict(sd, **{"decoder.head.0.gamma": torch.ones(8, 1, 1)})
+    with pytest.raises(CheckpointError, match=r"mis-shaped.*decoder\.norm_out\.gamma"):
+        WanVAEDecoder.from_path(_write(tmp_path, bad), device="cpu", dtype=torch.float32)
+
+
+def test_strict_diffusers_folder(tiny_vae, tmp_path):
+    from safetensors.torch import save_file
+
+    tiny_vae.save_pretrained(tmp_path / "vae")
+    sd = {k: v.contiguous() for k, v in tiny_vae.state_dict().items() if k != "decoder.conv_out.bias"}
+    save_file(sd, str(tmp_path / "vae" / "diffusion_pytorch_model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing.*decoder\.conv_out\.bias"):
+        WanVAEDecoder.from_path(tmp_path, device="cpu", dtype=torch.float32)
+
+
+def latents(seed: int, frames: int = 9) -> torch.Tensor:
+    return torch.randn(16, frames, H, W, generator=torch.Generator().manual_seed(seed))  # [C, F, h, w]
+
+
+def test_chunked_decode_equals_whole_clip(tiny_vae):
+    dec = WanVAEDecoder(tiny_vae)
+    z = latents(1)
+    state = dec.init_state()
+    chunks = [dec.decode_float(z[:, i : i + 3], state) for i in (0, 3, 6)]  # [3, N, H, W] each
+    assert [c.shape[1] for c in chunks] == [9, 12, 12]
+    raw = z * dec.std + dec.mean  # the DiT's latents are normalized
+    with torch.no_grad():
+        whole = tiny_vae.decode(raw[None]).sample[0]  # [3, 33, 32, 48]
+    got = torch.cat(chunks, dim=1)
+    assert got.shape == whole.shape == (3, 33, 8 * H, 8 * W)
+    assert whole.std() > 0.05  # not all clamped
+    torch.testing.assert_close(got, whole, atol=1e-5, rtol=0)
+
+
+def test_uint8_frames_and_counts(tiny_vae):
+    dec = WanVAEDecoder(tiny_vae)
+    z = latents(2, 6)
+    state = dec.init_state()
+    a = dec.decode(z[:, :3], state)
+    b = dec.decode(z[:, 3:], state)
+    assert a.shape == (9, 8 * H, 8 * W, 3) and b.shape == (12, 8 * H, 8 * W, 3)
+    assert a.dtype == torch.uint8 and state.frames_out == 21
+    ref = dec.decode_float(z, dec.init_state())  # [3, 21, H, W]
+    expect = ((ref.permute(1, 2, 3, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    assert torch.equal(torch.cat([a, b]), expect)
+
+
+def test_interleaved_streams_stay_isolated(tiny_vae):
+    dec = WanVAEDecoder(tiny_vae)
+    za, zb = latents(3, 6), latents(4, 6)
+    sa, sb = dec.init_state(), dec.init_state()
+    mixed = {"a": [], "b": []}
+    for i in (0, 3):
+        mixed["a"].append(dec.decode(za[:, i : i + 3], sa))
+        mixed["b"].append(dec.decode(zb[:, i : i + 3], sb))
+    for name, z in (("a", za), ("b", zb)):
+        s = dec.init_state()
+        alone = [dec.decode(z[:, i : i + 3], s) for i in (0, 3)]
+        for x, y in zip(mixed[name], alone):
+            assert torch.equal(x, y), name
+
+
+def test_state_bytes_match_a_real_stream(tiny_vae):
+    dec = WanVAEDecoder(tiny_vae)
+    state = dec.init_state()
+    z = latents(5, 6)
+    dec.decode(z[:, :3], state)
+    first = state.nbytes()
+    dec.decode(z[:, 3:], state)
+    assert state.nbytes() == first  # steady after the first chunk: two frames per causal conv
+    assert state.nbytes() == wan_vae_state_bytes(8 * H, 8 * W, torch.float32, config=tiny_vae.config)
