@@ -18,7 +18,7 @@ class PoolFull(RuntimeError):
 @dataclass(frozen=True)
 class Reservation:
     stream_id: str  # who holds it
-    nbytes: int  # exact bytes of its storage tensors
+    nbytes: int  # exact bytes of its storage tensors, plus the per-stream state counted with them
 
 
 class CachePool:
@@ -47,37 +47,41 @@ class CachePool:
     def num_streams(self) -> int:
         return len(self._held)
 
-    def fits(self, spec: CacheSpec) -> bool:
-        return storage_bytes(spec) <= self.free_bytes
+    def fits(self, spec: CacheSpec, extra_bytes: int = 0) -> bool:
+        return storage_bytes(spec) + extra_bytes <= self.free_bytes
 
-    def refusal(self, spec: CacheSpec) -> str | None:
-        """Why a cache of `spec` would be refused now, or None if it fits."""
-        need = storage_bytes(spec)
+    def refusal(self, spec: CacheSpec, extra_bytes: int = 0) -> str | None:
+        """Why a cache of `spec` (plus `extra_bytes` of other per-stream state, e.g. the decoder's)
+        would be refused now, or None if it fits."""
+        need = storage_bytes(spec) + extra_bytes
         if need <= self.free_bytes:
             return None
+        extra = f" (decoder state {_mib(extra_bytes)} included)" if extra_bytes else ""
         return (
-            f"KV cache needs {_mib(need)} but the pool has {_mib(self.free_bytes)} free of {_mib(self.budget_bytes)} "
-            f"({self.num_streams} streams open); close a stream, use --kv-quant int2/int4 or a smaller window"
+            f"KV cache needs {_mib(need)}{extra} but the pool has {_mib(self.free_bytes)} free of "
+            f"{_mib(self.budget_bytes)} ({self.num_streams} streams open); close a stream, use --kv-quant int2/int4 "
+            "or a smaller window"
         )
 
-    def allocate(self, stream_id: str, spec: CacheSpec) -> StreamCache | None:
-        """A new cache for `stream_id`, or None when it does not fit the budget."""
+    def allocate(self, stream_id: str, spec: CacheSpec, extra_bytes: int = 0) -> StreamCache | None:
+        """A new cache for `stream_id`, or None when it and `extra_bytes` (per-stream state held
+        elsewhere, counted against the same budget) do not fit."""
         if stream_id in self._held:
             raise ValueError(f"stream {stream_id!r} already holds a cache")
         need = storage_bytes(spec)
-        if need > self.free_bytes:
+        if need + extra_bytes > self.free_bytes:
             return None
         storage = make_storage(spec, self.device)
         if storage.nbytes != need:  # keep the accounting honest
             raise AssertionError(f"storage allocated {storage.nbytes} bytes, accounting says {need}")
         cache = StreamCache(spec, storage=storage)
-        self._held[stream_id] = (Reservation(stream_id, need), cache)
+        self._held[stream_id] = (Reservation(stream_id, need + extra_bytes), cache)
         return cache
 
-    def allocate_or_raise(self, stream_id: str, spec: CacheSpec) -> StreamCache:
-        cache = self.allocate(stream_id, spec)
+    def allocate_or_raise(self, stream_id: str, spec: CacheSpec, extra_bytes: int = 0) -> StreamCache:
+        cache = self.allocate(stream_id, spec, extra_bytes)
         if cache is None:
-            raise PoolFull(self.refusal(spec) or "KV pool is full")
+            raise PoolFull(self.refusal(spec, extra_bytes) or "KV pool is full")
         return cache
 
     def release(self, stream_id: str) -> int:

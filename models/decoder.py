@@ -27,6 +27,10 @@ class DecoderState:
 class StreamingDecoder(Protocol):
     def init_state(self) -> DecoderState: ...
 
+    def state_bytes(self, height: int, width: int) -> int:
+        """Device memory one stream's state holds at this video size (admission counts it)."""
+        ...
+
     def decode(self, latents: torch.Tensor, state: DecoderState) -> torch.Tensor:
         """latents [C, F, h, w] -> frames [N, H, W, 3] uint8 (on the decoder's device); updates state."""
         ...
@@ -67,6 +71,11 @@ class TinyStreamingDecoder(nn.Module):
 
     def init_state(self) -> DecoderState:
         return DecoderState()
+
+    def state_bytes(self, height: int, width: int) -> int:
+        # the memory: [ch, h, w] features of the last latent frame
+        p = self.conv_in.weight
+        return p.shape[0] * (height // self.su) * (width // self.su) * p.element_size()
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, state: DecoderState) -> torch.Tensor:

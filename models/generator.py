@@ -152,6 +152,10 @@ class ChunkGenerator:
         """The device's workspace: a stream's cache with room for a chunk's own K/V before its slots."""
         return replace(self.cache_spec(), quant="none", staging_frames=self.cfg.frames_per_chunk)
 
+    def decoder_state_bytes(self) -> int:
+        """Device memory one stream's decoder state holds (the Wan VAE's causal cache: 1.9 GB at 480x832)."""
+        return self.decoder.state_bytes(self.model_cfg.height, self.model_cfg.width)
+
     def workspace_bytes(self) -> int:
         """Device memory the generator holds beside the streams' caches (the workspace)."""
         return 0 if self.workspace is None else self.workspace.nbytes
@@ -413,6 +417,9 @@ def _batch_text(texts: list[TextKV]) -> TextKV:
     return [(torch.cat([t[i][0] for t in texts]), torch.cat([t[i][1] for t in texts])) for i in range(len(texts[0]))]
 
 
+DECODERS = ("auto", "tiny", "wan-vae", "taehv")
+
+
 def build_generator(
     preset: str = "tiny",
     *,
@@ -422,16 +429,28 @@ def build_generator(
     checkpoint: str | None = None,
     cfg: GeneratorConfig = GeneratorConfig(),
     lora: str | None = None,
+    lora_alpha: float | None = None,
     wrapper: str = "auto",
+    wan_dir: str | None = None,
+    decoder: str = "auto",
+    taehv: str | None = None,
 ) -> ChunkGenerator:
-    """A generator for a preset: random weights from `seed`, or a local checkpoint (a .pt/.safetensors
-    file, `wrapper` choosing its `generator_ema` / `generator`, or a Wan2.1 folder) whose shapes win over
-    the preset's (models/weights.py `infer_config`), with an optional LoRA merged in fp32."""
-    from models.weights import checkpoint_num_heads, infer_config, load_state_dict, merge_lora, read_state_dict
-    from models.dit import Rope
+    """A generator for a preset, everything from local files, nothing downloaded.
 
+    The DiT: random weights from `seed`, or a checkpoint (a .pt/.safetensors file, `wrapper` choosing
+    its `generator_ema` / `generator`, or a Wan2.1 folder) whose shapes win over the preset's
+    (models/weights.py `infer_config`), with an optional LoRA merged in fp32; with `wan_dir` and no
+    checkpoint, the folder's own DiT. `wan_dir` (either layout) also gives the umT5 text encoder and the
+    Wan VAE. `decoder`: tiny (the built-in), wan-vae (from `wan_dir`), taehv (`taehv`, a taew2_1.pth),
+    auto (wan-vae with `wan_dir`, else tiny)."""
+    from models.dit import Rope
+    from models.weights import checkpoint_num_heads, infer_config, load_state_dict, merge_lora, read_state_dict
+
+    if decoder not in DECODERS:
+        raise ValueError(f"decoder {decoder!r} is unknown; use one of {', '.join(DECODERS)}")
+    checkpoint = checkpoint or wan_dir
     if lora and not checkpoint:
-        raise ValueError("lora needs a checkpoint: it is merged into the checkpoint's weights")
+        raise ValueError("lora needs a checkpoint (or a Wan folder): it is merged into the checkpoint's weights")
     mc = ModelConfig.from_name(preset)
     device = torch.device(device)
     if dtype is None:
@@ -445,10 +464,45 @@ def build_generator(
         model.rope = Rope(mc)  # its tables are plain tensors, not parameters: built on meta above
         del sd
         if lora:
-            merge_lora(model, lora)  # logs the layers merged
+            merge_lora(model, lora, alpha=lora_alpha)  # logs the layers merged
     else:
         with torch.device("cpu"):
             model = CausalWanModel(mc)
         model.init_weights(seed)
     model = model.to(device=device, dtype=dtype).eval()
-    return ChunkGenerator(model, cfg)
+    text_encoder = _text_encoder(wan_dir, mc, device, dtype)
+    return ChunkGenerator(model, cfg, text_encoder, _decoder(decoder, wan_dir, taehv, device))
+
+
+def _text_encoder(wan_dir: str | None, mc: ModelConfig, device: torch.device, dtype: torch.dtype) -> TextEncoder | None:
+    """umT5 from the Wan folder (None: the built-in hashing encoder), checked against the DiT's text input."""
+    if not wan_dir:
+        return None
+    from models.umt5 import UMT5TextEncoder
+
+    enc = UMT5TextEncoder.from_wan_dir(wan_dir, device=device, dtype=dtype, text_len=mc.text_len)
+    if enc.text_dim != mc.text_dim:
+        raise ValueError(
+            f"the text encoder in {wan_dir} gives {enc.text_dim}-wide embeddings but the DiT's text_embedding takes "
+            f"{mc.text_dim}: use the Wan folder that goes with this checkpoint"
+        )
+    return enc
+
+
+def _decoder(kind: str, wan_dir: str | None, taehv: str | None, device: torch.device) -> StreamingDecoder | None:
+    """The streaming decoder `kind` names (None: the built-in tiny one)."""
+    if kind == "auto":
+        kind = "wan-vae" if wan_dir else "taehv" if taehv else "tiny"
+    if kind == "tiny":
+        return None
+    if kind == "wan-vae":
+        if not wan_dir:
+            raise ValueError("the wan-vae decoder loads from the Wan2.1 folder: give --wan-dir PATH")
+        from models.wan_vae import WanVAEDecoder
+
+        return WanVAEDecoder.from_path(wan_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if not taehv:
+        raise ValueError("the taehv decoder loads TAEHV's taew2_1.pth: give --taehv PATH")
+    from models.taehv import TAEHVDecoder
+
+    return TAEHVDecoder.from_path(taehv, device, torch.float16 if device.type == "cuda" else torch.float32)

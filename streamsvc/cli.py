@@ -7,13 +7,28 @@ import sys
 from pathlib import Path
 
 from models import PRESETS, GeneratorConfig, build_generator
+from models.generator import DECODERS
 from kvcache import QUANT_MODES
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="model size (default: tiny, CPU-fast)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if present)")
-    p.add_argument("--checkpoint", default=None, help="local .safetensors/.pt DiT weights (default: random from --weights-seed)")
+    p.add_argument("--checkpoint", default=None,
+                   help="local DiT weights: a .safetensors/.pt file (Self-Forcing, LongLive) or a Wan2.1 folder "
+                        "(default: --wan-dir's own DiT, else random from --weights-seed)")
+    p.add_argument("--wan-dir", default=None,
+                   help="the Wan2.1-T2V-1.3B folder, Wan's layout or Diffusers': the umT5 text encoder, the VAE and "
+                        "the base DiT (default: none: the built-in hashing text encoder and tiny decoder)")
+    p.add_argument("--lora", default=None, help="a LoRA file merged into the checkpoint (LongLive's lora.pt)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="the LoRA's alpha (default: its rank, scale 1)")
+    p.add_argument("--wrapper", default="auto", choices=("auto", "generator", "generator_ema"),
+                   help="which weights of a training checkpoint: auto = generator_ema if present (Self-Forcing), "
+                        "else generator; LongLive's base wants generator")
+    p.add_argument("--decoder", default="auto", choices=DECODERS,
+                   help="latents to frames: tiny (built in), wan-vae (from --wan-dir), taehv (--taehv); "
+                        "auto = wan-vae with --wan-dir, else tiny")
+    p.add_argument("--taehv", default=None, help="TAEHV's taew2_1.pth for --decoder taehv")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights when no checkpoint is given")
     p.add_argument("--kv-quant", default="none", choices=QUANT_MODES, help="KV cache storage (default: none = model dtype)")
     p.add_argument("--sink-frames", type=int, default=3, help="latent frames kept from the stream's start (default 3)")
@@ -30,7 +45,8 @@ def _generator(args):
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     device = default_device(args.device)
     cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant)
-    gen = build_generator(args.preset, device=device, seed=args.weights_seed, checkpoint=args.checkpoint, cfg=cfg)
+    gen = build_generator(args.preset, device=device, seed=args.weights_seed, checkpoint=args.checkpoint, cfg=cfg,
+                          **_weights(args))
     log_attention(device)
     if device.type == "cuda":
         from models.dit import compile_helpers
@@ -50,10 +66,20 @@ def cmd_generate(args) -> int:
     if args.seconds <= 0 or args.fps <= 0:
         print("streamsvc generate: --seconds and --fps must be positive", file=sys.stderr)
         return 2
-    gen = _generator(args)
+    try:
+        gen = _generator(args)
+    except (ValueError, OSError) as e:  # bad weight files or flags (CheckpointError is a ValueError)
+        print(f"streamsvc generate: {e}", file=sys.stderr)
+        return 2
     n = generate_video(gen, args.prompt, args.seconds, args.fps, args.seed, Path(args.output), changes, not args.quiet)
     print(f"wrote {n} frames ({gen.model_cfg.width}x{gen.model_cfg.height}, {args.fps} fps, H.264) to {args.output}")
     return 0
+
+
+def _weights(args) -> dict:
+    """The weight flags as build_generator / EngineConfig keywords."""
+    return {"wan_dir": args.wan_dir, "lora": args.lora, "lora_alpha": args.lora_alpha, "wrapper": args.wrapper,
+            "decoder": args.decoder, "taehv": args.taehv}
 
 
 def _engine_config(args):
@@ -69,7 +95,7 @@ def _engine_config(args):
                             utilization_target=utilization, startup_slack_s=args.startup_slack)
     return EngineConfig(
         preset=args.preset, device=str(device), checkpoint=args.checkpoint,
-        weights_seed=args.weights_seed, generator=gen, scheduler=sched, compile=args.compile,
+        weights_seed=args.weights_seed, generator=gen, scheduler=sched, compile=args.compile, **_weights(args),
         kv_budget_bytes=int(args.kv_budget_gib * 2**30) if args.kv_budget_gib else None,
     )
 
@@ -121,6 +147,9 @@ def cmd_serve(args) -> int:
         asyncio.run(Server(_engine_config(args), config).serve_forever())
     except KeyboardInterrupt:
         pass
+    except (ValueError, OSError) as e:  # the engine could not start: bad weight files or flags (logged in full)
+        print(f"streamsvc serve: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -55,8 +55,14 @@ class EngineConfig:
 
     preset: str = "tiny"  # model preset (models.PRESETS)
     device: str = "cpu"  # torch device of the model and the KV pool
-    checkpoint: str | None = None  # local DiT weights; None: random from weights_seed
+    checkpoint: str | None = None  # local DiT weights (file or Wan folder); None: wan_dir's, else random
     weights_seed: int = 0
+    wan_dir: str | None = None  # Wan2.1 folder (either layout): umT5, the VAE, the base DiT
+    lora: str | None = None  # a LoRA merged into the checkpoint (LongLive)
+    lora_alpha: float | None = None  # None: the LoRA's rank (scale 1)
+    wrapper: str = "auto"  # which state dict of a training checkpoint: auto | generator | generator_ema
+    decoder: str = "auto"  # tiny | wan-vae | taehv | auto (wan-vae with wan_dir, else tiny)
+    taehv: str | None = None  # TAEHV's taew2_1.pth, for decoder taehv
     generator: GeneratorConfig = GeneratorConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_budget_bytes: int | None = None  # KV pool budget; None: 4 GiB on CPU, 85% of free memory on a GPU
@@ -213,8 +219,12 @@ class Engine:
         if device.type == "cpu":
             torch.set_num_threads(cfg.cpu_threads)
         t0 = time.monotonic()
-        self.gen = gen = build_generator(cfg.preset, device=device, seed=cfg.weights_seed, checkpoint=cfg.checkpoint,
-                                         cfg=cfg.generator)
+        self.gen = gen = build_generator(
+            cfg.preset, device=device, seed=cfg.weights_seed, checkpoint=cfg.checkpoint, cfg=cfg.generator,
+            lora=cfg.lora, lora_alpha=cfg.lora_alpha, wrapper=cfg.wrapper, wan_dir=cfg.wan_dir, decoder=cfg.decoder,
+            taehv=cfg.taehv,
+        )
+        self.decoder_bytes = gen.decoder_state_bytes()  # counted with each stream's KV cache
         self.attention = log_attention(device)
         if cfg.compile if cfg.compile is not None else device.type == "cuda":
             from models.dit import compile_helpers
@@ -429,11 +439,11 @@ class Engine:
         req = StreamRequest(
             stream_id, fps=float(fps), first_chunk_frames=gen.frames_in_chunk(0), chunk_frames=gen.frames_in_chunk(1)
         )
-        admission = self.sched.admit(req, self.clock(), kv_refusal=self.pool.refusal(spec))
+        admission = self.sched.admit(req, self.clock(), kv_refusal=self.pool.refusal(spec, self.decoder_bytes))
         if not admission.accepted:
             return admission
         try:
-            cache = self.pool.allocate_or_raise(stream_id, spec)
+            cache = self.pool.allocate_or_raise(stream_id, spec, self.decoder_bytes)
             state = gen.open_stream(stream_id, prompt, seed, cache)
             # on a GPU host, two x264 threads per stream: the encode is part of every chunk's latency
             encoder = StreamEncoder(gen.model_cfg.width, gen.model_cfg.height, fps, threads=2 if gen.device.type == "cuda" else 1)
@@ -447,6 +457,7 @@ class Engine:
 
     def _set_prompt(self, stream_id: str, prompt: str) -> int:
         st = self._get(stream_id)
+        self.gen.encode_prompt(prompt)  # now, not inside its recache: the text encoder runs off the plan's time
         version = self.sched.set_prompt(stream_id, self.clock())
         st.prompts[version] = prompt
         for old in [v for v in st.prompts if v < version - 8]:  # keep a few recent versions only

@@ -94,6 +94,18 @@ def test_pool_accounting_refusal_and_release_without_memory():
     assert pool.num_streams == 2
 
 
+def test_pool_counts_per_stream_state_held_elsewhere():
+    # e.g. a streaming decoder's cache: counted with the stream's KV cache, given back with it
+    s = spec(dtype="bfloat16")
+    per, extra = s.stream_bytes(), 1000
+    pool = CachePool(budget_bytes=2 * per + extra, device="meta")
+    assert pool.allocate("a", s, extra) is not None and pool.used_bytes == per + extra
+    assert pool.refusal(s) is None and "decoder state" in pool.refusal(s, extra + 1)
+    assert pool.allocate("b", s, extra + 1) is None and pool.allocate("b", s, extra) is None
+    assert pool.allocate("b", s) is not None
+    assert pool.release("a") == per + extra
+
+
 def test_staging_sits_before_slot_0_and_is_counted():
     s = spec(staging_frames=2)
     cache = StreamCache(s)
