@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import CacheAccess, GeneratorConfig, Work, build_generator  # noqa: E402
+from models.generator import DECODERS  # noqa: E402
 
 
 class Timer:
@@ -158,6 +159,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--compile", action="store_true", help="torch.compile the elementwise helpers (compile time excluded)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="launch each forward's kernels from Python (no graph replay)")
+    p.add_argument("--wan-dir", default=None, help="Wan2.1 folder: umT5, the VAE, the base DiT (as `streamsvc serve`)")
+    p.add_argument("--checkpoint", default=None, help="DiT weights (file or Wan folder; default random)")
+    p.add_argument("--decoder", default="auto", choices=DECODERS, help="the decoder timed per chunk (as `streamsvc serve`)")
+    p.add_argument("--taehv", default=None, help="TAEHV's taew2_1.pth for --decoder taehv")
     p.add_argument("--only-chunk", action="store_true",
                    help="time only the chunk at a full cache (no fill sweep, peer window or batch scaling)")
     args = p.parse_args()
@@ -172,7 +177,8 @@ def main() -> None:
     t0 = time.time()
     graphs = not args.no_cuda_graphs
     cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant, cuda_graphs=graphs)
-    gen = build_generator(args.preset, device=device, dtype=dtype, cfg=cfg)
+    gen = build_generator(args.preset, device=device, dtype=dtype, cfg=cfg, checkpoint=args.checkpoint,
+                          wan_dir=args.wan_dir, decoder=args.decoder, taehv=args.taehv)
     if args.compile:
         from models.dit import compile_helpers
 
@@ -238,6 +244,8 @@ def main() -> None:
         "sink_frames": args.sink_frames,
         "window_frames": args.window_frames,
         "kv_quant": args.kv_quant,
+        "decoder": type(gen.decoder).__name__,
+        "decoder_state_mb": round(gen.decoder_state_bytes() / 2**20, 1),
         "compile": args.compile,
         "cuda_graphs": graphs and device.type == "cuda",
         "flash_attention": flash_used(gen),

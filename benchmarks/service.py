@@ -9,7 +9,8 @@ What it does, in one invocation:
 1. Times the generator's chunk the way `benchmarks/generator.py` does (run as a child process with
    `--only-chunk`): 4 denoising forwards + the commit at a full cache (sink + window frames), recache and
    decode excluded, warm-up and capture kept out. Flags of the server that change that cost (`--compile`,
-   `--kv-quant`, `--sink-frames`, `--window-frames`) go to the benchmark too.
+   `--kv-quant`, `--sink-frames`, `--window-frames`, and the weights: `--wan-dir`,
+   `--checkpoint`, `--decoder`, `--taehv`) go to the benchmark too.
 2. Starts `python -m streamsvc.cli serve --preset P --device D --port PORT [--serve-arg ...]` and waits
    (bounded by --server-timeout, a progress line every 10 s) for `GET /healthz` to answer 200; the start
    of a GPU server includes compile and CUDA-graph capture. With --url it uses that server instead.
@@ -92,10 +93,12 @@ def bench_flags(serve_args: list[str], device: str) -> list[str]:
     p.add_argument("--kv-quant")
     p.add_argument("--sink-frames")
     p.add_argument("--window-frames")
+    for flag in ("--wan-dir", "--checkpoint", "--decoder", "--taehv"):
+        p.add_argument(flag)
     known, _ = p.parse_known_args(serve_args)
     compiled = known.compile if known.compile is not None else device.startswith("cuda")
     out = ["--compile"] if compiled else []
-    for flag in ("kv_quant", "sink_frames", "window_frames"):
+    for flag in ("kv_quant", "sink_frames", "window_frames", "wan_dir", "checkpoint", "decoder", "taehv"):
         value = getattr(known, flag)
         if value is not None:
             out += [f"--{flag.replace('_', '-')}", value]
