@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from pathlib import Path
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -478,8 +479,11 @@ def _text_encoder(wan_dir: str | None, mc: ModelConfig, device: torch.device, dt
     """umT5 from the Wan folder (None: the built-in hashing encoder), checked against the DiT's text input."""
     if not wan_dir:
         return None
-    from models.umt5 import UMT5TextEncoder
+    from models.umt5 import DIFFUSERS_ENCODER, WAN_CHECKPOINT, UMT5TextEncoder, detect_layout
 
+    root = Path(wan_dir)
+    files = [root / WAN_CHECKPOINT] if detect_layout(root) == "wan" else sorted((root / DIFFUSERS_ENCODER).glob("*.safetensors"))
+    _check_free_memory("the umT5 text encoder", sum(f.stat().st_size for f in files), device)  # files in bf16 (Wan's)
     enc = UMT5TextEncoder.from_wan_dir(wan_dir, device=device, dtype=dtype, text_len=mc.text_len)
     if enc.text_dim != mc.text_dim:
         raise ValueError(
@@ -487,6 +491,18 @@ def _text_encoder(wan_dir: str | None, mc: ModelConfig, device: torch.device, dt
             f"{mc.text_dim}: use the Wan folder that goes with this checkpoint"
         )
     return enc
+
+
+def _check_free_memory(what: str, need_bytes: int, device: torch.device) -> None:
+    """Refuse to start, with the figures, what would not fit on the GPU (rather than fail half loaded)."""
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    if need_bytes > free:
+        raise ValueError(
+            f"{what} needs about {need_bytes / 2**30:.1f} GiB on {device}, which has {free / 2**30:.1f} GiB free of "
+            f"{total / 2**30:.1f}: stop what else runs on that GPU, or use another (--device cuda:N)"
+        )
 
 
 def _decoder(kind: str, wan_dir: str | None, taehv: str | None, device: torch.device) -> StreamingDecoder | None:

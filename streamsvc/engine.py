@@ -127,6 +127,7 @@ class Engine:
         self.forward_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # wall: launch to finish, by kind
         self.gpu_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # device time (CUDA events; CPU: wall)
         self.attention = "sdpa"  # the self-attention backend, for the log and /metrics
+        self.decoder_bytes = 0  # device memory of one stream's decoder state, counted with its KV cache
         self.gen: ChunkGenerator | None = None
         self.sched: Scheduler | None = None
         self.output: OutputStage | None = None
@@ -243,8 +244,10 @@ class Engine:
         self.sched = Scheduler(cfg.scheduler)
         workers = cfg.output_workers or min(4, max(1, (os.cpu_count() or 1) // 4))
         self.output = OutputStage(device, workers, self._handed_over, self._output_failed, self.clock)
+        log.info("model ready in %.1f s", time.monotonic() - t0)
         if device.type == "cuda":
             log.info("capturing CUDA graphs (compiles kernels on first sight; takes a while the first time)")
+            t0 = time.monotonic()
             n = gen.capture_graphs()
             log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
         self._warm_up()

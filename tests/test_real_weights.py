@@ -75,3 +75,13 @@ def test_a_missing_wan_folder_is_a_clear_error(tmp_path, capsys):
                  str(tmp_path / "o.mp4")])
     err = capsys.readouterr().err
     assert code == 2 and "streamsvc generate:" in err and "Traceback" not in err
+
+
+def test_start_up_refuses_what_does_not_fit_the_gpu(monkeypatch):
+    from models.generator import _check_free_memory
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * 2**30, 80 * 2**30))
+    _check_free_memory("umT5", 3 * 2**30, torch.device("cuda"))  # fits: nothing said
+    with pytest.raises(ValueError, match=r"umT5 needs about 11.0 GiB on cuda, which has 4.0 GiB free of 80.0"):
+        _check_free_memory("umT5", 11 * 2**30, torch.device("cuda"))
+    _check_free_memory("umT5", 11 * 2**30, torch.device("cpu"))  # the host: not checked
