@@ -159,7 +159,8 @@ def _webrtc_args(p: argparse.ArgumentParser) -> None:
                         "turn:turn.example.org:3478,user,secret (repeatable; default: none, host candidates only)")
     p.add_argument("--ice-address", action="append", default=[], metavar="IP",
                    help="gather WebRTC host candidates on this address only (repeatable; e.g. 127.0.0.1 keeps ICE "
-                        "on loopback; default: every interface but loopback)")
+                        "on loopback; default: every interface but loopback, and loopback too when --host is a "
+                        "loopback address)")
 
 
 def _webrtc_config(args):

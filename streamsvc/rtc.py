@@ -4,7 +4,9 @@ ICE configuration (no STUN/TURN by default) and the choice of candidate addresse
 Like ``streamsvc.protocol`` this imports nothing else of ours, so the client and the server's
 transport (``streamsvc.transport.webrtc``) can both use it. aioice gathers host candidates on
 every interface except 127.0.0.1; ``gather_on(addresses)`` picks the addresses instead, for the
-code inside it only, so tests and load tests keep all ICE traffic on loopback.
+code inside it only, so tests and load tests keep all ICE traffic on loopback. ``"*"`` among them
+stands for aioice's own pick, so a server listening on loopback offers loopback as well
+(``server_ice_addresses``).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class WebRtcConfig:
     """How the server's peer connections find their viewers."""
 
     ice_servers: tuple[IceServer, ...] = ()  # STUN/TURN servers; () = none, host candidates only
-    ice_addresses: tuple[str, ...] | None = None  # host candidates on exactly these IPs; None = aioice's pick
+    # host candidates on exactly these IPs ("*": every interface but loopback, aioice's pick); None = "*" alone
+    ice_addresses: tuple[str, ...] | None = None
     gather_timeout_s: float = 10.0  # ICE gathering before the answer, at most
     connect_timeout_s: float = 20.0  # answer sent -> connected, else the stream ends
     channel_wait_s: float = 2.0  # the track holds its first frame this long at most for the control channel
@@ -72,6 +75,8 @@ class WebRtcConfig:
             if not self.ice_addresses:
                 raise ValueError("ice_addresses is empty: give at least one IP (e.g. 127.0.0.1) or None for every interface")
             for address in self.ice_addresses:
+                if address == ANY_INTERFACE:
+                    continue
                 try:
                     ipaddress.ip_address(address)
                 except ValueError:
@@ -104,6 +109,25 @@ def h264_preferences() -> list[RTCRtpCodecCapability]:
 
 # ---------------------------------------------------------------- ICE host addresses
 
+ANY_INTERFACE = "*"  # among ICE addresses: every interface but loopback (aioice's own pick)
+
+
+def server_ice_addresses(listen_host: str, configured: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """The host candidates of a server listening on `listen_host`: what was configured, else, on a
+    loopback address, loopback besides every other interface (a browser on the same host, or a
+    host with loopback only, can then connect), else aioice's pick (None)."""
+    if configured is not None:
+        return configured
+    if listen_host == "localhost":
+        return (ANY_INTERFACE, "127.0.0.1")
+    try:
+        ip = ipaddress.ip_address(listen_host)
+    except ValueError:
+        return None
+    if ip.is_loopback:
+        return (ANY_INTERFACE, "::1" if ip.version == 6 else "127.0.0.1")
+    return None
+
 _host_addresses: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
     "streamsvc_ice_host_addresses", default=None
 )
@@ -119,7 +143,13 @@ def _install_address_hook() -> None:
         chosen = _host_addresses.get()
         if chosen is None:
             return current(use_ipv4, use_ipv6)
-        return [a for a in chosen if (use_ipv6 if ":" in a else use_ipv4)]
+        out: list[str] = []
+        for a in chosen:
+            if a == ANY_INTERFACE:
+                out += current(use_ipv4, use_ipv6)
+            elif use_ipv6 if ":" in a else use_ipv4:
+                out.append(a)
+        return list(dict.fromkeys(out))  # in order, once each
 
     get_host_addresses.streamsvc_hook = True  # type: ignore[attr-defined]
     aioice.ice.get_host_addresses = get_host_addresses
@@ -127,7 +157,8 @@ def _install_address_hook() -> None:
 
 @contextlib.contextmanager
 def gather_on(addresses: Sequence[str] | None) -> Iterator[None]:
-    """ICE gathering started inside this block uses exactly ``addresses`` as host candidates.
+    """ICE gathering started inside this block uses exactly ``addresses`` as host candidates
+    (``"*"``: aioice's own pick, every interface but loopback).
 
     aioice looks its host addresses up with ``aioice.ice.get_host_addresses``
     (every interface but 127.0.0.1). This wraps that function once, process

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http
 import itertools
 import logging
@@ -29,7 +30,7 @@ from websockets.http11 import Request, Response
 from streamsvc import protocol as P
 from streamsvc.engine import ChunkOut, Engine, EngineConfig
 from streamsvc.session import Session, SessionState
-from streamsvc.rtc import SignalingError, WebRtcConfig
+from streamsvc.rtc import SignalingError, WebRtcConfig, server_ice_addresses
 from streamsvc.transport.webrtc import WebRtcTransport
 
 log = logging.getLogger("streamsvc.server")
@@ -88,6 +89,9 @@ class Server:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server = None
         self.webrtc: dict[str, WebRtcTransport] = {}  # stream id -> its peer connection, for transport 'webrtc'
+        # on a loopback address, WebRTC offers loopback candidates too (a loopback-only host can connect)
+        self._webrtc_config = dataclasses.replace(
+            config.webrtc, ice_addresses=server_ice_addresses(config.host, config.webrtc.ice_addresses))
         self.engine = Engine(engine_config, on_chunk=self._from_engine(self._on_chunk),
                              on_error=self._from_engine(self._on_error))
 
@@ -273,7 +277,7 @@ class Server:
         )))
         if msg.transport == "webrtc":  # frames go on a peer connection once the viewer's offer is answered
             self.webrtc[stream_id] = WebRtcTransport(
-                session, self.engine, self.config.webrtc,
+                session, self.engine, self._webrtc_config,
                 on_control=lambda m: self._control(session, m), on_lost=lambda reason: self._end(session, reason),
             )
         return session

@@ -93,6 +93,25 @@ async def test_gather_on_is_scoped_to_its_block():
     assert "127.0.0.1" not in aioice.ice.get_host_addresses(True, False)  # aioice's own choice again
 
 
+def test_a_server_on_loopback_offers_loopback_too():
+    from streamsvc.rtc import server_ice_addresses
+
+    assert server_ice_addresses("127.0.0.1", None) == ("*", "127.0.0.1")
+    assert server_ice_addresses("localhost", None) == ("*", "127.0.0.1")
+    assert server_ice_addresses("::1", None) == ("*", "::1")
+    assert server_ice_addresses("0.0.0.0", None) is None and server_ice_addresses("10.1.2.3", None) is None
+    assert server_ice_addresses("127.0.0.1", ("10.0.0.5",)) == ("10.0.0.5",)  # what was asked for wins
+    WebRtcConfig(ice_addresses=("*", "127.0.0.1"))  # "*" is a valid entry
+
+
+async def test_gather_on_any_interface_and_loopback():
+    import aioice.ice
+
+    own = aioice.ice.get_host_addresses(True, False)
+    with gather_on(("*", "127.0.0.1")):
+        assert aioice.ice.get_host_addresses(True, False) == own + ["127.0.0.1"]
+
+
 def _packets(n: int, start: int, fps: int) -> list[av.Packet]:
     out = []
     for i in range(start, start + n):
