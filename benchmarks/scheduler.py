@@ -386,8 +386,21 @@ def fixed_checks(cells: list[dict]) -> dict:
     return result
 
 
+def with_overrides(sim: SimConfig, overrides: list[str]) -> SimConfig:
+    """`sim` with `FIELD=VALUE` overrides (floats) from the command line."""
+    fields = {f.name for f in dataclasses.fields(SimConfig)}
+    changes = {}
+    for item in overrides:
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--sim {item!r}: no field {name!r}; fields: {', '.join(sorted(fields))}")
+        changes[name] = type(getattr(sim, name))(float(value))
+    return dataclasses.replace(sim, **changes)
+
+
 def main_fixed(args: argparse.Namespace, seeds: list[int]) -> int:
     sim = dataclasses.replace(H200, duration_s=args.duration if args.duration_set else H200.duration_s)
+    sim = with_overrides(sim, args.sim)
     if args.buffer_cap is not None:
         sim = dataclasses.replace(sim, buffer_cap_s=args.buffer_cap)
     margins = [args.start_margin_s, math.inf] if math.isfinite(args.start_margin_s) else [math.inf]
@@ -531,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-restart", action="store_true", help="restart_on_prompt=False")
     ap.add_argument("--max-batch", type=int, default=1)
+    ap.add_argument("--sim", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a cost-model field (repeatable), e.g. --sim forward_s=0.062 --sim hand_over_s=0.055")
     args = ap.parse_args(argv)
     args.duration_set = args.duration is not None
     if args.duration is None:
@@ -544,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = [float(x) for x in args.loads.split(",")]
     policies = args.policies.split(",")
     admissions = {"both": (True, False), "on": (True,), "off": (False,)}[args.admission]
-    sim = SimConfig(duration_s=args.duration)
+    sim = with_overrides(SimConfig(duration_s=args.duration), args.sim)
     if args.buffer_cap is not None:
         sim = dataclasses.replace(sim, buffer_cap_s=args.buffer_cap)
 
