@@ -70,6 +70,18 @@ class Clock:
     def ids(self, n: int) -> list[str]:
         return ["+".join(ids) for _, ids, _ in self.run(n)]
 
+    def launch(self, n: int, elapsed_s: float | None = COST) -> list[Plan]:
+        """Run `n` plans as the engine does: each counted done at its end (`cost` later) with its
+        frames in flight (deliver=False) and `elapsed_s` as its measured cost (None: not known)."""
+        plans = []
+        for _ in range(n):
+            plan = self.sched.next(self.now)
+            assert plan is not None
+            self.now += self.cost
+            assert self.sched.complete(plan, self.now, elapsed_s, deliver=False) == []
+            plans.append(plan)
+        return plans
+
 
 CHUNK = [(D, 0), (D, 1), (D, 2), (D, 3), (C, 4)]
 
@@ -353,18 +365,11 @@ def test_committed_chunks_in_flight_count_toward_the_rule_until_delivered():
     sched = make()
     admit(sched, "a")
     clock = Clock(sched)
-    for _ in range(5):
-        plan = sched.next(clock.now)
-        clock.now += COST
-        assert sched.complete(plan, clock.now, COST, deliver=False) == []
+    clock.launch(5)
     st = sched.stream_stats("a", 0.3125)
     assert (st.buffered_s, st.in_flight_s, st.chunks_delivered, st.ttff_s) == (0.0, 0.5625, 0, None)
     # 0.5625 s in flight is at the lead: the next chunk starts, in flight too.
-    for _ in range(5):
-        plan = sched.next(clock.now)
-        assert plan.chunk_index == (1,)
-        clock.now += COST
-        sched.complete(plan, clock.now, COST, deliver=False)
+    assert all(plan.chunk_index == (1,) for plan in clock.launch(5))
     # 1.3125 s in flight: above the lead, though the viewer's buffer is empty. Nothing drains it
     # but deliveries: no wake-up by time.
     assert sched.next(0.625) is None and sched.wake_at(0.625) is None
@@ -383,10 +388,7 @@ def test_a_chunk_is_not_delivered_before_the_ones_in_flight():
     sched = make()
     admit(sched, "a")
     clock = Clock(sched)
-    for _ in range(5):
-        plan = sched.next(clock.now)
-        clock.now += COST
-        sched.complete(plan, clock.now, COST, deliver=False)
+    clock.launch(5)
     clock.run(4)
     commit = sched.next(clock.now)
     with pytest.raises(SchedulerError, match="'a' has 1 chunk\\(s\\) in flight: deliver=True would credit"):
@@ -403,10 +405,7 @@ def test_in_flight_chunks_count_toward_the_cap():
     clock = Clock(sched, now=0.3125)
     sched.set_prompt("a", 0.3125)
     assert clock.run(1) == [(R, ("a",), RECACHE_STAGE)]
-    for _ in range(5):  # the new prompt's chunk, committed at 0.6875 and kept in flight
-        plan = sched.next(clock.now)
-        clock.now += COST
-        sched.complete(plan, clock.now, COST, deliver=False)
+    clock.launch(5)  # the new prompt's chunk, committed at 0.6875 and kept in flight
     sched.set_prompt("a", clock.now)  # steering again: only the cap bounds it
     assert clock.run(1) == [(R, ("a",), RECACHE_STAGE)]
     # 0.3125 s buffered + 0.75 s in flight + 0.75 s chunk <= 2: runnable; 0.25 more in flight would not be.
@@ -419,11 +418,7 @@ def test_in_flight_chunks_count_toward_the_cap():
 def test_delivered_for_a_removed_stream_returns_none():
     sched = make()
     admit(sched, "a")
-    clock = Clock(sched)
-    for _ in range(5):
-        plan = sched.next(clock.now)
-        clock.now += COST
-        sched.complete(plan, clock.now, None, deliver=False)
+    Clock(sched).launch(5, elapsed_s=None)
     assert sched.remove("a")
     assert sched.delivered("a", 0.5) is None
     assert sched.delivered("never", 0.5) is None
