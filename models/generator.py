@@ -157,10 +157,6 @@ class ChunkGenerator:
         """Device memory one stream's decoder state holds (the Wan VAE's causal cache: 1.9 GB at 480x832)."""
         return self.decoder.state_bytes(self.model_cfg.height, self.model_cfg.width)
 
-    def workspace_bytes(self) -> int:
-        """Device memory the generator holds beside the streams' caches (the workspace)."""
-        return 0 if self.workspace is None else self.workspace.nbytes
-
     def open_stream(self, stream_id: str, prompt: str, seed: int, cache: StreamCache | None = None) -> StreamState:
         """A new stream; `cache` comes from the device's pool (a private one is made if None)."""
         mc = self.model_cfg

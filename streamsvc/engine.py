@@ -126,7 +126,6 @@ class Engine:
         self.forwards: dict[str, int] = {w.value: 0 for w in WorkKind}  # forwards run, by kind
         self.forward_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # wall: launch to finish, by kind
         self.gpu_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # device time (CUDA events; CPU: wall)
-        self.attention = "sdpa"  # the self-attention backend, for the log and /metrics
         self.decoder_bytes = 0  # device memory of one stream's decoder state, counted with its KV cache
         self.gen: ChunkGenerator | None = None
         self.sched: Scheduler | None = None
@@ -226,7 +225,7 @@ class Engine:
             taehv=cfg.taehv,
         )
         self.decoder_bytes = gen.decoder_state_bytes()  # counted with each stream's KV cache
-        self.attention = log_attention(device)
+        log_attention(device)
         if cfg.compile if cfg.compile is not None else device.type == "cuda":
             from models.dit import compile_helpers
 
@@ -496,17 +495,18 @@ class _Timer:
 
     def __init__(self, device: torch.device, clock: Callable[[], float]) -> None:
         self.clock = clock
-        self.start = self.end = None
+        self.start = None
         self.t0 = clock()
         if device.type == "cuda":
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record()
 
     def launched(self, kind: WorkKind, batch: int, now: float) -> _InFlight:
+        end = None
         if self.start is not None:
-            self.end = torch.cuda.Event(enable_timing=True)
-            self.end.record()
-        return _InFlight(kind, batch, now, self.start, self.end, self.clock() - self.t0)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        return _InFlight(kind, batch, now, self.start, end, self.clock() - self.t0)
 
     def seconds(self) -> float:
         """Wait for the work and return its time (warm-up)."""
@@ -518,16 +518,14 @@ class _Timer:
         return self.start.elapsed_time(end) / 1e3
 
 
-def log_attention(device: torch.device) -> str:
-    """Say which self-attention kernel runs on `device`, and how to get the fast one when it is
-    missing; returns the backend's name ("fa4" or "sdpa")."""
+def log_attention(device: torch.device) -> None:
+    """Say which self-attention kernel runs on `device`, and how to get the fast one when it is missing."""
     from models import flash
 
     if device.type != "cuda":
-        return "sdpa"
+        return
     why_not = flash.status(device)
     if why_not is None:
         log.info("attention: FlashAttention-4 for the self-attention, cuDNN SDPA for the cross-attention")
-        return "fa4"
-    log.warning("attention: SDPA (cuDNN) for all attention; FlashAttention-4 is not in use: %s", why_not)
-    return "sdpa"
+    else:
+        log.warning("attention: SDPA (cuDNN) for all attention; FlashAttention-4 is not in use: %s", why_not)

@@ -86,7 +86,7 @@ class OutputStage:
         for t in self._threads:
             t.start()
         self._lock = threading.Lock()  # guards the figures below
-        self.encode_seconds = 0.0  # waiting for nothing: encode + pack time, summed
+        self.encode_seconds = 0.0  # x264 and packing, summed over chunks (the wait for the frames left out)
         self.chunks = 0
         self.latency_max_s = 0.0
 
