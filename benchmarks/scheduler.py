@@ -181,7 +181,7 @@ def simulate(sim: SimConfig, sched_cfg: SchedulerConfig, viewers: list[Viewer], 
     sched = Scheduler(sched_cfg)
     mean_s = {WorkKind.DENOISE: sim.forward_s, WorkKind.COMMIT: sim.commit_s, WorkKind.RECACHE: sim.recache_s}
     for kind, cost in mean_s.items():  # the engine's warm-up measures every kind before serving
-        sched.observe_cost(kind, 1, cost)
+        sched.seed_cost(kind, 1, cost)
     events: list[tuple[float, int, str, object]] = []
     seq = 0
 

@@ -271,6 +271,8 @@ def server_figures(first: dict | None, last: dict | None, wall_s: float, peak: d
         "chunks_over_1s": chunks_n - delta(le_1s) if le_1s in last else None,
         "server_ttff_mean_s": round(delta("streamsvc_ttff_seconds_sum") / ttff_n, 4) if ttff_n else None,
         "client_stalls": delta("streamsvc_client_stalls_total"),
+        "degraded_chunks": delta("streamsvc_degraded_chunks"),
+        "pressure_peak": None if peak is None else peak.get("streamsvc_scheduler_pressure"),
         "modelled_stalls_peak": None if peak is None else peak.get("streamsvc_modelled_stalls"),
         "scheduler_load_peak": None if peak is None else peak.get("streamsvc_scheduler_load"),
         "kv_bytes_peak": None if peak is None else peak.get("streamsvc_kv_bytes"),
@@ -326,6 +328,8 @@ def summarize(results: Sequence[StreamResult], *, duration_s: float) -> dict:
                    "ratio": _r(stall_s / watched if watched > 0 else 0.0, 6),
                    "streams_with_stalls": sum(1 for p in pbs if p.stalls > 0)},
         "freezes": {"count": sum(p.freezes for p in pbs), "total_s": _r(sum(p.freeze_s for p in pbs))},
+        "degraded_chunks": sum(r.degraded_chunks for r in admitted),
+        "chunks": sum(r.chunks for r in admitted),
         "control_latency_s": {"n": len(lat), "p50": _r(percentile(lat, 50)), "p95": _r(percentile(lat, 95)),
                               "max": _r(max(lat, default=None)), "sent": sum(r.prompts_sent for r in admitted),
                               "pending": sum(p.prompts_pending for p in pbs)},
@@ -341,7 +345,7 @@ def summarize(results: Sequence[StreamResult], *, duration_s: float) -> dict:
         "per_stream": [
             {"stream_id": r.stream_id, "ttff_s": _r(r.playback.ttff_s), "stalls": r.playback.stalls,
              "stall_s": _r(r.playback.stall_s), "delivered_fps": _r(r.playback.delivered_fps, 3),
-             "chunks": r.chunks, "prompt_versions": len(r.prompt_versions),
+             "chunks": r.chunks, "degraded_chunks": r.degraded_chunks, "prompt_versions": len(r.prompt_versions),
              "control_p50_s": _r(percentile(r.playback.control_latencies_s, 50)),
              "min_headroom_s": _r(r.min_headroom_s), "errors": len(r.errors),
              "stall_events": [[_r(t, 3), _r(d, 4)] for t, d in r.stall_events]}
@@ -362,6 +366,7 @@ def format_table(report: dict) -> str:
         ("stalls", f"{st['count']} ({f(st['total_s'], 3)} s, ratio {f(st['ratio'], 5)}, "
                    f"{st['streams_with_stalls']} streams)"),
         ("freezes (W3C)", f"{fz['count']} ({f(fz['total_s'], 3)} s)"),
+        ("degraded chunks (fewer steps)", f"{report['degraded_chunks']} of {report['chunks']}"),
         ("control latency p50 / p95 / max", " / ".join(f(cl[k], 3) for k in ("p50", "p95", "max"))
          + f" s (n={cl['n']}, pending {cl['pending']})"),
         ("delivered fps mean / min", f"{f(fps['mean'], 2)} / {f(fps['min'], 2)}"),

@@ -98,6 +98,7 @@ class StreamResult:
     playback: PlaybackStats | None  # the playback buffer's measures at the end of the session
     session_s: float  # connect -> end of the session
     chunks: int  # chunks received
+    degraded_chunks: int  # chunks made with fewer denoising steps than `ready` announced (instead of a stall)
     frames_decoded: int  # frames out of the decoder (or counted from headers with DecodeMode.NONE)
     bad_frames: int  # decoded frames whose size differs from `ready`'s
     prompt_versions: tuple[int, ...]  # distinct prompt versions seen in chunk headers, in order of arrival
@@ -291,6 +292,7 @@ class ViewerClient:
             playback=self.stats(),
             session_s=0.0 if self._connected_at is None else end - self._connected_at,
             chunks=len(self.headers),
+            degraded_chunks=sum(1 for h in self.headers if ready is not None and h.steps < ready.steps),
             frames_decoded=self.frames_decoded,
             bad_frames=self.bad_frames,
             prompt_versions=tuple(versions),

@@ -33,6 +33,11 @@ class GeneratorConfig:
 
     frames_per_chunk: int = 3  # latent frames denoised together
     timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)  # before the shift
+    # Shorter schedules a chunk may run with instead of a stall (the scheduler's choice, `--degrade`): the
+    # first n of `timesteps`. Self-Forcing trains every exit of its schedule (a random one per rollout), so a
+    # chunk stopped after n steps is an output the model was trained to give, only less refined.
+    # None: down to half the schedule (3 and 2 of 4 steps).
+    degraded_steps: tuple[int, ...] | None = None
     shift: float = 5.0  # flow-matching timestep warp: sigma = shift*s / (1 + (shift-1)*s)
     sink_frames: int = 3  # first latent frames kept for the stream's whole life
     window_frames: int = 9  # most recent latent frames kept (a ring)
@@ -50,6 +55,11 @@ class GeneratorConfig:
             raise ValueError(f"frames_per_chunk must be >= 1, got {self.frames_per_chunk}")
         if not self.timesteps or any(not 0 < t <= 1000 for t in self.timesteps):
             raise ValueError(f"timesteps must be in (0, 1000], got {self.timesteps}")
+        if any(not 1 <= n < len(self.timesteps) for n in self.shorter_steps):
+            raise ValueError(
+                f"degraded_steps {self.degraded_steps} must each be in [1, {len(self.timesteps) - 1}]: "
+                f"fewer steps than the {len(self.timesteps)} timesteps"
+            )
         if self.window_frames and self.window_frames < self.frames_per_chunk:
             raise ValueError(
                 f"window_frames ({self.window_frames}) must hold at least one chunk ({self.frames_per_chunk} frames)"
@@ -63,6 +73,14 @@ class GeneratorConfig:
             s = t / 1000.0
             out.append(self.shift * s / (1 + (self.shift - 1) * s))
         return out
+
+    @property
+    def shorter_steps(self) -> tuple[int, ...]:
+        """The step counts a degraded chunk may run with, most first."""
+        if self.degraded_steps is not None:
+            return tuple(sorted(self.degraded_steps, reverse=True))
+        n = len(self.timesteps)
+        return tuple(range(n - 1, max(1, (n + 1) // 2) - 1, -1))
 
     @property
     def forwards_per_chunk(self) -> int:
@@ -86,6 +104,7 @@ class Chunk:
     frames: torch.Tensor  # [N, H, W, 3] uint8 video frames, on the model's device (the caller copies them out)
     latents: torch.Tensor  # [C, F, h, w] float32 clean latents, on the model's device
     prompt_version: int  # version of the prompt it was generated under
+    steps: int  # denoising steps it was made with (fewer than the schedule's when degraded)
 
 
 @dataclass
@@ -103,6 +122,7 @@ class StreamState:
     pending_prompt: str | None = None  # applied before the next chunk (with a recache if anything is cached)
     pending_version: int | None = None  # version the pending prompt takes (default: the current one + 1)
     step: int = 0  # next denoising step of the chunk in progress (== steps: ready to commit)
+    steps: int = 0  # denoising steps of the chunk in progress or the next one (set by open_stream: the full schedule)
     x: torch.Tensor | None = None  # [C, F, h, w] current noisy input of the chunk in progress
     x0: torch.Tensor | None = None  # last predicted clean chunk
     chunk_version: int = 0  # prompt version the chunk in progress is generated under
@@ -170,6 +190,7 @@ class ChunkGenerator:
             text=self.encode_prompt(prompt),
             decoder=self.decoder.init_state(),
             clean=torch.zeros(cache.spec.capacity_frames, mc.in_channels, mc.latent_height, mc.latent_width, device=self.device),
+            steps=len(self.sigmas),
         )
 
     def close_stream(self, state: StreamState) -> None:
@@ -193,12 +214,26 @@ class ChunkGenerator:
 
     def abandon_chunk(self, state: StreamState) -> None:
         """Drop the chunk in progress (e.g. to restart it under a new prompt)."""
-        state.step, state.x, state.x0 = 0, None, None
+        state.step, state.steps, state.x, state.x0 = 0, len(self.sigmas), None, None
+
+    def set_steps(self, state: StreamState, steps: int) -> None:
+        """Run the chunk in progress (or, between chunks, the next one) with `steps` denoising steps: the
+        schedule's own number, or one of `cfg.degraded_steps` instead of a stall. A chunk in progress can
+        only be cut short, down to the steps it has already run (its commit is then next)."""
+        full = len(self.sigmas)
+        if steps != full and steps not in self.cfg.shorter_steps:
+            raise ValueError(f"stream {state.stream_id}: {steps} steps; use {full} or one of {self.cfg.shorter_steps}")
+        if state.step > 0 and not state.step <= steps <= state.steps:
+            raise ValueError(
+                f"stream {state.stream_id}: {steps} steps for a chunk at step {state.step} of {state.steps}: "
+                "a chunk in progress can only be cut short"
+            )
+        state.steps = steps
 
     def next_work(self, state: StreamState) -> Work:
         if state.step == 0 and state.pending_prompt is not None and self._needs_recache(state):
             return Work.RECACHE
-        return Work.COMMIT if state.step == len(self.sigmas) else Work.DENOISE
+        return Work.COMMIT if state.step == state.steps else Work.DENOISE
 
     def frames_in_chunk(self, chunk_index: int) -> int:
         return frames_per_chunk(self.cfg.frames_per_chunk, chunk_index == 0, self.model_cfg.temporal_upsample)
@@ -286,7 +321,7 @@ class ChunkGenerator:
     def denoise(self, states: Sequence[StreamState]) -> None:
         """One denoising step for each stream (each at its own step)."""
         for s in states:
-            if s.step >= len(self.sigmas):
+            if s.step >= s.steps:
                 raise ValueError(f"stream {s.stream_id}: chunk is denoised, commit it first")
             if s.step == 0:
                 self._start_chunk(s)
@@ -301,7 +336,7 @@ class ChunkGenerator:
             s.forwards[Work.DENOISE.value] += 1
             s.x0 = x0[j]
             s.step += 1
-            if s.step < len(self.sigmas):  # re-noise to the next level with fresh noise
+            if s.step < s.steps:  # re-noise to the next level with fresh noise
                 nxt = self.sigmas[s.step]
                 eps = torch.randn(x0[j].shape, generator=s.noise, device=self.device)
                 s.x = ((1 - nxt) * x0[j].double() + nxt * eps.double()).float()
@@ -310,8 +345,8 @@ class ChunkGenerator:
     def commit(self, states: Sequence[StreamState]) -> list[Chunk]:
         """Write each denoised chunk's K/V into its cache (a forward at timestep 0), then decode it."""
         for s in states:
-            if s.step != len(self.sigmas):
-                raise ValueError(f"stream {s.stream_id}: commit at step {s.step}, the chunk is not denoised")
+            if s.step == 0 or s.step != s.steps:
+                raise ValueError(f"stream {s.stream_id}: commit at step {s.step} of {s.steps}, the chunk is not denoised")
         nf = self.cfg.frames_per_chunk
         x0 = torch.stack([s.x0 for s in states])
         slots = [s.cache.plan_commit(nf) for s in states]
@@ -324,10 +359,10 @@ class ChunkGenerator:
             s.clean[_rows(slots[j], self.device)] = x0[j].transpose(0, 1)
             s.forwards[Work.COMMIT.value] += 1
             frames = self.decoder.decode(x0[j], s.decoder)
-            chunks.append(Chunk(s.chunks_done, s.frames_done, frames, x0[j], s.chunk_version))
+            chunks.append(Chunk(s.chunks_done, s.frames_done, frames, x0[j], s.chunk_version, s.steps))
             s.chunks_done += 1
             s.frames_done += frames.shape[0]
-            s.step, s.x, s.x0 = 0, None, None
+            s.step, s.steps, s.x, s.x0 = 0, len(self.sigmas), None, None
         return chunks
 
     @torch.inference_mode()

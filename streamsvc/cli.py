@@ -96,6 +96,7 @@ def _engine_config(args):
     return EngineConfig(
         preset=args.preset, device=str(device), checkpoint=args.checkpoint,
         weights_seed=args.weights_seed, generator=gen, scheduler=sched, compile=args.compile, **_weights(args),
+        degrade=args.degrade == "auto",
         kv_budget_bytes=int(args.kv_budget_gib * 2**30) if args.kv_budget_gib else None,
     )
 
@@ -119,6 +120,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-slack", type=float, default=0.75,
                    help="seconds a new stream's first chunk may wait behind playing streams that are about to stall "
                         "(default 0.75: a viewer joining never makes another stall, and still sees video within about 1 s)")
+    p.add_argument("--degrade", choices=("auto", "off"), default="auto",
+                   help="auto (default): a chunk that would reach its viewer late runs fewer denoising steps (3 or 2 "
+                        "of 4; the chunk header's 'steps' says so) instead of stalling, and never while the stream has "
+                        "slack to spare; off: always every step, a stall when the device falls behind")
     p.add_argument("--kv-budget-gib", type=float, default=None, help="KV pool budget (default: 4 GiB on CPU, 85%% of free GPU memory)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the DiT's elementwise helpers (default: on with CUDA, off on CPU)")

@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -69,6 +69,8 @@ class EngineConfig:
     cpu_threads: int = 1  # torch intra-op threads on CPU (the event loop and encoders need the other cores)
     compile: bool | None = None  # torch.compile the DiT's elementwise helpers; None: on CUDA only
     warmup_chunks: int = 6  # chunks the warm-up stream runs once its window is full (>= 5 samples per kind)
+    # A chunk about to be late runs fewer denoising steps (GeneratorConfig.degraded_steps) instead of stalling.
+    degrade: bool = True
     output_workers: int | None = None  # encoder threads; None: a quarter of the cores, 1 to 4
 
 
@@ -127,6 +129,7 @@ class Engine:
         self.forward_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # wall: launch to finish, by kind
         self.gpu_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # device time (CUDA events; CPU: wall)
         self.decoder_bytes = 0  # device memory of one stream's decoder state, counted with its KV cache
+        self.degraded_chunks = 0  # chunks made with fewer denoising steps than the schedule's (instead of a stall)
         self.gen: ChunkGenerator | None = None
         self.sched: Scheduler | None = None
         self.output: OutputStage | None = None
@@ -240,7 +243,9 @@ class Engine:
             budget -= scratch_bytes(spec)
         self.pool = CachePool(budget, device)
         self.kv_budget_bytes = budget
-        self.sched = Scheduler(cfg.scheduler)
+        # the scheduler plans the generator's schedule, and its shorter ones instead of stalls unless told not to
+        degrade = gen.cfg.shorter_steps if cfg.degrade else ()
+        self.sched = Scheduler(replace(cfg.scheduler, denoise_steps=len(gen.sigmas), degrade_steps=degrade))
         workers = cfg.output_workers or min(4, max(1, (os.cpu_count() or 1) // 4))
         self.output = OutputStage(device, workers, self._handed_over, self._output_failed, self.clock)
         log.info("model ready in %.1f s", time.monotonic() - t0)
@@ -283,7 +288,7 @@ class Engine:
             enc.close()
         medians = {kind: statistics.median(times) for kind, times in costs.items() if times}
         for kind, seconds in medians.items():
-            self.sched.observe_cost(kind, 1, seconds)
+            self.sched.seed_cost(kind, 1, seconds)
         log.info("warm-up: forward costs at a full cache, median of %s runs (ms): %s",
                  "/".join(str(len(costs[k])) for k in medians), {k.value: round(1e3 * v, 2) for k, v in medians.items()})
 
@@ -349,8 +354,10 @@ class Engine:
         self.sched.complete(plan, now, None, deliver=False)
         for st, chunk in chunks:
             keyframe, st.keyframe = st.keyframe, False
+            self.degraded_chunks += chunk.steps < len(self.gen.sigmas)
             self.output.submit(st.output, chunk.frames, index=chunk.index, first_frame=chunk.first_frame,
-                               prompt_version=chunk.prompt_version, keyframe=keyframe, started_at=st.chunk_started_at)
+                               prompt_version=chunk.prompt_version, steps=chunk.steps, keyframe=keyframe,
+                               started_at=st.chunk_started_at)
         self.snapshot = self.sched.stats(now)
 
     def _retire(self, wait: bool) -> None:
@@ -381,7 +388,7 @@ class Engine:
 
     def _run(self, plan: Plan, streams: list[_Stream], now: float) -> list[tuple[_Stream, object]]:
         gen = self.gen
-        for st, seq, restart in zip(streams, plan.prompt_seqs, plan.restart):
+        for st, seq, restart, steps in zip(streams, plan.prompt_seqs, plan.restart, plan.steps):
             state = st.state
             if seq > state.prompt_version:
                 gen.set_prompt(state, st.prompts[seq], version=seq)
@@ -389,6 +396,8 @@ class Engine:
                 gen.abandon_chunk(state)
             if plan.kind is WorkKind.DENOISE and plan.step > 0 and state.step != plan.step:
                 raise EngineError(f"stream {state.stream_id}: plan step {plan.step}, generator at step {state.step}")
+            if plan.kind is not WorkKind.RECACHE:
+                gen.set_steps(state, steps)
         states = [st.state for st in streams]
         if plan.kind is WorkKind.RECACHE:
             for st in streams:

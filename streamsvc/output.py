@@ -59,6 +59,7 @@ class _Job:
     index: int  # chunk number in the stream
     first_frame: int  # stream index of its first frame
     prompt_version: int
+    steps: int  # denoising steps it was made with
     keyframe: bool
     started_at: float  # launch of the chunk's first forward (engine clock)
 
@@ -94,7 +95,7 @@ class OutputStage:
         return StreamOutput(stream_id, encoder, next(self._next_worker) % len(self._queues))
 
     def submit(self, stream: StreamOutput, frames: torch.Tensor, *, index: int, first_frame: int, prompt_version: int,
-               keyframe: bool, started_at: float) -> None:
+               steps: int, keyframe: bool, started_at: float) -> None:
         """Queue a chunk whose frames ([N, H, W, 3] uint8, maybe still being computed on the device) are launched."""
         ready = None
         if frames.is_cuda:
@@ -107,7 +108,7 @@ class OutputStage:
                 ready.record(cs)
             frames.record_stream(cs)  # the decoder's output is not reused before the copy has read it
             frames = host
-        job = _Job(stream, frames, ready, index, first_frame, prompt_version, keyframe, started_at)
+        job = _Job(stream, frames, ready, index, first_frame, prompt_version, steps, keyframe, started_at)
         self._queues[stream.worker].put(job)
 
     def close(self, stream: StreamOutput) -> None:
@@ -147,7 +148,7 @@ class OutputStage:
         packets = job.stream.encoder.encode(job.frames.numpy(), start_index=job.first_frame, keyframe=job.keyframe)
         aus = [bytes(p) for p in packets]
         header = ChunkHeader.describe(aus, index=job.index, pts=job.first_frame, prompt_version=job.prompt_version,
-                                      keyframe=job.keyframe)
+                                      steps=job.steps, keyframe=job.keyframe)
         payload = pack_chunk(header, aus)
         now = self.clock()
         out = ChunkOut(job.stream.stream_id, header, aus, packets, payload, now - job.started_at)

@@ -22,8 +22,8 @@ Client -> server::
 Server -> client::
 
     {"type": "ready", "stream_id": "...", "fps": 16, "width": 832, "height": 480,
-     "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0}
-    {"type": "chunk", "index": 3, "pts": 33, "frames": 12, "prompt_version": 1,
+     "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0, "steps": 4}
+    {"type": "chunk", "index": 3, "pts": 33, "frames": 12, "prompt_version": 1, "steps": 4,
      "keyframe": false, "sizes": [2311, 187, ...]}
     {"type": "ack", "request": "set_prompt", "prompt_version": 1}
     {"type": "error", "code": "invalid_field", "message": "..."}
@@ -95,6 +95,8 @@ MAX_DIMENSION = 8192
 """Largest frame width or height."""
 MAX_CHUNK_FRAMES = 1024
 """Most frames in one chunk."""
+MAX_STEPS = 1000
+"""Denoising steps of a chunk are integers in [1, MAX_STEPS]."""
 MAX_STAT = 1e9
 """Upper bound of every number in a ``stats`` message (seconds or counts)."""
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
@@ -157,6 +159,7 @@ Fps = Annotated[int, Field(ge=FPS_MIN, le=FPS_MAX, description=f"an integer in [
 Version = Annotated[int, Field(ge=0, description="an integer >= 0")]
 Dimension = Annotated[int, Field(ge=1, le=MAX_DIMENSION, description=f"an integer in [1, {MAX_DIMENSION}]")]
 FrameCount = Annotated[int, Field(ge=1, le=MAX_CHUNK_FRAMES, description=f"an integer in [1, {MAX_CHUNK_FRAMES}]")]
+Steps = Annotated[int, Field(ge=1, le=MAX_STEPS, description=f"an integer in [1, {MAX_STEPS}]")]
 ClientType = Literal["start", "set_prompt", "pause", "resume", "stats", "close", "offer"]
 
 
@@ -236,6 +239,7 @@ class Ready(_Message):
     first_chunk_frames: FrameCount  # frames in chunk 0 (a causal VAE makes it shorter)
     chunk_frames: FrameCount  # frames in every later chunk
     prompt_version: Version  # the version of the start prompt
+    steps: Steps  # denoising steps of a chunk at full quality (a chunk with fewer was degraded)
 
 
 class Chunk(_Message):
@@ -246,6 +250,7 @@ class Chunk(_Message):
     pts: Annotated[int, Field(ge=0)]  # stream index of the chunk's first frame, in frames
     frames: FrameCount  # number of frames (= access units) in the chunk
     prompt_version: Version  # the prompt version the chunk was generated under
+    steps: Steps  # denoising steps it was made with: fewer than the ready message's when degraded instead of a stall
     keyframe: bool  # the first access unit is an IDR with SPS/PPS: decoding can start here
     sizes: list[Annotated[int, Field(ge=1, le=MAX_CHUNK_BYTES)]]  # byte size of each frame's access unit
 
@@ -258,13 +263,16 @@ class Chunk(_Message):
         return self
 
     @classmethod
-    def describe(cls, access_units: list[bytes], *, index: int, pts: int, prompt_version: int, keyframe: bool) -> Chunk:
+    def describe(
+        cls, access_units: list[bytes], *, index: int, pts: int, prompt_version: int, steps: int, keyframe: bool
+    ) -> Chunk:
         """The header of a chunk made of ``access_units`` (sizes and frame count filled in)."""
         return cls(
             index=index,
             pts=pts,
             frames=len(access_units),
             prompt_version=prompt_version,
+            steps=steps,
             keyframe=keyframe,
             sizes=[len(au) for au in access_units],
         )

@@ -128,8 +128,11 @@ class SchedulerConfig:
     # (and the start rule's check with it: every stream is admitted, as when measuring overload).
     utilization_target: float = 0.9
     initial_forward_s: float = 0.05  # cost of one forward of any kind until one of that kind is measured
-    # Weight of a new measurement in the moving cost estimate, in (0, 1]; the first one replaces the guess.
-    cost_smoothing: float = 0.2
+    # A forward's cost estimate is this percentile of its kind's last `cost_window` measurements, once there
+    # are `cost_min_samples` of them (before: the warm-up's figure, `seed_cost`).
+    cost_percentile: float = 0.9
+    cost_window: int = 64
+    cost_min_samples: int = 8
     restart_on_prompt: bool = True  # abandon a chunk in progress for a new prompt when the stream's slack allows it
     # Slack a stream must keep after a restart, in chunks of work (others' forwards interleave with its own).
     restart_margin_chunks: float = 2.0
@@ -146,6 +149,11 @@ class SchedulerConfig:
     latency_min_samples: int = 3
     # Among streams not about to stall, a chunk in progress goes first (finish one chunk before starting another).
     chunk_granular: bool = True
+    # Fewer denoising steps a chunk may run with instead of a stall, e.g. (3, 2) (the generator's
+    # degraded_steps); (): never degrade. See "Degrading" in the module docstring.
+    degrade_steps: tuple[int, ...] = ()
+    # After a degraded chunk, for this long, streams steering to a new prompt do not run ahead of their lead.
+    pressure_hold_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -162,8 +170,13 @@ class SchedulerConfig:
             )
         if not (self.initial_forward_s > 0 and math.isfinite(self.initial_forward_s)):
             raise ValueError(f"initial_forward_s={self.initial_forward_s}: must be a finite cost > 0 s (e.g. 0.05)")
-        if not 0 < self.cost_smoothing <= 1:
-            raise ValueError(f"cost_smoothing={self.cost_smoothing}: must be in (0, 1] (e.g. 0.2)")
+        if not 0 < self.cost_percentile <= 1:
+            raise ValueError(f"cost_percentile={self.cost_percentile}: must be in (0, 1] (e.g. 0.9)")
+        if not 1 <= self.cost_min_samples <= self.cost_window:
+            raise ValueError(
+                f"cost_min_samples={self.cost_min_samples}, cost_window={self.cost_window}: need "
+                "1 <= cost_min_samples <= cost_window (e.g. 8 and 64)"
+            )
         if not (self.restart_margin_chunks >= 0 and math.isfinite(self.restart_margin_chunks)):
             raise ValueError(
                 f"restart_margin_chunks={self.restart_margin_chunks}: must be a finite number >= 0 (e.g. 2.0)"
@@ -177,6 +190,13 @@ class SchedulerConfig:
             raise ValueError(
                 f"start_margin_s={self.start_margin_s}: must be >= 0 s (e.g. 0.25), or math.inf for no start rule"
             )
+        if any(not 1 <= n < self.denoise_steps for n in self.degrade_steps):
+            raise ValueError(
+                f"degrade_steps={self.degrade_steps}: each must be in [1, {self.denoise_steps - 1}], fewer "
+                f"than denoise_steps={self.denoise_steps}"
+            )
+        if not (self.pressure_hold_s >= 0 and math.isfinite(self.pressure_hold_s)):
+            raise ValueError(f"pressure_hold_s={self.pressure_hold_s}: must be a finite number of seconds >= 0")
         if self.latency_window < 1:
             raise ValueError(f"latency_window={self.latency_window}: must be >= 1 chunk latency (e.g. 32)")
         if not 0 <= self.latency_min_samples <= self.latency_window:
@@ -221,6 +241,9 @@ class Plan:
     # Per stream: the prompt version the forward runs under (0 = the opening prompt, n = the n-th set_prompt).
     prompt_seqs: tuple[int, ...]
     chunk_index: tuple[int, ...]  # per stream: index of the chunk this forward belongs to (0 = the first chunk)
+    # Per stream: the denoising steps its chunk runs with (denoise_steps, fewer when degraded; RECACHE: the
+    # full count). A COMMIT's `step` is denoise_steps whatever a degraded chunk's count.
+    steps: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -238,6 +261,7 @@ class StreamStats:
     in_flight_s: float  # video committed but not yet delivered (counts toward the start rule and the cap)
     lead_s: float  # a fresh chunk starts when buffered + in flight falls to this (the start rule)
     latency_p95_s: float | None  # p95 of its recent chunk latencies; None before the first delivery
+    degraded_chunks: int = 0  # chunks committed with fewer denoising steps than the schedule's
 
 
 @dataclass(frozen=True)
@@ -249,6 +273,8 @@ class SchedulerStats:
     stall_s: float  # modelled stall time, summed over streams
     forward_cost_s: dict[WorkKind, float]  # current cost estimate of one batch-1 forward, per kind
     per_stream: tuple[StreamStats, ...]  # in admission order
+    degraded_chunks: int = 0  # summed over the admitted streams
+    pressure: bool = False  # a chunk was degraded within pressure_hold_s: no stream steers ahead of its lead
 
 
 @dataclass
@@ -343,25 +369,42 @@ class PlaybackModel:
 
 
 class CostModel:
-    """Moving estimate of one forward's wall time per (kind, batch size)."""
+    """The cost of one forward per (kind, batch size): a high percentile of what serving measures.
 
-    def __init__(self, initial_forward_s: float, smoothing: float) -> None:
+    A prior (the warm-up's median through `seed`, else the first measurement) stands until `min_samples`
+    forwards of that kind and size are measured; from then on the estimate is the `percentile` of the
+    last `window` of them. So it follows what forwards cost under load (a throttled device, a noisy
+    neighbour, an encoder competing for the CPU) and comes back down when that passes, and a run of
+    fast samples cannot talk it down the way it could a moving average.
+    """
+
+    def __init__(self, initial_forward_s: float, percentile: float = 0.9, window: int = 64, min_samples: int = 8) -> None:
         self.initial_forward_s = initial_forward_s
-        self.smoothing = smoothing
-        self._estimate: dict[tuple[WorkKind, int], float] = {}
+        self.percentile, self.min_samples = percentile, min_samples
+        self._samples: dict[tuple[WorkKind, int], deque[float]] = {}
+        self._window = window
+        self._estimate: dict[tuple[WorkKind, int], float] = {}  # kept current by seed and observe
 
     def estimate(self, kind: WorkKind, batch: int = 1) -> float:
-        """Measured (kind, batch) cost; unmeasured: the batch-1 cost of the kind, else the initial guess."""
+        """The (kind, batch) cost; unmeasured: the batch-1 cost of the kind, else the initial guess."""
         if (kind, batch) in self._estimate:
             return self._estimate[(kind, batch)]
         return self._estimate.get((kind, 1), self.initial_forward_s)
 
+    def seed(self, kind: WorkKind, batch: int, seconds: float) -> None:
+        """A prior for (kind, batch), e.g. the warm-up's median; measurements replace it once there are enough."""
+        key = (kind, batch)
+        self._samples.pop(key, None)
+        self._estimate[key] = seconds
+
     def observe(self, kind: WorkKind, batch: int, elapsed_s: float) -> None:
         key = (kind, batch)
-        if key not in self._estimate:
-            self._estimate[key] = elapsed_s
+        samples = self._samples.setdefault(key, deque(maxlen=self._window))
+        samples.append(elapsed_s)
+        if len(samples) >= self.min_samples:
+            self._estimate[key] = _percentile(samples, self.percentile)
         else:
-            self._estimate[key] += self.smoothing * (elapsed_s - self._estimate[key])
+            self._estimate.setdefault(key, elapsed_s)
 
 
 @dataclass(frozen=True)
@@ -391,6 +434,8 @@ class _Stream:
     last_commit_at: float = 0.0  # time of the last COMMIT (admission before the first): no chunk is due before it
     fresh_samples: int = 0  # latency samples taken since the last admission (of any stream)
     prompt_at: float = 0.0  # time of the latest set_prompt
+    steps: int = 0  # denoising steps of the chunk in progress (set when it starts)
+    degraded: int = 0  # chunks committed with fewer steps than the schedule's
 
 
 @dataclass(frozen=True)
@@ -404,6 +449,7 @@ class _Work:
     slack_s: float  # time until its buffer (in flight included) runs dry (as the policy counts it) minus remaining_s
     runnable: bool  # the start rule and the cap allow it (a RECACHE adds no video and is always runnable)
     due: bool  # buffered + in flight is at or under the stream's lead: needed work, not work ahead
+    steps: int  # denoising steps of its chunk (fewer than denoise_steps: degraded)
 
 
 @dataclass(frozen=True)
@@ -415,12 +461,16 @@ class _Outstanding:
     due: tuple[bool, ...]  # per stream: at or under its lead when the plan was made (see _Work.due)
 
 
-def _p95(samples: deque[float]) -> float | None:
-    """Nearest-rank 95th percentile (None for no samples)."""
+def _percentile(samples, q: float) -> float | None:
+    """Nearest-rank `q` percentile (q in (0, 1]; None for no samples)."""
     if not samples:
         return None
     ordered = sorted(samples)
-    return ordered[math.ceil(0.95 * len(ordered)) - 1]
+    return ordered[math.ceil(q * len(ordered)) - 1]
+
+
+def _p95(samples: deque[float]) -> float | None:
+    return _percentile(samples, 0.95)
 
 
 class Scheduler:
@@ -428,11 +478,13 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         self.config = config or SchedulerConfig()
-        self.costs = CostModel(self.config.initial_forward_s, self.config.cost_smoothing)
+        cfg = self.config
+        self.costs = CostModel(cfg.initial_forward_s, cfg.cost_percentile, cfg.cost_window, cfg.cost_min_samples)
         self._streams: dict[str, _Stream] = {}  # in admission order
         self._next_order = 0
         self._rr_cursor = -1  # admission order of the stream round robin served last
         self._outstanding: _Outstanding | None = None
+        self._pressure_until = -math.inf  # until then a chunk was recently degraded (see pressure_hold_s)
 
     # ----- streams -------------------------------------------------------------------
 
@@ -567,7 +619,10 @@ class Scheduler:
             restart=tuple(w.restart for _, w in batch),
             prompt_seqs=tuple(w.prompt_seq for _, w in batch),
             chunk_index=tuple(s.chunks_done for s, _ in batch),
+            steps=tuple(w.steps for _, w in batch),
         )
+        if any(w.steps < self.config.denoise_steps for _, w in batch):
+            self._pressure_until = now + self.config.pressure_hold_s
         self._outstanding = _Outstanding(
             plan=plan,
             orders=tuple(s.order for s, _ in batch),
@@ -600,8 +655,8 @@ class Scheduler:
             self.costs.observe(plan.kind, len(plan.stream_ids), elapsed_s)
         self._rr_cursor = outstanding.orders[-1]
         delivered = []
-        for stream_id, order, prompt_seq, due_at, due in zip(
-            plan.stream_ids, outstanding.orders, plan.prompt_seqs, outstanding.due_at, outstanding.due
+        for stream_id, order, prompt_seq, due_at, due, chunk_steps in zip(
+            plan.stream_ids, outstanding.orders, plan.prompt_seqs, outstanding.due_at, outstanding.due, plan.steps
         ):
             s = self._streams.get(stream_id)
             if s is None or s.order != order:  # removed while the plan ran
@@ -613,6 +668,7 @@ class Scheduler:
                 s.step = 0  # a partial chunk (if any) is abandoned
                 s.cache_seq = prompt_seq
             elif plan.kind is WorkKind.DENOISE:
+                s.steps = chunk_steps
                 if plan.step == 0:
                     s.chunk_seq = prompt_seq
                     if prompt_seq < s.prompt_seq and s.chunks_done > 0:  # made without the newest prompt
@@ -625,6 +681,7 @@ class Scheduler:
                 s.last_commit_at = now
                 s.chunks_done += 1
                 s.cache_seq = s.chunk_seq  # the committed frames' K/V were computed under the chunk's prompt
+                s.degraded += chunk_steps < self.config.denoise_steps
                 s.step = 0
                 if deliver:
                     self._credit(s, chunk, now)
@@ -655,6 +712,14 @@ class Scheduler:
             raise ValueError(f"seconds={seconds}: a forward's time must be a finite number >= 0")
         self.costs.observe(kind, batch, seconds)
 
+    def seed_cost(self, kind: WorkKind, batch: int, seconds: float) -> None:
+        """What a `kind` forward of `batch` streams costs before serving measures it (the warm-up's median)."""
+        if batch < 1:
+            raise ValueError(f"batch={batch}: a forward runs at least 1 stream")
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(f"seconds={seconds}: a forward's time must be a finite number > 0")
+        self.costs.seed(kind, batch, seconds)
+
     def cancel(self, plan: Plan) -> None:
         """`plan` will not run (e.g. shutting down): forget it, nothing advances."""
         self._take_outstanding(plan)
@@ -671,7 +736,7 @@ class Scheduler:
             if s.playback.paused or s.playback.dry_at() is None:  # not draining
                 continue
             buffered = s.playback.seconds(now)
-            excess = buffered + self._in_flight_s(s) - self._start_threshold_s(s, work.kind, work.step)
+            excess = buffered + self._in_flight_s(s) - self._start_threshold_s(s, work.kind, work.step, now)
             if excess <= buffered + _EPS_S:  # the buffer alone can drain that much
                 wake = min(wake, now + max(0.0, excess))
         return None if wake == math.inf else wake
@@ -708,6 +773,7 @@ class Scheduler:
             in_flight_s=self._in_flight_s(s),
             lead_s=self._lead_s(s),
             latency_p95_s=_p95(s.latencies),
+            degraded_chunks=s.degraded,
         )
 
     def stats(self, now: float) -> SchedulerStats:
@@ -721,6 +787,8 @@ class Scheduler:
             stall_s=sum(st.stall_s for st in per_stream),
             forward_cost_s={kind: self.costs.estimate(kind) for kind in WorkKind},
             per_stream=per_stream,
+            degraded_chunks=sum(st.degraded_chunks for st in per_stream),
+            pressure=now < self._pressure_until,
         )
 
     # ----- internals -----------------------------------------------------------------
@@ -754,10 +822,11 @@ class Scheduler:
         """Slack under which a stream counts as about to stall (0 with the guard off)."""
         return (self.config.stall_guard_chunks or 0.0) * self._chunk_cost_s()
 
-    def _chunk_cost_s(self, batch: int = 1) -> float:
-        """Estimated time of one chunk's forwards at `batch` streams (no recache)."""
-        denoise = self.costs.estimate(WorkKind.DENOISE, batch)
-        return self.config.denoise_steps * denoise + self.costs.estimate(WorkKind.COMMIT, batch)
+    def _chunk_cost_s(self, batch: int = 1, steps: int | None = None) -> float:
+        """Estimated time of one chunk's forwards at `batch` streams (no recache): `steps` denoising
+        forwards (default: all of them) and the commit."""
+        steps = self.config.denoise_steps if steps is None else steps
+        return steps * self.costs.estimate(WorkKind.DENOISE, batch) + self.costs.estimate(WorkKind.COMMIT, batch)
 
     def _queue_work_s(self, streams: int) -> float:
         """One chunk of each of `streams` streams, in batches of up to max_batch: what a chunk may wait for."""
@@ -796,14 +865,16 @@ class Scheduler:
             latency = max(p95 or 0.0, self._predicted_latency_s(s))
         return latency + self.config.start_margin_s
 
-    def _start_threshold_s(self, s: _Stream, kind: WorkKind, step: int) -> float:
+    def _start_threshold_s(self, s: _Stream, kind: WorkKind, step: int, now: float) -> float:
         """Buffered + in-flight video at or under which the stream's `kind` forward at `step` may start."""
         cap_s = self.config.buffer_cap_s - self._next_chunk_s(s)
-        if kind is WorkKind.RECACHE:
-            return math.inf
-        if step > 0 or self._steering(s):  # a chunk in progress, or running ahead to a new prompt
+        if step > 0:  # a chunk in progress goes on
             return cap_s
-        return min(cap_s, self._lead_s(s))
+        if now < self._pressure_until:  # the device is short (a chunk was degraded): no steering ahead of the lead
+            return min(cap_s, self._lead_s(s))
+        if kind is WorkKind.RECACHE:  # it adds no video
+            return math.inf
+        return cap_s if self._steering(s) else min(cap_s, self._lead_s(s))  # steering runs ahead to the cap
 
     def _due_at(self, s: _Stream, now: float) -> float:
         """When the stream's next chunk became due under the start rule, `now` at the latest (pure).
@@ -824,6 +895,27 @@ class Scheduler:
         if self._steering(s):
             due = min(due, max(s.prompt_at, ahead_until - cap_s))
         return max(s.last_commit_at, min(now, due))
+
+
+    def _steps(self, s: _Stream, now: float, done: int, steps: int, extra_s: float) -> int:
+        """Denoising steps for the stream's chunk, which has run `done` of its `steps` (a fresh chunk: 0 of all).
+
+        Degrading: a playing stream whose buffer (in flight included) would run dry less than the start
+        margin after its chunk's forwards (and `extra_s`, a pending RECACHE) runs the chunk with fewer
+        steps, the most of `degrade_steps` that leave it the margin, else the fewest; a chunk in progress
+        can be cut down to the steps it has run (its COMMIT next). A stream with slack to spare, one not
+        yet playing (nothing can stall) or a paused one keeps its steps.
+        """
+        options = sorted((n for n in self.config.degrade_steps if done <= n < steps), reverse=True)
+        pb = s.playback
+        if not options or pb.paused or not (pb.started or s.in_flight):
+            return steps
+        dry_in = self._slack(s, now, 0.0, plain=False)
+        margin = self.config.start_margin_s if math.isfinite(self.config.start_margin_s) else 0.0
+        for n in (steps, *options):
+            if dry_in - self._chunk_cost_s(steps=n - done) - extra_s >= margin:
+                return n
+        return options[-1]
 
     def _recache_headroom_s(self) -> float:
         """Slack a RECACHE must leave, else it waits a chunk: the start margin (what the estimates do not
@@ -863,12 +955,13 @@ class Scheduler:
             # A new prompt arrived mid-chunk: start over under it if the buffer lasts that long.
             redo_s = chunk_s + (recache_s if s.chunks_done > 0 else 0.0)
             restart = self._slack(s, now, redo_s, plain) >= cfg.restart_margin_chunks * chunk_s
-        if s.step > 0 and not restart:  # go on with the chunk in progress
-            kind = WorkKind.DENOISE if s.step < cfg.denoise_steps else WorkKind.COMMIT
-            step, prompt_seq = s.step, s.chunk_seq
-            remaining_s = (cfg.denoise_steps - s.step) * self.costs.estimate(WorkKind.DENOISE)
-            remaining_s += self.costs.estimate(WorkKind.COMMIT)
-            forwards_left = cfg.denoise_steps - s.step + 1
+        if s.step > 0 and not restart:  # go on with the chunk in progress (or cut it short)
+            steps = self._steps(s, now, s.step, s.steps, 0.0)
+            kind = WorkKind.DENOISE if s.step < steps else WorkKind.COMMIT
+            step = s.step if kind is WorkKind.DENOISE else cfg.denoise_steps
+            prompt_seq = s.chunk_seq
+            remaining_s = self._chunk_cost_s(steps=steps - s.step)
+            forwards_left = steps - s.step + 1
         else:  # a fresh chunk
             recache = s.chunks_done > 0 and s.prompt_seq > s.cache_seq
             if recache and not restart and s.deferred_seq < s.prompt_seq:
@@ -878,12 +971,15 @@ class Scheduler:
                     # With the recache the stream would (nearly) stall, without it the chunk makes it:
                     # the prompt waits one chunk (that chunk keeps the prompt the cache holds).
                     recache = False
+            extra_s = recache_s if recache else 0.0
+            steps = self._steps(s, now, 0, cfg.denoise_steps, extra_s)
             if recache:
-                kind, step, prompt_seq, remaining_s = WorkKind.RECACHE, RECACHE_STAGE, s.prompt_seq, chunk_s + recache_s
+                kind, step, prompt_seq = WorkKind.RECACHE, RECACHE_STAGE, s.prompt_seq
             else:  # a committed stream's chunk runs under the prompt its cache holds
                 prompt_seq = s.cache_seq if s.chunks_done > 0 else s.prompt_seq
-                kind, step, remaining_s = WorkKind.DENOISE, 0, chunk_s
-            forwards_left = cfg.denoise_steps + 1
+                kind, step = WorkKind.DENOISE, 0
+            remaining_s = self._chunk_cost_s(steps=steps) + extra_s
+            forwards_left = steps + 1
         work = _Work(
             kind=kind,
             step=step,
@@ -894,11 +990,12 @@ class Scheduler:
             slack_s=self._slack(s, now, remaining_s, plain),
             runnable=True,
             due=True,
+            steps=steps,
         )
         ahead_s = s.playback.seconds(now) + self._in_flight_s(s)
         if ahead_s > self._lead_s(s) + _EPS_S:
             work = replace(work, due=False)
-        if ahead_s > self._start_threshold_s(s, kind, step) + _EPS_S:
+        if ahead_s > self._start_threshold_s(s, kind, step, now) + _EPS_S:
             work = replace(work, runnable=False)
         return work
 

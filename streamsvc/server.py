@@ -63,6 +63,10 @@ class Metrics:
         self.chunk_latency = Histogram("streamsvc_chunk_latency_seconds", "First denoising step to chunk ready",
                                        registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
         self.chunks = Counter("streamsvc_chunks", "Chunks sent", registry=r)
+        self.degraded = Gauge("streamsvc_degraded_chunks", "Chunks made with fewer denoising steps instead of a stall",
+                              registry=r)
+        self.pressure = Gauge("streamsvc_scheduler_pressure",
+                              "1 while a chunk was degraded lately (no stream steers ahead of its lead)", registry=r)
         self.queue = Gauge("streamsvc_scheduler_queue", "Streams that want a forward now", registry=r)
         self.load = Gauge("streamsvc_scheduler_load", "Predicted busy fraction of the engine", registry=r)
         self.kv_bytes = Gauge("streamsvc_kv_bytes", "KV cache bytes held by open streams", registry=r)
@@ -195,7 +199,9 @@ class Server:
         m.encode_s.set(self.engine.encode_seconds)
         m.chunks_encoded.set(self.engine.chunks_encoded)
         m.chunk_latency_max.set(self.engine.chunk_latency_max_s)
+        m.degraded.set(self.engine.degraded_chunks)
         if snap is not None:
+            m.pressure.set(int(snap.pressure))
             m.queue.set(snap.queue_length)
             m.load.set(snap.predicted_load)
             m.stalls.set(snap.stalls)
@@ -274,6 +280,7 @@ class Server:
         await ws.send(P.encode(P.Ready(
             stream_id=stream_id, fps=fps, width=gen_cfg.width, height=gen_cfg.height,
             first_chunk_frames=gen.frames_in_chunk(0), chunk_frames=gen.frames_in_chunk(1), prompt_version=0,
+            steps=len(gen.sigmas),
         )))
         if msg.transport == "webrtc":  # frames go on a peer connection once the viewer's offer is answered
             self.webrtc[stream_id] = WebRtcTransport(

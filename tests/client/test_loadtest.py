@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -22,7 +23,8 @@ def result(pb: PlaybackStats | None = None, refused: str | None = None, errors=(
     admitted = refused is None and pb is not None
     base = dict(url="ws://x/ws", admitted=admitted, refused_reason=refused, stream_id="s0" if admitted else None,
                 fps=16 if admitted else None, width=128, height=128, chunk_frames=12 if admitted else None,
-                playback=pb, session_s=10.5, chunks=14, frames_decoded=170, bad_frames=0, prompt_versions=(0,),
+                playback=pb, session_s=10.5, chunks=14, degraded_chunks=0, frames_decoded=170, bad_frames=0,
+                prompt_versions=(0,),
                 acks=(), prompts_sent=0, min_headroom_s=0.25, stall_events=(), decode_s=0.05, decode_max_s=0.004,
                 closed_reason="closed by client" if admitted else None, errors=tuple(errors))
     base.update(kw)
@@ -42,7 +44,7 @@ def test_summary_counts_admitted_refused_stalls_and_latencies():
     results = [
         result(playback(ttff_s=0.25, control_latencies_s=(0.5, 1.0))),
         result(playback(ttff_s=0.75, stalls=2, stall_s=0.5, play_s=9.5, delivered_fps=15.0, freezes=1, freeze_s=0.25,
-                        control_latencies_s=(0.75,), prompts_pending=1)),
+                        control_latencies_s=(0.75,), prompts_pending=1), degraded_chunks=3),
         result(refused="compute: busy", errors=["refused: compute: busy"]),
         result(refused="compute: busy", errors=["refused: compute: busy"]),
         result(None, errors=["connect: OSError: refused"], admitted=False),
@@ -54,6 +56,7 @@ def test_summary_counts_admitted_refused_stalls_and_latencies():
     assert r["ttff_s"] == {"n": 2, "p50": 0.5, "p95": 0.725, "p99": 0.745, "max": 0.75}
     assert r["stalls"] == {"count": 2, "total_s": 0.5, "ratio": 0.025, "streams_with_stalls": 1}  # 0.5 / 20
     assert r["freezes"] == {"count": 1, "total_s": 0.25}
+    assert (r["degraded_chunks"], r["chunks"]) == (3, 28)
     assert r["control_latency_s"]["n"] == 3 and r["control_latency_s"]["p50"] == 0.75
     assert r["control_latency_s"]["max"] == 1.0 and r["control_latency_s"]["pending"] == 1
     assert r["delivered_fps"] == {"mean": 15.5, "min": 15.0}
@@ -62,6 +65,7 @@ def test_summary_counts_admitted_refused_stalls_and_latencies():
     assert len(r["per_stream"]) == 2
     json.dumps(r)  # the report is plain JSON
     assert "16 admitted" not in loadtest.format_table(r) and "2 admitted" in loadtest.format_table(r)
+    assert re.search(r"degraded chunks \(fewer steps\) +3 of 28\n", loadtest.format_table(r))
 
 
 def test_an_empty_run_summarizes_without_dividing_by_zero():

@@ -228,6 +228,40 @@ def test_commit_before_denoised_is_an_error():
         gen.commit([state])
 
 
+def test_degraded_chunk_is_the_full_schedules_early_exit():
+    # a chunk run with 3 of the 4 steps is the full schedule's prediction after its 3rd step (same
+    # noise draws up to there), tagged with its steps; the next chunk runs the full schedule again
+    gen = tiny_generator()
+    full = gen.open_stream("full", "a kite", seed=3)
+    gen.run(Work.DENOISE, [full])
+    gen.run(Work.DENOISE, [full])
+    gen.run(Work.DENOISE, [full])
+    exit_at_3 = full.x0.clone()
+    short = gen.open_stream("short", "a kite", seed=3)
+    gen.set_steps(short, 3)
+    for _ in range(3):
+        assert gen.next_work(short) is Work.DENOISE
+        gen.run(Work.DENOISE, [short])
+    assert gen.next_work(short) is Work.COMMIT
+    chunk = gen.run(Work.COMMIT, [short])[0]
+    assert chunk.steps == 3 and torch.equal(chunk.latents, exit_at_3)
+    assert short.steps == len(gen.sigmas) and run_chunks(gen, short, 1)[0].steps == len(gen.sigmas)
+
+
+def test_a_chunk_in_progress_can_only_be_cut_short():
+    gen = tiny_generator()
+    state = gen.open_stream("s", "a kite", seed=0)
+    with pytest.raises(ValueError, match="use 4 or one of"):
+        gen.set_steps(state, 1)
+    gen.run(Work.DENOISE, [state])
+    gen.run(Work.DENOISE, [state])
+    gen.set_steps(state, 2)  # cut at the step it has reached: the commit is next
+    assert gen.next_work(state) is Work.COMMIT
+    with pytest.raises(ValueError, match="only be cut short"):
+        gen.set_steps(state, 3)
+    assert gen.run(Work.COMMIT, [state])[0].steps == 2
+
+
 def test_bf16_generation_runs_and_tracks_fp32():
     from models import build_generator
 

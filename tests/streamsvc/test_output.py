@@ -46,7 +46,7 @@ def test_chunks_of_each_stream_come_out_in_order_and_decode():
     try:
         for i in range(4):
             for j, s in enumerate(streams):
-                stage.submit(s, frames(40 * j + 10 * i), index=i, first_frame=4 * i, prompt_version=0,
+                stage.submit(s, frames(40 * j + 10 * i), index=i, first_frame=4 * i, prompt_version=0, steps=4,
                              keyframe=i == 0, started_at=time.monotonic())
         sink.wait(12)
     finally:
@@ -68,9 +68,12 @@ def test_a_closed_stream_is_dropped_and_a_failure_ends_only_its_stream():
     good, gone, bad = (stage.open(sid, StreamEncoder(32, 32, 16)) for sid in ("good", "gone", "bad"))
     try:
         stage.close(gone)  # closed before its chunk is encoded: nothing comes out for it
-        stage.submit(gone, frames(1), index=0, first_frame=0, prompt_version=0, keyframe=True, started_at=0.0)
-        stage.submit(bad, frames(1)[..., :2], index=0, first_frame=0, prompt_version=0, keyframe=True, started_at=0.0)
-        stage.submit(good, frames(1), index=0, first_frame=0, prompt_version=0, keyframe=True, started_at=0.0)
+        stage.submit(gone, frames(1), index=0, first_frame=0, prompt_version=0, steps=4, keyframe=True,
+                     started_at=0.0)
+        stage.submit(bad, frames(1)[..., :2], index=0, first_frame=0, prompt_version=0, steps=4, keyframe=True,
+                     started_at=0.0)
+        stage.submit(good, frames(1), index=0, first_frame=0, prompt_version=0, steps=4, keyframe=True,
+                     started_at=0.0)
         sink.wait(2)
     finally:
         stage.stop()

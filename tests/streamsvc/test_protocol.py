@@ -52,6 +52,7 @@ def chunks(draw):
         index=draw(st.integers(0, 10**6)),
         pts=draw(st.integers(0, 10**9)),
         prompt_version=draw(versions),
+        steps=draw(st.integers(1, p.MAX_STEPS)),
         keyframe=draw(st.booleans()),
     )
     return header, units
@@ -67,6 +68,7 @@ server_messages = st.one_of(
         first_chunk_frames=st.integers(1, p.MAX_CHUNK_FRAMES),
         chunk_frames=st.integers(1, p.MAX_CHUNK_FRAMES),
         prompt_version=versions,
+        steps=st.integers(1, p.MAX_STEPS),
     ),
     chunks().map(lambda hu: hu[0]),
     st.builds(
@@ -264,12 +266,13 @@ def test_pack_unpack_round_trip(header_units):
 
 def test_wire_layout():
     units = [b"\x00\x00\x00\x01\x65abc", b"\x00\x00\x00\x01\x41d"]
-    header = p.Chunk.describe(units, index=2, pts=21, prompt_version=1, keyframe=True)
+    header = p.Chunk.describe(units, index=2, pts=21, prompt_version=1, steps=3, keyframe=True)
     data = p.pack_chunk(header, units)
     head = p.encode(header).encode()
     assert data == b"SSC1" + len(head).to_bytes(4, "big") + head + units[0] + units[1]
     assert json.loads(head) == {
-        "type": "chunk", "index": 2, "pts": 21, "frames": 2, "prompt_version": 1, "keyframe": True, "sizes": [8, 6]
+        "type": "chunk", "index": 2, "pts": 21, "frames": 2, "prompt_version": 1, "steps": 3, "keyframe": True,
+        "sizes": [8, 6],
     }
 
 
@@ -298,7 +301,7 @@ def frame_with(head: bytes, payload: bytes = b"") -> bytes:
 
 def raw_header(frames: int, sizes: list[int]) -> bytes:
     """A chunk header written by hand, so that it can be inconsistent."""
-    fields = {"type": "chunk", "index": 0, "pts": 0, "frames": frames, "prompt_version": 0, "keyframe": True}
+    fields = {"type": "chunk", "index": 0, "pts": 0, "frames": frames, "prompt_version": 0, "steps": 4, "keyframe": True}
     return json.dumps({**fields, "sizes": sizes}).encode()
 
 
@@ -322,6 +325,6 @@ def test_bad_chunks_say_what_is_wrong(data, says):
 
 
 def test_pack_refuses_a_header_that_does_not_match():
-    header = p.Chunk.describe([b"ab"], index=0, pts=0, prompt_version=0, keyframe=True)
+    header = p.Chunk.describe([b"ab"], index=0, pts=0, prompt_version=0, steps=4, keyframe=True)
     with pytest.raises(ValueError, match="do not match"):
         p.pack_chunk(header, [b"abc"])

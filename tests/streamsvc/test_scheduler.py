@@ -98,13 +98,16 @@ CHUNK = [(D, 0), (D, 1), (D, 2), (D, 3), (C, 4)]
         ({"max_batch": 0}, "max_batch=0"),
         ({"utilization_target": 0.0}, "math.inf turns admission off"),
         ({"initial_forward_s": -1.0}, "initial_forward_s=-1.0"),
-        ({"cost_smoothing": 1.5}, "cost_smoothing=1.5"),
+        ({"cost_percentile": 1.5}, "cost_percentile=1.5"),
+        ({"cost_min_samples": 65}, "cost_min_samples=65"),
         ({"restart_margin_chunks": -1.0}, "restart_margin_chunks=-1.0"),
         ({"startup_slack_s": math.inf}, "startup_slack_s=inf"),
         ({"stall_guard_chunks": -0.5}, "or None for off"),
         ({"start_margin_s": -0.1}, "start_margin_s=-0.1: must be >= 0 s (e.g. 0.25), or math.inf for no start rule"),
         ({"latency_window": 0}, "latency_window=0"),
         ({"latency_min_samples": 33}, "latency_min_samples=33: must be in [0, latency_window=32]"),
+        ({"degrade_steps": (4,)}, "degrade_steps=(4,): each must be in [1, 3], fewer than denoise_steps=4"),
+        ({"pressure_hold_s": -1.0}, "pressure_hold_s=-1.0"),
     ],
 )
 def test_config_is_validated_with_the_value_and_the_fix(kwargs, needle):
@@ -221,7 +224,9 @@ def test_plan_fields_for_a_commit():
     admit(sched, "a")
     Clock(sched).run(4)
     plan = sched.next(0.25)
-    assert plan == Plan(kind=C, stream_ids=("a",), step=4, restart=(False,), prompt_seqs=(0,), chunk_index=(0,))
+    assert plan == Plan(
+        kind=C, stream_ids=("a",), step=4, restart=(False,), prompt_seqs=(0,), chunk_index=(0,), steps=(4,)
+    )
 
 
 def test_without_the_start_rule_a_stream_runs_ahead_to_the_cap_and_wake_at_says_when():
@@ -595,7 +600,7 @@ def test_a_new_prompt_adds_a_recache_before_the_next_chunk():
     assert sched.stream_stats("a", clock.now).prompt_pending
     plan = sched.next(clock.now)
     assert plan == Plan(
-        kind=R, stream_ids=("a",), step=RECACHE_STAGE, restart=(False,), prompt_seqs=(1,), chunk_index=(1,)
+        kind=R, stream_ids=("a",), step=RECACHE_STAGE, restart=(False,), prompt_seqs=(1,), chunk_index=(1,), steps=(4,)
     )
     sched.complete(plan, clock.now + COST, COST)
     clock.now += COST
@@ -758,46 +763,155 @@ def test_max_batch_bounds_the_group():
     assert Clock(sched).run(3) == [(D, ("a", "b"), 0), (D, ("c",), 0), (D, ("a", "b"), 1)]
 
 
+# ----- degrading -------------------------------------------------------------------------------
+
+DEGRADE = {"degrade_steps": (3, 2)}
+
+
+def first_chunk(sched: Scheduler) -> float:
+    """Run stream "a"'s first chunk (delivered at 0.3125: 9 frames, dry at 0.875); returns the time."""
+    clock = Clock(sched)
+    assert clock.run(5) == [(k, ("a",), s) for k, s in CHUNK]
+    return clock.now
+
+
+def test_a_stream_with_slack_to_spare_never_degrades():
+    sched = make(**DEGRADE)
+    admit(sched, "a")
+    clock = Clock(sched)
+    steps = []
+    while len(steps) < 50:  # 10 chunks, idle until the lead in between
+        plan = clock.step()
+        if plan is None:
+            clock.now = sched.wake_at(clock.now)
+        else:
+            steps.append(plan.steps)
+    assert set(steps) == {(4,)} and len(clock.delivered) == 10
+    assert sched.stats(clock.now).degraded_chunks == 0 and not sched.stats(clock.now).pressure
+
+
+@pytest.mark.parametrize(
+    "late_by, steps",
+    [
+        (0.0, 4),  # started at its lead: 0.5625 s left, 0.3125 of work, 0.25 spare = the margin
+        (0.0625, 3),  # 0.5 s left: 3 steps (0.25 s of work) leave the margin
+        (0.125, 2),  # 0.4375 s left: 2 steps (0.1875 s) leave 0.25
+        (0.3, 2),  # 0.2625 s left: nothing leaves the margin, the fewest steps
+    ],
+)
+def test_a_late_chunk_runs_the_most_steps_that_leave_the_margin(late_by, steps):
+    sched = make(**DEGRADE)
+    admit(sched, "a")
+    now = first_chunk(sched) + late_by  # the device was busy elsewhere
+    plan = sched.next(now)
+    assert (plan.kind, plan.step, plan.steps) == (D, 0, (steps,))
+    clock = Clock(sched, now)
+    sched.complete(plan, now + COST, COST)
+    clock.now = now + COST
+    rest = clock.run(steps)
+    assert rest == [(D, ("a",), k) for k in range(1, steps)] + [(C, ("a",), 4)]
+    assert sched.stream_stats("a", clock.now).degraded_chunks == (steps < 4)
+    assert sched.stats(clock.now).pressure == (steps < 4)
+
+
+def test_a_chunk_in_progress_is_cut_short_when_it_falls_behind():
+    sched = make(**DEGRADE)
+    admit(sched, "a")
+    now = first_chunk(sched)
+    plans = Clock(sched, now).launch(2)  # steps 0 and 1 on time, 4 steps planned
+    assert [p.steps for p in plans] == [(4,), (4,)]
+    late = now + 2 * COST + 0.15  # then the device stalls for 0.15 s: 0.2625 s left, 3 forwards of work
+    plan = sched.next(late)
+    assert (plan.kind, plan.step, plan.steps) == (C, 4, (2,))  # cut at the 2 steps it has run: commit now
+    sched.complete(plan, late + COST, COST)
+    assert sched.stream_stats("a", late + COST).degraded_chunks == 1
+    wake = sched.wake_at(late + COST)  # the next chunk starts at its lead, with slack again: all its steps
+    assert sched.next(wake).steps == (4,)
+
+
+def test_no_degrading_when_off_or_for_a_stream_that_cannot_stall():
+    off = make()
+    admit(off, "a")
+    now = first_chunk(off) + 0.3
+    assert off.next(now).steps == (4,)
+    waiting = make(**DEGRADE)  # a newcomer far past its start-up slack: nothing plays, nothing can stall
+    admit(waiting, "a")
+    assert waiting.next(5.0).steps == (4,)
+    paused = make(**DEGRADE)
+    admit(paused, "a")
+    now = first_chunk(paused)
+    paused.pause("a", now)
+    assert paused.next(now + 0.3).steps == (4,)
+
+
+def test_under_pressure_a_steering_stream_waits_for_its_lead():
+    sched = make(**DEGRADE, pressure_hold_s=2.0)
+    admit(sched, "a", "b")
+    clock = Clock(sched)
+    clock.run(10)  # both first chunks: a's delivered at 0.3125 (0.25 s left now), b's at 0.625
+    sched.observe_buffer("b", 17, clock.now)  # b has 1.0625 s: above its lead, under the cap's 1.25
+    sched.set_prompt("b", clock.now)  # b steers: it may run ahead of its lead to the cap
+    assert sched.stream_stats("b", clock.now).runnable and not sched.stats(clock.now).pressure
+    plan = sched.next(clock.now)  # a is about to stall: the fewest steps
+    assert (plan.stream_ids, plan.steps) == (("a",), (2,))
+    sched.complete(plan, clock.now + COST, COST)
+    stats = sched.stream_stats("b", clock.now + COST)
+    assert sched.stats(clock.now + COST).pressure and not stats.runnable  # b waits for its lead now
+    assert stats.buffered_s > stats.lead_s
+    assert not sched.stats(clock.now + 2.1).pressure
+
+
 # ----- cost estimate ----------------------------------------------------------------------------
 
 
-def test_cost_model_first_measurement_replaces_the_guess_then_moves_by_the_smoothing():
-    costs = CostModel(initial_forward_s=0.05, smoothing=0.5)
+def test_cost_model_prior_until_enough_samples_then_a_high_percentile_of_the_window():
+    costs = CostModel(initial_forward_s=0.05, percentile=0.9, window=10, min_samples=4)
     assert costs.estimate(D) == 0.05
-    costs.observe(D, 1, 0.125)
-    costs.observe(D, 1, 0.25)
-    assert costs.estimate(D) == 0.1875
-    assert costs.estimate(D, 2) == 0.1875  # unmeasured batch size: the batch-1 figure
+    costs.seed(D, 1, 0.1)  # the warm-up's median
+    for seconds in (0.5, 0.01, 0.01):  # too few to replace the prior, however far off
+        costs.observe(D, 1, seconds)
+    assert costs.estimate(D) == 0.1
+    costs.observe(D, 1, 0.02)
+    assert costs.estimate(D) == 0.5  # 4 samples: the 90th percentile is the slowest
+    for _ in range(9):
+        costs.observe(D, 1, 0.02)
+    assert costs.estimate(D) == 0.02  # the slow one left the window of 10
+    assert costs.estimate(D, 2) == 0.02  # unmeasured batch size: the batch-1 figure
     costs.observe(D, 2, 0.25)
-    assert (costs.estimate(D, 2), costs.estimate(C)) == (0.25, 0.05)
+    assert (costs.estimate(D, 2), costs.estimate(C)) == (0.25, 0.05)  # the first sample stands in for the prior
 
 
-def test_complete_moves_the_estimate_and_admission_uses_it():
-    sched = make(cost_smoothing=0.5)
+def test_costs_follow_a_slowdown_and_admission_uses_them():
+    sched = make(cost_min_samples=4, cost_window=8)
+    sched.seed_cost(D, 1, COST)
     admit(sched, "a")
     assert sched.predicted_load() == pytest.approx(CHUNK_WORK * 16 / 12)
-    plan = sched.next(0.0)
-    sched.complete(plan, 0.125, 0.125)  # the forward took 2x the guess
-    assert sched.costs.estimate(D) == 0.125
-    assert sched.predicted_load() == pytest.approx(0.75)  # (4 x 0.125 + 0.0625) s per chunk x 4/3 chunks/s
-    plan = sched.next(0.125)
-    sched.complete(plan, 0.375, 0.25)
-    assert sched.costs.estimate(D) == 0.1875
+    now = 0.0
+    for _ in range(4):  # the device slows to 2x the warm-up's figure
+        plan = sched.next(now)
+        now += 2 * COST
+        sched.complete(plan, now, 2 * COST if plan.kind is D else None)
+    assert sched.costs.estimate(D) == 2 * COST
+    assert sched.predicted_load() == pytest.approx((4 * 2 * COST + COST) * 16 / 12)
     with pytest.raises(ValueError, match="elapsed_s=-1"):
-        sched.complete(sched.next(0.375), 0.375, -1.0)
+        sched.complete(sched.next(now), now, -1.0)
 
 
 def test_observe_cost_feeds_the_cost_model():
-    sched = make(cost_smoothing=0.5)
-    sched.observe_cost(D, 1, 0.125)
+    sched = make(cost_min_samples=2)
+    sched.seed_cost(D, 1, 0.125)
     sched.observe_cost(D, 1, 0.25)
+    assert sched.costs.estimate(D) == 0.125
+    sched.observe_cost(D, 1, 0.5)
     sched.observe_cost(C, 2, 0.5)
-    assert (sched.costs.estimate(D), sched.costs.estimate(C), sched.costs.estimate(C, 2)) == (0.1875, COST, 0.5)
-    assert sched.stats(0.0).forward_cost_s[D] == 0.1875
+    assert (sched.costs.estimate(D), sched.costs.estimate(C), sched.costs.estimate(C, 2)) == (0.5, COST, 0.5)
+    assert sched.stats(0.0).forward_cost_s[D] == 0.5
     with pytest.raises(ValueError, match="seconds=-1"):
         sched.observe_cost(D, 1, -1.0)
     with pytest.raises(ValueError, match="batch=0"):
         sched.observe_cost(D, 0, 0.1)
+    with pytest.raises(ValueError, match="seconds=0"):
+        sched.seed_cost(D, 1, 0.0)
 
 
 # ----- the plan contract -------------------------------------------------------------------------
@@ -811,7 +925,7 @@ def test_one_plan_at_a_time():
         sched.next(0.0)
     sched.cancel(plan)
     assert sched.next(0.0) == plan  # cancelled: nothing advanced
-    other = Plan(kind=C, stream_ids=("a",), step=4, restart=(False,), prompt_seqs=(0,), chunk_index=(0,))
+    other = Plan(kind=C, stream_ids=("a",), step=4, restart=(False,), prompt_seqs=(0,), chunk_index=(0,), steps=(4,))
     with pytest.raises(SchedulerError, match="not the outstanding plan"):
         sched.complete(other, 0.0, COST)
 

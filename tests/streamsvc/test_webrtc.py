@@ -123,7 +123,8 @@ def _packets(n: int, start: int, fps: int) -> list[av.Packet]:
 
 
 def _header(index: int, pts: int, n: int, version: int = 0) -> P.Chunk:
-    return P.Chunk(index=index, pts=pts, frames=n, prompt_version=version, keyframe=index == 0, sizes=[13] * n)
+    return P.Chunk(index=index, pts=pts, frames=n, prompt_version=version, steps=4, keyframe=index == 0,
+                   sizes=[13] * n)
 
 
 async def test_track_paces_reports_and_stalls():
@@ -286,7 +287,7 @@ async def test_client_playout_delay_and_one_stall_per_late_frame():
     fps, delay = 20, 0.1
     client = WebRtcClient("ws://127.0.0.1:1/ws", ClientConfig(prompt="x"), playout_delay_s=delay)
     client.ready = P.Ready(stream_id="s0", fps=fps, width=128, height=128, first_chunk_frames=60, chunk_frames=60,
-                           prompt_version=0)
+                           prompt_version=0, steps=4)
     client._connected_at = client.clock()
     client._buffer = PlaybackBuffer(fps)
     client._buffer.connect(client._connected_at)
