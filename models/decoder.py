@@ -77,33 +77,38 @@ class TinyStreamingDecoder(nn.Module):
         p = self.conv_in.weight
         return p.shape[0] * (height // self.su) * (width // self.su) * p.element_size()
 
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor, state: DecoderState) -> torch.Tensor:
-        # latents: [C, F, h, w] -> frames [N, H, W, 3] uint8
-        p = self.conv_in.weight
-        z = latents.to(p.device, p.dtype).transpose(0, 1)  # [F, C, h, w]
-        feats = F.silu(self.conv_in(z))  # [F, ch, h, w]
+    def forward(self, z: torch.Tensor, memory: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Differentiable (training runs it): z [B, F, C, h, w] latents, memory [B, ch, h, w] (the
+        features of the latent frame before z's first; None at a stream's start) ->
+        (rgb [B, F*tu, H, W, 3] float, about [-1, 1]; the memory to carry on)."""
+        b, nf, _, h, w = z.shape
+        feats = F.silu(self.conv_in(z.flatten(0, 1))).unflatten(0, (b, nf))  # [B, F, ch, h, w]
         mixed = []
-        mem = state.memory
-        for f in range(feats.shape[0]):  # causal: each frame sees the previous one
-            prev = torch.zeros_like(feats[f]) if mem is None else mem
-            mem = feats[f] + F.silu(self.memory(torch.cat([feats[f], prev])[None]))[0]
+        mem = memory
+        for f in range(nf):  # causal: each frame sees the previous one
+            prev = torch.zeros_like(feats[:, f]) if mem is None else mem
+            mem = feats[:, f] + F.silu(self.memory(torch.cat([feats[:, f], prev], dim=1)))
             mixed.append(mem)
-        first = state.memory is None
-        state.memory = mem.detach()
-        x = self.temporal(torch.stack(mixed))  # [F, ch*tu, h, w]
-        fr, _, h, w = x.shape
-        x = x.view(fr * self.tu, -1, h, w)  # [F*tu, ch, h, w]
-        if first:  # the stream's first latent frame gives one video frame
-            x = x[self.tu - 1 :]
-        x = F.silu(self.frame(x))  # [N, ch, h, w]
+        x = self.temporal(torch.stack(mixed, 1).flatten(0, 1))  # [B*F, ch*tu, h, w]
+        x = F.silu(self.frame(x.view(b * nf * self.tu, -1, h, w)))  # [N, ch, h, w], N = B*F*tu
         n, su = x.shape[0], self.su
         # per latent pixel an 8x8 patch: a flat colour plus detail, written straight into [N, H, W, 3] order
         color = self.color(x).permute(0, 2, 3, 1)[:, :, None, :, None, :]  # [N, h, 1, w, 1, 3]
         detail = self.detail(x).view(n, 3, su, su, h, w).permute(0, 4, 2, 5, 3, 1)  # [N, h, su, w, su, 3]
-        rgb = (detail + color).reshape(n, h * su, w * su, 3)
+        rgb = (detail + color).reshape(b, nf * self.tu, h * su, w * su, 3)
+        return rgb, mem
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        # latents: [C, F, h, w] -> frames [N, H, W, 3] uint8
+        p = self.conv_in.weight
+        z = latents.to(p.device, p.dtype).transpose(0, 1)[None]  # [1, F, C, h, w]
+        first = state.memory is None
+        rgb, mem = self(z, None if first else state.memory[None])
+        state.memory = mem[0].detach()
+        rgb = rgb[0, self.tu - 1 :] if first else rgb[0]  # the stream's first latent frame gives one video frame
         frames = rgb.clamp_(-1, 1).add_(1).mul_(127.5).round_().to(torch.uint8)
-        state.frames_out += n
+        state.frames_out += frames.shape[0]
         return frames  # [N, H, W, 3]
 
 

@@ -29,6 +29,10 @@ class CacheAccess:
     read_slots: int  # attend to cache slots [0, read_slots) (a prefix: sinks first, then the window)
     write_slots: Sequence[int] | None = None  # after each layer reads, store this forward's K/V here
     block_ids: Sequence[int] | None = None  # per input frame: frames see same-or-earlier blocks; None: all
+    # training's [clean | noisy] layout (models/train.py): which of this forward's frames each of them
+    # sees ([F, F] bool, overrides block_ids) and each frame's RoPE position (None: after the frames read)
+    visible: torch.Tensor | None = None
+    positions: Sequence[int] | None = None
     # the storage's rotated keys of [0, read_slots) are current (StreamCache.keys_rotated): read them as
     # they are. Only forwards that read in place (`in_place`) use them; the caller checks and notes.
     keys_rotated: bool = False
@@ -43,11 +47,21 @@ class CacheAccess:
 
     @property
     def spans_blocks(self) -> bool:
-        """Whether the input frames belong to several blocks (each sees its own and earlier ones)."""
-        return self.block_ids is not None and len(set(self.block_ids)) > 1
+        """Whether some input frame must not see another: they belong to several blocks (each sees its
+        own and earlier ones), or `visible` says who sees whom."""
+        return self.visible is not None or (self.block_ids is not None and len(set(self.block_ids)) > 1)
+
+    def frame_mask(self) -> torch.Tensor:
+        """[F, F] bool: which input frames each input frame sees (for a forward that `spans_blocks`)."""
+        if self.visible is not None:
+            return self.visible
+        ids = torch.as_tensor(list(self.block_ids))
+        return ids[None, :] <= ids[:, None]
 
     def query_positions(self, num_frames: int) -> list[int]:
-        """Input frames sit right after the frames they read: [read | input]."""
+        """Input frames sit right after the frames they read: [read | input], unless `positions` says."""
+        if self.positions is not None:
+            return list(self.positions)
         return list(range(self.read_slots, self.read_slots + num_frames))
 
     def key_positions(self) -> list[int]:
@@ -245,7 +259,7 @@ def compile_helpers() -> None:
 def feed_forward(ffn: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     """Wan's FFN (Linear, tanh-GELU, Linear); on CUDA the GELU runs in the first GEMM's epilogue (cuBLASLt)."""
     fc1, _, fc2 = ffn
-    if not x.is_cuda:
+    if not x.is_cuda or torch.is_grad_enabled():
         return ffn(x)
     y = torch._addmm_activation(fc1.bias, x.flatten(0, -2), fc1.weight.t(), use_gelu=True)
     return fc2(y).view(*x.shape[:-1], -1)
@@ -366,19 +380,27 @@ class CausalWanModel(nn.Module):
     @torch.inference_mode()
     def text_kv(self, context: torch.Tensor) -> TextKV:
         """Cross-attention K/V of a prompt, computed once per prompt: context [B, text_len, text_dim]."""
+        return self.project_text(context)
+
+    def project_text(self, context: torch.Tensor) -> TextKV:
+        """`text_kv`, differentiable (training runs it)."""
         ctx = self.text_embedding(context.to(self.device, self.dtype))
         return [blk.cross_attn.text_kv(ctx) for blk in self.blocks]
 
     # -- forward ------------------------------------------------------------------------------
 
-    @torch.inference_mode()  # an inference-only model: no autograd state anywhere
+    @torch.inference_mode()  # serving: no autograd state anywhere
     def forward(self, x: torch.Tensor, t: torch.Tensor, text: TextKV, access: Sequence[CacheAccess]) -> torch.Tensor:
         """Predict the flow v for `x`.
 
         x: [B, C, F, Hl, Wl] latents; t: [B, F] timesteps in [0, 1000]; text: per-layer text K/V
-        with batch B; access: per stream, which cache prefix to read and where to write.
-        Returns v: [B, C, F, Hl, Wl] in float32.
+        with batch B, or B*F (a prompt per frame, as training's layout wants); access: per stream,
+        which cache prefix to read and where to write. Returns v: [B, C, F, Hl, Wl] in float32.
         """
+        return self.predict_flow(x, t, text, access)
+
+    def predict_flow(self, x: torch.Tensor, t: torch.Tensor, text: TextKV, access: Sequence[CacheAccess]) -> torch.Tensor:
+        """`forward`, differentiable when autograd is on (training runs it; the fused kernels then step aside)."""
         cfg = self.cfg
         b, _, nf = x.shape[:3]
         if len(access) != b or t.shape != (b, nf):
@@ -400,7 +422,7 @@ class CausalWanModel(nn.Module):
         # residual h [B, F, T, dim] float32 and the next block's (or the head's) modulated input y.
         h = h.view(b, nf, tpf, cfg.dim)
         y = KERNELS.adaln(h, mods[0][0], mods[0][1], cfg.eps, self.dtype)
-        ops = triton_ops if x.is_cuda and triton_ops.AVAILABLE else KERNELS
+        ops = triton_ops if x.is_cuda and triton_ops.AVAILABLE and not torch.is_grad_enabled() else KERNELS
         kv = AttentionKV(self, access, rope, nf * tpf, ops)
         with attention_backends():
             for i, blk in enumerate(self.blocks):
@@ -417,7 +439,8 @@ class CausalWanModel(nn.Module):
         b, nf, tpf, dim = h.shape
         a = self._self_attention(ops, i, blk.self_attn, y.view(b, nf * tpf, dim), kv, rope, mask).view_as(h)
         h, y = ops.residual_norm(h, a, mod[2], blk.norm3.weight, blk.norm3.bias, eps, dt)
-        a = blk.cross_attn(y.view(b, nf * tpf, dim), *text_kv).view_as(h)
+        rows = text_kv[0].shape[0]  # B, or B*F: a prompt per frame
+        a = blk.cross_attn(y.view(rows, -1, dim), *text_kv).view_as(h)
         h, y = ops.residual_adaln(h, a, None, mod[3], mod[4], eps, dt)
         a = feed_forward(blk.ffn, y)
         return ops.residual_adaln(h, a, mod[5], next_shift, next_scale, eps, dt)
@@ -436,7 +459,10 @@ class CausalWanModel(nn.Module):
             ops.norm_rope_into(q[j], attn.norm_q.weight, eps, q_cos, q_sin, qs[j])
             kn = torch.empty_like(k[j]) if acc.write_slots is not None else None
             ops.norm_rope_into(k[j], attn.norm_k.weight, eps, q_cos, q_sin, keys[j, r : r + n], kn)
-            vj = torch.addmm(attn.v.bias, x[j], attn.v.weight.t(), out=values[j, r : r + n].view(n, -1))  # V GEMM into place
+            if torch.is_grad_enabled():  # autograd has no GEMM into place
+                vj = values[j, r : r + n].copy_(attn.v(x[j]).view(n, nh, hd))
+            else:
+                vj = torch.addmm(attn.v.bias, x[j], attn.v.weight.t(), out=values[j, r : r + n].view(n, -1))  # V GEMM into place
             if kn is not None:
                 writes.append((acc, kn.view(-1, tpf, nh, hd), vj.view(-1, tpf, nh, hd)))
         if mask is None and flash.usable(qs):
@@ -469,8 +495,7 @@ class CausalWanModel(nn.Module):
             c = reads[j] * tpf
             mask[j, :, :, :c] = True
             if acc.spans_blocks:
-                ids = torch.as_tensor(list(acc.block_ids))
-                frame_ok = ids[None, :] <= ids[:, None]  # [Fq, Fk]
+                frame_ok = acc.frame_mask().cpu()  # [Fq, Fk]
                 mask[j, :, :, c : c + nf * tpf] = frame_ok.repeat_interleave(tpf, 0).repeat_interleave(tpf, 1)
             else:
                 mask[j, :, :, c : c + nf * tpf] = True

@@ -1,0 +1,339 @@
+"""Training the built-in model (the tiny preset) on rendered scenes: `python -m models.train`.
+
+Stages, run in order by one command that stops after `--minutes` and checkpoints every
+`--save-minutes` (run the same command again to resume; it prints `done` when every stage is):
+
+1. pca: fit the latent encoder (models/latent.py) on rendered clips (seconds);
+2. decoder: train the causal decoder (models/decoder.py) to turn the encoder's latents back into frames;
+3. teacher: teacher forcing of the DiT. Its forward is models/dit.py's, over Self-Forcing's layout
+   [clean chunks | noisy chunks]: a clean chunk sees the clean chunks up to it, a noisy chunk the
+   clean chunks before it and itself, at its clean twin's RoPE positions. Flow matching: sigma per
+   chunk, mostly one of the sampler's levels, partly at random; the clean context slightly noised.
+   After a prompt switch the sinks keep the old prompt's K/V as a recache leaves them: a frame's text
+   is per frame, the old prompt's for the sink chunk, the new one's for the rest.
+
+`--smoke` runs a few steps of each on the CPU in seconds (CI runs it). `--export FILE` writes the
+weights as one safetensors file (DiT, decoder, encoder and the text vectors of the caption words).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models.config import ModelConfig
+from models.decoder import TinyStreamingDecoder
+from models.dit import CacheAccess, CausalWanModel, TextKV
+from models.generator import GeneratorConfig
+from models.latent import BlockPCA, video_frames
+from models.scenes import Clip, sample_clip, vocabulary
+from models.text import HashTextEncoder
+
+STAGES = ("pca", "decoder", "teacher")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run; a checkpoint remembers it, and a resumed run must agree with it."""
+
+    preset: str = "tiny"
+    seed: int = 0
+    chunks: int = 5  # chunks per clip: the sink chunk and four more, as a full sink 3 + window 9 cache sees them
+    pca_clips: int = 64  # clips the encoder is fit on
+    decoder_steps: int = 3000
+    teacher_steps: int = 20000
+    batch: int = 32  # clips per step
+    lr: float = 1e-3  # AdamW, cosine to 10 % of it over each stage
+    decoder_noise: float = 0.2  # latents get noise of up to this std while the decoder trains (the DiT's are not exact)
+    p_sampler_sigma: float = 0.75  # share of noisy chunks at one of the sampler's levels (the rest: shifted uniform)
+    context_noise: float = 0.1  # the clean context is noised to a level of up to this (its timestep stays 0)
+
+    @classmethod
+    def smoke(cls) -> TrainConfig:
+        return cls(pca_clips=4, decoder_steps=3, teacher_steps=3, batch=2)
+
+
+# -- the teacher-forcing forward -----------------------------------------------------------------
+
+
+def teacher_layout(num_chunks: int, frames_per_chunk: int) -> tuple[list[int], torch.Tensor]:
+    """RoPE position of each frame of [clean | noisy] and which frames each sees ([2F, 2F] bool)."""
+    nf = num_chunks * frames_per_chunk
+    block = torch.arange(nf) // frames_per_chunk
+    bq, bk = block[:, None], block[None, :]
+    visible = torch.zeros(2 * nf, 2 * nf, dtype=torch.bool)
+    visible[:nf, :nf] = bk <= bq  # clean: block-causal
+    visible[nf:, :nf] = bk < bq  # noisy: the clean chunks before its own
+    visible[nf:, nf:] = bk == bq  # and itself
+    return list(range(nf)) * 2, visible
+
+
+def teacher_forward(model: CausalWanModel, clean: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor, text: TextKV, frames_per_chunk: int) -> torch.Tensor:
+    """The flow of each noisy chunk given the clean chunks before it.
+
+    clean, noisy: [B, C, F, h, w] (F = chunks * frames_per_chunk); t: [B, F] the noisy frames' timesteps;
+    text: per-layer K/V with a row per frame of [clean | noisy] (batch B * 2F). -> v [B, C, F, h, w]."""
+    b, nf = clean.shape[0], clean.shape[2]
+    positions, visible = teacher_layout(nf // frames_per_chunk, frames_per_chunk)
+    access = [CacheAccess(None, 0, visible=visible, positions=positions)] * b
+    x = torch.cat([clean, noisy], dim=2)
+    t = torch.cat([torch.zeros_like(t), t], dim=1)
+    return model.predict_flow(x, t, text, access)[:, :, nf:]
+
+
+def frame_text(model: CausalWanModel, encoder: HashTextEncoder, captions: Sequence[Sequence[str]]) -> TextKV:
+    """Per-layer cross-attention K/V with one row per frame: captions[b][f] is frame f's of clip b."""
+    unique = sorted({c for clip in captions for c in clip})
+    rows = torch.tensor([unique.index(c) for clip in captions for c in clip], device=model.device)
+    return [(k[rows], v[rows]) for k, v in model.project_text(encoder.encode(unique))]
+
+
+def sigmas(gen: GeneratorConfig) -> torch.Tensor:
+    return torch.tensor(gen.sigmas)
+
+
+# -- data ----------------------------------------------------------------------------------------
+
+
+def clip_latent_frames(clip: Clip, frames_per_chunk: int) -> list[int]:
+    return [c * frames_per_chunk + i for c in clip.chunks for i in range(frames_per_chunk)]
+
+
+def render_clips(clips: Sequence[Clip], frames_per_chunk: int, temporal: int, device) -> torch.Tensor:
+    """[B, F, temporal, H, W, 3] uint8: the video frames each latent frame of each clip sums up."""
+    out = []
+    for clip in clips:
+        frames = clip.timeline.render(video_frames(clip_latent_frames(clip, frames_per_chunk), temporal), device)
+        out.append(frames.view(-1, temporal, *frames.shape[1:]))
+    return torch.stack(out)
+
+
+def clip_captions(clip: Clip, frames_per_chunk: int) -> list[str]:
+    """The caption of each frame of [clean | noisy]: the sink chunk's prompt for the clean sink chunk (a
+    recache leaves the sinks' K/V), the clip's last prompt everywhere else (a recache redoes the window)."""
+    sink, last = clip.timeline.caption_at(clip.chunks[0]), clip.timeline.caption_at(clip.chunks[-1])
+    nf = len(clip.chunks) * frames_per_chunk
+    return [sink] * frames_per_chunk + [last] * (2 * nf - frames_per_chunk)
+
+
+def chunk_weights(clip: Clip) -> list[float]:
+    """Which noisy chunks the loss counts: those generated under the clip's last prompt whose context is
+    what a real stream's cache would hold (the chunk right before them, or none at the stream's start)."""
+    tl, chunks = clip.timeline, clip.chunks
+    last = tl.segment_at(chunks[-1])
+    return [
+        float(tl.segment_at(c) == last and (c == 0 or (i > 0 and chunks[i - 1] == c - 1)))
+        for i, c in enumerate(chunks)
+    ]
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """Holds everything a checkpoint holds; `run` trains until the time is up or every stage is done."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, device: torch.device) -> None:
+        self.cfg, self.out, self.device = cfg, out, device
+        self.mc = ModelConfig.from_name(cfg.preset)
+        self.gen = GeneratorConfig()
+        self.encoder = HashTextEncoder(self.mc.text_dim, self.mc.text_len)
+        torch.manual_seed(cfg.seed)
+        self.model = CausalWanModel(self.mc).init_weights(cfg.seed).to(device).train()
+        self.decoder = TinyStreamingDecoder(self.mc).init_weights(cfg.seed).to(device).train()
+        self.pca: BlockPCA | None = None
+        self.stage, self.step = STAGES[0], 0
+        self.rng = np.random.default_rng(cfg.seed)
+        self.opt = self._optimizer()
+
+    def _optimizer(self) -> torch.optim.Optimizer | None:
+        params = {"decoder": self.decoder.parameters(), "teacher": self.model.parameters()}.get(self.stage)
+        return None if params is None else torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=0.01)
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.out / "checkpoint.pt"
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def save(self) -> None:
+        state = {
+            "config": asdict(self.cfg),
+            "stage": self.stage,
+            "step": self.step,
+            "pca": None if self.pca is None else self.pca.state_dict(),
+            "dit": self.model.state_dict(),
+            "decoder": self.decoder.state_dict(),
+            "opt": None if self.opt is None else self.opt.state_dict(),
+            "rng": self.rng.bit_generator.state,
+            "torch_rng": torch.get_rng_state(),
+        }
+        tmp = self.checkpoint_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.checkpoint_path)  # atomic: a run killed mid-save keeps the previous checkpoint
+
+    def resume(self) -> bool:
+        if not self.checkpoint_path.exists():
+            return False
+        state = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
+        if state["config"] != asdict(self.cfg):
+            raise ValueError(f"{self.checkpoint_path} was made with {state['config']}, not {asdict(self.cfg)}: use another --out")
+        self.stage, self.step = state["stage"], state["step"]
+        if state["pca"] is not None:
+            self.pca = BlockPCA.for_model(self.mc, state["pca"]).to(self.device)
+        self.model.load_state_dict(state["dit"])
+        self.decoder.load_state_dict(state["decoder"])
+        self.opt = self._optimizer()
+        if self.opt is not None and state["opt"] is not None:
+            self.opt.load_state_dict(state["opt"])
+        self.rng.bit_generator.state = state["rng"]
+        torch.set_rng_state(state["torch_rng"].cpu())
+        return True
+
+    # -- stages -------------------------------------------------------------------------------
+
+    def steps_of(self, stage: str) -> int:
+        return {"pca": 1, "decoder": self.cfg.decoder_steps, "teacher": self.cfg.teacher_steps}[stage]
+
+    def run(self, minutes: float, save_minutes: float) -> bool:
+        """Train for up to `minutes`; returns whether every stage is done."""
+        start = last_save = time.monotonic()
+        log = (self.out / "log.jsonl").open("a")
+        while self.stage != "done":
+            if time.monotonic() - start > minutes * 60:
+                break
+            t0 = time.monotonic()
+            loss = getattr(self, f"{self.stage}_step")()
+            self.step += 1
+            record = {"stage": self.stage, "step": self.step, "loss": round(loss, 6), "seconds": round(time.monotonic() - t0, 3)}
+            if self.step % 50 == 0 or self.step == self.steps_of(self.stage):
+                print(json.dumps(record), flush=True)
+            log.write(json.dumps(record) + "\n")
+            if self.step >= self.steps_of(self.stage):
+                i = STAGES.index(self.stage) + 1
+                self.stage, self.step = (STAGES[i] if i < len(STAGES) else "done"), 0
+                self.opt = self._optimizer()
+            if time.monotonic() - last_save > save_minutes * 60:
+                self.save()
+                last_save = time.monotonic()
+        log.close()
+        self.save()
+        return self.stage == "done"
+
+    def _lr(self) -> None:
+        frac = self.step / max(1, self.steps_of(self.stage))
+        for group in self.opt.param_groups:
+            group["lr"] = self.cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+
+    def _clips(self, n: int) -> list[Clip]:
+        return [sample_clip(self.rng, self.cfg.chunks, height=self.mc.height, width=self.mc.width) for _ in range(n)]
+
+    def _render(self, clips: Sequence[Clip]) -> torch.Tensor:
+        return render_clips(clips, self.gen.frames_per_chunk, self.mc.temporal_upsample, self.device)
+
+    def pca_step(self) -> float:
+        frames = self._render(self._clips(self.cfg.pca_clips))
+        self.pca = BlockPCA.fit(frames.flatten(0, 1), self.mc.in_channels, self.mc.temporal_upsample, self.mc.spatial_upsample)
+        print(f"pca: {self.mc.in_channels} components keep {self.pca.explained:.1%} of the blocks' variance", flush=True)
+        return self.pca.explained
+
+    def decoder_step(self) -> float:
+        self._lr()
+        frames = self._render(self._clips(self.cfg.batch))  # [B, F, tu, H, W, 3]
+        z = self.pca.encode(frames)  # [B, C, F, h, w]
+        z = z + torch.rand(z.shape[0], 1, 1, 1, 1, device=z.device) * self.cfg.decoder_noise * torch.randn_like(z)
+        rgb, _ = self.decoder(z.transpose(1, 2))  # [B, F*tu, H, W, 3]
+        target = frames.flatten(1, 2).float() / 127.5 - 1
+        loss = torch.nn.functional.mse_loss(rgb, target)
+        self._update(loss, self.decoder)
+        return loss.item()
+
+    def teacher_step(self) -> float:
+        self._lr()
+        cfg, fpc = self.cfg, self.gen.frames_per_chunk
+        clips = self._clips(cfg.batch)
+        clean = self.pca.encode(self._render(clips))  # [B, C, F, h, w]
+        b, nc = clean.shape[0], len(clips[0].chunks)
+        # sigma per noisy chunk: mostly one of the sampler's levels, else shift-warped uniform
+        levels = sigmas(self.gen).to(self.device)
+        u = torch.rand(b, nc, device=self.device)
+        warped = self.gen.shift * u / (1 + (self.gen.shift - 1) * u)
+        pick = levels[torch.randint(len(levels), (b, nc), device=self.device)]
+        sigma = torch.where(torch.rand(b, nc, device=self.device) < cfg.p_sampler_sigma, pick, warped)
+        sigma = sigma.repeat_interleave(fpc, dim=1)  # [B, F]
+        s = sigma[:, None, :, None, None]
+        eps = torch.randn_like(clean)
+        noisy = (1 - s) * clean + s * eps
+        ctx = torch.rand(b, 1, 1, 1, 1, device=self.device) * cfg.context_noise
+        context = (1 - ctx) * clean + ctx * torch.randn_like(clean)
+        text = frame_text(self.model, self.encoder, [clip_captions(c, fpc) for c in clips])
+        v = teacher_forward(self.model, context, noisy, 1000 * sigma, text, fpc)
+        weight = torch.tensor([chunk_weights(c) for c in clips], device=self.device).repeat_interleave(fpc, dim=1)
+        per_frame = (v - (eps - clean)).pow(2).mean(dim=(1, 3, 4))  # [B, F]
+        loss = (per_frame * weight).sum() / weight.sum().clamp_min(1)
+        self._update(loss, self.model)
+        return loss.item()
+
+    def _update(self, loss: torch.Tensor, module: torch.nn.Module) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        self.opt.step()
+
+    # -- export -------------------------------------------------------------------------------
+
+    def export(self, path: Path) -> None:
+        """The weights as shipped: DiT, decoder, encoder and the caption words' text vectors, one file."""
+        from safetensors.torch import save_file
+
+        words = vocabulary()
+        tensors = {f"dit.{k}": v for k, v in self.model.state_dict().items()}
+        tensors |= {f"decoder.{k}": v for k, v in self.decoder.state_dict().items()}
+        tensors |= {f"pca.{k}": v for k, v in self.pca.state_dict().items()}
+        tensors["text.vectors"] = torch.stack([self.encoder._word(w) for w in words])
+        tensors = {k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}
+        save_file(tensors, path, metadata={"preset": self.cfg.preset, "text.words": json.dumps(words)})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m models.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("runs/tiny"), help="checkpoint and log folder (resumed if it holds a checkpoint)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--minutes", type=float, default=9.0, help="stop (with a checkpoint) after this long")
+    p.add_argument("--save-minutes", type=float, default=3.0, help="checkpoint this often")
+    p.add_argument("--smoke", action="store_true", help="a few steps of each stage, seconds on a CPU (CI)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads torch may use")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a TrainConfig field")
+    p.add_argument("--export", type=Path, help="after training, write the weights to this .safetensors file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    cfg = TrainConfig.smoke() if args.smoke else TrainConfig()
+    fields = {k: type(v) for k, v in asdict(cfg).items()}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in fields:
+            p.error(f"--set {item}: no field {key!r}; fields: {', '.join(fields)}")
+        cfg = replace(cfg, **{key: fields[key](value)})
+    args.out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg, args.out, torch.device(args.device))
+    if trainer.resume():
+        print(f"resumed {trainer.checkpoint_path} at {trainer.stage} step {trainer.step}", flush=True)
+    done = trainer.run(args.minutes, args.save_minutes)
+    print("done" if done else f"stopped at {trainer.stage} step {trainer.step}: run again to resume", flush=True)
+    if args.export and trainer.pca is not None:
+        trainer.export(args.export)
+        print(f"wrote {args.export} ({args.export.stat().st_size / 1e6:.2f} MB)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

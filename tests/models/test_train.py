@@ -1,0 +1,101 @@
+"""Training the built-in model: the teacher-forcing forward equals serving's, and a smoke run resumes."""
+
+import json
+
+import numpy as np
+import torch
+
+from models.latent import BlockPCA, video_frames
+from models.scenes import Scene, Timeline, sample_clip
+from models.train import STAGES, Trainer, TrainConfig, chunk_weights, clip_captions, frame_text, main, teacher_forward, teacher_layout
+from tests.conftest import tiny_generator
+
+
+def test_layout_is_self_forcings_clean_then_noisy():
+    positions, visible = teacher_layout(num_chunks=3, frames_per_chunk=1)
+    assert positions == [0, 1, 2, 0, 1, 2]
+    assert visible.int().tolist() == [
+        [1, 0, 0, 0, 0, 0],  # clean chunks: block-causal
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 0, 0],  # noisy chunk 0: itself
+        [1, 0, 0, 0, 1, 0],  # noisy chunk 1: clean chunk 0 and itself
+        [1, 1, 0, 0, 0, 1],
+    ]
+
+
+def test_teacher_forcing_equals_the_chunk_generator_across_a_prompt_switch():
+    """Chunks 0 and 1 under A, a switch to B (the recache redoes chunk 1's K/V, the sinks keep A's),
+    then chunk 2's first denoising step: the training forward predicts the same flow (fp32, 1e-4)."""
+    gen = tiny_generator()
+    nf = gen.cfg.frames_per_chunk
+    state = gen.open_stream("s", "a red ball moving right", seed=3)
+    it = gen.stream(state)
+    clean = [next(it).latents for _ in range(2)]
+    gen.set_prompt(state, "a blue square falling")
+    noise = torch.Generator().set_state(state.noise.get_state())  # the noise chunk 2 starts from
+    x = torch.randn(clean[0].shape, generator=noise)
+    gen.denoise([state])
+    v_served = x - state.x0  # sigma 1 at the first step: x0 = x - v
+
+    model = gen.model
+    clean_all = torch.stack([torch.cat([*clean, torch.zeros_like(x)], dim=1)])  # chunk 2's clean twin is unseen
+    noisy = torch.stack([torch.cat([torch.zeros_like(x)] * 2 + [x], dim=1)])
+    t = torch.full((1, 3 * nf), 1000.0)
+    captions = ["a red ball moving right"] * nf + ["a blue square falling"] * (5 * nf)
+    with torch.no_grad():
+        v = teacher_forward(model, clean_all, noisy, t, frame_text(model, gen.text_encoder, [captions]), nf)
+    torch.testing.assert_close(v[0, :, 2 * nf :], v_served, rtol=0, atol=1e-4)
+
+
+def test_captions_and_loss_follow_what_a_cache_holds_after_a_switch():
+    a, b = Scene("red", "ball", motion="right"), Scene("blue", "square", motion="down")
+    from models.scenes import Clip
+
+    switched = Clip(Timeline(((0, a, "A"), (3, b, "B"))), (0, 1, 2, 3, 4))
+    assert clip_captions(switched, 1) == ["A"] + ["B"] * 9
+    assert chunk_weights(switched) == [0, 0, 0, 1, 1]
+    long = Clip(Timeline(((0, a, "A"), (9, b, "B"))), (0, 20, 21, 22, 23))
+    assert chunk_weights(long) == [0, 0, 1, 1, 1]  # chunk 20 right after the sinks: not a real cache
+
+
+def test_gradients_reach_every_dit_weight():
+    trainer = Trainer(TrainConfig.smoke(), out=None, device=torch.device("cpu"))
+    trainer.pca_step()
+    trainer.stage = "teacher"
+    trainer.opt = trainer._optimizer()
+    before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
+    trainer.teacher_step()
+    unchanged = [k for k, p in trainer.model.named_parameters() if torch.equal(p, before[k])]
+    assert unchanged == []
+
+
+def test_pca_encodes_whitened_and_its_inverse_recovers_flat_colour():
+    rng = np.random.default_rng(0)
+    clips = [sample_clip(rng) for _ in range(4)]
+    frames = torch.stack([c.timeline.render(video_frames(range(12))).view(12, 4, 128, 128, 3) for c in clips])
+    pca = BlockPCA.fit(frames.flatten(0, 1), channels=16)
+    z = pca.encode(frames)
+    assert z.shape == (4, 16, 12, 16, 16)
+    assert torch.allclose(z.std(dim=(0, 2, 3, 4)), torch.ones(16), atol=0.02)
+    back = pca.decode(z)
+    target = frames.float() / 127.5 - 1
+    assert (back - target).abs().mean() < 0.05 and pca.explained > 0.9
+
+
+def test_smoke_run_trains_every_stage_resumes_and_exports(tmp_path, capsys):
+    from safetensors import safe_open
+
+    out = tmp_path / "run"
+    weights = tmp_path / "tiny.safetensors"
+    args = ["--smoke", "--out", str(out), "--device", "cpu", "--save-minutes", "0"]
+    assert main(args + ["--minutes", "0"]) == 0  # stops at once, with a checkpoint
+    assert "run again to resume" in capsys.readouterr().out
+    assert main(args + ["--export", str(weights)]) == 0
+    assert "done" in capsys.readouterr().out
+    stages = [json.loads(line)["stage"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert sorted(set(stages)) == sorted(STAGES) and len(stages) == 1 + 3 + 3
+    with safe_open(str(weights), "pt") as f:
+        keys = set(f.keys())
+    assert {"pca.basis", "text.vectors", "decoder.conv_in.weight", "dit.patch_embedding.weight"} <= keys
+    assert weights.stat().st_size < 5e6
