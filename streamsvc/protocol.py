@@ -13,7 +13,7 @@ messages; over WebRTC the same JSON travels on the data channel named
 
 Client -> server::
 
-    {"type": "start", "prompt": "...", "seed": 7, "fps": 16, "transport": "ws"}
+    {"type": "start", "prompt": "...", "seed": 7, "fps": 16, "transport": "ws", "token": "..."}
     {"type": "set_prompt", "prompt": "..."}
     {"type": "pause"}  {"type": "resume"}  {"type": "close"}
     {"type": "stats", "buffered_s": 1.5, "frames_played": 480, "stalls": 0, ...}
@@ -26,7 +26,7 @@ Server -> client::
     {"type": "chunk", "index": 3, "pts": 33, "frames": 12, "prompt_version": 1, "steps": 4,
      "keyframe": false, "sizes": [2311, 187, ...]}
     {"type": "ack", "request": "set_prompt", "prompt_version": 1}
-    {"type": "error", "code": "invalid_field", "message": "..."}
+    {"type": "error", "code": "invalid_field", "message": "...", "request": "set_prompt"}
     {"type": "closed", "reason": "..."}
     {"type": "answer", "sdp": "v=0..."}
 
@@ -47,6 +47,13 @@ with an ``ErrorCode`` and a message meant for the other side: malformed JSON,
 an unknown type, a field out of range (the message names the field and the
 allowed values), an oversized message. ``ProtocolError.to_message()`` gives the
 ``error`` message to send back; the stream goes on.
+
+A server with access tokens starts a stream only with a valid ``token`` (in
+``start``, or as ``Authorization: Bearer TOKEN`` on the WebSocket upgrade);
+otherwise it answers ``unauthorized`` and closes the socket. A ``start``
+refused for any reason gets one of ``START_REFUSALS``. An error that answers a
+request names it in ``request``; replies to ``set_prompt`` (``ack`` or
+``error``) come in the order of the requests.
 
 Binary chunk framing (WebSocket)
 --------------------------------
@@ -99,6 +106,8 @@ MAX_STEPS = 1000
 """Denoising steps of a chunk are integers in [1, MAX_STEPS]."""
 MAX_STAT = 1e9
 """Upper bound of every number in a ``stats`` message (seconds or counts)."""
+MAX_TOKEN_CHARS = 256
+"""Longest access token; tokens are printable ASCII without spaces."""
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
 """Largest binary chunk message; give it to the WebSocket client as ``max_size``."""
 
@@ -121,7 +130,14 @@ class ErrorCode(StrEnum):
     NOT_STARTED = "not_started"  # a stream command before "start"
     ALREADY_STARTED = "already_started"  # a second "start" on one connection
     REFUSED = "refused"  # admission refused the stream (the message says why)
+    UNAUTHORIZED = "unauthorized"  # start without a valid access token; the server closes the socket
+    TOO_MANY_STREAMS = "too_many_streams"  # start over this token's or this address's stream limit
+    RATE_LIMITED = "rate_limited"  # a control message over the stream's rate; it was dropped, the stream goes on
     INTERNAL = "internal"  # the server failed; the message says what, never a traceback
+
+
+START_REFUSALS = frozenset({ErrorCode.REFUSED, ErrorCode.UNAUTHORIZED, ErrorCode.TOO_MANY_STREAMS})
+"""The codes that answer a ``start`` the server will not serve: no stream follows."""
 
 
 class ProtocolError(Exception):
@@ -155,6 +171,11 @@ Sdp = Annotated[
 Count = Annotated[int, Field(ge=0, le=int(MAX_STAT), description=f"an integer in [0, {int(MAX_STAT)}]")]
 Seconds = Annotated[float, Field(ge=0.0, le=MAX_STAT, description=f"a finite number of seconds in [0, {MAX_STAT:g}]")]
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS, description=f"a string of at most {MAX_TEXT_CHARS} characters")]
+Token = Annotated[
+    str,
+    Field(min_length=1, max_length=MAX_TOKEN_CHARS, pattern=r"^[!-~]+$",
+          description=f"1 to {MAX_TOKEN_CHARS} printable ASCII characters, no spaces"),
+]
 Fps = Annotated[int, Field(ge=FPS_MIN, le=FPS_MAX, description=f"an integer in [{FPS_MIN}, {FPS_MAX}]")]
 Version = Annotated[int, Field(ge=0, description="an integer >= 0")]
 Dimension = Annotated[int, Field(ge=1, le=MAX_DIMENSION, description=f"an integer in [1, {MAX_DIMENSION}]")]
@@ -177,6 +198,8 @@ class Start(_Message):
     fps: Fps | None = None
     # How the viewer wants the frames; None means the socket this arrived on.
     transport: Literal["ws", "webrtc"] | None = Field(None, description="'ws' or 'webrtc'")
+    # Access token, for servers that require one (a browser cannot set an Authorization header).
+    token: Token | None = None
 
 
 class SetPrompt(_Message):
@@ -287,11 +310,12 @@ class Ack(_Message):
 
 
 class Error(_Message):
-    """A request failed; unless the code is ``refused`` or ``internal`` the stream goes on."""
+    """A request failed; unless the code is in ``START_REFUSALS`` or is ``internal`` the stream goes on."""
 
     type: Literal["error"] = "error"
     code: ErrorCode
     message: Text
+    request: ClientType | None = None  # the request this error answers; None when unknown (e.g. unparseable)
 
 
 class Closed(_Message):

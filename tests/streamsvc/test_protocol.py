@@ -328,3 +328,50 @@ def test_pack_refuses_a_header_that_does_not_match():
     header = p.Chunk.describe([b"ab"], index=0, pts=0, prompt_version=0, steps=4, keyframe=True)
     with pytest.raises(ValueError, match="do not match"):
         p.pack_chunk(header, [b"abc"])
+
+
+# ---------------------------------------------------------------- access fields: start's token, error's request
+
+tokens = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=p.MAX_TOKEN_CHARS)
+
+
+@fast
+@given(st.builds(p.Start, prompt=prompts, token=st.none() | tokens),
+       st.builds(p.Error, code=st.sampled_from(ErrorCode), message=st.text(max_size=50),
+                 request=st.none() | st.sampled_from(["start", "set_prompt", "pause", "resume", "stats", "close", "offer"])))
+def test_token_and_request_fields_round_trip(start, error):
+    assert p.parse_client(p.encode(start)) == start
+    assert p.parse_server(p.encode(error)) == error
+
+
+@fast
+@given(json_values | st.text(max_size=300))
+def test_any_token_value_parses_or_is_an_invalid_field_naming_it(token):
+    data = json.dumps({"type": "start", "prompt": "a cat", "token": token})
+    try:
+        msg = p.parse_client(data)
+    except ProtocolError as exc:
+        assert exc.code is ErrorCode.INVALID_FIELD and "token" in exc.message
+    else:
+        assert msg.token == token
+        assert token is None or (1 <= len(token) <= p.MAX_TOKEN_CHARS and all("!" <= c <= "~" for c in token))
+
+
+@pytest.mark.parametrize("token", ["", "has space", "tab\there", "caf\u00e9", "x" * (p.MAX_TOKEN_CHARS + 1), 7, None])
+def test_bad_tokens_are_refused_with_what_a_token_is(token):
+    if token is None:  # null is "no token"
+        assert p.parse_client(json.dumps({"type": "start", "prompt": "a", "token": None})).token is None
+        return
+    with pytest.raises(ProtocolError) as err:
+        p.parse_client(json.dumps({"type": "start", "prompt": "a", "token": token}))
+    assert err.value.code is ErrorCode.INVALID_FIELD and "'token'" in err.value.message
+
+
+def test_an_error_names_an_unknown_request_type_as_invalid():
+    with pytest.raises(ProtocolError) as err:
+        p.parse_server(json.dumps({"type": "error", "code": "rate_limited", "message": "m", "request": "teleport"}))
+    assert err.value.code is ErrorCode.INVALID_FIELD and "'request'" in err.value.message
+
+
+def test_start_refusals_are_the_codes_that_end_a_start():
+    assert p.START_REFUSALS == {ErrorCode.REFUSED, ErrorCode.UNAUTHORIZED, ErrorCode.TOO_MANY_STREAMS}
