@@ -1,0 +1,163 @@
+"""Access rules as pure logic: tokens, origins, client addresses, rates (explicit times), stream limits."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamsvc.access import (
+    AccessConfig, Rate, Refusal, StreamLimits, TokenBucket, bearer_token, client_address, exposure_warning,
+    find_token, normalize_origin, origin_allowed, parse_auth_file,
+)
+
+tokens_alphabet = st.characters(min_codepoint=0x21, max_codepoint=0x7E)
+tokens = st.text(tokens_alphabet, min_size=1, max_size=40)
+
+
+# ---------------------------------------------------------------- tokens
+
+
+def test_auth_file_lines_give_tokens_and_their_stream_limits():
+    text = "# viewers\nalice-123 2\n\n  bob   # no limit\ncarol 10  # a comment\n"
+    assert parse_auth_file(text) == {"alice-123": 2, "bob": None, "carol": 10}
+
+
+@pytest.mark.parametrize("line, fault", [
+    ("alice 0", "MAX_STREAMS"), ("alice two", "MAX_STREAMS"), ("alice 1 2", "MAX_STREAMS"),
+    ("alice -1", "MAX_STREAMS"), ("al\u00e9 1", "printable ASCII"),
+])
+def test_a_bad_auth_file_line_is_an_error_naming_the_line(line, fault):
+    with pytest.raises(ValueError, match=rf"tokens.txt, line 2: .*{fault}"):
+        parse_auth_file(f"ok\n{line}\n", source="tokens.txt")
+
+
+def test_a_token_twice_in_the_auth_file_is_an_error():
+    with pytest.raises(ValueError, match="line 3: the token appears twice"):
+        parse_auth_file("a\nb\na 2\n")
+
+
+def test_find_token_matches_only_the_exact_token():
+    table = {"s3cret": None, "other": 1}
+    assert find_token(table, "s3cret") == "s3cret" and find_token(table, "other") == "other"
+    for guess in (None, "", "s3cre", "s3cret ", "S3CRET", "s3cret2", "x"):
+        assert find_token(table, guess) is None, guess
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(tokens, max_size=5, unique=True), tokens)
+def test_find_token_agrees_with_plain_lookup(configured, guess):
+    table = dict.fromkeys(configured)
+    assert find_token(table, guess) == (guess if guess in table else None)
+
+
+@pytest.mark.parametrize("header, token", [
+    ("Bearer abc", "abc"), ("bearer abc", "abc"), ("  Bearer   abc  ", "abc"), ("Basic abc", None),
+    ("Bearer", None), ("Bearer ", None), ("", None), (None, None), ("abc", None),
+])
+def test_bearer_token(header, token):
+    assert bearer_token(header) == token
+
+
+# ---------------------------------------------------------------- origins, addresses, exposure
+
+
+@pytest.mark.parametrize("origin, host, allowed, ok", [
+    (None, "example.org:8000", (), True),  # not a browser
+    ("http://example.org:8000", "example.org:8000", (), True),  # the server's own page
+    ("https://example.org", "example.org", (), True),  # behind a TLS proxy that keeps Host
+    ("https://example.org", "example.org:443", (), True),
+    ("HTTP://Example.ORG:8000", "example.org:8000", (), True),
+    ("http://[::1]:8000", "[::1]:8000", (), True),
+    ("http://evil.example", "example.org:8000", (), False),
+    ("http://example.org:8001", "example.org:8000", (), False),  # another port is another origin
+    ("http://example.org.evil.example:8000", "example.org:8000", (), False),
+    ("null", "example.org:8000", (), False),  # a sandboxed frame or a file: page
+    ("http://evil.example", None, (), False),
+    ("https://app.example.org", "api.example.org", ("https://app.example.org",), True),
+    ("https://app.example.org", "api.example.org", ("https://app.example.org:443/",), True),
+    ("http://app.example.org", "api.example.org", ("https://app.example.org",), False),  # scheme counts
+])
+def test_origin_allowed(origin, host, allowed, ok):
+    assert origin_allowed(origin, host, allowed) is ok
+
+
+@pytest.mark.parametrize("origin", ["example.org", "ftp://example.org", "https://", "https://a.org/page", "null"])
+def test_an_allowed_origin_must_be_scheme_host_port(origin):
+    assert normalize_origin(origin) is None
+    with pytest.raises(ValueError, match="scheme://host"):
+        AccessConfig(allowed_origins=(origin,))
+
+
+def test_client_address_takes_x_forwarded_for_only_behind_a_trusted_proxy():
+    assert client_address("10.0.0.1", "203.0.113.7", trust_proxy=False) == "10.0.0.1"
+    assert client_address("10.0.0.1", "203.0.113.7", trust_proxy=True) == "203.0.113.7"
+    # the proxy appends the address it saw: earlier entries are the client's own claims
+    assert client_address("10.0.0.1", "1.2.3.4, 203.0.113.7", trust_proxy=True) == "203.0.113.7"
+    assert client_address("10.0.0.1", None, trust_proxy=True) == "10.0.0.1"
+    assert client_address("10.0.0.1", " , ", trust_proxy=True) == "10.0.0.1"
+
+
+@pytest.mark.parametrize("host, warns", [
+    ("127.0.0.1", False), ("127.0.0.2", False), ("::1", False), ("localhost", False),
+    ("0.0.0.0", True), ("::", True), ("192.168.1.5", True), ("example.org", True),
+])
+def test_serving_beyond_loopback_without_tokens_warns(host, warns):
+    assert (exposure_warning(host, AccessConfig()) is not None) is warns
+    assert exposure_warning(host, AccessConfig(tokens={"t": None})) is None
+
+
+# ---------------------------------------------------------------- rates and limits
+
+
+def test_token_bucket_allows_a_burst_then_the_rate():
+    bucket = TokenBucket(Rate(per_s=2.0, burst=3), now=100.0)
+    assert [bucket.take(100.0) for _ in range(5)] == [True, True, True, False, False]
+    assert bucket.take(100.4) is False  # 0.8 of a message refilled
+    assert bucket.take(100.5) is True  # 1.0
+    assert bucket.take(100.5) is False
+    assert [bucket.take(200.0) for _ in range(4)] == [True, True, True, False]  # refills to the burst, no more
+
+
+def test_token_bucket_ignores_a_clock_going_back():
+    bucket = TokenBucket(Rate(per_s=1.0, burst=1), now=10.0)
+    assert bucket.take(10.0) and not bucket.take(5.0) and not bucket.take(10.5) and bucket.take(11.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(0.1, 50), st.integers(1, 20), st.lists(st.floats(0, 0.5), min_size=1, max_size=200))
+def test_token_bucket_never_grants_more_than_burst_plus_rate_times_time(per_s, burst, gaps):
+    bucket, now, granted = TokenBucket(Rate(per_s, burst), 0.0), 0.0, 0
+    for gap in gaps:
+        now += gap
+        granted += bucket.take(now)
+    assert granted <= burst + per_s * now + 1e-6
+
+
+def test_rate_must_be_positive():
+    for per_s, burst in ((0, 1), (-1, 1), (float("inf"), 1), (1, 0)):
+        with pytest.raises(ValueError, match="rate"):
+            Rate(per_s, burst)
+
+
+def test_stream_limits_per_token_and_per_address():
+    limits = StreamLimits(AccessConfig(tokens={"a": 2, "b": None}, max_streams_per_client=3))
+    assert limits.acquire("a", "10.0.0.1") is None
+    assert limits.acquire("a", "10.0.0.2") is None
+    reason, message = limits.acquire("a", "10.0.0.3")
+    assert reason is Refusal.TOKEN_STREAMS and "2 streams" in message
+    assert limits.acquire("b", "10.0.0.1") is None
+    assert limits.acquire("b", "10.0.0.1") is None
+    reason, message = limits.acquire("b", "10.0.0.1")
+    assert reason is Refusal.CLIENT_STREAMS and "3 streams" in message
+    limits.release("a", "10.0.0.1")
+    assert limits.acquire("a", "10.0.0.1") is None  # a slot of both came free
+
+
+def test_without_limits_any_number_of_streams_opens():
+    limits = StreamLimits(AccessConfig())
+    assert all(limits.acquire(None, "127.0.0.1") is None for _ in range(100))
+
+
+@pytest.mark.parametrize("kwargs", [{"tokens": {"a b": None}}, {"tokens": {"a": 0}}, {"max_streams_per_client": 0}])
+def test_access_config_checks_its_values(kwargs):
+    with pytest.raises(ValueError):
+        AccessConfig(**kwargs)
