@@ -75,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where viewers decode H.264: inline on the event loop, in a thread, or none (default inline)")
     p.add_argument("--stats-every", type=float, default=0.5,
                    help="seconds between the viewers' stats messages to the server (default 0.5; 0 = none)")
+    p.add_argument("--token", default=None,
+                   help="access token the viewers send in start (a local server is started with --auth-token TOKEN)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON to FILE")
     p.add_argument("--progress-every", type=float, default=3.0, help="seconds between progress lines (default 3; 0 = quiet)")
     g = p.add_argument_group("local server (ignored with --url)")
@@ -461,6 +463,7 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     clients = []
     for i in range(args.streams):
         cfg = ClientConfig(prompt=SUBJECTS[i % len(SUBJECTS)] + f" (viewer {i})", seed=args.seed + i, fps=args.fps,
+                           token=args.token,
                            stats_every_s=args.stats_every, decode=DecodeMode(args.decode),
                            open_timeout_s=max(10.0, 0.25 * args.streams))
         clients.append(cls(url, cfg))
@@ -500,6 +503,8 @@ def run(args) -> int:
                           "--kv-quant", args.kv_quant, *args.server_arg]
             if args.buffer_cap is not None:
                 serve_args += ["--buffer-cap", str(args.buffer_cap)]
+            if args.token is not None:
+                serve_args += ["--auth-token", args.token]
             if args.transport == "webrtc":  # keep ICE on loopback (the viewers gather on 127.0.0.1 for a local URL)
                 serve_args += ["--ice-address", "127.0.0.1"]
             server = LocalServer(serve_args, start_timeout_s=args.server_timeout)

@@ -154,7 +154,7 @@ class WebRtcClient(ViewerClient):
             async with asyncio.timeout(cfg.open_timeout_s):
                 self._ws = await connect(self.url, compression=None, max_size=P.MAX_CHUNK_BYTES,
                                          open_timeout=cfg.open_timeout_s, close_timeout=cfg.close_timeout_s)
-                await self._ws.send(P.encode(P.Start(prompt=cfg.prompt, seed=cfg.seed, fps=cfg.fps, transport="webrtc")))
+                await self._ws.send(P.encode(cfg.start_message("webrtc")))
                 if await self._await_ready():
                     self._buffer = PlaybackBuffer(self.ready.fps)
                     self._buffer.connect(self._connected_at)

@@ -68,6 +68,7 @@ class ClientConfig:
     prompt: str  # the stream's opening prompt
     seed: int | None = None  # noise seed; None lets the server pick
     fps: int | None = None  # requested frame rate; None takes the server's
+    token: str | None = None  # access token, for a server that requires one (sent in `start`)
     stats_every_s: float = 0.5  # least time between `stats` messages (0: never send any); see _on_chunk
     decode: DecodeMode = DecodeMode.INLINE  # where access units are decoded
     open_timeout_s: float = 10.0  # connect + handshake + `ready`/`refused`, in all
@@ -75,12 +76,16 @@ class ClientConfig:
     max_session_s: float = 3600.0  # hard bound on a session, whatever the caller asks
 
     def __post_init__(self) -> None:
-        P.Start(prompt=self.prompt, seed=self.seed, fps=self.fps)  # the protocol's own checks, with its messages
+        self.start_message()  # the protocol's own checks, with its messages
         for name in ("open_timeout_s", "close_timeout_s", "max_session_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
         if self.stats_every_s < 0:
             raise ValueError(f"stats_every_s={self.stats_every_s}: must be >= 0 (0 turns stats off)")
+
+    def start_message(self, transport: str | None = None) -> P.Start:
+        """The ``start`` message that opens this viewer's stream."""
+        return P.Start(prompt=self.prompt, seed=self.seed, fps=self.fps, transport=transport, token=self.token)
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,7 @@ class ViewerClient:
                 return True
             if isinstance(msg, P.Error):
                 self._on_error(msg)
-                if msg.code is P.ErrorCode.REFUSED:
+                if msg.code in P.START_REFUSALS:
                     self.refused_reason = msg.message
                     self.state = ClientState.REFUSED
                     return False
@@ -323,9 +328,9 @@ class ViewerClient:
     def _on_error(self, msg: P.Error) -> None:
         self.server_errors.append(msg)
         self.errors.append(f"{msg.code.value}: {msg.message}")
-        # A set_prompt the server failed on is answered by an `internal` error instead of an ack
+        # A set_prompt the server refused or failed on is answered by an error instead of an ack
         # (acks and errors keep the order of the requests); forget it so later acks pair up.
-        if msg.code is P.ErrorCode.INTERNAL and msg.message.startswith("set_prompt") and self._unacked_prompts > 0:
+        if msg.request == "set_prompt" and self._unacked_prompts > 0:
             self._unacked_prompts -= 1
             self._buffer.prompt_rejected()
 
@@ -367,7 +372,7 @@ class StreamClient(ViewerClient):
             async with asyncio.timeout(cfg.open_timeout_s):
                 self._ws = await connect(self.url, compression=None, max_size=P.MAX_CHUNK_BYTES,
                                          open_timeout=cfg.open_timeout_s, close_timeout=cfg.close_timeout_s)
-                await self._ws.send(P.encode(P.Start(prompt=cfg.prompt, seed=cfg.seed, fps=cfg.fps)))
+                await self._ws.send(P.encode(cfg.start_message()))
                 admitted = await self._await_ready()
         except TimeoutError:
             self._fail(f"timeout: no ready or refusal within {cfg.open_timeout_s:g} s")

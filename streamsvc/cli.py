@@ -143,11 +143,12 @@ def cmd_serve(args) -> int:
     static = Path(__file__).resolve().parents[1] / "client" / "static"
     try:
         webrtc = _webrtc_config(args)
-    except ValueError as e:
+        access = _access_config(args)
+    except (ValueError, OSError) as e:
         print(f"streamsvc serve: {e}", file=sys.stderr)
         return 2
     config = ServerConfig(host=args.host, port=args.port, static_dir=str(static) if static.is_dir() else None,
-                          webrtc=webrtc)
+                          webrtc=webrtc, access=access)
     try:
         asyncio.run(Server(_engine_config(args), config).serve_forever())
     except KeyboardInterrupt:
@@ -173,6 +174,40 @@ def _webrtc_config(args):
 
     return WebRtcConfig(ice_servers=tuple(IceServer.parse(s) for s in args.ice_server),
                         ice_addresses=tuple(args.ice_address) or None)
+
+
+def _access_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("access (see README: Running beyond localhost)")
+    g.add_argument("--auth-token", action="append", default=[], metavar="TOKEN",
+                   help="a stream starts only with this token (repeatable; also --auth-file; default: no token needed)")
+    g.add_argument("--auth-file", default=None, metavar="PATH",
+                   help="tokens, one 'TOKEN [MAX_STREAMS]' a line ('#' comments): MAX_STREAMS limits the streams the "
+                        "token holds at once")
+    g.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let pages of ORIGIN (e.g. https://app.example.org) open streams from a browser (repeatable; "
+                        "default: only the origin matching the request's Host, i.e. the server's own player)")
+    g.add_argument("--max-streams-per-client", type=int, default=None, metavar="N",
+                   help="streams one remote address may hold at once (default: no limit)")
+    g.add_argument("--trust-proxy", action="store_true",
+                   help="take the client address from X-Forwarded-For (only behind a reverse proxy that sets it)")
+    g.add_argument("--control-rate", type=float, default=5.0, metavar="PER_S",
+                   help="control messages (set_prompt, pause, resume) a stream may send a second (default 5)")
+    g.add_argument("--control-burst", type=int, default=10,
+                   help="control messages a stream may send at once before --control-rate applies (default 10)")
+    g.add_argument("--stats-rate", type=float, default=4.0, metavar="PER_S",
+                   help="stats messages a stream may send a second, counted apart (default 4, burst as many)")
+
+
+def _access_config(args):
+    from streamsvc.access import AccessConfig, Rate, check_token, parse_auth_file
+
+    tokens = {check_token(t): None for t in args.auth_token}
+    if args.auth_file:
+        tokens |= parse_auth_file(Path(args.auth_file).read_text(), source=args.auth_file)
+    return AccessConfig(tokens=tokens, allowed_origins=tuple(args.allow_origin),
+                        max_streams_per_client=args.max_streams_per_client, trust_proxy=args.trust_proxy,
+                        control_rate=Rate(args.control_rate, args.control_burst),
+                        stats_rate=Rate(args.stats_rate, max(1, round(args.stats_rate))))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(s)
     _serve_args(s)
     _webrtc_args(s)
+    _access_args(s)
     s.set_defaults(func=cmd_serve)
 
     from client import loadtest  # the one place streamsvc reaches into client

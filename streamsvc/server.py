@@ -4,6 +4,12 @@ One WebSocket connection carries one stream: the client sends `start`, gets `rea
 then every chunk as one binary message (see streamsvc/protocol.py) while it steers
 with `set_prompt`, `pause`, `resume` and `close`. A bad message gets an `error` back and
 the stream goes on; a client that vanishes has its stream closed and its KV cache freed.
+
+Who may do what (streamsvc/access.py): a browser's upgrade must come from an allowed origin,
+a stream starts only with a valid token when tokens are configured, each token and address
+holds a limited number of streams, and each stream's control messages are rate-limited; every
+refusal says why on the wire and is counted in /metrics by reason. Prompts are coalesced
+(session.PromptGate): one recache per chunk at most, however fast a viewer sends them.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import logging
 import mimetypes
 import random
 import signal
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +35,8 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from streamsvc import protocol as P
+from streamsvc.access import AccessConfig, Refusal, StreamLimits, TokenBucket, bearer_token, client_address, \
+    exposure_warning, find_token, origin_allowed
 from streamsvc.engine import ChunkOut, Engine, EngineConfig
 from streamsvc.session import Session, SessionState
 from streamsvc.rtc import SignalingError, WebRtcConfig, server_ice_addresses
@@ -46,6 +55,7 @@ class ServerConfig:
     static_dir: str | None = None  # the browser player's files, served at / (None: no player)
     max_streams: int = 256  # hard cap on open streams, whatever the admission says
     webrtc: WebRtcConfig = WebRtcConfig()  # ICE servers and candidate addresses of WebRTC streams
+    access: AccessConfig = AccessConfig()  # tokens, origins, per-client limits, control rates
 
 
 class Metrics:
@@ -81,11 +91,18 @@ class Metrics:
         self.chunk_latency_max = Gauge("streamsvc_chunk_latency_max_seconds",
                                        "Slowest chunk so far: its first forward's launch to its hand-over", registry=r)
         self.errors = Counter("streamsvc_protocol_errors", "Bad client messages answered with an error", registry=r)
+        self.refusals = Counter("streamsvc_refusals", "Requests refused, by reason", ["reason"], registry=r)
+        for reason in Refusal:
+            self.refusals.labels(reason.value)  # every reason shows, at 0 until it happens
 
 
 class Server:
-    def __init__(self, engine_config: EngineConfig, config: ServerConfig = ServerConfig()) -> None:
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig = ServerConfig(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock  # the control rates' time (tests inject one)
+        self.limits = StreamLimits(config.access)
+        self._tasks: set[asyncio.Task] = set()  # prompts released at a chunk (kept referenced until done)
         self.engine_config = engine_config
         self.metrics = Metrics()
         self.sessions: dict[str, Session] = {}
@@ -109,6 +126,9 @@ class Server:
             compression=None, max_size=P.MAX_MESSAGE_BYTES, ping_interval=20, ping_timeout=20,
         )
         log.info("serving on http://%s:%d (WebSocket at %s)", self.config.host, self.port, WS_PATH)
+        warning = exposure_warning(self.config.host, self.config.access)
+        if warning:
+            log.warning(warning)
 
     @property
     def port(self) -> int:
@@ -148,6 +168,7 @@ class Server:
             return
         self.metrics.chunk_latency.observe(out.latency_s)
         session.outbox.put_nowait(out)
+        self._spawn(self._release_prompt(session))
 
     def _on_error(self, stream_id: str, message: str) -> None:
         session = self.sessions.get(stream_id)
@@ -160,7 +181,7 @@ class Server:
     def _http(self, connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0]
         if path == WS_PATH:
-            return None  # the WebSocket handshake goes on
+            return self._check_origin(request)  # None: the WebSocket handshake goes on
         if path == "/healthz":
             ok = self.engine.snapshot is not None
             return self._respond(http.HTTPStatus.OK if ok else http.HTTPStatus.SERVICE_UNAVAILABLE,
@@ -169,6 +190,16 @@ class Server:
             self._refresh_metrics()
             return self._respond(http.HTTPStatus.OK, generate_latest(self.metrics.registry), "text/plain; version=0.0.4")
         return self._static(path)
+
+    def _check_origin(self, request: Request) -> Response | None:
+        """Refuses (403) a browser's upgrade from a page of another site; see access.origin_allowed."""
+        origin, host = request.headers.get("Origin"), request.headers.get("Host")
+        if origin_allowed(origin, host, self.config.access.allowed_origins):
+            return None
+        self.metrics.refusals.labels(Refusal.ORIGIN.value).inc()
+        text = (f"origin {origin[:200]!r} may not open streams here: only pages of this server (Host {host!r}) "
+                "and origins given with --allow-origin may\n")
+        return self._respond(http.HTTPStatus.FORBIDDEN, text.encode(), "text/plain")
 
     def _static(self, path: str) -> Response:
         root = self.config.static_dir
@@ -250,16 +281,42 @@ class Server:
         else:
             await ws.send(P.encode(msg))
 
-    async def _start(self, ws: ServerConnection, msg: P.Start) -> Session | None:
-        if len(self.sessions) >= self.config.max_streams:
-            self.metrics.refused.inc()
-            await ws.send(P.encode(P.Error(code=P.ErrorCode.REFUSED, message=f"server is at its cap of {self.config.max_streams} streams")))
+    async def _let_in(self, ws: ServerConnection, msg: P.Start) -> tuple[str | None, str] | None:
+        """Token, server cap and per-client limits: the stream's token and client address (counted in
+        self.limits), or None after the refusal went out."""
+        access = self.config.access
+        given = msg.token or bearer_token(ws.request.headers.get("Authorization"))
+        token = find_token(access.tokens, given)
+        if access.auth and token is None:
+            await self._refuse(ws, Refusal.UNAUTHORIZED, "the access token is not valid" if given else (
+                "this server needs an access token: send it as 'token' in start or as an 'Authorization: Bearer' "
+                "header (the player takes it from the page address: #token=...)"))
+            await ws.close(1008, "unauthorized")
             return None
+        if len(self.sessions) >= self.config.max_streams:
+            await self._refuse(ws, Refusal.SERVER_CAP, f"server is at its cap of {self.config.max_streams} streams")
+            return None
+        remote = ws.remote_address[0] if ws.remote_address else None
+        address = client_address(remote, ws.request.headers.get("X-Forwarded-For"), access.trust_proxy)
+        over_limit = self.limits.acquire(token, address)
+        if over_limit is not None:
+            await self._refuse(ws, *over_limit)
+            return None
+        return token, address
+
+    async def _start(self, ws: ServerConnection, msg: P.Start) -> Session | None:
+        client = await self._let_in(ws, msg)
+        if client is None:
+            return None
+        token, address = client
+        access = self.config.access
         gen_cfg = self.engine.gen.model_cfg
         stream_id = f"s{next(self._ids)}"
         fps = msg.fps or 16
         seed = msg.seed if msg.seed is not None else random.randrange(2**31)
-        session = Session(stream_id, fps, msg.prompt)
+        now = self.clock()
+        session = Session(stream_id, fps, msg.prompt, token=token, address=address,
+                          control_rate=TokenBucket(access.control_rate, now), stats_rate=TokenBucket(access.stats_rate, now))
         self.sessions[stream_id] = session
         try:
             admission = await asyncio.wrap_future(self.engine.open_stream(stream_id, msg.prompt, seed, fps))
@@ -272,8 +329,8 @@ class Server:
         if admission is None or not admission.accepted:
             self.sessions.pop(stream_id, None)
             session.close("refused")
-            self.metrics.refused.inc()
-            await ws.send(P.encode(P.Error(code=P.ErrorCode.REFUSED, message=(reason or "refused")[: P.MAX_TEXT_CHARS])))
+            self.limits.release(token, address)
+            await self._refuse(ws, Refusal.ADMISSION, reason or "refused")
             return None
         self.metrics.admitted.inc()
         gen = self.engine.gen
@@ -289,14 +346,40 @@ class Server:
             )
         return session
 
+    async def _refuse(self, ws: ServerConnection, reason: Refusal, message: str) -> None:
+        """Answer a start that will not be served with the code of its reason, and count it."""
+        self.metrics.refusals.labels(reason.value).inc()
+        if reason in (Refusal.SERVER_CAP, Refusal.ADMISSION):
+            self.metrics.refused.inc()
+        await ws.send(P.encode(P.Error(code=_START_REFUSAL_CODES[reason], message=message[: P.MAX_TEXT_CHARS],
+                                       request="start")))
+
+    def _over_rate(self, session: Session, msg) -> P.Error | None:
+        """The error for a control message over its stream's rate (stats have a rate of their own), or
+        None when it may go on; close always may."""
+        if isinstance(msg, P.Close):
+            return None
+        stats = isinstance(msg, P.Stats)
+        bucket = session.stats_rate if stats else session.control_rate
+        if bucket.take(self.clock()):
+            return None
+        self.metrics.refusals.labels((Refusal.STATS_RATE_LIMITED if stats else Refusal.RATE_LIMITED).value).inc()
+        rate = bucket.rate
+        return P.Error(code=P.ErrorCode.RATE_LIMITED, request=msg.type, message=(
+            f"'{msg.type}' dropped: this stream may send {rate.per_s:g} {'stats' if stats else 'control'} messages "
+            f"a second (bursts of {rate.burst}); the stream goes on"))
+
     async def _control(self, session: Session, msg) -> None:
         sid = session.stream_id
+        refusal = self._over_rate(session, msg)
+        if isinstance(msg, P.SetPrompt):
+            await self._steer(session, msg.prompt, refusal)
+            return
+        if refusal is not None:
+            session.outbox.put_nowait(refusal)
+            return
         try:
-            if isinstance(msg, P.SetPrompt):
-                version = await asyncio.wrap_future(self.engine.set_prompt(sid, msg.prompt))
-                session.prompt, session.prompt_version = msg.prompt, version
-                session.outbox.put_nowait(P.Ack(request="set_prompt", prompt_version=version))
-            elif isinstance(msg, P.Pause):
+            if isinstance(msg, P.Pause):
                 await asyncio.wrap_future(self.engine.pause(sid))
                 session.pause()
                 session.outbox.put_nowait(P.Ack(request="pause"))
@@ -325,7 +408,43 @@ class Server:
         except Exception as e:  # noqa: BLE001 - a failed request is reported, the stream goes on
             if session.closed:
                 return
-            session.outbox.put_nowait(P.Error(code=P.ErrorCode.INTERNAL, message=f"{msg.type} failed: {e}"[: P.MAX_TEXT_CHARS]))
+            session.outbox.put_nowait(_failed(msg.type, e))
+
+    async def _steer(self, session: Session, prompt: str, refusal: P.Error | None) -> None:
+        """A set_prompt: refused, sent to the engine now, or left waiting for the next chunk (PromptGate)."""
+        async with session.steering:
+            if refusal is not None:
+                replies = session.prompts.refuse(refusal)
+            elif session.prompts.submit(prompt):
+                replies = [await self._prompt_to_engine(session, prompt)]
+            else:
+                replies = []
+            for reply in replies:
+                session.outbox.put_nowait(reply)
+
+    async def _release_prompt(self, session: Session) -> None:
+        """A chunk of the stream is done: the prompt that waited for it goes to the engine, and the
+        replies held behind it go out."""
+        async with session.steering:
+            prompt = session.prompts.chunk_done()
+            if prompt is None or session.closed:
+                return
+            for reply in session.prompts.answered(await self._prompt_to_engine(session, prompt)):
+                session.outbox.put_nowait(reply)
+
+    async def _prompt_to_engine(self, session: Session, prompt: str) -> P.Ack | P.Error:
+        """The stream's next chunks run under ``prompt``: the ack with their version, or the error."""
+        try:
+            version = await asyncio.wrap_future(self.engine.set_prompt(session.stream_id, prompt))
+        except Exception as e:  # noqa: BLE001 - reported to the client, the stream goes on
+            return _failed("set_prompt", e)
+        session.prompt, session.prompt_version = prompt, version
+        return P.Ack(request="set_prompt", prompt_version=version)
+
+    def _spawn(self, coro: Coroutine) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _sender(self, ws: ServerConnection, session: Session) -> None:
         """Sends the session's outbox in order: chunks as binary, messages as text, None ends.
@@ -365,11 +484,26 @@ class Server:
         if not session.close(reason):
             return
         self.sessions.pop(session.stream_id, None)
+        self.limits.release(session.token, session.address)
         if not engine_closed:
             with contextlib.suppress(Exception):
                 await asyncio.wrap_future(self.engine.close_stream(session.stream_id))
         session.outbox.put_nowait(P.Closed(reason=reason))
         session.outbox.put_nowait(None)
+
+
+_START_REFUSAL_CODES = {
+    Refusal.UNAUTHORIZED: P.ErrorCode.UNAUTHORIZED,
+    Refusal.TOKEN_STREAMS: P.ErrorCode.TOO_MANY_STREAMS,
+    Refusal.CLIENT_STREAMS: P.ErrorCode.TOO_MANY_STREAMS,
+    Refusal.SERVER_CAP: P.ErrorCode.REFUSED,
+    Refusal.ADMISSION: P.ErrorCode.REFUSED,
+}
+
+
+def _failed(request: str, e: Exception) -> P.Error:
+    """The error for a request the server failed on: what failed, never a traceback."""
+    return P.Error(code=P.ErrorCode.INTERNAL, message=f"{request} failed: {e}"[: P.MAX_TEXT_CHARS], request=request)
 
 
 async def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:

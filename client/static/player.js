@@ -1,7 +1,9 @@
 // streamsvc browser player: WebRTC video, signaling and control on the service's own endpoints.
 //
 // 1. WebSocket to /ws: {"type": "start", "prompt": ..., "transport": "webrtc"} -> "ready"
-//    (or an "error" with code "refused": the page says why).
+//    (or an "error" with code "refused", "unauthorized" or "too_many_streams": the page says why).
+//    A server with access tokens needs one: the page takes it from its address's fragment,
+//    /#token=..., which the browser never sends to any server (nor in a Referer).
 // 2. RTCPeerConnection (no STUN/TURN), a recvonly H.264 video transceiver and a data channel
 //    named "control"; the offer goes on the WebSocket once ICE gathering is complete, the
 //    server's "answer" comes back there.
@@ -17,6 +19,7 @@
 (() => {
   const RTP_CLOCK_HZ = 90000;
   const H264_PROFILE = "42e01f";  // constrained baseline, what the server's encoder makes
+  const START_REFUSALS = ["refused", "unauthorized", "too_many_streams"];  // protocol.START_REFUSALS
   const GATHER_TIMEOUT_MS = 5000;
   const ANSWER_TIMEOUT_MS = 15000;
   const MAX_HEADERS = 256;
@@ -109,7 +112,8 @@
     startedAt = performance.now();
     setPhase("connecting");
     ws = new WebSocket(wsUrl());
-    ws.onopen = () => ws.send(JSON.stringify({ type: "start", prompt, transport: "webrtc" }));
+    const token = new URLSearchParams(location.hash.slice(1)).get("token");
+    ws.onopen = () => ws.send(JSON.stringify({ type: "start", prompt, transport: "webrtc", ...(token ? { token } : {}) }));
     ws.onmessage = (e) => onMessage(e.data);
     ws.onerror = () => {};  // onclose follows with the code
     ws.onclose = (e) => {
@@ -208,7 +212,11 @@
         break;
       case "error":
         player.errors.push(`${msg.code}: ${msg.message}`);
-        if (msg.code === "refused") {
+        if (msg.request === "set_prompt") {  // this prompt got an error instead of an ack: it has no version
+          const steer = pendingSteers.findIndex((s) => s.version === null);
+          if (steer >= 0) pendingSteers.splice(steer, 1);
+        }
+        if (START_REFUSALS.includes(msg.code)) {
           ended = true;
           setPhase("refused");
           banner(`The server refused the stream: ${msg.message}`, "error", true);

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import client
+from streamsvc.access import AccessConfig
 from streamsvc.engine import EngineConfig
 from streamsvc.server import Server, ServerConfig
 from streamsvc.rtc import WebRtcConfig
@@ -103,6 +104,34 @@ async def test_player_plays_steers_and_reports(tmp_path):
                 await page.wait_for_function("player.phase === 'closed' || player.phase === 'failed'", timeout=10_000)
                 assert "server shutting down" in await page.inner_text("#banner-text")
                 assert server.engine.kv_used_bytes == 0
+            finally:
+                await browser.close()
+    finally:
+        await asyncio.wait_for(server.stop(), 30)
+
+
+async def test_player_takes_its_token_from_the_page_fragment(tmp_path):
+    """A server with a token: the page with #token=... plays (its upgrade comes from the server's own origin);
+    the page without one is refused with the reason."""
+    server = Server(EngineConfig(), ServerConfig(port=0, static_dir=str(STATIC),
+                                                 webrtc=WebRtcConfig(ice_addresses=("127.0.0.1",)),
+                                                 access=AccessConfig(tokens={"s3cret-token": None})))
+    await server.start()
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        async with playwright_api.async_playwright() as pw:
+            browser = await pw.chromium.launch_persistent_context(
+                str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=FLAGS)
+            try:
+                page = await browser.new_page()
+                await page.goto(f"{base}/?prompt=a%20koi%20pond#token=s3cret-token", timeout=15_000)
+                await page.wait_for_function("player.framesPresented > 0", timeout=20_000)
+                assert (await _state(page))["phase"] == "playing"
+
+                other = await browser.new_page()
+                await other.goto(base + "/", timeout=15_000)
+                await other.wait_for_function("player.phase === 'refused'", timeout=15_000)
+                assert "access token" in await other.inner_text("#banner-text")
             finally:
                 await browser.close()
     finally:
