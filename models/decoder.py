@@ -55,6 +55,9 @@ class TinyStreamingDecoder(nn.Module):
         self.frame = nn.Conv2d(ch, ch, 3, padding=1)
         self.color = nn.Conv2d(ch, 3, 1)
         self.detail = nn.Conv2d(ch, 3 * self.su * self.su, 1)
+        # a linear path straight from a latent pixel to its tu x su x su x 3 block of video: zero in random
+        # weights; a linear encoder's inverse to start from (models/latent.py BlockPCA.inverse_weights)
+        self.inverse = nn.Conv2d(c, self.tu * self.su * self.su * 3, 1)
 
     def init_weights(self, seed: int) -> TinyStreamingDecoder:
         gen = torch.Generator().manual_seed(seed)
@@ -67,6 +70,7 @@ class TinyStreamingDecoder(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) / fan_in**0.5)
         with torch.no_grad():
             self.detail.weight.mul_(0.25)
+            self.inverse.weight.zero_()
         return self
 
     def init_state(self) -> DecoderState:
@@ -95,7 +99,9 @@ class TinyStreamingDecoder(nn.Module):
         # per latent pixel an 8x8 patch: a flat colour plus detail, written straight into [N, H, W, 3] order
         color = self.color(x).permute(0, 2, 3, 1)[:, :, None, :, None, :]  # [N, h, 1, w, 1, 3]
         detail = self.detail(x).view(n, 3, su, su, h, w).permute(0, 4, 2, 5, 3, 1)  # [N, h, su, w, su, 3]
-        rgb = (detail + color).reshape(b, nf * self.tu, h * su, w * su, 3)
+        # the linear path: [B*F, (tu, su, su, 3), h, w] -> [N, h, su, w, su, 3]
+        linear = self.inverse(z.flatten(0, 1)).view(b * nf, self.tu, su, su, 3, h, w).permute(0, 1, 5, 2, 6, 3, 4)
+        rgb = (detail + color + linear.reshape(n, h, su, w, su, 3)).reshape(b, nf * self.tu, h * su, w * su, 3)
         return rgb, mem
 
     @torch.no_grad()

@@ -68,6 +68,10 @@ class BlockPCA:
     def to(self, device: torch.device | str) -> BlockPCA:
         return BlockPCA(self.mean.to(device), self.basis.to(device), self.std.to(device), self.tu, self.su)
 
+    def inverse_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The linear inverse as a 1x1 convolution's weight [D, C, 1, 1] and bias [D] (a decoder starts from it)."""
+        return (self.basis * self.std[:, None]).T[:, :, None, None].contiguous(), self.mean.clone()
+
     def encode(self, frames: torch.Tensor) -> torch.Tensor:
         """frames [B, F, temporal, H, W, 3] uint8 -> latents [B, C, F, H/spatial, W/spatial] float32."""
         x = _blocks(frames, self.tu, self.su)  # [B, F, h, w, D]

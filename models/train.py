@@ -242,6 +242,10 @@ class Trainer:
     def pca_step(self) -> float:
         frames = self._render(self._clips(self.cfg.pca_clips))
         self.pca = BlockPCA.fit(frames.flatten(0, 1), self.mc.in_channels, self.mc.temporal_upsample, self.mc.spatial_upsample)
+        weight, bias = self.pca.inverse_weights()
+        with torch.no_grad():  # the decoder starts as the encoder's linear inverse and learns the rest
+            self.decoder.inverse.weight.copy_(weight)
+            self.decoder.inverse.bias.copy_(bias)
         print(f"pca: {self.mc.in_channels} components keep {self.pca.explained:.1%} of the blocks' variance", flush=True)
         return self.pca.explained
 

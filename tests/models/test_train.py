@@ -99,3 +99,16 @@ def test_smoke_run_trains_every_stage_resumes_and_exports(tmp_path, capsys):
         keys = set(f.keys())
     assert {"pca.basis", "text.vectors", "decoder.conv_in.weight", "dit.patch_embedding.weight"} <= keys
     assert weights.stat().st_size < 5e6
+
+
+def test_the_decoder_starts_as_the_encoders_inverse():
+    trainer = Trainer(TrainConfig.smoke(), out=None, device=torch.device("cpu"))
+    trainer.pca_step()
+    trainer.decoder.detail.weight.data.zero_()  # leave only the linear path and a flat colour of 0
+    trainer.decoder.color.weight.data.zero_()
+    clip = sample_clip(np.random.default_rng(5))
+    frames = clip.timeline.render(video_frames(range(6))).view(1, 6, 4, 128, 128, 3)
+    z = trainer.pca.encode(frames)
+    with torch.no_grad():
+        rgb, _ = trainer.decoder(z.transpose(1, 2))
+    torch.testing.assert_close(rgb, trainer.pca.decode(z).flatten(1, 2), atol=1e-4, rtol=0)
