@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import heapq
+import itertools
 import json
 import math
 import os
@@ -66,6 +67,7 @@ class SimConfig:
     jitter: float = 0.1  # sigma of the lognormal factor (mean 1) on every forward's time
     batch_gain: float = 0.04  # a batch of b costs b x (1 - batch_gain) forwards for b > 1 (DESIGN: 3-5 %)
     denoise_steps: int = 4  # DENOISE forwards per chunk; one COMMIT follows
+    degrade_steps: tuple[int, ...] = (3, 2)  # fewer steps a late chunk may run with (GeneratorConfig.degraded_steps)
     fps: float = 16.0  # playback rate
     first_chunk_frames: int = 9  # frames of a stream's first chunk
     chunk_frames: int = 12  # frames of later chunks (0.75 s at 16 fps)
@@ -201,6 +203,7 @@ def simulate(sim: SimConfig, sched_cfg: SchedulerConfig, viewers: list[Viewer], 
     wake_pending = math.inf  # earliest wake-up already queued
     busy_s = 0.0
     chunk_latency_s: list[float] = []
+    chunks = degraded = 0  # chunks committed, and those with fewer denoising steps (instead of a stall)
 
     def forward_cost(plan: Plan) -> float:
         b = len(plan.stream_ids)
@@ -209,7 +212,7 @@ def simulate(sim: SimConfig, sched_cfg: SchedulerConfig, viewers: list[Viewer], 
 
     def kick(now: float) -> None:
         """The engine's loop: decide and launch while the device queue has room."""
-        nonlocal launched, device_free_at, wake_pending, busy_s
+        nonlocal launched, device_free_at, wake_pending, busy_s, chunks, degraded
         while launched < sim.launch_depth:
             plan = sched.next(now)
             if plan is None:
@@ -223,6 +226,9 @@ def simulate(sim: SimConfig, sched_cfg: SchedulerConfig, viewers: list[Viewer], 
             busy_s += cost
             launched += 1
             sched.complete(plan, now, None, deliver=False)
+            if plan.kind is WorkKind.COMMIT:
+                chunks += len(plan.steps)
+                degraded += sum(1 for n in plan.steps if n < sched_cfg.denoise_steps)
             push(device_free_at, "done", (plan, cost))
 
     end = 0.0
@@ -274,6 +280,8 @@ def simulate(sim: SimConfig, sched_cfg: SchedulerConfig, viewers: list[Viewer], 
         "chunk_latency_s": chunk_latency_s,
         "refusals": [v.refusal for v in viewers if not v.admitted],
         "busy": busy_s / end if end > 0 else 0.0,
+        "chunks": chunks,
+        "degraded": degraded,
     }
 
 
@@ -289,13 +297,15 @@ def run_cell(args: tuple[SimConfig, SchedulerConfig, float, list[int]]) -> dict:
     """All seeds of one (policy, load, admission) cell, pooled."""
     sim, sched_cfg, load, seeds = args
     runs = [simulate(sim, sched_cfg, make_workload(sim, load, seed), f"{seed}:{load}") for seed in seeds]
-    total = {k: sum(r[k] for r in runs) for k in ("viewers", "admitted", "session_s", "startup_s", "stall_s", "stalls")}
+    keys = ("viewers", "admitted", "session_s", "startup_s", "stall_s", "stalls", "chunks", "degraded")
+    total = {k: sum(r[k] for r in runs) for k in keys}
     ttff = [x for r in runs for x in r["ttff_s"]]
     control = [x for r in runs for x in r["control_s"]]
     play_s = total["session_s"] - total["startup_s"] - total["stall_s"]
     return {
         "policy": sched_cfg.policy,
         "admission": math.isfinite(sched_cfg.utilization_target),
+        "degrade": bool(sched_cfg.degrade_steps),
         "load": load,
         "viewers": total["viewers"],
         "admitted": total["admitted"],
@@ -309,6 +319,8 @@ def run_cell(args: tuple[SimConfig, SchedulerConfig, float, list[int]]) -> dict:
         "control_p95_s": percentile(control, 95),
         "control_n": len(control),
         "busy": sum(r["busy"] for r in runs) / len(runs),
+        "chunks": total["chunks"],
+        "degraded": total["degraded"],
         "time_lost_by_seed": [(r["startup_s"] + r["stall_s"]) / max(r["session_s"], 1e-9) for r in runs],
     }
 
@@ -394,7 +406,10 @@ def with_overrides(sim: SimConfig, overrides: list[str]) -> SimConfig:
         name, _, value = item.partition("=")
         if name not in fields:
             raise SystemExit(f"--sim {item!r}: no field {name!r}; fields: {', '.join(sorted(fields))}")
-        changes[name] = type(getattr(sim, name))(float(value))
+        kind = type(getattr(sim, name))
+        if kind not in (int, float):
+            raise SystemExit(f"--sim {item!r}: {name} is not a number")
+        changes[name] = kind(float(value))
     return dataclasses.replace(sim, **changes)
 
 
@@ -415,6 +430,7 @@ def main_fixed(args: argparse.Namespace, seeds: list[int]) -> int:
                 initial_forward_s=sim.forward_s,
                 start_margin_s=margin,
                 startup_slack_s=args.startup_slack_s,
+                degrade_steps=sim.degrade_steps if args.degrade != "off" else (),
             )
             jobs.append((sim, cfg, streams, seeds, args.stagger))
     t0 = time.perf_counter()
@@ -466,7 +482,8 @@ def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
 
 
 def checks(cells: list[dict]) -> dict:
-    """The issue's must-show, computed from the cells."""
+    """The issue's must-show, computed from the cells (those of the first degrade setting run)."""
+    cells = [c for c in cells if c["degrade"] == cells[0]["degrade"]] if cells else cells
 
     def cell(policy: str, load: float, admission: bool) -> dict | None:
         for c in cells:
@@ -497,8 +514,8 @@ def checks(cells: list[dict]) -> dict:
 
 def print_table(cells: list[dict]) -> None:
     header = (
-        f"{'adm':>3} {'load':>4} {'policy':<12} {'admit':>9} {'stalls':>6} {'stall%':>6} {'lost%':>6} "
-        f"{'ttff50':>6} {'ttff95':>6} {'ctl50':>6} {'ctl95':>6} {'busy%':>5}"
+        f"{'adm':>3} {'deg':>3} {'load':>4} {'policy':<12} {'admit':>9} {'stalls':>6} {'stall%':>6} {'lost%':>6} "
+        f"{'ttff50':>6} {'ttff95':>6} {'ctl50':>6} {'ctl95':>6} {'busy%':>5} {'degraded':>13}"
     )
     print(header)
     print("-" * len(header))
@@ -507,12 +524,13 @@ def print_table(cells: list[dict]) -> None:
         if last is not None and (c["admission"], c["load"]) != last:
             print()
         last = (c["admission"], c["load"])
+        deg = f"{c['degraded']}/{c['chunks']}"
         fmt = lambda x: "   -  " if x is None else f"{x:6.2f}"  # noqa: E731
         print(
-            f"{'on' if c['admission'] else 'off':>3} {c['load']:4.2f} {c['policy']:<12} "
+            f"{'on' if c['admission'] else 'off':>3} {'on' if c['degrade'] else 'off':>3} {c['load']:4.2f} {c['policy']:<12} "
             f"{c['admitted']:>4}/{c['viewers']:<4} {c['stalls']:>6} {100 * c['stall_ratio']:6.2f} "
             f"{100 * c['time_lost']:6.2f} {fmt(c['ttff_p50_s'])} {fmt(c['ttff_p95_s'])} "
-            f"{fmt(c['control_p50_s'])} {fmt(c['control_p95_s'])} {100 * c['busy']:5.1f}"
+            f"{fmt(c['control_p50_s'])} {fmt(c['control_p95_s'])} {100 * c['busy']:5.1f} {deg:>13}"
         )
 
 
@@ -532,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loads", default="0.5,0.6,0.7,0.8,0.9,1.0,1.1,1.2", help="offered loads, comma separated")
     ap.add_argument("--policies", default=",".join(POLICIES), help="policies, comma separated")
     ap.add_argument("--admission", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--degrade", choices=("on", "off", "both"), default="on",
+                    help="chunks may run fewer denoising steps instead of a stall (the server's default: on)")
+    ap.add_argument("--degrade-margin-s", type=float, default=SchedulerConfig.degrade_margin_s)
     ap.add_argument(
         "--quick", action="store_true", help="3 seeds x 300 s at loads 0.5, 0.9, 1.2 (a smoke run, too few to decide)"
     )
@@ -559,28 +580,29 @@ def main(argv: list[str] | None = None) -> int:
     loads = [float(x) for x in args.loads.split(",")]
     policies = args.policies.split(",")
     admissions = {"both": (True, False), "on": (True,), "off": (False,)}[args.admission]
+    degrades = {"both": (True, False), "on": (True,), "off": (False,)}[args.degrade]
     sim = with_overrides(SimConfig(duration_s=args.duration), args.sim)
     if args.buffer_cap is not None:
         sim = dataclasses.replace(sim, buffer_cap_s=args.buffer_cap)
 
     jobs = []
-    for admission in admissions:
-        for load in loads:
-            for policy in policies:
-                cfg = SchedulerConfig(
-                    policy=policy,
-                    denoise_steps=sim.denoise_steps,
-                    buffer_cap_s=sim.buffer_cap_s,
-                    max_batch=args.max_batch,
-                    utilization_target=args.utilization_target if admission else math.inf,
-                    initial_forward_s=sim.forward_s,
-                    restart_on_prompt=not args.no_restart,
-                    restart_margin_chunks=args.restart_margin_chunks,
-                    startup_slack_s=args.startup_slack_s,
-                    stall_guard_chunks=None if args.stall_guard_chunks < 0 else args.stall_guard_chunks,
-                    start_margin_s=args.start_margin_s,
-                )
-                jobs.append((sim, cfg, load, seeds))
+    for admission, load, degrade, policy in itertools.product(admissions, loads, degrades, policies):
+        cfg = SchedulerConfig(
+            policy=policy,
+            denoise_steps=sim.denoise_steps,
+            buffer_cap_s=sim.buffer_cap_s,
+            max_batch=args.max_batch,
+            utilization_target=args.utilization_target if admission else math.inf,
+            initial_forward_s=sim.forward_s,
+            restart_on_prompt=not args.no_restart,
+            restart_margin_chunks=args.restart_margin_chunks,
+            startup_slack_s=args.startup_slack_s,
+            stall_guard_chunks=None if args.stall_guard_chunks < 0 else args.stall_guard_chunks,
+            start_margin_s=args.start_margin_s,
+            degrade_steps=sim.degrade_steps if degrade else (),
+            degrade_margin_s=args.degrade_margin_s,
+        )
+        jobs.append((sim, cfg, load, seeds))
     t0 = time.perf_counter()
     cells = run_all(run_cell, jobs, args.workers)
     wall_s = time.perf_counter() - t0

@@ -390,6 +390,8 @@ def format_table(report: dict) -> str:
     if cpu:
         rows.append(("CPU cores used client / server", f"{f(cpu['client_cores'], 2)} / {f(cpu['server_cores'], 2)}"
                      f" of {cpu['cores']} (load avg at start {cpu['loadavg_start']})"))
+        if cpu.get("steal") is not None:
+            rows.append(("CPU time stolen by the hypervisor", f"{100 * cpu['steal']:.1f} %"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     for reason, n in list(report["refused"]["reasons"].items())[:3]:
@@ -486,6 +488,28 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     return report
 
 
+STEAL_WARN = 0.05  # above this share of CPU time taken by the hypervisor, the report says so
+
+
+def cpu_ticks() -> list[int] | None:
+    """The machine's CPU time counters (/proc/stat's first line: user nice system idle iowait irq softirq
+    steal ...), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_fraction(before: list[int] | None, after: list[int] | None) -> float | None:
+    """Share of the CPU time between two `cpu_ticks` readings that the hypervisor gave to other guests."""
+    if not before or not after or len(before) < 8 or len(after) < 8:
+        return None
+    delta = [b - a for a, b in zip(before, after)]
+    total = sum(delta[:8])  # guest time (fields 9, 10) is already counted in user
+    return delta[7] / total if total > 0 else None
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -518,9 +542,11 @@ def run(args) -> int:
         print(f"{args.streams} viewers for {args.duration:g} s over {args.transport}, "
               f"prompt every {args.prompt_every:g} s", flush=True)
         srv_cpu0, t0, cpu1 = server.cpu_seconds() if server else None, time.monotonic(), time.process_time()
+        ticks0 = cpu_ticks()
         report = asyncio.run(run_viewers(args, url, server))
         wall = time.monotonic() - t0
         srv_cpu1 = server.cpu_seconds() if server else None
+        steal = steal_fraction(ticks0, cpu_ticks())
     except ServerStartError as e:
         print(f"streamsvc loadtest: {e}", file=sys.stderr)
         return 3
@@ -541,7 +567,11 @@ def run(args) -> int:
         "server_cores": round((srv_cpu1 - srv_cpu0) / wall, 3) if srv_cpu0 is not None and srv_cpu1 is not None else None,
         "loadavg_start": [round(x, 2) for x in load0],
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "steal": None if steal is None else round(steal, 3),
     }
+    if steal is not None and steal > STEAL_WARN:
+        print(f"note: the hypervisor took {steal:.0%} of this machine's CPU time during the run (steal); "
+              "stalls on a CPU server are then a measure of the host, not of streamsvc", flush=True)
     report["config"] = {"url": args.url, "transport": args.transport, "local_server": args.url is None,
                         "preset": args.preset, "device": args.device, "policy": args.policy,
                         "buffer_cap_s": args.buffer_cap, "prompt_every_s": args.prompt_every,

@@ -36,8 +36,8 @@ class GeneratorConfig:
     # Shorter schedules a chunk may run with instead of a stall (the scheduler's choice, `--degrade`): the
     # first n of `timesteps`. Self-Forcing trains every exit of its schedule (a random one per rollout), so a
     # chunk stopped after n steps is an output the model was trained to give, only less refined.
-    # None: down to half the schedule (3 and 2 of 4 steps).
-    degraded_steps: tuple[int, ...] | None = None
+    # Counts at or above the schedule's length are ignored (a 2-step schedule has none of these).
+    degraded_steps: tuple[int, ...] = (3, 2)
     shift: float = 5.0  # flow-matching timestep warp: sigma = shift*s / (1 + (shift-1)*s)
     sink_frames: int = 3  # first latent frames kept for the stream's whole life
     window_frames: int = 9  # most recent latent frames kept (a ring)
@@ -55,11 +55,8 @@ class GeneratorConfig:
             raise ValueError(f"frames_per_chunk must be >= 1, got {self.frames_per_chunk}")
         if not self.timesteps or any(not 0 < t <= 1000 for t in self.timesteps):
             raise ValueError(f"timesteps must be in (0, 1000], got {self.timesteps}")
-        if any(not 1 <= n < len(self.timesteps) for n in self.shorter_steps):
-            raise ValueError(
-                f"degraded_steps {self.degraded_steps} must each be in [1, {len(self.timesteps) - 1}]: "
-                f"fewer steps than the {len(self.timesteps)} timesteps"
-            )
+        if any(n < 1 for n in self.degraded_steps):
+            raise ValueError(f"degraded_steps {self.degraded_steps} must each be >= 1 (a chunk needs a step)")
         if self.window_frames and self.window_frames < self.frames_per_chunk:
             raise ValueError(
                 f"window_frames ({self.window_frames}) must hold at least one chunk ({self.frames_per_chunk} frames)"
@@ -77,10 +74,7 @@ class GeneratorConfig:
     @property
     def shorter_steps(self) -> tuple[int, ...]:
         """The step counts a degraded chunk may run with, most first."""
-        if self.degraded_steps is not None:
-            return tuple(sorted(self.degraded_steps, reverse=True))
-        n = len(self.timesteps)
-        return tuple(range(n - 1, max(1, (n + 1) // 2) - 1, -1))
+        return tuple(sorted({n for n in self.degraded_steps if n < len(self.timesteps)}, reverse=True))
 
     @property
     def forwards_per_chunk(self) -> int:

@@ -85,6 +85,20 @@ of slack after redoing it; a RECACHE that would leave the stream less slack than
 waits one chunk (that chunk keeps the old prompt). So a prompt does not cause a
 stall; it shows up later instead.
 
+Degrading (`degrade_steps`, e.g. (3, 2); off when empty). A playing stream whose chunk,
+with all its steps, would reach the viewer less than `degrade_margin_s` before the buffer
+(in flight included) runs dry runs that chunk with fewer denoising steps instead: the most
+of `degrade_steps` that leave the margin, else the fewest; a chunk in progress can be cut
+down to the steps it has run (its COMMIT is next). A stream with slack to spare, one not
+yet playing (nothing can stall) or a paused one never degrades. For `pressure_hold_s`
+after a degraded chunk the device is known to be short: streams steering to a new prompt
+wait for their lead instead of running ahead (and their RECACHE with them), so the
+device's time goes to streams near stalling. Plan.steps carries the choice; the engine
+tags the chunk with it.
+
+Costs (`CostModel`): the warm-up's median of each forward kind until `cost_min_samples`
+are measured while serving, then the `cost_percentile` of the last `cost_window`.
+
 Admission refuses, with the numbers and the fix, a stream whose KV cache does not
 fit (the pool's reason), whose chunk does not fit the cap, whose compute would put
 the predicted load over `utilization_target`, or that the start rule cannot serve:
@@ -152,6 +166,9 @@ class SchedulerConfig:
     # Fewer denoising steps a chunk may run with instead of a stall, e.g. (3, 2) (the generator's
     # degraded_steps); (): never degrade. See "Degrading" in the module docstring.
     degrade_steps: tuple[int, ...] = ()
+    # A chunk degrades when with all its steps it would reach the viewer with less than this to spare (what
+    # the estimate misses: the hand-over, a forward already queued on the device).
+    degrade_margin_s: float = 0.1
     # After a degraded chunk, for this long, streams steering to a new prompt do not run ahead of their lead.
     pressure_hold_s: float = 2.0
 
@@ -195,6 +212,8 @@ class SchedulerConfig:
                 f"degrade_steps={self.degrade_steps}: each must be in [1, {self.denoise_steps - 1}], fewer "
                 f"than denoise_steps={self.denoise_steps}"
             )
+        if not (self.degrade_margin_s >= 0 and math.isfinite(self.degrade_margin_s)):
+            raise ValueError(f"degrade_margin_s={self.degrade_margin_s}: must be a finite number of seconds >= 0")
         if not (self.pressure_hold_s >= 0 and math.isfinite(self.pressure_hold_s)):
             raise ValueError(f"pressure_hold_s={self.pressure_hold_s}: must be a finite number of seconds >= 0")
         if self.latency_window < 1:
@@ -911,7 +930,7 @@ class Scheduler:
         if not options or pb.paused or not (pb.started or s.in_flight):
             return steps
         dry_in = self._slack(s, now, 0.0, plain=False)
-        margin = self.config.start_margin_s if math.isfinite(self.config.start_margin_s) else 0.0
+        margin = self.config.degrade_margin_s
         for n in (steps, *options):
             if dry_in - self._chunk_cost_s(steps=n - done) - extra_s >= margin:
                 return n

@@ -156,6 +156,36 @@ async def test_refusal_with_the_kv_pools_reason_when_the_server_is_full():
         assert await wait_for_server(lambda: server.engine.kv_used_bytes == 0)
 
 
+async def test_a_burst_of_connects_is_refused_without_model_work_while_the_admitted_play_on():
+    # 2 streams' KV fits: of 30 viewers connecting at once, 2 play and 28 get the pool's reason; a refused
+    # start never reaches the model (its prompt is not even encoded) and the admitted ones go on
+    stream_bytes = build_generator("tiny", device="cpu", cfg=GeneratorConfig()).cache_spec().stream_bytes()
+    async with running(engine_config(kv_budget_bytes=stream_bytes * 5 // 2)) as server:
+        clients = [viewer(server, f"burst prompt {i}", seed=i) for i in range(30)]
+        opened = await asyncio.wait_for(asyncio.gather(*(c.open() for c in clients)), T)
+        try:
+            playing = [c for c, ok in zip(clients, opened) if ok]
+            refused = [c for c, ok in zip(clients, opened) if not ok]
+            assert len(playing) == 2 and len(refused) == 28
+            assert all(c.refused_reason.startswith("kv cache:") for c in refused)
+            encoded = set(server.engine.gen._prompts)
+            assert not encoded & {c.config.prompt for c in refused}
+            assert {c.config.prompt for c in playing} <= encoded
+            n = [c.chunks for c in playing]
+            for c, before in zip(playing, n):
+                assert await c.wait_until(lambda c=c, before=before: c.chunks >= before + 3, T), c.errors
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+
+
+async def test_every_chunk_header_says_its_denoising_steps(server):
+    async with viewer(server) as c:
+        assert await c.wait_until(lambda: c.chunks >= 3, T)
+    assert c.ready.steps == len(server.engine.gen.sigmas) == 4
+    assert all(1 <= h.steps <= c.ready.steps for h in c.headers)
+    assert c.result().degraded_chunks == sum(1 for h in c.headers if h.steps < c.ready.steps)
+
+
 async def test_pause_and_resume_are_acknowledged_and_generation_waits_while_paused(server):
     async with viewer(server) as c:
         assert await c.wait_until(lambda: c.chunks >= 2, T)

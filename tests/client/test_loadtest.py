@@ -116,3 +116,12 @@ def test_a_server_that_cannot_start_is_a_clear_error(capsys):
     assert code == 3
     err = capsys.readouterr().err
     assert "the local server exited with code 2 before it was healthy" in err and "no_such_policy" in err
+
+
+def test_steal_is_the_share_of_cpu_time_the_hypervisor_took():
+    before = [100, 0, 50, 800, 0, 0, 0, 50, 0, 0]
+    after = [200, 0, 100, 900, 0, 0, 0, 150, 7, 0]  # +100 user, +50 system, +100 idle, +100 steal
+    assert loadtest.steal_fraction(before, after) == 100 / 350
+    assert loadtest.steal_fraction(None, after) is None and loadtest.steal_fraction(before, before) is None
+    ticks = loadtest.cpu_ticks()
+    assert ticks is None or (len(ticks) >= 8 and all(t >= 0 for t in ticks))

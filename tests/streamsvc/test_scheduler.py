@@ -108,6 +108,7 @@ CHUNK = [(D, 0), (D, 1), (D, 2), (D, 3), (C, 4)]
         ({"latency_min_samples": 33}, "latency_min_samples=33: must be in [0, latency_window=32]"),
         ({"degrade_steps": (4,)}, "degrade_steps=(4,): each must be in [1, 3], fewer than denoise_steps=4"),
         ({"pressure_hold_s": -1.0}, "pressure_hold_s=-1.0"),
+        ({"degrade_margin_s": math.inf}, "degrade_margin_s=inf"),
     ],
 )
 def test_config_is_validated_with_the_value_and_the_fix(kwargs, needle):
@@ -765,7 +766,7 @@ def test_max_batch_bounds_the_group():
 
 # ----- degrading -------------------------------------------------------------------------------
 
-DEGRADE = {"degrade_steps": (3, 2)}
+DEGRADE = {"degrade_steps": (3, 2), "degrade_margin_s": 0.125}  # the margin exact in binary
 
 
 def first_chunk(sched: Scheduler) -> float:
@@ -793,10 +794,10 @@ def test_a_stream_with_slack_to_spare_never_degrades():
 @pytest.mark.parametrize(
     "late_by, steps",
     [
-        (0.0, 4),  # started at its lead: 0.5625 s left, 0.3125 of work, 0.25 spare = the margin
-        (0.0625, 3),  # 0.5 s left: 3 steps (0.25 s of work) leave the margin
-        (0.125, 2),  # 0.4375 s left: 2 steps (0.1875 s) leave 0.25
-        (0.3, 2),  # 0.2625 s left: nothing leaves the margin, the fewest steps
+        (0.0, 4),  # started at its lead: 0.5625 s left, 0.3125 of work, 0.25 to spare
+        (0.1875, 3),  # 0.375 s left: 4 steps would leave 0.0625, 3 steps (0.25 s of work) leave the margin
+        (0.25, 2),  # 0.3125 s left: 2 steps (0.1875 s) leave 0.125
+        (0.3125, 2),  # 0.25 s left: nothing leaves the margin, the fewest steps
     ],
 )
 def test_a_late_chunk_runs_the_most_steps_that_leave_the_margin(late_by, steps):
@@ -820,7 +821,7 @@ def test_a_chunk_in_progress_is_cut_short_when_it_falls_behind():
     now = first_chunk(sched)
     plans = Clock(sched, now).launch(2)  # steps 0 and 1 on time, 4 steps planned
     assert [p.steps for p in plans] == [(4,), (4,)]
-    late = now + 2 * COST + 0.15  # then the device stalls for 0.15 s: 0.2625 s left, 3 forwards of work
+    late = now + 2 * COST + 0.2  # then the device stalls for 0.2 s: 0.2375 s left, 3 forwards of work
     plan = sched.next(late)
     assert (plan.kind, plan.step, plan.steps) == (C, 4, (2,))  # cut at the 2 steps it has run: commit now
     sched.complete(plan, late + COST, COST)

@@ -192,6 +192,7 @@ async def test_python_client_plays_steers_and_frees_the_stream():
             assert client.channel_open and client.channel_messages >= 2  # chunk headers came on the data channel
             assert [h.index for h in client.headers] == list(range(len(client.headers)))
             assert client.headers[0].keyframe and client.headers[0].pts == 0
+            assert client.ready.steps == 4 and all(1 <= h.steps <= 4 for h in client.headers)  # steps on both transports
             assert rtc.track.frames_sent >= 24 and rtc.channel is not None
 
             # steer: the ack and then frames of the new version
