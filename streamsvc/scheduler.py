@@ -405,10 +405,11 @@ class CostModel:
         self._estimate: dict[tuple[WorkKind, int], float] = {}  # kept current by seed and observe
 
     def estimate(self, kind: WorkKind, batch: int = 1) -> float:
-        """The (kind, batch) cost; unmeasured: the batch-1 cost of the kind, else the initial guess."""
+        """The (kind, batch) cost. A batch size not measured yet costs what its streams cost one by one
+        (batch x the batch-1 cost, else the initial guess): no gain is counted before it is seen."""
         if (kind, batch) in self._estimate:
             return self._estimate[(kind, batch)]
-        return self._estimate.get((kind, 1), self.initial_forward_s)
+        return batch * self._estimate.get((kind, 1), self.initial_forward_s)
 
     def seed(self, kind: WorkKind, batch: int, seconds: float) -> None:
         """A prior for (kind, batch), e.g. the warm-up's median; measurements replace it once there are enough."""
@@ -530,8 +531,9 @@ class Scheduler:
             raise SchedulerError(f"stream {req.stream_id!r} is already admitted")
         cfg = self.config
         current = self.predicted_load()
-        needed = self.stream_load(req)
-        total = current + needed
+        n = len(self._streams) + 1
+        needed = self.stream_load(req, n)
+        total = self._load(n) + needed  # with it, the others may batch more (or, unmeasured, no better)
         reasons = []
         if kv_refusal is not None:
             reasons.append(f"kv cache: {kv_refusal}")
@@ -542,7 +544,6 @@ class Scheduler:
                 f"{cfg.buffer_cap_s:g} s buffer cap; raise buffer_cap_s or shorten the chunk"
             )
         elif math.isfinite(cfg.start_margin_s) and math.isfinite(cfg.utilization_target):
-            n = len(self._streams) + 1
             latency_s = self._queue_work_s(n)
             lead_s = latency_s + cfg.start_margin_s
             chunk_s = max([longest_chunk_s] + [self._longest_chunk_s(s.request) for s in self._streams.values()])
@@ -556,7 +557,7 @@ class Scheduler:
                     f"(--buffer-cap, buffer_cap_s) to {fix:g} s or try again when a stream closes"
                 )
         if total > cfg.utilization_target + _EPS_S:
-            cost_ms = self._chunk_cost_s() * 1e3
+            cost_ms = self._stream_chunk_s(n) * 1e3
             reasons.append(
                 f"compute: the device is {current:.2f} busy with {len(self._streams)} streams and this one needs "
                 f"{needed:.2f} ({req.fps / req.chunk_frames:.2f} chunks/s x {cost_ms:.1f} ms per chunk), "
@@ -762,13 +763,23 @@ class Scheduler:
 
     # ----- figures -------------------------------------------------------------------
 
-    def stream_load(self, req: StreamRequest) -> float:
-        """Busy fraction of the device one stream needs in steady state (chunks/s x cost per chunk)."""
-        return req.fps / req.chunk_frames * self._chunk_cost_s()
+    def stream_load(self, req: StreamRequest, streams: int = 1) -> float:
+        """Busy fraction of the device one stream needs in steady state among `streams` streams (chunks/s x
+        its share of a chunk's forwards at the batch size that many streams run at)."""
+        return req.fps / req.chunk_frames * self._stream_chunk_s(streams)
 
     def predicted_load(self) -> float:
         """Busy fraction of the device the admitted streams need; recaches are left to the headroom."""
-        return sum(self.stream_load(s.request) for s in self._streams.values())
+        return self._load(len(self._streams))
+
+    def _load(self, streams: int) -> float:
+        """The admitted streams' load when `streams` streams share the device (batches as that many allow)."""
+        return sum(self.stream_load(s.request, streams) for s in self._streams.values())
+
+    def _stream_chunk_s(self, streams: int) -> float:
+        """One stream's share of a chunk's forwards when `streams` streams batch up to max_batch together."""
+        batch = max(1, min(streams, self.config.max_batch))
+        return self._chunk_cost_s(batch) / batch
 
     def lead_s(self, stream_id: str) -> float:
         """Buffered + in-flight video at which the stream's next fresh chunk becomes due (the start rule)."""

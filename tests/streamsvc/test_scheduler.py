@@ -187,8 +187,13 @@ def test_the_start_rule_refuses_a_stream_whose_lead_and_chunk_do_not_fit_the_cap
         predicted_load=sched.predicted_load(),
     )
     assert sched.stream_ids == ("a",)
-    # Batched two at a time, the two streams' chunks are one forward each: 0.3125 + 0.25 + 0.75 fits.
+    # Batched two at a time, the two streams' chunks are one forward each: 0.3125 + 0.25 + 0.75 fits, once a
+    # batch of two is measured to cost what one stream does (unmeasured, it counts as two forwards).
     batched = make(buffer_cap_s=1.5, utilization_target=10.0, max_batch=2)
+    assert batched.admit(StreamRequest("a", FPS), 0.0).accepted and not batched.admit(StreamRequest("b", FPS), 0.0).accepted
+    batched = make(buffer_cap_s=1.5, utilization_target=10.0, max_batch=2)
+    for kind in (D, C):
+        batched.seed_cost(kind, 2, COST)
     assert batched.admit(StreamRequest("a", FPS), 0.0).accepted and batched.admit(StreamRequest("b", FPS), 0.0).accepted
     assert not batched.admit(StreamRequest("c", FPS), 0.0).accepted  # 2 x 0.3125 + 0.25 + 0.75 > 1.5
     # Both reasons when both apply.
@@ -758,6 +763,19 @@ def test_batching_groups_only_the_same_kind_and_step():
     assert clock.run(3) == [(R, ("a",), RECACHE_STAGE), (D, ("a",), 0), (D, ("a", "b", "c"), 1)]
 
 
+def test_admission_counts_a_streams_share_of_a_measured_batch():
+    sched = make(max_batch=4, utilization_target=1.0)
+    admit(sched, "a", "b")  # 4/3 chunks/s x 0.3125 s each: 0.83; batches of 2 unmeasured count as 2 forwards
+    assert sched.predicted_load() == pytest.approx(2 * 4 / 3 * CHUNK_WORK)
+    refused = sched.admit(StreamRequest("c", FPS), 0.0)
+    assert not refused.accepted and "1.25 > target 1.00" in refused.reason
+    for kind in (D, C):
+        sched.seed_cost(kind, 3, 1.5 * COST)  # measured: a batch of 3 costs 1.5 forwards, half a forward each
+    adm = sched.admit(StreamRequest("c", FPS), 0.0)
+    assert adm.accepted and adm.predicted_load == pytest.approx(3 * 4 / 3 * CHUNK_WORK / 2)
+    assert "312.5 ms per chunk" in sched.admit(StreamRequest("d", FPS), 0.0).reason  # batch 4: not measured yet
+
+
 def test_max_batch_bounds_the_group():
     sched = make(policy="round_robin", stall_guard_chunks=None, max_batch=2, chunk_granular=False)
     admit(sched, "a", "b", "c")
@@ -877,7 +895,7 @@ def test_cost_model_prior_until_enough_samples_then_a_high_percentile_of_the_win
     for _ in range(9):
         costs.observe(D, 1, 0.02)
     assert costs.estimate(D) == 0.02  # the slow one left the window of 10
-    assert costs.estimate(D, 2) == 0.02  # unmeasured batch size: the batch-1 figure
+    assert costs.estimate(D, 2) == 0.04  # unmeasured batch size: two batch-1 forwards
     costs.observe(D, 2, 0.25)
     assert (costs.estimate(D, 2), costs.estimate(C)) == (0.25, 0.05)  # the first sample stands in for the prior
 
