@@ -34,7 +34,7 @@ import torch
 
 from kvcache import CachePool
 from models import ChunkGenerator, GeneratorConfig, StreamState, Work, build_generator
-from streamsvc.encode import StreamEncoder
+from streamsvc.encode import EncoderSpec, StreamEncoder
 from streamsvc.output import ChunkOut, OutputStage, StreamOutput
 from streamsvc.scheduler import Admission, Plan, Scheduler, SchedulerConfig, SchedulerStats, StreamRequest, WorkKind
 
@@ -72,6 +72,9 @@ class EngineConfig:
     # A chunk about to be late runs fewer denoising steps (GeneratorConfig.degraded_steps) instead of stalling.
     degrade: bool = True
     output_workers: int | None = None  # encoder threads; None: a quarter of the cores, 1 to 4
+    # x264 in a child process per output worker, out of the server's GIL; None: on CPU hosts (on a GPU host the
+    # engine thread only launches, and a 480x832 chunk's frames would cross a pipe)
+    output_processes: bool | None = None
 
 
 @dataclass
@@ -247,7 +250,8 @@ class Engine:
         degrade = gen.cfg.shorter_steps if cfg.degrade else ()
         self.sched = Scheduler(replace(cfg.scheduler, denoise_steps=len(gen.sigmas), degrade_steps=degrade))
         workers = cfg.output_workers or min(4, max(1, (os.cpu_count() or 1) // 4))
-        self.output = OutputStage(device, workers, self._handed_over, self._output_failed, self.clock)
+        processes = cfg.output_processes if cfg.output_processes is not None else device.type == "cpu"
+        self.output = OutputStage(device, workers, self._handed_over, self._output_failed, self.clock, processes)
         log.info("model ready in %.1f s", time.monotonic() - t0)
         if device.type == "cuda":
             log.info("capturing CUDA graphs (compiles kernels on first sight; takes a while the first time)")
@@ -457,12 +461,12 @@ class Engine:
             cache = self.pool.allocate_or_raise(stream_id, spec, self.decoder_bytes)
             state = gen.open_stream(stream_id, prompt, seed, cache)
             # on a GPU host, two x264 threads per stream: the encode is part of every chunk's latency
-            encoder = StreamEncoder(gen.model_cfg.width, gen.model_cfg.height, fps, threads=2 if gen.device.type == "cuda" else 1)
+            spec = EncoderSpec(gen.model_cfg.width, gen.model_cfg.height, fps, threads=2 if gen.device.type == "cuda" else 1)
         except Exception:
             self.sched.remove(stream_id)
             self.pool.release(stream_id)
             raise
-        self._streams[stream_id] = _Stream(state, fps, self.output.open(stream_id, encoder), {0: prompt})
+        self._streams[stream_id] = _Stream(state, fps, self.output.open(stream_id, spec), {0: prompt})
         self.kv_used_bytes = self.pool.used_bytes
         return admission
 

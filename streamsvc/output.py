@@ -8,6 +8,10 @@ and hands the chunk over. So the GPU never waits for x264, and x264 never holds 
 
 A stream's chunks go to one worker, in order (its encoder is stateful); streams are spread over
 the workers. A stream that closes has its encoder closed by its worker, after what is queued.
+
+With `processes` (the CPU default) each worker's encoders live in a child process of their own
+(`EncoderProcess`): PyAV holds the GIL for much of an encode, and on a CPU host the engine thread
+and the event loop need it too; the worker thread sends the frames and waits without the GIL.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streamsvc.encode import StreamEncoder
+from streamsvc.encode import EncoderProcess, EncoderSpec, StreamEncoder
 from streamsvc.protocol import Chunk as ChunkHeader
 from streamsvc.protocol import pack_chunk
 
@@ -46,8 +50,9 @@ class StreamOutput:
     """One stream's end of the output stage."""
 
     stream_id: str
-    encoder: StreamEncoder
+    spec: EncoderSpec  # its encoder's size, rate and threads
     worker: int  # the worker that encodes all of its chunks
+    encoder: StreamEncoder | None = None  # in this process (None: in the worker's encoder process)
     closed: bool = False  # set by the engine thread; its worker then skips what is still queued
 
 
@@ -74,12 +79,15 @@ class OutputStage:
         on_chunk: Callable[[ChunkOut, StreamOutput], None],
         on_failed: Callable[[StreamOutput, str], None],
         clock: Callable[[], float] = time.monotonic,
+        processes: bool = False,
     ) -> None:
-        """`on_chunk(out, stream)` and `on_failed(stream, message)` are called from the workers."""
+        """`on_chunk(out, stream)` and `on_failed(stream, message)` are called from the workers; `processes`:
+        x264 in one child process per worker, out of this process's GIL."""
         self.device = device
         self._on_chunk, self._on_failed, self.clock = on_chunk, on_failed, clock
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(max(1, workers))]
+        self._hosts = [EncoderProcess() for _ in self._queues] if processes else None
         self._next_worker = itertools.count()
         self._threads = [
             threading.Thread(target=self._work, args=(q,), name=f"output-{i}", daemon=True) for i, q in enumerate(self._queues)
@@ -91,8 +99,10 @@ class OutputStage:
         self.chunks = 0
         self.latency_max_s = 0.0
 
-    def open(self, stream_id: str, encoder: StreamEncoder) -> StreamOutput:
-        return StreamOutput(stream_id, encoder, next(self._next_worker) % len(self._queues))
+    def open(self, stream_id: str, spec: EncoderSpec) -> StreamOutput:
+        """A stream's output; its encoder is made here (threads) or at its first chunk (processes)."""
+        encoder = None if self._hosts else spec.make()
+        return StreamOutput(stream_id, spec, next(self._next_worker) % len(self._queues), encoder)
 
     def submit(self, stream: StreamOutput, frames: torch.Tensor, *, index: int, first_frame: int, prompt_version: int,
                steps: int, keyframe: bool, started_at: float) -> None:
@@ -121,6 +131,8 @@ class OutputStage:
             q.put(None)
         for t in self._threads:
             t.join(timeout)
+        for host in self._hosts or ():
+            host.stop(timeout)
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -130,7 +142,10 @@ class OutputStage:
             if job is None:
                 return
             if isinstance(job, StreamOutput):
-                job.encoder.close()
+                if job.encoder is not None:
+                    job.encoder.close()
+                else:
+                    self._hosts[job.worker].close_stream(job.stream_id)
                 continue
             if job.stream.closed:
                 continue
@@ -145,7 +160,12 @@ class OutputStage:
         if job.ready is not None:
             job.ready.synchronize()  # the frames are on the host (waits without the GIL)
         t0 = self.clock()
-        packets = job.stream.encoder.encode(job.frames.numpy(), start_index=job.first_frame, keyframe=job.keyframe)
+        stream, frames = job.stream, job.frames.numpy()
+        if stream.encoder is not None:
+            packets = stream.encoder.encode(frames, start_index=job.first_frame, keyframe=job.keyframe)
+        else:
+            packets = self._hosts[stream.worker].encode(stream.stream_id, stream.spec, frames,
+                                                        start_index=job.first_frame, keyframe=job.keyframe)
         aus = [bytes(p) for p in packets]
         header = ChunkHeader.describe(aus, index=job.index, pts=job.first_frame, prompt_version=job.prompt_version,
                                       steps=job.steps, keyframe=job.keyframe)

@@ -1,5 +1,6 @@
-"""The output stage (streamsvc/output.py): chunks of each stream encoded in order on worker threads,
-a closed stream's queued chunks dropped, an encoder failure reported for its stream only."""
+"""The output stage (streamsvc/output.py): chunks of each stream encoded in order on worker threads (the
+encoders in this process, or in one encoder process per worker), a closed stream's queued chunks dropped,
+an encoder failure reported for its stream only."""
 
 import threading
 import time
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from streamsvc.encode import StreamDecoder, StreamEncoder
+from streamsvc.encode import EncoderSpec, StreamDecoder
 from streamsvc.output import OutputStage
 
 
@@ -39,10 +40,15 @@ def frames(value: int, n: int = 4) -> torch.Tensor:
     return torch.full((n, 32, 32, 3), value, dtype=torch.uint8)
 
 
-def test_chunks_of_each_stream_come_out_in_order_and_decode():
+SPEC = EncoderSpec(32, 32, 16)
+WHERE = pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+
+
+@WHERE
+def test_chunks_of_each_stream_come_out_in_order_and_decode(processes):
     sink = Sink()
-    stage = OutputStage(torch.device("cpu"), 2, sink.on_chunk, sink.on_failed)
-    streams = [stage.open(sid, StreamEncoder(32, 32, 16)) for sid in ("a", "b", "c")]
+    stage = OutputStage(torch.device("cpu"), 2, sink.on_chunk, sink.on_failed, processes=processes)
+    streams = [stage.open(sid, SPEC) for sid in ("a", "b", "c")]
     try:
         for i in range(4):
             for j, s in enumerate(streams):
@@ -62,10 +68,11 @@ def test_chunks_of_each_stream_come_out_in_order_and_decode():
         assert [int(np.median(decoded[4 * i])) for i in range(4)] == [pytest.approx(40 * j + 10 * i, abs=3) for i in range(4)]
 
 
-def test_a_closed_stream_is_dropped_and_a_failure_ends_only_its_stream():
+@WHERE
+def test_a_closed_stream_is_dropped_and_a_failure_ends_only_its_stream(processes):
     sink = Sink()
-    stage = OutputStage(torch.device("cpu"), 1, sink.on_chunk, sink.on_failed)
-    good, gone, bad = (stage.open(sid, StreamEncoder(32, 32, 16)) for sid in ("good", "gone", "bad"))
+    stage = OutputStage(torch.device("cpu"), 1, sink.on_chunk, sink.on_failed, processes=processes)
+    good, gone, bad = (stage.open(sid, SPEC) for sid in ("good", "gone", "bad"))
     try:
         stage.close(gone)  # closed before its chunk is encoded: nothing comes out for it
         stage.submit(gone, frames(1), index=0, first_frame=0, prompt_version=0, steps=4, keyframe=True,
@@ -79,3 +86,23 @@ def test_a_closed_stream_is_dropped_and_a_failure_ends_only_its_stream():
         stage.stop()
     assert [sid for sid, _ in sink.chunks] == ["good"]
     assert [sid for sid, _ in sink.failed] == ["bad"] and "encoding failed" in sink.failed[0][1] and bad.closed
+
+
+def test_a_dead_encoder_process_fails_its_streams_and_leaves_nothing_behind():
+    sink = Sink()
+    stage = OutputStage(torch.device("cpu"), 1, sink.on_chunk, sink.on_failed, processes=True)
+    stream = stage.open("a", SPEC)
+    try:
+        stage.submit(stream, frames(1), index=0, first_frame=0, prompt_version=0, steps=4, keyframe=True, started_at=0.0)
+        sink.wait(1)
+        host = stage._hosts[0]
+        host._proc.kill()
+        host._proc.wait(5)
+        stage.submit(stream, frames(2), index=1, first_frame=4, prompt_version=0, steps=4, keyframe=False,
+                     started_at=0.0)
+        sink.wait(2)
+    finally:
+        stage.stop()
+    assert [sid for sid, _ in sink.chunks] == ["a"]
+    assert sink.failed and "encoder process is gone" in sink.failed[0][1]
+    assert host._proc.poll() is not None
