@@ -233,6 +233,10 @@ class StreamLimits:
         self._by_address[address] += 1
         return None
 
+    def held(self) -> int:
+        """Streams counted now (by address: every stream has one)."""
+        return sum(self._by_address.values())
+
     def release(self, token: str | None, address: str) -> None:
         """A stream counted by ``acquire`` ended."""
         if token is not None:

@@ -310,7 +310,6 @@ class Server:
             return None
         token, address = client
         access = self.config.access
-        gen_cfg = self.engine.gen.model_cfg
         stream_id = f"s{next(self._ids)}"
         fps = msg.fps or 16
         seed = msg.seed if msg.seed is not None else random.randrange(2**31)
@@ -318,6 +317,16 @@ class Server:
         session = Session(stream_id, fps, msg.prompt, token=token, address=address,
                           control_rate=TokenBucket(access.control_rate, now), stats_rate=TokenBucket(access.stats_rate, now))
         self.sessions[stream_id] = session
+        try:
+            return await self._open(ws, msg, session, seed)
+        except BaseException:  # the viewer left (or the server stops) while its stream was being opened
+            await self._end(session, "client disconnected")  # a no-op for a session already refused
+            raise
+
+    async def _open(self, ws: ServerConnection, msg: P.Start, session: Session, seed: int) -> Session | None:
+        """Admission in the engine, then `ready` (or the refusal) to the viewer."""
+        stream_id, fps, token, address = session.stream_id, session.fps, session.token, session.address
+        gen_cfg = self.engine.gen.model_cfg
         try:
             admission = await asyncio.wrap_future(self.engine.open_stream(stream_id, msg.prompt, seed, fps))
         except Exception as e:  # noqa: BLE001 - reported to the client, the server goes on

@@ -140,6 +140,18 @@ async def test_a_client_dropped_mid_stream_leaves_the_kv_pool_at_its_baseline(se
     assert await wait_for_server(lambda: server.engine.kv_used_bytes == baseline and not server.sessions)
 
 
+async def test_a_viewer_gone_while_its_stream_opens_leaves_nothing_behind(server):
+    baseline = server.engine.kv_used_bytes
+    for _ in range(5):  # the TCP connection goes away right after the start, before or after the ready
+        ws = await connect(url(server))
+        await ws.send(P.encode(P.Start(prompt="gone at once")))
+        ws.transport.abort()
+    assert await wait_for_server(lambda: not server.sessions and server.engine.kv_used_bytes == baseline)
+    assert await wait_for_server(lambda: not server.limits.held())
+    async with viewer(server) as c:  # and the server goes on serving
+        assert await c.wait_until(lambda: c.chunks >= 2, T)
+
+
 async def test_refusal_with_the_kv_pools_reason_when_the_server_is_full():
     stream_bytes = build_generator("tiny", device="cpu", cfg=GeneratorConfig()).cache_spec().stream_bytes()
     async with running(engine_config(kv_budget_bytes=stream_bytes * 3 // 2)) as server:
