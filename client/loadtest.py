@@ -532,7 +532,8 @@ def run(args) -> int:
             if args.transport == "webrtc":  # keep ICE on loopback (the viewers gather on 127.0.0.1 for a local URL)
                 serve_args += ["--ice-address", "127.0.0.1"]
             server = LocalServer(serve_args, start_timeout_s=args.server_timeout)
-            print(f"starting a local server: streamsvc serve {' '.join(serve_args)}", flush=True)
+            shown = ["***" if prev == "--auth-token" else arg for prev, arg in zip(["", *serve_args], serve_args)]
+            print(f"starting a local server: streamsvc serve {' '.join(shown)}", flush=True)  # the token not shown
             server.start()
             started = True
             print(f"server up at {server.ws_url} after {time.monotonic() - wall0:.1f} s", flush=True)
