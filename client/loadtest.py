@@ -37,7 +37,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from client.webrtc_client import WebRtcClient
-from client.ws_client import ClientConfig, DecodeMode, StreamClient, StreamResult, stream_url
+from client.ws_client import ClientConfig, DecodeMode, StreamClient, StreamResult, _max_count, stream_url
 
 TRANSPORTS: dict[str, type] = {"ws": StreamClient, "webrtc": WebRtcClient}
 """transport name -> client class (``cls(url, ClientConfig)``, ``await run(duration_s, prompts) -> StreamResult``)."""
@@ -273,6 +273,7 @@ def server_figures(first: dict | None, last: dict | None, wall_s: float, peak: d
         "chunks_over_1s": chunks_n - delta(le_1s) if le_1s in last else None,
         "server_ttff_mean_s": round(delta("streamsvc_ttff_seconds_sum") / ttff_n, 4) if ttff_n else None,
         "client_stalls": delta("streamsvc_client_stalls_total"),
+        "webrtc_track_stalls": delta("streamsvc_webrtc_track_stalls_total"),
         "degraded_chunks": delta("streamsvc_degraded_chunks"),
         "pressure_peak": None if peak is None else peak.get("streamsvc_scheduler_pressure"),
         "modelled_stalls_peak": None if peak is None else peak.get("streamsvc_modelled_stalls"),
@@ -368,6 +369,9 @@ def format_table(report: dict) -> str:
         ("stalls", f"{st['count']} ({f(st['total_s'], 3)} s, ratio {f(st['ratio'], 5)}, "
                    f"{st['streams_with_stalls']} streams)"),
         ("freezes (W3C)", f"{fz['count']} ({f(fz['total_s'], 3)} s)"),
+        *([("stalls during the viewers' own pauses", f"{st['during_own_pauses']} (the load test's event loop paused "
+            f"{report['client_loop']['pauses_over_50ms']} times over 50 ms, longest "
+            f"{f(report['client_loop']['pause_max_s'], 3)} s)")] if "client_loop" in report else []),
         ("degraded chunks (fewer steps)", f"{report['degraded_chunks']} of {report['chunks']}"),
         ("control latency p50 / p95 / max", " / ".join(f(cl[k], 3) for k in ("p50", "p95", "max"))
          + f" s (n={cl['n']}, pending {cl['pending']})"),
@@ -386,6 +390,8 @@ def format_table(report: dict) -> str:
         rows.append(("server chunk latency mean / max", f"{f(srv['chunk_latency_mean_s'], 3)} / "
                      f"{f(srv.get('chunk_latency_max_s'), 3)} s ({f(srv.get('chunks_over_1s'), 0)} chunks over 1 s)"))
         rows.append(("server engine busy", f(srv["engine_busy"], 3)))
+        if report.get("config", {}).get("transport") == "webrtc":
+            rows.append(("server-side track stalls (WebRTC)", f(srv.get("webrtc_track_stalls"), 0)))
     cpu = report.get("cpu")
     if cpu:
         rows.append(("CPU cores used client / server", f"{f(cpu['client_cores'], 2)} / {f(cpu['server_cores'], 2)}"
@@ -459,6 +465,41 @@ async def _progress(run: _Run, every_s: float, duration_s: float, quiet: bool) -
             return
 
 
+class LoopPauses:
+    """Pauses of the viewers' own event loop: a ticker that sleeps `period_s` records every wake-up later than
+    `min_pause_s` as (when the pause began, its length) on the monotonic clock. All viewers share one process
+    and one loop; a viewer whose loop is held up past its buffer stalls however fast the server is, so the
+    report counts the stalls that overlap such a pause apart (see `own_stalls`)."""
+
+    def __init__(self, period_s: float = 0.01, min_pause_s: float = 0.05) -> None:
+        self.period_s, self.min_pause_s = period_s, min_pause_s
+        self.pauses: list[tuple[float, float]] = []
+        self.max_s = 0.0
+
+    async def run(self, until: float) -> None:
+        for _ in range(_max_count(max(0.0, until - time.monotonic()), self.period_s)):
+            t = time.monotonic()
+            if t >= until:
+                return
+            await asyncio.sleep(self.period_s)
+            late = time.monotonic() - t - self.period_s
+            self.max_s = max(self.max_s, late)
+            if late >= self.min_pause_s:
+                self.pauses.append((t + self.period_s, late))
+
+
+def own_stalls(results: Sequence[StreamResult], pauses: Sequence[tuple[float, float]]) -> int:
+    """Stalls that overlap a pause of the viewers' own event loop (the load test's, not the server's)."""
+    count = 0
+    for r in results:
+        if r.connected_at is None:
+            continue
+        for end, length in r.stall_events:
+            start, stop = r.connected_at + end - length, r.connected_at + end
+            count += any(p < stop and start < p + lag for p, lag in pauses)
+    return count
+
+
 async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     """Run every viewer at once; the report (without the CPU figures of the caller)."""
     cls = TRANSPORTS[args.transport]
@@ -473,6 +514,8 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     first = await asyncio.to_thread(scrape_metrics, murl)
     run = _Run(clients, murl, time.monotonic(), first_metrics=first)
     progress = asyncio.create_task(_progress(run, args.progress_every or 1.0, args.duration, quiet=args.progress_every <= 0))
+    pauses = LoopPauses()
+    watch = asyncio.create_task(pauses.run(time.monotonic() + args.duration + 30.0))
     try:
         results = await asyncio.gather(*(
             c.run(args.duration, prompt_schedule(i, args.streams, args.prompt_every, args.duration))
@@ -480,10 +523,14 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
         ))
     finally:
         progress.cancel()
-        await asyncio.wait([progress], timeout=2)
+        watch.cancel()
+        await asyncio.wait([progress, watch], timeout=2)
     wall = time.monotonic() - run.started_at
     last = await asyncio.to_thread(scrape_metrics, murl)
     report = summarize(results, duration_s=args.duration)
+    report["stalls"]["during_own_pauses"] = own_stalls(results, pauses.pauses)
+    report["client_loop"] = {"pause_max_s": round(pauses.max_s, 4), "pauses_over_50ms": len(pauses.pauses),
+                             "paused_s": round(sum(lag for _, lag in pauses.pauses), 3)}
     report["server"] = server_figures(first, last, wall, run.peak_metrics)
     return report
 

@@ -102,6 +102,7 @@ class StreamResult:
     chunk_frames: int | None  # frames in every chunk after the first, from `ready`
     playback: PlaybackStats | None  # the playback buffer's measures at the end of the session
     session_s: float  # connect -> end of the session
+    connected_at: float | None  # the client's clock at connect (stall_events count from here)
     chunks: int  # chunks received
     degraded_chunks: int  # chunks made with fewer denoising steps than `ready` announced (instead of a stall)
     frames_decoded: int  # frames out of the decoder (or counted from headers with DecodeMode.NONE)
@@ -296,6 +297,7 @@ class ViewerClient:
             chunk_frames=ready.chunk_frames if ready else None,
             playback=self.stats(),
             session_s=0.0 if self._connected_at is None else end - self._connected_at,
+            connected_at=self._connected_at,
             chunks=len(self.headers),
             degraded_chunks=sum(1 for h in self.headers if ready is not None and h.steps < ready.steps),
             frames_decoded=self.frames_decoded,

@@ -68,6 +68,9 @@ class Metrics:
         self.refused = Counter("streamsvc_streams_refused", "Streams refused at admission", registry=r)
         self.stalls = Gauge("streamsvc_modelled_stalls", "Stalls of open streams in the scheduler's playback model", registry=r)
         self.client_stalls = Counter("streamsvc_client_stalls", "Stalls reported by clients (stats messages)", registry=r)
+        self.track_stalls = Counter("streamsvc_webrtc_track_stalls",
+                                    "WebRTC: times a track had no frame at its due time (stalls the server caused)",
+                                    registry=r)
         self.ttff = Histogram("streamsvc_ttff_seconds", "Admission to first chunk sent", registry=r,
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
         self.chunk_latency = Histogram("streamsvc_chunk_latency_seconds", "First denoising step to chunk ready",
@@ -352,6 +355,7 @@ class Server:
             self.webrtc[stream_id] = WebRtcTransport(
                 session, self.engine, self._webrtc_config,
                 on_control=lambda m: self._control(session, m), on_lost=lambda reason: self._end(session, reason),
+                on_stall=self.metrics.track_stalls.inc,
             )
         return session
 

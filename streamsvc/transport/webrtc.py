@@ -212,12 +212,14 @@ class WebRtcTransport:
         *,
         on_control: Callable[[object], Awaitable[None]],
         on_lost: Callable[[str], Awaitable[None]],
+        on_stall: Callable[[], None] = lambda: None,
     ) -> None:
+        """`on_stall()` each time the track finds no frame at a frame's due time (the server made the viewer stall)."""
         self.session = session
         self.stream_id = session.stream_id
         self.engine = engine
         self.config = config
-        self._on_control, self._on_lost = on_control, on_lost
+        self._on_control, self._on_lost, self._on_stall = on_control, on_lost, on_stall
         self.pc: RTCPeerConnection | None = None
         self.channel = None  # the viewer's `control` data channel, once it opened
         self._channel_open = asyncio.Event()
@@ -336,6 +338,7 @@ class WebRtcTransport:
             self.engine.observe_buffer(self.stream_id, buffered)
 
     def _stalled(self) -> None:
+        self._on_stall()
         self._observe(0)
         self.session.buffer_report(0.0)  # PLAYING -> STALLED; the next chunk delivered makes it PLAYING again
 

@@ -1,8 +1,10 @@
 """The load test's report (pure, exact values) and its local server process (a short real run)."""
 
 import argparse
+import asyncio
 import json
 import re
+import time
 
 import pytest
 
@@ -23,7 +25,7 @@ def result(pb: PlaybackStats | None = None, refused: str | None = None, errors=(
     admitted = refused is None and pb is not None
     base = dict(url="ws://x/ws", admitted=admitted, refused_reason=refused, stream_id="s0" if admitted else None,
                 fps=16 if admitted else None, width=128, height=128, chunk_frames=12 if admitted else None,
-                playback=pb, session_s=10.5, chunks=14, degraded_chunks=0, frames_decoded=170, bad_frames=0,
+                playback=pb, session_s=10.5, connected_at=100.0, chunks=14, degraded_chunks=0, frames_decoded=170, bad_frames=0,
                 prompt_versions=(0,),
                 acks=(), prompts_sent=0, min_headroom_s=0.25, stall_events=(), decode_s=0.05, decode_max_s=0.004,
                 closed_reason="closed by client" if admitted else None, errors=tuple(errors))
@@ -125,3 +127,22 @@ def test_steal_is_the_share_of_cpu_time_the_hypervisor_took():
     assert loadtest.steal_fraction(None, after) is None and loadtest.steal_fraction(before, before) is None
     ticks = loadtest.cpu_ticks()
     assert ticks is None or (len(ticks) >= 8 and all(t >= 0 for t in ticks))
+
+
+def test_stalls_that_overlap_a_pause_of_the_viewers_own_loop_are_counted_apart():
+    # connected at 100 s: a stall ending 5 s in after 0.2 s (104.8-105.0), one ending 9 s in after 0.1 s
+    r = result(playback(stalls=2, stall_s=0.3), stall_events=((5.0, 0.2), (9.0, 0.1)))
+    assert loadtest.own_stalls([r], [(104.9, 0.3)]) == 1  # the loop paused 104.9-105.2
+    assert loadtest.own_stalls([r], [(105.0, 0.3), (108.0, 0.5)]) == 0  # touching or before is not overlapping
+    assert loadtest.own_stalls([r], [(104.0, 5.0)]) == 2
+    assert loadtest.own_stalls([result(None, admitted=False, connected_at=None)], [(0.0, 1e9)]) == 0
+
+
+async def test_loop_pauses_records_a_blocked_loop():
+    pauses = loadtest.LoopPauses(period_s=0.01, min_pause_s=0.05)
+    task = asyncio.create_task(pauses.run(time.monotonic() + 2.0))
+    await asyncio.sleep(0.05)
+    time.sleep(0.2)  # block the loop
+    await asyncio.sleep(0.05)
+    task.cancel()
+    assert len(pauses.pauses) == 1 and 0.15 <= pauses.pauses[0][1] < 1.0 and pauses.max_s >= 0.15

@@ -209,6 +209,8 @@ async def test_python_client_plays_steers_and_frees_the_stream():
             assert await client.wait_until(lambda: any(h.keyframe for h in client.headers[seen:]), 10)
 
             assert server.engine.kv_used_bytes > 0
+            rtc.track._on_stall()  # what the track calls when a frame is due and none is queued
+            assert server.metrics.registry.get_sample_value("streamsvc_webrtc_track_stalls_total") == 1
         finally:
             await client.close()
         result = client.result()
