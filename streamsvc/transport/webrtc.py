@@ -338,6 +338,8 @@ class WebRtcTransport:
             self.engine.observe_buffer(self.stream_id, buffered)
 
     def _stalled(self) -> None:
+        if self._closed or self.session.closed:  # the stream is ending: no more frames is no stall
+            return
         self._on_stall()
         self._observe(0)
         self.session.buffer_report(0.0)  # PLAYING -> STALLED; the next chunk delivered makes it PLAYING again
