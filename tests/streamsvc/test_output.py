@@ -41,6 +41,12 @@ def frames(value: int, n: int = 4) -> torch.Tensor:
 
 
 SPEC = EncoderSpec(32, 32, 16)
+
+
+def submit(stage, stream, pixels, index=0, first_frame=0):
+    """A chunk of `pixels` for `stream`, keyframe first, at prompt version 0 and 4 steps."""
+    stage.submit(stream, pixels, index=index, first_frame=first_frame, prompt_version=0, steps=4,
+                 keyframe=index == 0, started_at=time.monotonic())
 WHERE = pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
 
 
@@ -52,8 +58,7 @@ def test_chunks_of_each_stream_come_out_in_order_and_decode(processes):
     try:
         for i in range(4):
             for j, s in enumerate(streams):
-                stage.submit(s, frames(40 * j + 10 * i), index=i, first_frame=4 * i, prompt_version=0, steps=4,
-                             keyframe=i == 0, started_at=time.monotonic())
+                submit(stage, s, frames(40 * j + 10 * i), index=i, first_frame=4 * i)
         sink.wait(12)
     finally:
         stage.stop()
@@ -75,12 +80,9 @@ def test_a_closed_stream_is_dropped_and_a_failure_ends_only_its_stream(processes
     good, gone, bad = (stage.open(sid, SPEC) for sid in ("good", "gone", "bad"))
     try:
         stage.close(gone)  # closed before its chunk is encoded: nothing comes out for it
-        stage.submit(gone, frames(1), index=0, first_frame=0, prompt_version=0, steps=4, keyframe=True,
-                     started_at=0.0)
-        stage.submit(bad, frames(1)[..., :2], index=0, first_frame=0, prompt_version=0, steps=4, keyframe=True,
-                     started_at=0.0)
-        stage.submit(good, frames(1), index=0, first_frame=0, prompt_version=0, steps=4, keyframe=True,
-                     started_at=0.0)
+        submit(stage, gone, frames(1))
+        submit(stage, bad, frames(1)[..., :2])
+        submit(stage, good, frames(1))
         sink.wait(2)
     finally:
         stage.stop()
@@ -93,13 +95,12 @@ def test_a_dead_encoder_process_fails_its_streams_and_leaves_nothing_behind():
     stage = OutputStage(torch.device("cpu"), 1, sink.on_chunk, sink.on_failed, processes=True)
     stream = stage.open("a", SPEC)
     try:
-        stage.submit(stream, frames(1), index=0, first_frame=0, prompt_version=0, steps=4, keyframe=True, started_at=0.0)
+        submit(stage, stream, frames(1))
         sink.wait(1)
         host = stage._hosts[0]
         host._proc.kill()
         host._proc.wait(5)
-        stage.submit(stream, frames(2), index=1, first_frame=4, prompt_version=0, steps=4, keyframe=False,
-                     started_at=0.0)
+        submit(stage, stream, frames(2), index=1, first_frame=4)
         sink.wait(2)
     finally:
         stage.stop()
