@@ -320,6 +320,10 @@ class EncoderProcess:
             raise RuntimeError(payload)
         return [_packet(*fields) for fields in payload]
 
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
     def close_stream(self, stream_id: str) -> None:
         """Close the stream's encoder (if it has one)."""
         try:

@@ -155,6 +155,16 @@ class OutputStage:
                 log.exception("output of chunk %d of %s failed", job.index, job.stream.stream_id)
                 job.stream.closed = True
                 self._on_failed(job.stream, f"encoding failed: {type(e).__name__}: {e}")
+                self._replace_dead_host(job.stream.worker)
+
+    def _replace_dead_host(self, worker: int) -> None:
+        """A worker's encoder process that died takes its streams' encoders with it (they failed); the streams
+        that come after get a new one."""
+        host = self._hosts[worker] if self._hosts else None
+        if host is not None and not host.alive:
+            log.warning("encoder process of output worker %d died; starting another", worker)
+            host.stop()
+            self._hosts[worker] = EncoderProcess()
 
     def _deliver(self, job: _Job) -> None:
         if job.ready is not None:

@@ -90,7 +90,7 @@ def test_a_closed_stream_is_dropped_and_a_failure_ends_only_its_stream(processes
     assert [sid for sid, _ in sink.failed] == ["bad"] and "encoding failed" in sink.failed[0][1] and bad.closed
 
 
-def test_a_dead_encoder_process_fails_its_streams_and_leaves_nothing_behind():
+def test_a_dead_encoder_process_fails_its_streams_and_the_next_ones_get_a_new_one():
     sink = Sink()
     stage = OutputStage(torch.device("cpu"), 1, sink.on_chunk, sink.on_failed, processes=True)
     stream = stage.open("a", SPEC)
@@ -102,8 +102,11 @@ def test_a_dead_encoder_process_fails_its_streams_and_leaves_nothing_behind():
         host._proc.wait(5)
         submit(stage, stream, frames(2), index=1, first_frame=4)
         sink.wait(2)
+        later = stage.open("b", SPEC)  # a stream opened after the failure gets a new encoder process
+        submit(stage, later, frames(3))
+        sink.wait(3)
     finally:
         stage.stop()
-    assert [sid for sid, _ in sink.chunks] == ["a"]
-    assert sink.failed and "encoder process is gone" in sink.failed[0][1]
-    assert host._proc.poll() is not None
+    assert [sid for sid, _ in sink.chunks] == ["a", "b"]
+    assert sink.failed == [("a", sink.failed[0][1])] and "encoder process is gone" in sink.failed[0][1]
+    assert not host.alive and stage._hosts[0] is not host and not stage._hosts[0].alive  # stopped with the stage
