@@ -374,8 +374,9 @@ def _encoder_main(conn) -> None:
                 continue
             _, stream_id, spec, frames, start_index, keyframe = msg
             try:
-                encoder = encoders.get(stream_id) or encoders.setdefault(stream_id, EncoderSpec(**spec).make())
-                packets = encoder.encode(frames, start_index=start_index, keyframe=keyframe)
+                if stream_id not in encoders:
+                    encoders[stream_id] = EncoderSpec(**spec).make()
+                packets = encoders[stream_id].encode(frames, start_index=start_index, keyframe=keyframe)
                 conn.send(("ok", [(bytes(p), p.pts, p.duration, p.is_keyframe) for p in packets]))
             except Exception as e:  # noqa: BLE001 - the stream's worker reports it; the process serves the others
                 conn.send(("error", f"{type(e).__name__}: {e}"))

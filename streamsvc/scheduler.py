@@ -260,8 +260,8 @@ class Plan:
     # Per stream: the prompt version the forward runs under (0 = the opening prompt, n = the n-th set_prompt).
     prompt_seqs: tuple[int, ...]
     chunk_index: tuple[int, ...]  # per stream: index of the chunk this forward belongs to (0 = the first chunk)
-    # Per stream: the denoising steps its chunk runs with (denoise_steps, fewer when degraded; RECACHE: the
-    # full count). A COMMIT's `step` is denoise_steps whatever a degraded chunk's count.
+    # Per stream: the denoising steps its chunk runs with (denoise_steps, fewer when degraded; RECACHE: those
+    # the chunk after it would run with now). A COMMIT's `step` is denoise_steps whatever a degraded chunk's count.
     steps: tuple[int, ...]
 
 
@@ -454,7 +454,7 @@ class _Stream:
     last_commit_at: float = 0.0  # time of the last COMMIT (admission before the first): no chunk is due before it
     fresh_samples: int = 0  # latency samples taken since the last admission (of any stream)
     prompt_at: float = 0.0  # time of the latest set_prompt
-    steps: int = 0  # denoising steps of the chunk in progress (set when it starts)
+    steps: int = 0  # denoising steps of the chunk in progress (set by each of its DENOISE forwards: it may be cut)
     degraded: int = 0  # chunks committed with fewer steps than the schedule's
 
 
@@ -926,13 +926,12 @@ class Scheduler:
             due = min(due, max(s.prompt_at, ahead_until - cap_s))
         return max(s.last_commit_at, min(now, due))
 
-
     def _steps(self, s: _Stream, now: float, done: int, steps: int, extra_s: float) -> int:
         """Denoising steps for the stream's chunk, which has run `done` of its `steps` (a fresh chunk: 0 of all).
 
-        Degrading: a playing stream whose buffer (in flight included) would run dry less than the start
-        margin after its chunk's forwards (and `extra_s`, a pending RECACHE) runs the chunk with fewer
-        steps, the most of `degrade_steps` that leave it the margin, else the fewest; a chunk in progress
+        Degrading: a playing stream whose buffer (in flight included) would run dry less than
+        `degrade_margin_s` after its chunk's forwards (and `extra_s`, a pending RECACHE) runs the chunk with
+        fewer steps, the most of `degrade_steps` that leave it that margin, else the fewest; a chunk in progress
         can be cut down to the steps it has run (its COMMIT next). A stream with slack to spare, one not
         yet playing (nothing can stall) or a paused one keeps its steps.
         """
