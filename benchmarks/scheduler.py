@@ -450,10 +450,7 @@ def main_fixed(args: argparse.Namespace, seeds: list[int]) -> int:
     print("those running ahead to a new prompt included); times in s\n")
     print_fixed_table(cells)
     verdict = fixed_checks(cells)
-    print(f"\nchecks (wall {wall_s:.1f} s):")
-    for key, value in verdict.items():
-        print(f"  {key}: {value}")
-    summary = {
+    print_checks_and_summary(verdict, wall_s, cells, {
         "bench": "scheduler",
         "scenario": "h200",
         "sim": asdict(sim),
@@ -463,12 +460,19 @@ def main_fixed(args: argparse.Namespace, seeds: list[int]) -> int:
         "stagger": args.stagger,
         "utilization_target": args.utilization_target,
         "max_batch": args.max_batch,
-        "checks": verdict,
-        "wall_s": round(wall_s, 2),
-        "cells": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items()} for c in cells],
-    }
-    print(json.dumps(summary))
+    })
     return 0 if args.quick or all(verdict.values()) else 1
+
+
+def print_checks_and_summary(verdict: dict, wall_s: float, cells: list[dict], summary: dict) -> None:
+    """The checks, then the one JSON line: `summary` with the checks, the wall time and the cells (floats
+    rounded, the per-seed lists left out)."""
+    print(f"\nchecks (wall {wall_s:.1f} s):")
+    for key, value in verdict.items():
+        print(f"  {key}: {value}")
+    rounded = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items() if k != "time_lost_by_seed"}
+               for c in cells]
+    print(json.dumps({**summary, "checks": verdict, "wall_s": round(wall_s, 2), "cells": rounded}))
 
 
 def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -618,10 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     print("stall% = stall / (play + stall); lost% = (startup + stall) / session; times in s\n")
     print_table(cells)
     verdict = checks(cells)
-    print(f"\nchecks (wall {wall_s:.1f} s):")
-    for key, value in verdict.items():
-        print(f"  {key}: {value}")
-    summary = {
+    print_checks_and_summary(verdict, wall_s, cells, {
         "bench": "scheduler",
         "sim": asdict(sim),
         "seeds": len(seeds),
@@ -632,14 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         "stall_guard_chunks": args.stall_guard_chunks,
         "start_margin_s": args.start_margin_s if math.isfinite(args.start_margin_s) else None,  # None: no rule
         "max_batch": args.max_batch,
-        "checks": verdict,
-        "wall_s": round(wall_s, 2),
-        "cells": [
-            {k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items() if k != "time_lost_by_seed"}
-            for c in cells
-        ],
-    }
-    print(json.dumps(summary))
+    })
     decisive = ("admission_zero_stalls", "slack_time_lost_not_above_rr_2se", "slack_ttff_p95_lt_rr_at_load_ge_0.7")
     return 0 if args.quick or all(verdict.get(k, True) for k in decisive) else 1
 
