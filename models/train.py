@@ -19,6 +19,7 @@ weights as one safetensors file (DiT, decoder, encoder and the text vectors of t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -45,6 +46,7 @@ class TrainConfig:
     """One training run; a checkpoint remembers it, and a resumed run must agree with it."""
 
     preset: str = "tiny"
+    model: str = ""  # overrides of the preset's shapes, "dim=128,num_layers=4" (the export records the result)
     seed: int = 0
     chunks: int = 5  # chunks per clip: the sink chunk and four more, as a full sink 3 + window 9 cache sees them
     pca_clips: int = 64  # clips the encoder is fit on
@@ -59,6 +61,18 @@ class TrainConfig:
     @classmethod
     def smoke(cls) -> TrainConfig:
         return cls(pca_clips=4, decoder_steps=3, teacher_steps=3, batch=2)
+
+
+def parse_overrides(text: str) -> dict:
+    """"dim=128,num_layers=4" -> {"dim": 128, "num_layers": 4}, typed as ModelConfig's fields."""
+    fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if fields.get(key) not in ("int", "float"):
+            raise ValueError(f"model override {item!r}: {key!r} is not a numeric field of ModelConfig")
+        out[key] = int(value) if fields[key] == "int" else float(value)
+    return out
 
 
 # -- the teacher-forcing forward -----------------------------------------------------------------
@@ -143,7 +157,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, out: Path, device: torch.device) -> None:
         self.cfg, self.out, self.device = cfg, out, device
-        self.mc = ModelConfig.from_name(cfg.preset)
+        self.mc = ModelConfig.from_name(cfg.preset, **parse_overrides(cfg.model))
         self.gen = GeneratorConfig()
         self.encoder = HashTextEncoder(self.mc.text_dim, self.mc.text_len)
         torch.manual_seed(cfg.seed)
@@ -304,7 +318,8 @@ class Trainer:
         tensors |= {f"pca.{k}": v for k, v in self.pca.state_dict().items()}
         tensors["text.vectors"] = torch.stack([self.encoder._word(w) for w in words])
         tensors = {k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}
-        save_file(tensors, path, metadata={"preset": self.cfg.preset, "text.words": json.dumps(words)})
+        metadata = {"preset": self.cfg.preset, "model": json.dumps(asdict(self.mc)), "text.words": json.dumps(words)}
+        save_file(tensors, path, metadata=metadata)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
