@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 from pathlib import Path
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,8 @@ from models.decoder import DecoderState, StreamingDecoder, TinyStreamingDecoder,
 from models.dit import CacheAccess, CausalWanModel, TextKV, in_place
 from models.graphs import GraphedForward
 from models.text import HashTextEncoder, TextEncoder
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -460,8 +463,14 @@ def build_generator(
     wan_dir: str | None = None,
     decoder: str = "auto",
     taehv: str | None = None,
+    weights: str | None = None,
 ) -> ChunkGenerator:
     """A generator for a preset, everything from local files, nothing downloaded.
+
+    `weights`: a whole trained model (DiT, decoder and text vectors) from one file: "builtin" (the tiny
+    preset's, shipped with the package), a path to a file of `python -m models.train --export`, or "auto"
+    (the built-in one for the tiny preset with no checkpoint and no Wan folder); None or "random" (the
+    default) for what follows (models/weights.py `resolve_weights`).
 
     The DiT: random weights from `seed`, or a checkpoint (a .pt/.safetensors file, `wrapper` choosing
     its `generator_ema` / `generator`, or a Wan2.1 folder) whose shapes win over the preset's
@@ -470,10 +479,17 @@ def build_generator(
     Wan VAE. `decoder`: tiny (the built-in), wan-vae (from `wan_dir`), taehv (`taehv`, a taew2_1.pth),
     auto (wan-vae with `wan_dir`, else tiny)."""
     from models.dit import Rope
-    from models.weights import checkpoint_num_heads, infer_config, load_state_dict, merge_lora, read_state_dict
+    from models.weights import (
+        checkpoint_num_heads, infer_config, load_state_dict, merge_lora, read_state_dict, resolve_weights,
+    )
 
     if decoder not in DECODERS:
         raise ValueError(f"decoder {decoder!r} is unknown; use one of {', '.join(DECODERS)}")
+    model_file = resolve_weights(weights, preset, checkpoint, wan_dir)
+    if model_file is not None:
+        if lora or decoder not in ("auto", "tiny"):
+            raise ValueError(f"a model file ({model_file}) brings its own decoder and takes no LoRA: drop --lora / --decoder")
+        return _from_model_file(model_file, preset, device, dtype, cfg)
     checkpoint = checkpoint or wan_dir
     if lora and not checkpoint:
         raise ValueError("lora needs a checkpoint (or a Wan folder): it is merged into the checkpoint's weights")
@@ -498,6 +514,34 @@ def build_generator(
     model = model.to(device=device, dtype=dtype).eval()
     text_encoder = _text_encoder(wan_dir, mc, device, dtype)
     return ChunkGenerator(model, cfg, text_encoder, _decoder(decoder, wan_dir, taehv, device))
+
+
+def _from_model_file(
+    path: Path, preset: str, device: str | torch.device, dtype: torch.dtype | None, cfg: GeneratorConfig
+) -> ChunkGenerator:
+    """A generator from a whole model file: the DiT built to the file's own config (the preset's shapes as
+    trained, maybe grown), its decoder, and the text encoder with its caption words' stored vectors."""
+    from models.dit import Rope
+    from models.text import VocabTextEncoder
+    from models.weights import CheckpointError, load_state_dict, read_model_file
+
+    mf = read_model_file(path)
+    if mf.preset != preset:
+        raise CheckpointError(f"model file {path} was trained as the {mf.preset!r} preset, not {preset!r}: use --preset {mf.preset}")
+    mc = mf.config
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device("meta"):  # no random init of weights about to be overwritten
+        model = CausalWanModel(mc)
+    model = load_state_dict(model.to_empty(device="cpu"), mf.dit)
+    model.rope = Rope(mc)  # its tables are plain tensors, not parameters: built on meta above
+    decoder = load_state_dict(TinyStreamingDecoder(mc), mf.decoder)
+    model = model.to(device=device, dtype=dtype).eval()
+    decoder = decoder.to(device=device, dtype=dtype).eval()
+    text_encoder = VocabTextEncoder(mc.text_dim, mc.text_len, mf.words, mf.vectors)
+    log.info("model %s: %s preset, dim %d, %d layers, %d caption words", path, mf.preset, mc.dim, mc.num_layers, len(mf.words))
+    return ChunkGenerator(model, cfg, text_encoder, decoder)
 
 
 def _text_encoder(wan_dir: str | None, mc: ModelConfig, device: torch.device, dtype: torch.dtype) -> TextEncoder | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -54,3 +55,19 @@ class HashTextEncoder:
                 out[b, i, : code.shape[0]] = 0.1 * code
                 out[b, i] += self._word(word)
         return out
+
+
+class VocabTextEncoder(HashTextEncoder):
+    """The hashing encoder with a trained model's own word vectors: each word of `words` maps to its row of
+    `vectors` (as a model file stores them: the vectors the model was trained with, whatever this machine's
+    hashing or random generator would give), any other word to its hashed vector, as before."""
+
+    def __init__(self, text_dim: int, text_len: int, words: Sequence[str], vectors: torch.Tensor) -> None:
+        super().__init__(text_dim, text_len)
+        if tuple(vectors.shape) != (len(words), text_dim):
+            raise ValueError(f"vectors {tuple(vectors.shape)} do not fit {len(words)} words of width {text_dim}")
+        self.vocabulary: dict[str, torch.Tensor] = {w: v for w, v in zip(words, vectors.float().clone())}
+
+    def _word(self, word: str) -> torch.Tensor:
+        vec = self.vocabulary.get(word)
+        return vec if vec is not None else super()._word(word)
