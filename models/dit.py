@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache import StreamCache
-from models import flash, triton_ops
+from models import flash, fp8, sage, triton_ops
 from models.config import ModelConfig
 
 
@@ -254,11 +254,16 @@ def compile_helpers() -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for name in ("rms_norm", "rope", "norm_rope", "adaln", "residual_norm", "residual_adaln"):
         setattr(KERNELS, name, torch.compile(getattr(_Kernels, name), dynamic=False, fullgraph=True))
+    fp8.OPS.compile()  # the FP8 linears' activation quantizers (used only when fp8-linears is on)
 
 
 def feed_forward(ffn: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     """Wan's FFN (Linear, tanh-GELU, Linear); on CUDA the GELU runs in the first GEMM's epilogue (cuBLASLt)."""
     fc1, _, fc2 = ffn
+    if isinstance(fc1, fp8.FP8Linear):  # FP8 GEMMs; the GELU goes with the hidden activation's quantization
+        xq, xs = fp8.OPS.quantize_rows(x.reshape(-1, x.shape[-1]))
+        hq, hs = fp8.OPS.gelu_quantize_rows(fc1.gemm(xq, xs, x.dtype))
+        return fc2.gemm(hq, hs, x.dtype).view(*x.shape[:-1], -1)
     if not x.is_cuda or torch.is_grad_enabled():
         return ffn(x)
     y = torch._addmm_activation(fc1.bias, x.flatten(0, -2), fc1.weight.t(), use_gelu=True)
@@ -350,6 +355,9 @@ class CausalWanModel(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.head = Head(cfg)
         self.rope = Rope(cfg)
+        # the unmasked self-attention's math: "none" (bf16, FA4 or SDPA) or "int8" (models/sage.py; the
+        # quantized tier's int8-attention). Linears swapped for FP8 ones by models/fp8.py run that way.
+        self.attention_quant = "none"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -448,8 +456,13 @@ class CausalWanModel(nn.Module):
     def _self_attention(self, ops, layer, attn: SelfAttention, x, kv: AttentionKV, rope, mask) -> torch.Tensor:
         b, n = x.shape[:2]
         hd, nh, eps, tpf = attn.head_dim, attn.num_heads, self.cfg.eps, self.cfg.tokens_per_frame
-        q = attn.q(x).view(b, n, nh, hd)  # [B, L, H, D], before the qk norm
-        k = attn.k(x).view(b, n, nh, hd)
+        v_all = None
+        if isinstance(attn.q, fp8.FP8Linear):  # x quantized once for the three FP8 GEMMs
+            xq, xs = fp8.OPS.quantize_rows(x.reshape(b * n, -1))
+            q, k, v_all = (lin.gemm(xq, xs, x.dtype).view(b, n, nh, hd) for lin in (attn.q, attn.k, attn.v))
+        else:
+            q = attn.q(x).view(b, n, nh, hd)  # [B, L, H, D], before the qk norm
+            k = attn.k(x).view(b, n, nh, hd)
         keys, values = kv.buffers(layer)  # [B, Lk, H, D], the cached part filled
         qs = torch.empty_like(q)
         writes = []  # (access, K normalized before RoPE, V), stored once attention has read the cache
@@ -459,13 +472,17 @@ class CausalWanModel(nn.Module):
             ops.norm_rope_into(q[j], attn.norm_q.weight, eps, q_cos, q_sin, qs[j])
             kn = torch.empty_like(k[j]) if acc.write_slots is not None else None
             ops.norm_rope_into(k[j], attn.norm_k.weight, eps, q_cos, q_sin, keys[j, r : r + n], kn)
-            if torch.is_grad_enabled():  # autograd has no GEMM into place
+            if v_all is not None:
+                vj = values[j, r : r + n].copy_(v_all[j])
+            elif torch.is_grad_enabled():  # autograd has no GEMM into place
                 vj = values[j, r : r + n].copy_(attn.v(x[j]).view(n, nh, hd))
             else:
                 vj = torch.addmm(attn.v.bias, x[j], attn.v.weight.t(), out=values[j, r : r + n].view(n, -1))  # V GEMM into place
             if kn is not None:
                 writes.append((acc, kn.view(-1, tpf, nh, hd), vj.view(-1, tpf, nh, hd)))
-        if mask is None and flash.usable(qs):
+        if mask is None and self.attention_quant == "int8":
+            out = sage.attend(qs, keys, values)  # [B, L, H, D]
+        elif mask is None and flash.usable(qs):
             out = flash.attend(qs, keys, values)  # [B, L, H, D]
         else:
             out = F.scaled_dot_product_attention(qs.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask).transpose(1, 2)

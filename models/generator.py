@@ -52,6 +52,15 @@ class GeneratorConfig:
     # cache in place, a chunk rotates the cached keys once, not five times, and one set of CUDA graphs
     # serves every stream; the workspace costs 5.6 GiB once for wan2.1-1.3b (streams keep 3.2 GiB each)
     stage_kv: bool = True
+    # Speed options (models/fidelity.py lists them with their tiers; `fidelity.configure` sets these):
+    fp8_linears: bool = False  # quantized: the DiT's big linears as FP8 GEMMs (models/fp8.py), swapped in at load
+    attention_quant: str = "none"  # quantized: "int8" runs the unmasked self-attention as models/sage.py's kernel
+    # approximate: no commit forward. A chunk's last denoising step also writes its K/V into the cache slots
+    # its commit would have written, and the commit only advances the ring and decodes. Those K/V are the
+    # model's view of the chunk at that step's input: x_t at the last step's sigma (0.625 for the default
+    # schedule), from the x0 predicted one step earlier, not the clean x0 at timestep 0 (what Self-Forcing's
+    # `context_noise` > 0 also caches, with x0 re-noised instead). A recache recomputes them clean.
+    commit_reuse: bool = False
 
     def __post_init__(self) -> None:
         if self.frames_per_chunk < 1:
@@ -60,6 +69,8 @@ class GeneratorConfig:
             raise ValueError(f"timesteps must be in (0, 1000], got {self.timesteps}")
         if any(n < 1 for n in self.degraded_steps):
             raise ValueError(f"degraded_steps {self.degraded_steps} must each be >= 1 (a chunk needs a step)")
+        if self.attention_quant not in ("none", "int8"):
+            raise ValueError(f"attention_quant {self.attention_quant!r} is unknown; use none or int8")
         if self.window_frames and self.window_frames < self.frames_per_chunk:
             raise ValueError(
                 f"window_frames ({self.window_frames}) must hold at least one chunk ({self.frames_per_chunk} frames)"
@@ -81,7 +92,7 @@ class GeneratorConfig:
 
     @property
     def forwards_per_chunk(self) -> int:
-        return len(self.timesteps) + 1
+        return len(self.timesteps) + (0 if self.commit_reuse else 1)
 
 
 class Work(enum.Enum):
@@ -122,10 +133,23 @@ class StreamState:
     steps: int = 0  # denoising steps of the chunk in progress or the next one (set by open_stream: the full schedule)
     x: torch.Tensor | None = None  # [C, F, h, w] current noisy input of the chunk in progress
     x0: torch.Tensor | None = None  # last predicted clean chunk
+    # commit reuse: the slots the chunk's last denoising step wrote its K/V to (its commit then runs no forward)
+    reused_slots: list[int] | None = None
     chunk_version: int = 0  # prompt version the chunk in progress is generated under
     chunks_done: int = 0
     frames_done: int = 0  # video frames emitted
     forwards: dict[str, int] = field(default_factory=lambda: {w.value: 0 for w in Work})
+
+
+def apply_speed_options(model: CausalWanModel, cfg: GeneratorConfig) -> CausalWanModel:
+    """Make `model` run the model-side speed options `cfg` asks for (models/fidelity.py): FP8 linears
+    (quantized once, the bf16 weights dropped) and the INT8 attention. Idempotent (FP8 weights stay FP8); returns the model."""
+    if cfg.fp8_linears:
+        from models.fp8 import quantize_linears
+
+        quantize_linears(model)
+    model.attention_quant = cfg.attention_quant
+    return model
 
 
 class ChunkGenerator:
@@ -138,7 +162,7 @@ class ChunkGenerator:
         text_encoder: TextEncoder | None = None,
         decoder: StreamingDecoder | None = None,
     ) -> None:
-        self.model, self.cfg = model, cfg
+        self.model, self.cfg = apply_speed_options(model, cfg), cfg
         # what `forward` runs: CUDA graphs on CUDA, the model itself elsewhere
         self.runner = GraphedForward(model) if cfg.cuda_graphs and model.device.type == "cuda" else model
         mc: ModelConfig = model.cfg
@@ -211,6 +235,13 @@ class ChunkGenerator:
 
     def abandon_chunk(self, state: StreamState) -> None:
         """Drop the chunk in progress (e.g. to restart it under a new prompt)."""
+        if state.reused_slots is not None and any(s < state.cache.num_frames for s in state.reused_slots):
+            # commit reuse wrote the dropped chunk's K/V over the oldest window frames: recompute them (a
+            # recache before the next chunk, under the pending prompt if there is one, else the same one)
+            if state.pending_prompt is None:
+                self.set_prompt(state, state.prompt, version=state.prompt_version)
+            state.cache.touch()
+        state.reused_slots = None
         state.step, state.steps, state.x, state.x0 = 0, len(self.sigmas), None, None
 
     def set_steps(self, state: StreamState, steps: int) -> None:
@@ -326,10 +357,13 @@ class ChunkGenerator:
         x = torch.stack([s.x for s in states])  # [B, C, F, h, w]
         sig = torch.stack([self._sigmas[s.step] for s in states])  # [B] float64, no copy from the host
         t = (sig * 1000).float()[:, None].expand(-1, nf)
-        access = [CacheAccess(s.cache, s.cache.num_frames) for s in states]
+        # commit reuse: a chunk's last step writes its K/V where the commit would (after attention reads)
+        writes = [s.cache.plan_commit(nf) if self.cfg.commit_reuse and s.step + 1 == s.steps else None for s in states]
+        access = [CacheAccess(s.cache, s.cache.num_frames, write_slots=w) for s, w in zip(states, writes)]
         v = self.forward(x, t, _batch_text([s.text for s in states]), access)
         x0 = (x.double() - sig.view(-1, 1, 1, 1, 1) * v.double()).float()
         for j, s in enumerate(states):
+            s.reused_slots = writes[j]
             s.forwards[Work.DENOISE.value] += 1
             s.x0 = x0[j]
             s.step += 1
@@ -340,21 +374,25 @@ class ChunkGenerator:
 
     @torch.inference_mode()
     def commit(self, states: Sequence[StreamState]) -> list[Chunk]:
-        """Write each denoised chunk's K/V into its cache (a forward at timestep 0), then decode it."""
+        """Write each denoised chunk's K/V into its cache (a forward at timestep 0), then decode it. A chunk
+        whose last step already wrote them (commit reuse) runs no forward: its frames only advance the ring."""
         for s in states:
             if s.step == 0 or s.step != s.steps:
                 raise ValueError(f"stream {s.stream_id}: commit at step {s.step} of {s.steps}, the chunk is not denoised")
         nf = self.cfg.frames_per_chunk
         x0 = torch.stack([s.x0 for s in states])
-        slots = [s.cache.plan_commit(nf) for s in states]
-        access = [CacheAccess(s.cache, s.cache.num_frames, write_slots=sl) for s, sl in zip(states, slots)]
-        t = torch.zeros(len(states), nf, device=self.device)
-        self.forward(x0, t, _batch_text([s.text for s in states]), access)
+        slots = [s.reused_slots or s.cache.plan_commit(nf) for s in states]
+        run = [j for j, s in enumerate(states) if s.reused_slots is None]  # chunks cut short before their last step
+        if run:
+            access = [CacheAccess(states[j].cache, states[j].cache.num_frames, write_slots=slots[j]) for j in run]
+            t = torch.zeros(len(run), nf, device=self.device)
+            self.forward(x0[run] if len(run) < len(states) else x0, t, _batch_text([states[j].text for j in run]), access)
         chunks = []
         for j, s in enumerate(states):
             s.cache.advance(slots[j])
             s.clean[_rows(slots[j], self.device)] = x0[j].transpose(0, 1)
-            s.forwards[Work.COMMIT.value] += 1
+            s.forwards[Work.COMMIT.value] += s.reused_slots is None
+            s.reused_slots = None
             frames = self.decoder.decode(x0[j], s.decoder)
             chunks.append(Chunk(s.chunks_done, s.frames_done, frames, x0[j], s.chunk_version, s.steps))
             s.chunks_done += 1
