@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from models import PRESETS, GeneratorConfig, build_generator
+from models import fidelity
 from models.generator import DECODERS
 from kvcache import QUANT_MODES
 
@@ -33,10 +34,35 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-quant", default="none", choices=QUANT_MODES, help="KV cache storage (default: none = model dtype)")
     p.add_argument("--sink-frames", type=int, default=3, help="latent frames kept from the stream's start (default 3)")
     p.add_argument("--window-frames", type=int, default=9, help="most recent latent frames kept (default 9)")
+    p.add_argument("--fidelity", default=None, choices=fidelity.TIERS,
+                   help="the most the output may differ from the bf16 reference (README: Fidelity tiers): exact = the "
+                        "reference math only (and, for serve, no --degrade); quantized = the same work in lower precision "
+                        "(FP8 linears, INT8 attention scores, int KV); approximate = less work too (fewer steps, no "
+                        "commit forward). A tier turns on its options that pay on the device, unless --speed-options "
+                        "names them. Default: none given: exact math in steady state, --kv-quant as asked, and serve's "
+                        "--degrade auto may still cut a late chunk's steps instead of stalling")
+    p.add_argument("--speed-options", default=None, metavar="LIST",
+                   help="exactly these speed options (comma list, or none), each within --fidelity: "
+                        f"{fidelity.help_text()}")
+
+
+def _speed_options(args, cfg: GeneratorConfig, device) -> GeneratorConfig:
+    """`cfg` with the speed options --fidelity and --speed-options ask for (ValueError: one is over the cap)."""
+    return fidelity.configure(cfg, args.fidelity, fidelity.parse(args.speed_options), device.type)
+
+
+def _degrade(args) -> bool:
+    """--degrade, whose default is auto unless --fidelity exact (which allows no fewer steps)."""
+    if args.degrade is None:
+        return fidelity.degrade_allowed(args.fidelity)
+    if args.degrade == "auto" and not fidelity.degrade_allowed(args.fidelity):
+        raise ValueError("--degrade auto runs a late chunk with fewer steps (approximate), which --fidelity exact "
+                         "rules out: drop one of them")
+    return args.degrade == "auto"
 
 
 def _generator(args):
-    """The generator `generate` runs, in the fastest exact configuration of its device."""
+    """The generator `generate` runs: the fastest configuration of its device that --fidelity allows."""
     import logging
 
     from streamsvc.engine import log_attention
@@ -45,6 +71,7 @@ def _generator(args):
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     device = default_device(args.device)
     cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant)
+    cfg = _speed_options(args, cfg, device)
     gen = build_generator(args.preset, device=device, seed=args.weights_seed, checkpoint=args.checkpoint, cfg=cfg,
                           **_weights(args))
     log_attention(device)
@@ -89,6 +116,7 @@ def _engine_config(args):
 
     gen = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant)
     device = default_device(args.device)
+    gen = _speed_options(args, gen, device)
     utilization = args.utilization if args.utilization is not None else (0.9 if device.type == "cuda" else 0.6)
     max_batch = args.max_batch if args.max_batch is not None else (1 if device.type == "cuda" else 4)
     sched = SchedulerConfig(policy=args.policy, buffer_cap_s=args.buffer_cap, max_batch=max_batch,
@@ -96,7 +124,7 @@ def _engine_config(args):
     return EngineConfig(
         preset=args.preset, device=str(device), checkpoint=args.checkpoint,
         weights_seed=args.weights_seed, generator=gen, scheduler=sched, compile=args.compile, **_weights(args),
-        degrade=args.degrade == "auto",
+        degrade=_degrade(args),
         kv_budget_bytes=int(args.kv_budget_gib * 2**30) if args.kv_budget_gib else None,
     )
 
@@ -120,10 +148,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-slack", type=float, default=0.75,
                    help="seconds a new stream's first chunk may wait behind playing streams that are about to stall "
                         "(default 0.75: a viewer joining never makes another stall, and still sees video within about 1 s)")
-    p.add_argument("--degrade", choices=("auto", "off"), default="auto",
-                   help="auto (default): a chunk that would reach its viewer late runs fewer denoising steps (3 or 2 "
-                        "of 4; the chunk header's 'steps' says so) instead of stalling, and never while the stream has "
-                        "slack to spare; off: always every step, a stall when the device falls behind")
+    p.add_argument("--degrade", choices=("auto", "off"), default=None,
+                   help="auto (default, but off under --fidelity exact): a chunk that would reach its viewer late runs "
+                        "fewer denoising steps (3 or 2 of 4; the chunk header's 'steps' says so) instead of stalling, "
+                        "and never while the stream has slack to spare; off: always every step, a stall when the "
+                        "device falls behind")
     p.add_argument("--kv-budget-gib", type=float, default=None, help="KV pool budget (default: 4 GiB on CPU, 85%% of free GPU memory)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the DiT's elementwise helpers (default: on with CUDA, off on CPU)")

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvcache import CachePool
-from models import ChunkGenerator, GeneratorConfig, StreamState, Work, build_generator
+from models import ChunkGenerator, GeneratorConfig, StreamState, Work, build_generator, fidelity
 from streamsvc.encode import EncoderSpec, StreamEncoder
 from streamsvc.output import ChunkOut, OutputStage, StreamOutput
 from streamsvc.scheduler import Admission, Plan, Scheduler, SchedulerConfig, SchedulerStats, StreamRequest, WorkKind
@@ -249,6 +249,7 @@ class Engine:
         # the scheduler plans the generator's schedule, and its shorter ones instead of stalls unless told not to
         degrade = gen.cfg.shorter_steps if cfg.degrade else ()
         self.sched = Scheduler(replace(cfg.scheduler, denoise_steps=len(gen.sigmas), degrade_steps=degrade))
+        log.info("%s", fidelity.describe(gen.cfg, bool(degrade)))  # which speed options run (models/fidelity.py)
         workers = cfg.output_workers or min(4, max(1, (os.cpu_count() or 1) // 4))
         processes = cfg.output_processes if cfg.output_processes is not None else device.type == "cpu"
         self.output = OutputStage(device, workers, self._handed_over, self._output_failed, self.clock, processes)
