@@ -88,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds generated ahead of each viewer at most, on the local server (default: the server's)")
     g.add_argument("--kv-quant", default="none", choices=["none", "int4", "int2"],
                    help="KV cache storage of the local server (default none)")
+    g.add_argument("--weights", default="auto", metavar="auto|builtin|random|FILE",
+                   help="the local server's model (default auto: the tiny preset's shipped trained model; random = "
+                        "random weights, the load test's figures before the built-in model; see `streamsvc serve --help`)")
     g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `streamsvc serve` (repeatable, e.g. --server-arg=--utilization=0.8)")
     g.add_argument("--server-timeout", type=float, default=90.0,
@@ -571,7 +574,7 @@ def run(args) -> int:
     try:
         if args.url is None:
             serve_args = ["--preset", args.preset, "--device", args.device, "--policy", args.policy,
-                          "--kv-quant", args.kv_quant, *args.server_arg]
+                          "--kv-quant", args.kv_quant, "--weights", args.weights, *args.server_arg]
             if args.buffer_cap is not None:
                 serve_args += ["--buffer-cap", str(args.buffer_cap)]
             if args.token is not None:
@@ -621,7 +624,7 @@ def run(args) -> int:
         print(f"note: the hypervisor took {steal:.0%} of this machine's CPU time during the run (steal); "
               "stalls on a CPU server are then a measure of the host, not of streamsvc", flush=True)
     report["config"] = {"url": args.url, "transport": args.transport, "local_server": args.url is None,
-                        "preset": args.preset, "device": args.device, "policy": args.policy,
+                        "preset": args.preset, "weights": args.weights, "device": args.device, "policy": args.policy,
                         "buffer_cap_s": args.buffer_cap, "prompt_every_s": args.prompt_every,
                         "decode": args.decode, "stats_every_s": args.stats_every, "server_args": args.server_arg}
     print(format_table(report))

@@ -30,7 +30,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="latents to frames: tiny (built in), wan-vae (from --wan-dir), taehv (--taehv); "
                         "auto = wan-vae with --wan-dir, else tiny")
     p.add_argument("--taehv", default=None, help="TAEHV's taew2_1.pth for --decoder taehv")
-    p.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights when no checkpoint is given")
+    p.add_argument("--weights", default="auto", metavar="auto|builtin|random|FILE",
+                   help="the model: builtin = the tiny preset's trained model, shipped with the package "
+                        "(models/assets/tiny.safetensors: it draws the object, colour and motion a prompt asks for, "
+                        "e.g. 'a red ball moving right'); random = random weights from --weights-seed (coloured noise; "
+                        "what tests of speed and shapes use); FILE = a model file of `python -m models.train --export`; "
+                        "auto (default) = builtin for the tiny preset unless --checkpoint or --wan-dir is given, "
+                        "else random / the checkpoint's")
+    p.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights (--weights random, or no checkpoint)")
     p.add_argument("--kv-quant", default="none", choices=QUANT_MODES, help="KV cache storage (default: none = model dtype)")
     p.add_argument("--sink-frames", type=int, default=3, help="latent frames kept from the stream's start (default 3)")
     p.add_argument("--window-frames", type=int, default=9, help="most recent latent frames kept (default 9)")
@@ -93,20 +100,37 @@ def cmd_generate(args) -> int:
     if args.seconds <= 0 or args.fps <= 0:
         print("streamsvc generate: --seconds and --fps must be positive", file=sys.stderr)
         return 2
+    if args.strip_every < 1:
+        print("streamsvc generate: --strip-every must be >= 1", file=sys.stderr)
+        return 2
     try:
         gen = _generator(args)
     except (ValueError, OSError) as e:  # bad weight files or flags (CheckpointError is a ValueError)
         print(f"streamsvc generate: {e}", file=sys.stderr)
         return 2
-    n = generate_video(gen, args.prompt, args.seconds, args.fps, args.seed, Path(args.output), changes, not args.quiet)
+    strip = Path(args.strip) if args.strip else None
+    n = generate_video(gen, args.prompt, args.seconds, args.fps, args.seed, Path(args.output), changes, not args.quiet,
+                       strip=strip, strip_every=args.strip_every)
     print(f"wrote {n} frames ({gen.model_cfg.width}x{gen.model_cfg.height}, {args.fps} fps, H.264) to {args.output}")
+    if strip is not None:
+        print(f"wrote a strip of frames 0, {args.strip_every}, ... to {strip}")
     return 0
 
 
 def _weights(args) -> dict:
     """The weight flags as build_generator / EngineConfig keywords."""
     return {"wan_dir": args.wan_dir, "lora": args.lora, "lora_alpha": args.lora_alpha, "wrapper": args.wrapper,
-            "decoder": args.decoder, "taehv": args.taehv}
+            "decoder": args.decoder, "taehv": args.taehv, "weights": args.weights}
+
+
+def _check_weights(args) -> None:
+    """Read the model file the flags name, if any, before anything starts: a missing or foreign file is a
+    one-line error (CheckpointError, a ValueError), not a traceback from the engine thread."""
+    from models.weights import read_model_file, resolve_weights
+
+    path = resolve_weights(args.weights, args.preset, args.checkpoint, args.wan_dir)
+    if path is not None:
+        read_model_file(path)
 
 
 def _engine_config(args):
@@ -171,6 +195,7 @@ def cmd_serve(args) -> int:
     sys.setswitchinterval(5e-4)
     static = Path(__file__).resolve().parents[1] / "client" / "static"
     try:
+        _check_weights(args)
         webrtc = _webrtc_config(args)
         access = _access_config(args)
     except (ValueError, OSError) as e:
@@ -257,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-at", action="append", default=[], metavar="SECONDS:TEXT",
         help="switch to TEXT from the first chunk starting at SECONDS (repeatable)",
     )
+    g.add_argument("--strip", default=None, metavar="PNG",
+                   help="also write a strip of frames, side by side, to this PNG (e.g. docs/strip.png for the README)")
+    g.add_argument("--strip-every", type=int, default=8, metavar="N",
+                   help="the strip shows frame 0, N, 2N, ... (default 8: two frames a second at 16 fps)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     _model_args(g)
     g.set_defaults(func=cmd_generate)

@@ -63,6 +63,9 @@ class EngineConfig:
     wrapper: str = "auto"  # which state dict of a training checkpoint: auto | generator | generator_ema
     decoder: str = "auto"  # tiny | wan-vae | taehv | auto (wan-vae with wan_dir, else tiny)
     taehv: str | None = None  # TAEHV's taew2_1.pth, for decoder taehv
+    # a whole model file (DiT, decoder, text vectors): "builtin" (the tiny preset's, shipped), a path, "auto" (builtin
+    # for the tiny preset without checkpoint or wan_dir); None / "random": the fields above (models.weights.resolve_weights)
+    weights: str | None = None
     generator: GeneratorConfig = GeneratorConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_budget_bytes: int | None = None  # KV pool budget; None: 4 GiB on CPU, 85% of free memory on a GPU
@@ -228,7 +231,7 @@ class Engine:
         self.gen = gen = build_generator(
             cfg.preset, device=device, seed=cfg.weights_seed, checkpoint=cfg.checkpoint, cfg=cfg.generator,
             lora=cfg.lora, lora_alpha=cfg.lora_alpha, wrapper=cfg.wrapper, wan_dir=cfg.wan_dir, decoder=cfg.decoder,
-            taehv=cfg.taehv,
+            taehv=cfg.taehv, weights=cfg.weights,
         )
         self.decoder_bytes = gen.decoder_state_bytes()  # counted with each stream's KV cache
         log_attention(device)

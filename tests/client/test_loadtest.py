@@ -95,6 +95,7 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_defaults_follow_the_issue():
     a = parse()
     assert (a.streams, a.url, a.duration, a.prompt_every, a.transport, a.preset) == (16, None, 30.0, 5.0, "ws", "tiny")
+    assert a.weights == "auto"  # the local server runs the built-in trained model
     assert loadtest.TRANSPORTS["ws"].__name__ == "StreamClient"
 
 

@@ -2,6 +2,7 @@ import av
 import numpy as np
 import pytest
 
+from models import build_generator
 from streamsvc.cli import main
 
 
@@ -12,7 +13,9 @@ def decode(path):
 
 
 def test_generate_writes_h264_and_is_deterministic(tmp_path, capsys):
-    args = ["generate", "--prompt", "a cat on a roof", "--seconds", "3", "--fps", "16", "--quiet", "--device", "cpu"]
+    # random weights: a trained model may draw the same frames from other noise
+    args = ["generate", "--prompt", "a cat on a roof", "--seconds", "3", "--fps", "16", "--quiet", "--device", "cpu",
+            "--weights", "random"]
     assert main(args + ["--seed", "1", "-o", str(tmp_path / "a.mp4"), "--prompt-at", "1.5:a dog"]) == 0
     assert main(args + ["--seed", "1", "-o", str(tmp_path / "b.mp4"), "--prompt-at", "1.5:a dog"]) == 0
     assert main(args + ["--seed", "2", "-o", str(tmp_path / "c.mp4"), "--prompt-at", "1.5:a dog"]) == 0
@@ -28,3 +31,35 @@ def test_bad_prompt_at_is_a_clear_error(tmp_path, capsys, bad):
     code = main(["generate", "--prompt", "p", "-o", str(tmp_path / "x.mp4"), f"--prompt-at={bad}"])
     assert code == 2
     assert "--prompt-at wants SECONDS:TEXT" in capsys.readouterr().err
+
+
+def test_generate_defaults_to_the_built_in_model_and_writes_a_strip(tmp_path, capsys):
+    args = ["generate", "--prompt", "a red ball moving right", "--seconds", "1", "--quiet", "--device", "cpu"]
+    assert main(args + ["-o", str(tmp_path / "d.mp4"), "--strip", str(tmp_path / "s.png"), "--strip-every", "4"]) == 0
+    assert main(args + ["-o", str(tmp_path / "b.mp4"), "--weights", "builtin"]) == 0
+    assert main(args + ["-o", str(tmp_path / "r.mp4"), "--weights", "random"]) == 0
+    d, b, r = (decode(tmp_path / f"{n}.mp4") for n in "dbr")
+    assert len(d) == 16 and all(np.array_equal(x, y) for x, y in zip(d, b))
+    assert not all(np.array_equal(x, y) for x, y in zip(d, r))
+    with av.open(str(tmp_path / "s.png")) as c:
+        strip = next(c.decode(video=0)).to_ndarray(format="rgb24")
+    assert strip.shape == (128, 4 * 128 + 3 * 2, 3)  # frames 0, 4, 8, 12, 2 px apart
+    gen = build_generator("tiny", weights="builtin")  # the frames themselves (the MP4 holds x264's copies)
+    frames = next(gen.stream(gen.open_stream("s", "a red ball moving right", seed=0))).frames.numpy()
+    for i, k in enumerate((0, 4, 8)):
+        assert np.array_equal(strip[:, i * 130 : i * 130 + 128], frames[k])
+    assert (strip[:, 128:130] == 255).all()
+    assert "wrote a strip of frames 0, 4, ... to" in capsys.readouterr().out
+
+
+def test_a_missing_model_file_is_a_clear_error_not_a_traceback(tmp_path, monkeypatch, capsys):
+    from models import weights
+
+    monkeypatch.setattr(weights, "BUILTIN_WEIGHTS", tmp_path / "assets" / "tiny.safetensors")
+    assert main(["generate", "--prompt", "p", "-o", str(tmp_path / "x.mp4"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("streamsvc generate: the built-in model's weights are missing") and "--weights random" in err
+    assert main(["serve", "--port", "0"]) == 2  # before the server starts
+    assert "streamsvc serve: the built-in model's weights are missing" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "p", "--weights", "random", "--checkpoint", "x.pt", "--quiet"]) == 2
+    assert "random DiT weights, but a checkpoint was given too" in capsys.readouterr().err
