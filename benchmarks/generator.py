@@ -7,6 +7,7 @@ first denoising step; models/dit.py AttentionKV): "ms" by fill is a later step's
     python benchmarks/generator.py --preset wan2.1-1.3b --device cuda
     python benchmarks/generator.py --preset tiny --device cpu --iters 5
     python benchmarks/generator.py --preset wan2.1-1.3b --only-chunk   # the full-cache chunk only (benchmarks/service.py)
+    python benchmarks/generator.py --preset wan2.1-1.3b --fidelity approximate   # with a tier's speed options
 
 Warm-up (and compile, with --compile, and CUDA-graph capture) is kept out of the timings.
 Forwards go through the generator's path: CUDA graphs on CUDA unless --no-cuda-graphs.
@@ -20,13 +21,14 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models import CacheAccess, GeneratorConfig, Work, build_generator  # noqa: E402
+from models import CacheAccess, GeneratorConfig, Work, build_generator, fidelity  # noqa: E402
 from models.generator import DECODERS  # noqa: E402
 
 
@@ -111,11 +113,14 @@ def chunk_split(gen, state, timer, iters) -> dict:
     nf = gen.cfg.frames_per_chunk
 
     def denoise_all():
+        state.reused_slots = None  # commit reuse wrote the ring's next slots: fine here, the fill stays put
         gen.abandon_chunk(state)
         for _ in range(steps):
             gen.denoise([state])
 
     def commit_only():  # the commit forward right after the steps, without advancing the ring: the fill stays put
+        if gen.cfg.commit_reuse:  # no commit forward: the last step wrote the cache
+            return
         slots = state.cache.plan_commit(nf)
         gen.forward(state.x0[None], torch.zeros(1, nf, device=gen.device), state.text,
                     [CacheAccess(state.cache, state.cache.num_frames, write_slots=slots)])
@@ -163,6 +168,9 @@ def main() -> None:
     p.add_argument("--checkpoint", default=None, help="DiT weights (file or Wan folder; default random)")
     p.add_argument("--decoder", default="auto", choices=DECODERS, help="the decoder timed per chunk (as `streamsvc serve`)")
     p.add_argument("--taehv", default=None, help="TAEHV's taew2_1.pth for --decoder taehv")
+    p.add_argument("--fidelity", default=None, choices=fidelity.TIERS,
+                   help="turn on this tier's speed options that pay on the device (as `streamsvc serve --fidelity`)")
+    p.add_argument("--speed-options", default=None, help="exactly these speed options (comma list or none; models/fidelity.py)")
     p.add_argument("--only-chunk", action="store_true",
                    help="time only the chunk at a full cache (no fill sweep, peer window or batch scaling)")
     args = p.parse_args()
@@ -177,6 +185,8 @@ def main() -> None:
     t0 = time.time()
     graphs = not args.no_cuda_graphs
     cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant, cuda_graphs=graphs)
+    cfg = fidelity.configure(cfg, args.fidelity, fidelity.parse(args.speed_options), device.type)
+    log(fidelity.describe(cfg, degrade=False))
     gen = build_generator(args.preset, device=device, dtype=dtype, cfg=cfg, checkpoint=args.checkpoint,
                           wan_dir=args.wan_dir, decoder=args.decoder, taehv=args.taehv)
     if args.compile:
@@ -213,7 +223,7 @@ def main() -> None:
     log(f"chunk at sink {args.sink_frames} + window {args.window_frames}: {chunk}")
     peer = None
     if args.peer_window and args.peer_window != args.window_frames and not args.only_chunk:
-        pgen_cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.peer_window, kv_quant=args.kv_quant, cuda_graphs=graphs)
+        pgen_cfg = replace(cfg, window_frames=args.peer_window)
         pgen = type(gen)(gen.model, pgen_cfg, decoder=gen.decoder)
         pstate = pgen.open_stream("peer", "a timelapse of clouds over mountains", seed=0)
         fill_cache(pgen, pstate, pgen.cache_spec().capacity_frames)
@@ -244,6 +254,8 @@ def main() -> None:
         "sink_frames": args.sink_frames,
         "window_frames": args.window_frames,
         "kv_quant": args.kv_quant,
+        "fidelity": fidelity.tier_of(fidelity.active(cfg)),
+        "speed_options": fidelity.active(cfg),
         "decoder": type(gen.decoder).__name__,
         "decoder_state_mb": round(gen.decoder_state_bytes() / 2**20, 1),
         "compile": args.compile,

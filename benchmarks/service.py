@@ -3,6 +3,7 @@
     python benchmarks/service.py --preset wan2.1-1.3b --device cuda --max-streams 6 --serve-arg=--compile
     python benchmarks/service.py --preset tiny --device cpu --max-streams 2 --duration 8     # a CPU smoke run
     python benchmarks/service.py --url ws://127.0.0.1:8000/ws --max-streams 4                # a running server
+    python benchmarks/service.py --preset wan2.1-1.3b --fidelity exact,quantized,approximate --start 2 --max-streams 5
 
 What it does, in one invocation:
 
@@ -27,8 +28,12 @@ host, x264, packing) per chunk, beside the generator benchmark's chunk and the r
 time while serving / benchmark: above 1 is what serving adds to the same forwards). The engine's figures
 are per forward; with batching (CPU default: up to 4 streams per forward) a forward serves several chunks.
 
+With `--fidelity T1,T2,...` it does all that once per tier (`streamsvc serve --fidelity T`, the benchmark with
+`--fidelity T`), a server each, and reports the streams at 0 stalls of each tier.
+
 Prints a table, then one JSON line with everything (`largest_stall_free_n`: the largest N at which every
-viewer was admitted and none stalled). Logs of the children are kept in --log-dir (default: a temp dir).
+viewer was admitted and none stalled; with several tiers, `by_fidelity` holds each tier's result and
+`largest_stall_free_n` maps tier -> N). Logs of the children are kept in --log-dir (default: a temp dir).
 """
 
 from __future__ import annotations
@@ -78,11 +83,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-timeout", type=float, default=600.0,
                    help="seconds to wait for the server's /healthz (default 600: compile and graph capture)")
     p.add_argument("--log-dir", default=None, help="where the children's logs and reports go (default: a temp dir)")
+    p.add_argument("--fidelity", default=None, metavar="TIER[,TIER...]",
+                   help="serve (and benchmark) under `--fidelity TIER`, one sweep per tier with a server of its own, "
+                        "e.g. exact,quantized,approximate: streams at 0 stalls per tier (default: no --fidelity)")
+    p.add_argument("--speed-options", default=None, metavar="LIST",
+                   help="`--speed-options LIST` for every tier's server and benchmark (default: each tier's own)")
+    p.add_argument("--start", type=int, default=1, help="first N of viewers tried (default 1)")
     args = p.parse_args(argv)
-    if args.max_streams < 1 or args.step < 1 or args.duration <= 0:
-        p.error(f"--max-streams and --step must be >= 1 and --duration > 0; got --max-streams {args.max_streams} "
-                f"--step {args.step} --duration {args.duration}")
+    if args.max_streams < 1 or args.step < 1 or args.duration <= 0 or not 1 <= args.start <= args.max_streams:
+        p.error(f"--max-streams and --step must be >= 1, --start in [1, --max-streams] and --duration > 0; got "
+                f"--max-streams {args.max_streams} --step {args.step} --start {args.start} --duration {args.duration}")
+    args.tiers = [t.strip() for t in args.fidelity.split(",") if t.strip()] if args.fidelity else [None]
+    for tier in args.tiers:
+        if tier not in (None, "exact", "quantized", "approximate"):
+            p.error(f"--fidelity {tier!r}: use exact, quantized or approximate (comma list)")
+    if args.url and len(args.tiers) > 1:
+        p.error("--url serves one configuration: give one --fidelity (what that server runs) or none")
     return args
+
+
+def tier_args(tier: str | None, speed_options: str | None) -> list[str]:
+    """The serve (and generator benchmark) flags of one tier's sweep."""
+    out = [] if tier is None else ["--fidelity", tier]
+    return out + ([] if speed_options is None else ["--speed-options", speed_options])
 
 
 def bench_flags(serve_args: list[str], device: str) -> list[str]:
@@ -93,12 +116,15 @@ def bench_flags(serve_args: list[str], device: str) -> list[str]:
     p.add_argument("--kv-quant")
     p.add_argument("--sink-frames")
     p.add_argument("--window-frames")
+    p.add_argument("--fidelity")
+    p.add_argument("--speed-options")
     for flag in ("--wan-dir", "--checkpoint", "--decoder", "--taehv"):
         p.add_argument(flag)
     known, _ = p.parse_known_args(serve_args)
     compiled = known.compile if known.compile is not None else device.startswith("cuda")
     out = ["--compile"] if compiled else []
-    for flag in ("kv_quant", "sink_frames", "window_frames", "wan_dir", "checkpoint", "decoder", "taehv"):
+    for flag in ("kv_quant", "sink_frames", "window_frames", "wan_dir", "checkpoint", "decoder", "taehv", "fidelity",
+                 "speed_options"):
         value = getattr(known, flag)
         if value is not None:
             out += [f"--{flag.replace('_', '-')}", value]
@@ -185,6 +211,7 @@ def generator_chunk(args, logdir: Path) -> dict | None:
     log(f"generator chunk: {chunk['dit_chunk_ms']} ms (denoise {chunk['denoise_ms']} + commit {chunk['commit_ms']}) "
         f"on {result['device']}, {time.monotonic() - t0:.0f} s")
     return {**chunk, "device": result["device"], "compile": result["compile"], "cuda_graphs": result["cuda_graphs"],
+            "fidelity": result.get("fidelity"), "speed_options": result.get("speed_options"),
             "flash_attention": result["flash_attention"], "kv_quant": result["kv_quant"],
             "sink_frames": result["sink_frames"], "window_frames": result["window_frames"]}
 
@@ -364,7 +391,7 @@ def serve_command(args, port: int) -> list[str]:
 def sweep(args, url: str, bench: dict | None, logdir: Path) -> tuple[list[dict], list[dict], str]:
     """Load tests at growing N; (rows, reports, why the sweep stopped)."""
     rows, reports = [], []
-    for n in range(1, args.max_streams + 1, args.step):
+    for n in range(args.start, args.max_streams + 1, args.step):
         log(f"N={n}: {n} viewers for {args.duration:g} s, prompt every {args.prompt_every:g} s")
         report = loadtest(args, url, n, logdir)
         if report is None:
@@ -383,12 +410,45 @@ def sweep(args, url: str, bench: dict | None, logdir: Path) -> tuple[list[dict],
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    serve_arg = list(args.serve_arg)
+    results = []
     with contextlib.ExitStack() as stack:
         if args.log_dir:
-            logdir = Path(args.log_dir)
-            logdir.mkdir(parents=True, exist_ok=True)
+            root = Path(args.log_dir)
+            root.mkdir(parents=True, exist_ok=True)
         else:
-            logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="streamsvc-service-")))
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="streamsvc-service-")))
+        for tier in args.tiers:
+            args.serve_arg = serve_arg + tier_args(tier, args.speed_options)
+            logdir = root if len(args.tiers) == 1 else root / tier
+            logdir.mkdir(parents=True, exist_ok=True)
+            if tier is not None:
+                log(f"--- fidelity {tier}")
+            result = run_one(args, logdir)
+            if result is None:
+                return 3
+            results.append({"fidelity": tier, **result})
+
+    for result in results:
+        bench = result["generator_chunk"]
+        tier = f", fidelity {result['fidelity']}" if result["fidelity"] else ""
+        print(f"service at {args.preset} on {args.device}{tier}: {args.duration:g} s per run, prompt every "
+              f"{args.prompt_every:g} s; ms per chunk = {(bench or {}).get('steps', DEFAULT_STEPS)} denoise + 1 commit "
+              "forwards (a commit without a forward under commit-reuse)")
+        print(format_table(result["rows"]))
+    if len(results) > 1:
+        print("streams at 0 stalls by fidelity: " + ", ".join(f"{r['fidelity']} {r['largest_stall_free_n']}" for r in results))
+        out = {"bench": "service", "preset": args.preset, "by_fidelity": results,
+               "largest_stall_free_n": {r["fidelity"]: r["largest_stall_free_n"] for r in results}}
+    else:
+        out = results[0]
+    print(json.dumps(out))
+    return 0 if all(r["rows"] for r in results) else 1
+
+
+def run_one(args, logdir: Path) -> dict | None:
+    """The generator benchmark, a server (unless --url) and the sweep, with `args.serve_arg`; None when the server failed."""
+    with contextlib.ExitStack() as stack:
         bench = None if args.no_bench else generator_chunk(args, logdir)
         server = None
         if args.url is None:
@@ -400,17 +460,13 @@ def main(argv: list[str] | None = None) -> int:
                 server.start(args.server_timeout)
             except RuntimeError as e:
                 log(f"benchmarks/service.py: {e}")
-                return 3
+                return None
         url = args.url or server.ws_url
         rows, reports, why = sweep(args, url, bench, logdir)
         log(f"stopped: {why}")
         if server is not None and rows:
             log(tail(server.log_path, 3))
-
-    print(f"service at {args.preset} on {args.device}: {args.duration:g} s per run, prompt every {args.prompt_every:g} s; "
-          f"ms per chunk = {(bench or {}).get('steps', DEFAULT_STEPS)} denoise + 1 commit forwards")
-    print(format_table(rows))
-    result = {
+    return {
         "bench": "service",
         "preset": args.preset,
         "device": (bench or {}).get("device", args.device),
@@ -425,8 +481,6 @@ def main(argv: list[str] | None = None) -> int:
         "stopped": why,
         "reports": reports,
     }
-    print(json.dumps(result))
-    return 0 if rows else 1
 
 
 if __name__ == "__main__":
