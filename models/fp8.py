@@ -100,7 +100,7 @@ class FP8Linear(nn.Module):
 
     def gemm(self, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Already quantized rows (xq [M, K], xs [M, 1]) -> [M, N] in `out_dtype`."""
-        if use_scaled_mm(xq, self.in_features, self.out_features):
+        if out_dtype == torch.bfloat16 and use_scaled_mm(xq, self.in_features, self.out_features):  # row-wise: bf16 out
             return scaled_mm(xq, xs, self.weight_fp8, self.weight_scale, self.bias, out_dtype)
         return reference(xq, xs, self.weight_fp8, self.weight_scale, self.bias, out_dtype)
 

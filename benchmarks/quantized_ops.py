@@ -1,0 +1,171 @@
+"""The quantized tier's kernels one by one against bf16: each GEMM of a DiT block in FP8 (models/fp8.py) and the
+self-attention with INT8 scores (models/sage.py) against FlashAttention-4 / SDPA, at one chunk's shapes.
+
+    python benchmarks/quantized_ops.py --preset wan2.1-1.3b --device cuda --compile
+    python benchmarks/quantized_ops.py --preset tiny --device cpu --iters 3      # a smoke run (torch references)
+
+GEMMs (M = a chunk's tokens): bf16 (`F.linear`; the FFN's first with its GELU in the epilogue, as the model runs
+it), the FP8 GEMM alone (`torch._scaled_mm` on operands quantized beforehand) and the FP8 linear as the model
+runs it (the activation's per-token quantization included; `--compile` fuses it as serve does), with TFLOP/s;
+then the sum over a block's GEMMs times the layers: the GEMM ms of a forward. Attention: a chunk's queries
+over cache fills 0 .. sink + window frames, bf16 (FA4 where usable, else SDPA) against INT8 (quantization of Q
+and K included) and its kernel alone, with TFLOP/s, and the relative error of INT8 against bf16. Medians of
+CUDA events (perf_counter on CPU) after a warm-up. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.generator import Timer  # noqa: E402
+from models import ModelConfig, flash, fp8, sage  # noqa: E402
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def block_gemms(mc: ModelConfig) -> list[tuple[str, int, int, int]]:
+    """(name, in, out, per block) of the linears models/fp8.py quantizes."""
+    d, f = mc.dim, mc.ffn_dim
+    return [("self_attn.q/k/v", d, d, 3), ("self_attn.o", d, d, 1), ("cross_attn.q", d, d, 1), ("cross_attn.o", d, d, 1),
+            ("ffn.0 (+gelu)", d, f, 1), ("ffn.2", f, d, 1)]
+
+
+def time_gemms(mc, m, device, dtype, timer, iters) -> list[dict]:
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for name, k, n, count in block_gemms(mc):
+        x = torch.randn(m, k, device=device, generator=g).to(dtype)
+        lin = torch.nn.Linear(k, n, device=device, dtype=dtype)
+        q = fp8.FP8Linear.from_linear(lin)
+        gelu = name.startswith("ffn.0")
+        if gelu and device.type == "cuda":
+            bf16 = lambda: torch._addmm_activation(lin.bias, x, lin.weight.t(), use_gelu=True)  # noqa: E731
+        elif gelu:
+            bf16 = lambda: F.gelu(lin(x), approximate="tanh")  # noqa: E731
+        else:
+            bf16 = lambda: lin(x)  # noqa: E731
+        xq, xs = fp8.quantize_rows(x)
+        gemm = lambda: q.gemm(xq, xs, dtype)  # noqa: E731
+        if gelu:
+            full = lambda: fp8.OPS.gelu_quantize_rows(q.gemm(*fp8.OPS.quantize_rows(x), dtype))  # noqa: E731
+        else:
+            full = lambda: q(x)  # noqa: E731
+        with torch.inference_mode():
+            t_bf16, t_gemm, t_full = timer.split([bf16, gemm, full], iters)
+            want = lin(x).float()
+            err = None if gelu else ((q(x).float() - want).norm() / want.norm()).item()
+        flops = 2 * m * k * n
+        rows.append({
+            "gemm": name, "m": m, "k": k, "n": n, "per_block": count, "scaled_mm": fp8.use_scaled_mm(x, k, n),
+            "bf16_ms": round(t_bf16, 4), "fp8_gemm_ms": round(t_gemm, 4), "fp8_linear_ms": round(t_full, 4),
+            "bf16_tflops": round(flops / t_bf16 / 1e9, 1), "fp8_gemm_tflops": round(flops / t_gemm / 1e9, 1),
+            "fp8_linear_tflops": round(flops / t_full / 1e9, 1), "speedup": round(t_bf16 / t_full, 3),
+            "rel_err_vs_bf16": None if err is None else round(err, 4),
+        })
+        r = rows[-1]
+        log(f"{name:16s} {m}x{k}x{n}: bf16 {r['bf16_ms']:.3f} ms ({r['bf16_tflops']} TFLOP/s), FP8 GEMM {r['fp8_gemm_ms']:.3f} "
+            f"({r['fp8_gemm_tflops']}), FP8 linear {r['fp8_linear_ms']:.3f} ({r['fp8_linear_tflops']}), x{r['speedup']}")
+    return rows
+
+
+def time_attention(mc, frames, fills, device, dtype, timer, iters) -> list[dict]:
+    g = torch.Generator(device=device).manual_seed(1)
+    tpf, nh, hd = mc.tokens_per_frame, mc.num_heads, mc.head_dim
+    lq = frames * tpf
+    rows = []
+    for fill in fills:
+        lk = (fill + frames) * tpf
+        q = torch.randn(1, lq, nh, hd, device=device, generator=g).to(dtype)
+        k = (torch.randn(1, lk, nh, hd, device=device, generator=g) + torch.randn(1, 1, nh, hd, device=device, generator=g)).to(dtype)
+        v = torch.randn(1, lk, nh, hd, device=device, generator=g).to(dtype)
+        use_fa4 = flash.usable(q)
+
+        def bf16():
+            if use_fa4:
+                return flash.attend(q, k, v)
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+        fns = [bf16, lambda: sage.attend(q, k, v)]
+        kernel_only = None
+        if sage.usable(q):
+            bm, bn = sage._tiles(hd, lq)[:2]
+            qi, qs = sage._quantize(q, bm, hd**-0.5 * sage.LOG2E, None)
+            ki, ks = sage._quantize(k, bn, 1.0, sage.smooth_k(k))
+            out = torch.empty_like(q)
+
+            def kernel_only():
+                sage._attn_kernel[(sage._blocks(lq, bm), nh)](
+                    qi, qs, ki, ks, v, out, lq, lk, nh, qs.shape[-1], ks.shape[-1], v.stride(0), v.stride(1), v.stride(2),
+                    out.stride(0), out.stride(1), out.stride(2), D=hd, BM=bm, BN=bn,
+                    num_warps=sage._tiles(hd, lq)[2], num_stages=sage._tiles(hd, lq)[3])
+
+            fns.append(kernel_only)
+        with torch.inference_mode():
+            times = timer.split(fns, iters)
+            err = ((sage.attend(q, k, v).float() - bf16().float()).norm() / bf16().float().norm()).item()
+        flops = 4 * lq * lk * hd * nh
+        row = {"cached_frames": fill, "queries": lq, "keys": lk, "bf16_kernel": "fa4" if use_fa4 else "sdpa",
+               "int8_kernel": "triton" if sage.usable(q) else "torch reference",
+               "bf16_ms": round(times[0], 4), "int8_ms": round(times[1], 4),
+               "int8_kernel_ms": round(times[2], 4) if kernel_only else None,
+               "bf16_tflops": round(flops / times[0] / 1e9, 1), "int8_tflops": round(flops / times[1] / 1e9, 1),
+               "speedup": round(times[0] / times[1], 3), "rel_err": round(err, 4)}
+        rows.append(row)
+        log(f"attention, {fill:2d} cached frames ({lk} keys): bf16 ({row['bf16_kernel']}) {row['bf16_ms']:.3f} ms "
+            f"({row['bf16_tflops']} TFLOP/s), INT8 {row['int8_ms']:.3f} ({row['int8_tflops']}; kernel alone "
+            f"{row['int8_kernel_ms']}), x{row['speedup']}, rel err {row['rel_err']}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--frames", type=int, default=3, help="latent frames of a chunk (default 3)")
+    p.add_argument("--fills", default="0,3,6,9,12", help="cached frames the attention is timed at (default 0,3,6,9,12)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--compile", action="store_true", help="torch.compile the FP8 activation quantizers (as serve does on CUDA)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mc = ModelConfig.from_name(args.preset)
+    timer = Timer(device)
+    if args.compile:
+        fp8.OPS.compile()
+    m = args.frames * mc.tokens_per_frame
+    gemms = time_gemms(mc, m, device, dtype, timer, args.iters)
+    layer = {k: sum(r[k] * r["per_block"] for r in gemms) for k in ("bf16_ms", "fp8_gemm_ms", "fp8_linear_ms")}
+    per_forward = {k: round(v * mc.num_layers, 3) for k, v in layer.items()}
+    log(f"GEMMs of a forward ({mc.num_layers} layers): bf16 {per_forward['bf16_ms']} ms, FP8 {per_forward['fp8_linear_ms']} ms "
+        f"(GEMMs alone {per_forward['fp8_gemm_ms']})")
+    fills = [int(f) for f in args.fills.split(",") if f.strip()]
+    attn = time_attention(mc, args.frames, fills, device, dtype, timer, args.iters)
+    result = {
+        "bench": "quantized_ops",
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).replace("torch.", ""),
+        "compile": args.compile,
+        "gemms": gemms,
+        "gemm_ms_per_forward": per_forward,
+        "attention": attn,
+        "attention_ms_per_forward_at_full": None if not attn else {
+            "bf16": round(attn[-1]["bf16_ms"] * mc.num_layers, 2), "int8": round(attn[-1]["int8_ms"] * mc.num_layers, 2)},
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
