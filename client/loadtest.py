@@ -7,6 +7,11 @@ viewer connects at the same moment (the hard case for TTFF and admission), opens
 its own prompt, and sends a new prompt every ``--prompt-every`` seconds, each
 viewer at its own phase so the prompt changes are spread out.
 
+With ``--verify-pixels`` the prompts are the built-in model's scene captions
+(colour, shape, motion; each a new colour) and every viewer also times each
+prompt to the first played frame whose colour matches it (client/verify.py),
+reported beside the control latency, which trusts the chunk headers.
+
 The report (a table on stdout, the same figures as JSON with ``--json``) follows
 DESIGN.md "Measuring a stream"; ``summarize`` computes it from the viewers'
 ``StreamResult`` s and is pure. Transports plug in through ``TRANSPORTS``: a client
@@ -36,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from client.pixels import PALETTE
+from client.verify import PixelStats
 from client.webrtc_client import WebRtcClient
 from client.ws_client import ClientConfig, DecodeMode, StreamClient, StreamResult, _max_count, stream_url
 
@@ -52,6 +59,10 @@ SUBJECTS = (
 )
 STYLES = ("at dawn", "in watercolour", "as a pencil sketch", "in slow motion", "in neon colours", "at dusk")
 PROMPT_QUIET_TAIL_S = 2.0  # no new prompt in the last seconds of a session: it could not reach the screen in time
+# --verify-pixels: the viewers' prompts are the built-in model's scene captions (models/scenes.py's words; the client
+# keeps its own copy, as client/pixels.py keeps the palette); each prompt's colour differs from the one before
+CAPTION_SHAPES = ("ball", "square", "triangle")
+CAPTION_MOTIONS = ("moving right", "moving left", "rising", "falling", "standing still")
 
 
 class ServerStartError(RuntimeError):
@@ -79,6 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="access token the viewers send in start (a local server is started with --auth-token TOKEN)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON to FILE")
     p.add_argument("--progress-every", type=float, default=3.0, help="seconds between progress lines (default 3; 0 = quiet)")
+    p.add_argument("--verify-pixels", action="store_true",
+                   help="time each prompt from its send to the first played frame whose colour matches the prompt's "
+                        "colour word (client/verify.py), reported beside the header-based control latency; the prompts "
+                        "become the built-in model's scene captions (colour, shape, motion), each a new colour; needs "
+                        "--decode inline or thread")
     g = p.add_argument_group("local server (ignored with --url)")
     g.add_argument("--preset", default="tiny", help="model preset of the local server (default tiny)")
     g.add_argument("--device", default="cpu", help="device of the local server (default cpu)")
@@ -348,6 +364,7 @@ def summarize(results: Sequence[StreamResult], *, duration_s: float) -> dict:
         "decode": {"total_s": _r(decode_s), "per_frame_ms": _r(1e3 * decode_s / frames if frames else None, 4),
                    "max_chunk_ms": _r(1e3 * max((r.decode_max_s for r in admitted), default=0.0), 3)},
         "errors": {"count": sum(errors.values()), "messages": dict(errors.most_common(20))},
+        "pixel_latency_s": pixel_summary([r.pixels for r in admitted if r.pixels is not None]),
         "per_stream": [
             {"stream_id": r.stream_id, "ttff_s": _r(r.playback.ttff_s), "stalls": r.playback.stalls,
              "stall_s": _r(r.playback.stall_s), "delivered_fps": _r(r.playback.delivered_fps, 3),
@@ -358,6 +375,18 @@ def summarize(results: Sequence[StreamResult], *, duration_s: float) -> dict:
             for r in admitted
         ],
     }
+
+
+def pixel_summary(stats: Sequence[PixelStats]) -> dict | None:
+    """The pixel-verified prompt latency over every viewer (None without --verify-pixels)."""
+    if not stats:
+        return None
+    lat = [x for s in stats for x in s.latencies_s]
+    read = sum(s.frames_read for s in stats)
+    return {"n": len(lat), "p50": _r(percentile(lat, 50)), "p95": _r(percentile(lat, 95)),
+            "max": _r(max(lat, default=None)), "unmatched": sum(s.unmatched for s in stats),
+            "superseded": sum(s.superseded for s in stats), "no_colour": sum(s.no_colour for s in stats),
+            "frames_read": read, "read_ms_per_frame": _r(1e3 * sum(s.read_s for s in stats) / read if read else None)}
 
 
 def format_table(report: dict) -> str:
@@ -378,6 +407,10 @@ def format_table(report: dict) -> str:
         ("degraded chunks (fewer steps)", f"{report['degraded_chunks']} of {report['chunks']}"),
         ("control latency p50 / p95 / max", " / ".join(f(cl[k], 3) for k in ("p50", "p95", "max"))
          + f" s (n={cl['n']}, pending {cl['pending']})"),
+        *([("pixel-verified latency p50 / p95 / max", " / ".join(f(px[k], 3) for k in ("p50", "p95", "max"))
+            + f" s (n={px['n']}, never matched {px['unmatched']}, superseded {px['superseded']}, "
+            f"{px['frames_read']} frames read at {f(px['read_ms_per_frame'], 3)} ms)")]
+          if (px := report.get("pixel_latency_s")) else []),
         ("delivered fps mean / min", f"{f(fps['mean'], 2)} / {f(fps['min'], 2)}"),
         ("min headroom at arrival", f(report["min_headroom_s"]["min"], 3, " s")),
         ("decode per frame", f(report["decode"]["per_frame_ms"], 3, " ms")),
@@ -413,8 +446,10 @@ def format_table(report: dict) -> str:
 # ---------------------------------------------------------------- running
 
 
-def prompt_schedule(index: int, streams: int, every_s: float, duration_s: float) -> list[tuple[float, str]]:
-    """Viewer ``index``'s prompt changes: every ``every_s`` from a phase in [every_s, 2 every_s), spread over viewers."""
+def prompt_schedule(index: int, streams: int, every_s: float, duration_s: float,
+                    captions: bool = False) -> list[tuple[float, str]]:
+    """Viewer ``index``'s prompt changes: every ``every_s`` from a phase in [every_s, 2 every_s), spread over viewers.
+    ``captions``: scene captions (``caption``) instead of free text."""
     if every_s <= 0:
         return []
     subject = SUBJECTS[index % len(SUBJECTS)]
@@ -423,9 +458,20 @@ def prompt_schedule(index: int, streams: int, every_s: float, duration_s: float)
     for k in range(int(duration_s / every_s) + 2):
         if t > duration_s - PROMPT_QUIET_TAIL_S:
             break
-        out.append((t, f"{subject}, {STYLES[k % len(STYLES)]} (viewer {index}, change {k + 1})"))
+        out.append((t, caption(index, k + 1) if captions else
+                    f"{subject}, {STYLES[k % len(STYLES)]} (viewer {index}, change {k + 1})"))
         t += every_s
     return out
+
+
+def caption(index: int, change: int) -> str:
+    """Viewer ``index``'s scene caption number ``change`` (0: its opening prompt): colour, shape and motion, the
+    colour a step along the palette from the previous caption's, so that every prompt asks for a new colour."""
+    colours = list(PALETTE)
+    colour = colours[(index + change) % len(colours)]
+    shape = CAPTION_SHAPES[(index // len(colours) + change) % len(CAPTION_SHAPES)]
+    motion = CAPTION_MOTIONS[(index + 2 * change) % len(CAPTION_MOTIONS)]
+    return f"a {colour} {shape} {motion}"
 
 
 @dataclass
@@ -508,10 +554,10 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     cls = TRANSPORTS[args.transport]
     clients = []
     for i in range(args.streams):
-        cfg = ClientConfig(prompt=SUBJECTS[i % len(SUBJECTS)] + f" (viewer {i})", seed=args.seed + i, fps=args.fps,
-                           token=args.token,
+        prompt = caption(i, 0) if args.verify_pixels else SUBJECTS[i % len(SUBJECTS)] + f" (viewer {i})"
+        cfg = ClientConfig(prompt=prompt, seed=args.seed + i, fps=args.fps, token=args.token,
                            stats_every_s=args.stats_every, decode=DecodeMode(args.decode),
-                           open_timeout_s=max(10.0, 0.25 * args.streams))
+                           open_timeout_s=max(10.0, 0.25 * args.streams), verify_pixels=args.verify_pixels)
         clients.append(cls(url, cfg))
     murl = metrics_url(url)
     first = await asyncio.to_thread(scrape_metrics, murl)
@@ -521,7 +567,7 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     watch = asyncio.create_task(pauses.run(time.monotonic() + args.duration + 30.0))
     try:
         results = await asyncio.gather(*(
-            c.run(args.duration, prompt_schedule(i, args.streams, args.prompt_every, args.duration))
+            c.run(args.duration, prompt_schedule(i, args.streams, args.prompt_every, args.duration, args.verify_pixels))
             for i, c in enumerate(clients)
         ))
     finally:
@@ -567,6 +613,9 @@ def _interrupt(signum, frame) -> None:
 def run(args) -> int:
     if args.streams < 1 or args.duration <= 0:
         print("streamsvc loadtest: --streams must be >= 1 and --duration > 0", file=sys.stderr)
+        return 2
+    if args.verify_pixels and args.decode == DecodeMode.NONE.value:
+        print("streamsvc loadtest: --verify-pixels reads the frames: use --decode inline or thread", file=sys.stderr)
         return 2
     server, started = None, False
     wall0, load0 = time.monotonic(), os.getloadavg()
@@ -626,7 +675,8 @@ def run(args) -> int:
     report["config"] = {"url": args.url, "transport": args.transport, "local_server": args.url is None,
                         "preset": args.preset, "weights": args.weights, "device": args.device, "policy": args.policy,
                         "buffer_cap_s": args.buffer_cap, "prompt_every_s": args.prompt_every,
-                        "decode": args.decode, "stats_every_s": args.stats_every, "server_args": args.server_arg}
+                        "decode": args.decode, "stats_every_s": args.stats_every, "server_args": args.server_arg,
+                        "verify_pixels": args.verify_pixels}
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

@@ -47,6 +47,7 @@ Measures (``stats()``)
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -90,10 +91,13 @@ class PlaybackStats:
 class PlaybackBuffer:
     """One viewer's playback buffer at ``fps`` frames per second."""
 
-    def __init__(self, fps: float) -> None:
+    def __init__(self, fps: float, on_render: Callable[[float], None] | None = None) -> None:
+        """`on_render(t)`: called as each frame plays, oldest first, with its render time (client/verify.py
+        reads the frame's pixels then)."""
         if not fps > 0:
             raise ValueError(f"fps must be > 0, got {fps!r}")
         self.fps = fps
+        self.on_render = on_render
         self._state = PlaybackState.NEW
         self._now = float("-inf")  # latest time seen
         self._connected_at: float | None = None
@@ -349,6 +353,8 @@ class PlaybackBuffer:
         self._queued -= 1
         self._played += 1
         self._count_freeze(t)
+        if self.on_render is not None:
+            self.on_render(t)
         if version not in self._first_render_of:
             self._first_render_of[version] = t
         if self._awaiting:

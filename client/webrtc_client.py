@@ -61,7 +61,7 @@ from aiortc.mediastreams import MediaStreamError
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-from client.playback import PlaybackBuffer, PlaybackState
+from client.playback import PlaybackState
 from client.ws_client import ClientConfig, ClientState, ViewerClient
 from streamsvc import protocol as P
 from streamsvc.encode import RTP_CLOCK_HZ
@@ -156,8 +156,7 @@ class WebRtcClient(ViewerClient):
                                          open_timeout=cfg.open_timeout_s, close_timeout=cfg.close_timeout_s)
                 await self._ws.send(P.encode(cfg.start_message("webrtc")))
                 if await self._await_ready():
-                    self._buffer = PlaybackBuffer(self.ready.fps)
-                    self._buffer.connect(self._connected_at)
+                    self._buffer = self._new_buffer(to_rgb=lambda frame: frame.to_ndarray(format="rgb24"))
                     self.state = ClientState.PLAYING
                     self._tasks.append(asyncio.create_task(self._receive(), name=f"ws-{self.ready.stream_id}"))
                     ok = await self._negotiate()
@@ -300,6 +299,8 @@ class WebRtcClient(ViewerClient):
         if (frame.height, frame.width) != (self.ready.height, self.ready.width):
             self.bad_frames += 1
         now = self.clock()
+        if self.pixels is not None:  # every frame that comes here enters the buffer in this order
+            self.pixels.arrived(frame)  # an av.VideoFrame, converted only if its colour is read
         self._pending.append((int(frame.pts), now))
         self._map_pending(now)
 

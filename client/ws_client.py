@@ -34,15 +34,17 @@ import asyncio
 import contextlib
 import enum
 import time
-from typing import Self
+from typing import Any, Self
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import av
+import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from client.playback import PlaybackBuffer, PlaybackState, PlaybackStats
+from client.verify import PixelLatency, PixelStats
 from streamsvc import protocol as P
 from streamsvc.encode import StreamDecoder
 
@@ -74,6 +76,9 @@ class ClientConfig:
     open_timeout_s: float = 10.0  # connect + handshake + `ready`/`refused`, in all
     close_timeout_s: float = 2.0  # how long `close()` waits for the server's `closed`
     max_session_s: float = 3600.0  # hard bound on a session, whatever the caller asks
+    # time each prompt sent to the first played frame showing the prompt's colour (client/verify.py; the built-in
+    # model's scenes): needs decoded frames
+    verify_pixels: bool = False
 
     def __post_init__(self) -> None:
         self.start_message()  # the protocol's own checks, with its messages
@@ -82,6 +87,8 @@ class ClientConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
         if self.stats_every_s < 0:
             raise ValueError(f"stats_every_s={self.stats_every_s}: must be >= 0 (0 turns stats off)")
+        if self.verify_pixels and self.decode is DecodeMode.NONE:
+            raise ValueError("verify_pixels reads the frames: it needs decode inline or thread, not none")
 
     def start_message(self, transport: str | None = None) -> P.Start:
         """The ``start`` message that opens this viewer's stream."""
@@ -116,6 +123,7 @@ class StreamResult:
     decode_max_s: float  # the slowest chunk's decode
     closed_reason: str | None  # the server's `closed` reason, if one came
     errors: tuple[str, ...]  # "code: message" of each error message, and the client's own failures
+    pixels: PixelStats | None = None  # pixel-verified prompt latency (ClientConfig.verify_pixels), else None
 
 
 class ViewerClient:
@@ -154,6 +162,7 @@ class ViewerClient:
         self._changed = asyncio.Event()  # set on every message received and on the end
         self._ended = asyncio.Event()  # the server closed the stream or the connection went away
         self._unacked_prompts = 0
+        self.pixels: PixelLatency | None = None  # with verify_pixels: times prompts on the played frames' pixels
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -197,6 +206,15 @@ class ViewerClient:
                 async with asyncio.timeout(self.config.close_timeout_s):
                     await self._ws.close()
 
+    def _new_buffer(self, to_rgb: Callable[[Any], np.ndarray] = np.asarray) -> PlaybackBuffer:
+        """The stream's playback buffer, connected at connect time; with verify_pixels it reports each frame it
+        plays to `self.pixels`, which reads frames with `to_rgb` (the transport's frames in, [H, W, 3] out)."""
+        if self.config.verify_pixels:
+            self.pixels = PixelLatency(to_rgb, clock=time.perf_counter)
+        buf = PlaybackBuffer(self.ready.fps, on_render=self.pixels.played if self.pixels is not None else None)
+        buf.connect(self._connected_at)
+        return buf
+
     def _finish(self) -> None:
         """Close the playback books at now (once)."""
         if self._ended_at is not None:
@@ -237,7 +255,10 @@ class ViewerClient:
         """Steer the stream; control latency counts from now to the first frame under this prompt played."""
         msg = P.SetPrompt(prompt=prompt)  # raises on a bad prompt before anything is sent
         self._require_playing("set_prompt")
-        self._buffer.prompt_sent_at(self.clock())
+        now = self.clock()
+        self._buffer.prompt_sent_at(now)
+        if self.pixels is not None:
+            self.pixels.prompt_sent(prompt, now)
         self._unacked_prompts += 1
         self.prompts_sent += 1
         await self._send(P.encode(msg))
@@ -311,6 +332,7 @@ class ViewerClient:
             decode_max_s=self.decode_max_s,
             closed_reason=self.closed_reason,
             errors=tuple(self.errors),
+            pixels=self.pixels.stats() if self.pixels is not None else None,
         )
 
     def _parse(self, raw: str):
@@ -390,8 +412,7 @@ class StreamClient(ViewerClient):
             self._ended_at = self.clock()
             return False
         self.state = ClientState.PLAYING
-        self._buffer = PlaybackBuffer(self.ready.fps)
-        self._buffer.connect(self._connected_at)
+        self._buffer = self._new_buffer()
         if cfg.decode is not DecodeMode.NONE:
             self._decoder = StreamDecoder()
         self._tasks = [
@@ -495,12 +516,13 @@ class StreamClient(ViewerClient):
             return
         self.headers.append(header)
         t0 = time.perf_counter()
+        kept: list[np.ndarray] | None = [] if self.pixels is not None else None  # the frames, for their pixels
         if self.config.decode is DecodeMode.NONE:
             frames = header.frames
         elif self.config.decode is DecodeMode.THREAD:
-            frames = await asyncio.to_thread(self._decode, units)
+            frames = await asyncio.to_thread(self._decode, units, kept)
         else:
-            frames = self._decode(units)
+            frames = self._decode(units, kept)
         took = time.perf_counter() - t0
         self.decode_s += took
         self.decode_max_s = max(self.decode_max_s, took)
@@ -513,6 +535,8 @@ class StreamClient(ViewerClient):
             self.min_headroom_s = left if self.min_headroom_s is None else min(self.min_headroom_s, left)
         stalled = buf.state is PlaybackState.STALLED
         self.frames_decoded += frames
+        for f in kept or ():
+            self.pixels.arrived(f)  # before the push, which may play the first of them
         buf.push(frames, header.prompt_version, now)
         if stalled:  # this chunk ends a stall
             total = buf.stats().stall_s
@@ -525,8 +549,9 @@ class StreamClient(ViewerClient):
         if self.config.stats_every_s > 0 and now - self._last_report >= self.config.stats_every_s:
             await self._send_stats()
 
-    def _decode(self, units: list[bytes]) -> int:
-        """Decode a chunk's access units; returns the frames out (wrong-sized ones are counted as bad)."""
+    def _decode(self, units: list[bytes], kept: list[np.ndarray] | None = None) -> int:
+        """Decode a chunk's access units; returns the frames out (wrong-sized ones are counted as bad), which
+        go to `kept` too when given."""
         n = 0
         want = (self.ready.height, self.ready.width, 3)
         for au in units:
@@ -539,6 +564,8 @@ class StreamClient(ViewerClient):
                 n += 1
                 if f.shape != want:
                     self.bad_frames += 1
+                if kept is not None:
+                    kept.append(f)
         return n
 
     def _on_text(self, raw: str) -> None:

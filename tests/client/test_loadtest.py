@@ -147,3 +147,21 @@ async def test_loop_pauses_records_a_blocked_loop():
     await asyncio.sleep(0.05)
     task.cancel()
     assert len(pauses.pauses) == 1 and 0.15 <= pauses.pauses[0][1] < 1.0 and pauses.max_s >= 0.15
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["ws", "webrtc"])
+def test_verify_pixels_times_every_prompt_on_the_played_frames(tmp_path, capsys, transport):
+    """Whatever the weights draw, every prompt sent is timed, missed or superseded, on frames read while it waited
+    (whether the colours match is the built-in model's test: tests/test_builtin_model.py)."""
+    out = tmp_path / "lt.json"
+    code = loadtest.run(parse("--streams", "2", "--duration", "5", "--prompt-every", "1.5", "--json", str(out),
+                              "--progress-every", "0", "--verify-pixels", "--transport", transport))
+    assert code == 0
+    r = json.loads(out.read_text())
+    px, cl = r["pixel_latency_s"], r["control_latency_s"]
+    assert r["admitted"] == 2 and r["errors"]["count"] == 0 and r["config"]["verify_pixels"]
+    assert cl["sent"] == 3 and px["n"] + px["unmatched"] + px["superseded"] == cl["sent"] and px["no_colour"] == 0
+    assert px["frames_read"] > 0 and px["read_ms_per_frame"] > 0
+    assert "pixel-verified latency p50 / p95 / max" in capsys.readouterr().out
+    assert loadtest.run(parse("--streams", "1", "--verify-pixels", "--decode", "none")) == 2
