@@ -304,10 +304,23 @@ def _per_chunk(ms: dict | None, steps: int) -> float | None:
     return round(steps * ms["denoise"] + ms["commit"], 2)
 
 
-def row(n: int, report: dict, bench: dict | None) -> dict:
-    """One table row from a load test's report (and the generator benchmark's chunk)."""
+def planned_steps(serve_args: list[str], device: str) -> int:
+    """Denoising steps per chunk that the served flags ask for (--fidelity / --speed-options), for a sweep
+    without the generator benchmark (which says)."""
+    from models import GeneratorConfig, fidelity
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--fidelity")
+    p.add_argument("--speed-options")
+    known, _ = p.parse_known_args(serve_args)
+    cfg = fidelity.configure(GeneratorConfig(), known.fidelity, fidelity.parse(known.speed_options), device.split(":")[0])
+    return len(cfg.timesteps)
+
+
+def row(n: int, report: dict, bench: dict | None, steps: int = DEFAULT_STEPS) -> dict:
+    """One table row from a load test's report (and the generator benchmark's chunk, whose steps win)."""
     srv = report.get("server") or {}
-    steps = (bench or {}).get("steps", DEFAULT_STEPS)
+    steps = (bench or {}).get("steps", steps)
     gpu_ms = _per_chunk(srv.get("gpu_ms"), steps)
     bench_ms = (bench or {}).get("dit_chunk_ms")
     reasons = report["refused"]["reasons"]
@@ -391,12 +404,13 @@ def serve_command(args, port: int) -> list[str]:
 def sweep(args, url: str, bench: dict | None, logdir: Path) -> tuple[list[dict], list[dict], str]:
     """Load tests at growing N; (rows, reports, why the sweep stopped)."""
     rows, reports = [], []
+    steps = planned_steps(args.serve_arg, resolved_device(args.device))
     for n in range(args.start, args.max_streams + 1, args.step):
         log(f"N={n}: {n} viewers for {args.duration:g} s, prompt every {args.prompt_every:g} s")
         report = loadtest(args, url, n, logdir)
         if report is None:
             return rows, reports, f"the load test failed at N={n}"
-        rows.append(row(n, report, bench))
+        rows.append(row(n, report, bench, steps))
         reports.append({k: v for k, v in report.items() if k != "per_stream"})
         r = rows[-1]
         log(f"N={n}: admitted {r['admitted']}, refused {r['refused']}, stalls {r['stalls']}, "
@@ -433,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         bench = result["generator_chunk"]
         tier = f", fidelity {result['fidelity']}" if result["fidelity"] else ""
         print(f"service at {args.preset} on {args.device}{tier}: {args.duration:g} s per run, prompt every "
-              f"{args.prompt_every:g} s; ms per chunk = {(bench or {}).get('steps', DEFAULT_STEPS)} denoise + 1 commit "
+              f"{args.prompt_every:g} s; ms per chunk = {(bench or {}).get('steps', result['steps'])} denoise + 1 commit "
               "forwards (a commit without a forward under commit-reuse)")
         print(format_table(result["rows"]))
     if len(results) > 1:
@@ -475,6 +489,7 @@ def run_one(args, logdir: Path) -> dict | None:
         "duration_s": args.duration,
         "prompt_every_s": args.prompt_every,
         "generator_chunk": bench,
+        "steps": planned_steps(args.serve_arg, resolved_device(args.device)),
         "rows": rows,
         "largest_stall_free_n": largest_stall_free_n(rows),
         "max_admitted": max((r["admitted"] for r in rows), default=0),

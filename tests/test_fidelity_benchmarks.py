@@ -33,3 +33,9 @@ def test_service_sweeps_each_tier_with_its_flags():
     flags = service.bench_flags(["--compile", "--fidelity", "approximate", "--speed-options", "steps-2"], "cuda")
     assert flags == ["--compile", "--fidelity", "approximate", "--speed-options", "steps-2"]
     assert service.parse_args([]).tiers == [None]
+
+
+def test_service_knows_the_steps_a_tier_serves_without_the_benchmark():
+    assert service.planned_steps([], "cpu") == 4
+    assert service.planned_steps(["--fidelity", "approximate"], "cuda:0") == 3
+    assert service.planned_steps(["--fidelity", "approximate", "--speed-options", "steps-2,commit-reuse"], "cpu") == 2
