@@ -105,6 +105,33 @@ class ForwardTimer:
         return out
 
 
+def attention_check(gen: ChunkGenerator, state) -> dict:
+    """INT8 against exact attention on the model's own self-attention inputs: one denoising forward of the
+    stream at its current (full) cache, every layer's queries, keys and values; relative error per layer."""
+    from models import sage
+    import torch.nn.functional as F
+
+    errs = []
+    real = sage.attend
+
+    def spy(q, k, v):
+        out = real(q, k, v)
+        want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        errs.append(((out.float() - want.float()).norm() / want.float().norm()).item())
+        return out
+
+    runner, gen.runner = gen.runner, gen.model  # eager: a graph replay would not call the spy
+    sage.attend = spy
+    try:
+        gen.abandon_chunk(state)
+        gen.denoise([state])
+    finally:
+        sage.attend = real
+        gen.runner = runner
+        gen.abandon_chunk(state)
+    return {"layers": len(errs), "rel_err_mean": round(statistics.mean(errs), 5), "rel_err_max": round(max(errs), 5)}
+
+
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     mse = (a.float() - b.float()).pow(2).mean().item()
     return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
@@ -135,6 +162,7 @@ def run_variant(name, options, base_gen, base_cfg, models, args, ref) -> dict:
         lat.append(c.latents.float().clone())
         frames.append(c.frames.clone())
     drift_s = time.perf_counter() - t0
+    check = attention_check(gen, state) if cfg.attention_quant == "int8" else None
     # timed chunks at a full cache (the drift run filled it and captured every graph it replays)
     chunk_ms, dit_ms, den, com = [], [], [], []
     cuda = device.type == "cuda"
@@ -168,6 +196,7 @@ def run_variant(name, options, base_gen, base_cfg, models, args, ref) -> dict:
         "dit_chunk_ms": round(statistics.median(dit_ms), 2),
         "chunk_ms": round(statistics.median(chunk_ms), 2),
         "drift_run_s": round(drift_s, 1),
+        "int8_attention_vs_exact": check,  # on the model's own activations, per layer (int8-attention only)
     }
     if ref is None:
         row.update(rel_err_last=0.0, rel_err_mean=0.0, psnr_db=None, psnr_last_db=None)
@@ -243,10 +272,17 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         log(f"{name}: {row['dit_chunk_ms']} ms DiT per chunk, rel err {row['rel_err_last']}, PSNR {row['psnr_db']} dB "
             f"({time.time() - t0:.0f} s)")
+        if row["int8_attention_vs_exact"]:
+            log(f"{name}: INT8 attention on the model's own activations vs exact: {row['int8_attention_vs_exact']}")
     print(f"fidelity at {args.preset} on {args.device} ({dtype}, weights {args.checkpoint or args.weights}), "
           f"sink {args.sink_frames} + window {args.window_frames}: drift after {args.chunks} chunks against exact, "
           f"ms medians of {args.timed_chunks} chunks at a full cache")
     print(format_table(rows))
+    for r in rows:
+        if r["int8_attention_vs_exact"]:
+            c = r["int8_attention_vs_exact"]
+            print(f"{r['variant']}: INT8 self-attention against exact on the model's own inputs (one forward at a full "
+                  f"cache, {c['layers']} layers): relative error mean {c['rel_err_mean']}, max {c['rel_err_max']}")
     result = {
         "bench": "fidelity",
         "preset": args.preset,

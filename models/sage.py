@@ -39,7 +39,7 @@ def _blocks(n: int, block: int) -> int:
 
 def smooth_k(k: torch.Tensor) -> torch.Tensor:
     """k: [B, Lk, H, D] -> its mean over the tokens, [B, 1, H, D] float32."""
-    return k.float().mean(dim=1, keepdim=True)
+    return k.mean(dim=1, keepdim=True, dtype=torch.float32)  # no float32 copy of the keys
 
 
 def quantize_blocks(x: torch.Tensor, block: int, scale: float = 1.0, mean: torch.Tensor | None = None):
