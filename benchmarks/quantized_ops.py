@@ -99,16 +99,11 @@ def time_attention(mc, frames, fills, device, dtype, timer, iters) -> list[dict]
         fns = [bf16, lambda: sage.attend(q, k, v)]
         kernel_only = None
         if sage.usable(q):
-            bm, bn = sage._tiles(hd, lq)[:2]
-            qi, qs = sage._quantize(q, bm, hd**-0.5 * sage.LOG2E, None)
-            ki, ks = sage._quantize(k, bn, 1.0, sage.smooth_k(k))
+            operands = sage.quantize_qk(q, k)
             out = torch.empty_like(q)
 
             def kernel_only():
-                sage._attn_kernel[(sage._blocks(lq, bm), nh)](
-                    qi, qs, ki, ks, v, out, lq, lk, nh, qs.shape[-1], ks.shape[-1], v.stride(0), v.stride(1), v.stride(2),
-                    out.stride(0), out.stride(1), out.stride(2), D=hd, BM=bm, BN=bn,
-                    num_warps=sage._tiles(hd, lq)[2], num_stages=sage._tiles(hd, lq)[3])
+                sage.attend_quantized(*operands, v, out)
 
             fns.append(kernel_only)
         with torch.inference_mode():

@@ -6,8 +6,8 @@ The approach (SageAttention, Zhang et al. 2024), written here from the paper's d
   then drops by the same q . mean(k), which softmax does not see, and the channel outliers K carries
   no longer eat the INT8 range.
 - Q (with the softmax scale and log2(e) folded in) and the smoothed K are quantized to INT8 with one
-  float32 scale per block of tokens and head (BLOCK_M query rows, BLOCK_N key rows), matching the
-  kernel's tiles, so a tile's scores are its int32 dot products times two scalars.
+  float32 scale per block of tokens and head (BLOCK_M query rows, BLOCK_N key rows); a tile's scores are
+  its int32 dot products times its rows' and columns' scales (the tile size is tuned per shape on the GPU).
 - The softmax runs online in float32 (base 2), and P . V in bf16 with a float32 accumulator.
 
 `reference` is the same math in torch (the quantization simulated exactly, the products in float32):
@@ -128,34 +128,37 @@ if triton is not None:
     @triton.jit
     def _attn_kernel(
         q_ptr,  # [B, H, Lq, D] int8
-        qs_ptr,  # [B, H, nbq] float32
+        qs_ptr,  # [B, H, nbq] float32: a scale per QM query rows
         k_ptr,  # [B, H, Lk, D] int8
-        ks_ptr,  # [B, H, nbk] float32
+        ks_ptr,  # [B, H, nbk] float32: a scale per QN key rows
         v_ptr,  # [B, Lk, H, D] (strides vb, vl, vh)
         o_ptr,  # [B, Lq, H, D] (strides ob, ol, oh)
         Lq, Lk, H, nbq, nbk, vb, vl, vh, ob, ol, oh,
         D: tl.constexpr,
-        BM: tl.constexpr,
+        QM: tl.constexpr,  # quantization blocks: any tile size works with any of them
+        QN: tl.constexpr,
+        BM: tl.constexpr,  # tile: query rows x key rows
         BN: tl.constexpr,
     ):
         mb = tl.program_id(0)
         bh = tl.program_id(1)
         bi, hi = bh // H, bh % H
         rows = mb * BM + tl.arange(0, BM)
+        rm = rows < Lq
         cols = tl.arange(0, D)
-        q = tl.load(q_ptr + (bh.to(tl.int64) * Lq + rows[:, None]) * D + cols[None, :], mask=rows[:, None] < Lq, other=0)
-        q_scale = tl.load(qs_ptr + bh * nbq + mb)
+        q = tl.load(q_ptr + (bh.to(tl.int64) * Lq + rows[:, None]) * D + cols[None, :], mask=rm[:, None], other=0)
+        q_scale = tl.load(qs_ptr + bh * nbq + rows // QM, mask=rm, other=0.0)  # [BM]
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
         k_base = k_ptr + bh.to(tl.int64) * Lk * D
         v_base = v_ptr + bi.to(tl.int64) * vb + hi * vh
-        for nb in range(0, nbk):
-            keys = nb * BN + tl.arange(0, BN)
+        for start in range(0, Lk, BN):
+            keys = start + tl.arange(0, BN)
             km = keys < Lk
             k = tl.load(k_base + keys[:, None] * D + cols[None, :], mask=km[:, None], other=0)
-            k_scale = tl.load(ks_ptr + bh * nbk + nb)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * (q_scale * k_scale)  # [BM, BN], base-2 scores
+            k_scale = tl.load(ks_ptr + bh * nbk + keys // QN, mask=km, other=0.0)  # [BN]
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * q_scale[:, None] * k_scale[None, :]  # [BM, BN], base 2
             s = tl.where(km[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
@@ -166,7 +169,19 @@ if triton is not None:
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(o_ptr + bi.to(tl.int64) * ob + rows[:, None].to(tl.int64) * ol + hi * oh + cols[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=rows[:, None] < Lq)
+                 out.to(o_ptr.dtype.element_ty), mask=rm[:, None])
+
+    # On the GPU the tile is picked per shape by timing a few (on a forward's first, eager run: models/graphs.py
+    # captures only after it, so the timing never lands in a graph).
+    _attn_kernel_tuned = triton.autotune(
+        configs=[
+            triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=3),
+            triton.Config({"BM": 128, "BN": 128}, num_warps=8, num_stages=2),
+            triton.Config({"BM": 128, "BN": 64}, num_warps=4, num_stages=3),
+            triton.Config({"BM": 64, "BN": 64}, num_warps=4, num_stages=3),
+        ],
+        key=["Lq", "Lk", "D"],
+    )(_attn_kernel)
 
 
 def _quantize(x: torch.Tensor, block: int, mul: float, mean: torch.Tensor | None):
@@ -182,24 +197,38 @@ def _quantize(x: torch.Tensor, block: int, mul: float, mean: torch.Tensor | None
     return out, scale
 
 
-def _tiles(d: int, lq: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages): Hopper-sized tiles on the GPU, small ones in the interpreter."""
+def _tiles(d: int, lq: int) -> tuple[int, int]:
+    """The quantization blocks (query rows, key rows): the kernel's own tiles' sizes on the GPU, small ones in the
+    interpreter (whose tiles are those)."""
     if _interpreting():
-        return 16, 16, 4, 1
-    return BLOCK_M, BLOCK_N, 8 if d >= 128 else 4, 3
+        return 16, 16
+    return BLOCK_M, BLOCK_N
+
+
+def quantize_qk(q: torch.Tensor, k: torch.Tensor):
+    """The kernel's INT8 operands: (q int8 [B, H, Lq, D], its scales, smoothed k int8 [B, H, Lk, D], its scales)."""
+    qm, qn = _tiles(q.shape[-1], q.shape[1])
+    qi, qs = _quantize(q, qm, 1.0 / math.sqrt(q.shape[-1]) * LOG2E, None)
+    ki, ks = _quantize(k, qn, 1.0, smooth_k(k))
+    return qi, qs, ki, ks
+
+
+def attend_quantized(qi, qs, ki, ks, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The attention kernel alone on `quantize_qk`'s operands: out [B, Lq, H, D] <- softmax(Q K^T / sqrt(D)) V."""
+    b, nh, lq, d = qi.shape
+    lk = ki.shape[2]
+    qm, qn = _tiles(d, lq)
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    args = (qi, qs, ki, ks, v, out, lq, lk, nh, qs.shape[-1], ks.shape[-1],
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2))
+    if _interpreting():
+        _attn_kernel[(_blocks(lq, 16), b * nh)](*args, D=d, QM=qm, QN=qn, BM=16, BN=16, num_warps=4, num_stages=1)
+    else:
+        _attn_kernel_tuned[lambda meta: (_blocks(lq, meta["BM"]), b * nh)](*args, D=d, QM=qm, QN=qn)
+    return out
 
 
 def _attend_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    b, lq, nh, d = q.shape
-    lk = k.shape[1]
-    bm, bn, warps, stages = _tiles(d, lq)
-    qi, qs = _quantize(q, bm, 1.0 / math.sqrt(d) * LOG2E, None)
-    ki, ks = _quantize(k, bn, 1.0, smooth_k(k))
-    if v.stride(-1) != 1:
-        v = v.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    grid = (_blocks(lq, bm), b * nh)
-    _attn_kernel[grid](qi, qs, ki, ks, v, out, lq, lk, nh, qs.shape[-1], ks.shape[-1],
-                       v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                       D=d, BM=bm, BN=bn, num_warps=warps, num_stages=stages)
-    return out
+    return attend_quantized(*quantize_qk(q, k), v, out)

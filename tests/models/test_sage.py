@@ -97,13 +97,20 @@ def test_kernel_matches_reference(shape):
     dtype = torch.float32 if DEVICE != "cuda" else torch.bfloat16
     q, k, v = qkv(b, lq, lk, h, d, device=DEVICE, dtype=dtype)
     v = v.transpose(1, 2).contiguous().transpose(1, 2)  # strided values, as a cache view may be
-    bm, bn = sage._tiles(d, lq)[:2]
+    bm, bn = sage._tiles(d, lq)
     got = sage.attend(q, k, v)
     want = sage.reference(q, k, v, bm, bn)
     assert got.dtype == q.dtype and got.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     assert rel(got, exact(q, k, v)) < 0.03
+    if DEVICE == "cpu":  # tiles larger than the quantization blocks (the GPU's tuned tiles may be): the same result
+        qi, qs, ki, ks = sage.quantize_qk(q, k)
+        out = torch.empty_like(q)
+        sage._attn_kernel[(sage._blocks(lq, 32), b * h)](
+            qi, qs, ki, ks, v, out, lq, lk, h, qs.shape[-1], ks.shape[-1], v.stride(0), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2), D=d, QM=bm, QN=bn, BM=32, BN=64, num_warps=4, num_stages=1)
+        torch.testing.assert_close(out, got, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(HAS_CUDA or INTERPRET or not HAS_TRITON, reason="CUDA runs the kernel directly; needs triton")
