@@ -87,6 +87,17 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight_scale", ws.view(-1))  # [N] float32
         self.register_buffer("bias", None if bias is None else bias.detach().clone())  # [N], the model dtype
 
+    def _apply(self, fn, recurse=True):
+        # module.to(dtype) casts every floating buffer, float8 included: the quantized weights and their float32
+        # scales keep their dtypes (and follow a move to another device); the bias follows the model's dtype
+        keep = {"weight_fp8": self.weight_fp8, "weight_scale": self.weight_scale}
+        super()._apply(fn, recurse)
+        for name, old in keep.items():
+            new = getattr(self, name)
+            if new.dtype != old.dtype:
+                setattr(self, name, old.to(new.device))
+        return self
+
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> FP8Linear:
         return cls(linear.weight, linear.bias)

@@ -41,6 +41,9 @@ def test_linear_tracks_float_and_scaled_mm_equals_reference():
     assert got.shape == (4, 10, 96) and got.dtype == x.dtype
     assert rel(got, lin(x)) < 0.05  # two e4m3 roundings per product
     assert rel(q.dequantized_weight(), lin.weight) < 0.04
+    moved = fp8.FP8Linear.from_linear(lin).to(torch.bfloat16)  # a model-wide cast keeps the quantized storage
+    assert moved.weight_fp8.dtype == torch.float8_e4m3fn and moved.weight_scale.dtype == torch.float32
+    assert moved.bias.dtype == torch.bfloat16 and torch.equal(moved.weight_scale, q.weight_scale)
     # the _scaled_mm call (scales, transposes, bias) computes the reference's math (CPU runs it too)
     xq, xs = fp8.quantize_rows(x.reshape(-1, 128))
     want = fp8.reference(xq, xs, q.weight_fp8, q.weight_scale, q.bias, torch.float32)
