@@ -135,3 +135,42 @@ def test_commit_reuse_abandoned_over_live_slots_recaches_them():
     assert gen.next_work(state) is Work.RECACHE and state.pending_prompt == "a red kite"
     gen.run(Work.RECACHE, [state])
     assert state.prompt_version == version and state.forwards["recache"] == 1
+
+
+def test_commit_reuse_batched_streams_equal_one_by_one():
+    """Streams at different fills and steps in one forward: each one whose step is its last writes its own
+    slots; a batched commit runs a forward only for a chunk cut short (here: none, then one)."""
+    gen = tiny_generator(sink_frames=3, window_frames=6, commit_reuse=True)
+    prompts = ["alpha", "beta", "gamma"]
+    solo = [gen.open_stream(f"s{i}", p, seed=10 + i) for i, p in enumerate(prompts)]
+    batch = [gen.open_stream(f"b{i}", p, seed=10 + i) for i, p in enumerate(prompts)]
+    for i in range(3):
+        for s in (solo[i], batch[i]):
+            it = gen.stream(s)
+            for _ in range(i + 1):
+                next(it)
+    solo_out = []
+    for s in solo:
+        it = gen.stream(s)
+        solo_out.append([next(it) for _ in range(2)])
+    batch_out = [[], [], []]
+    for _ in range(2):
+        for _ in range(len(gen.sigmas)):
+            gen.run(Work.DENOISE, batch)
+        for j, ch in enumerate(gen.run(Work.COMMIT, batch)):
+            batch_out[j].append(ch)
+    for s_chunks, b_chunks in zip(solo_out, batch_out):
+        for x, y in zip(s_chunks, b_chunks):
+            torch.testing.assert_close(x.latents, y.latents, atol=1e-4, rtol=1e-4)
+    for s, b in zip(solo, batch):
+        assert b.forwards["commit"] == 0 and b.cache.num_frames == s.cache.num_frames
+        for layer in range(gen.model_cfg.num_layers):
+            torch.testing.assert_close(s.cache.read(layer)[0], b.cache.read(layer)[0], atol=1e-4, rtol=1e-4)
+    # one of the batch cut short after its 2nd step commits with a forward, the others without
+    for _ in range(2):
+        gen.run(Work.DENOISE, batch)
+    gen.set_steps(batch[1], 2)
+    for _ in range(2):
+        gen.run(Work.DENOISE, [batch[0], batch[2]])
+    gen.run(Work.COMMIT, batch)
+    assert [b.forwards["commit"] for b in batch] == [0, 1, 0]
