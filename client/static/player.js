@@ -312,7 +312,7 @@
     if (player.streamId !== null && !ended) steer(prompt);  // admitted: steer the stream
     else if (player.phase !== "connecting") start(prompt);
   });
-  $("reconnect").addEventListener("click", () => start(input.value.trim() || "a lighthouse in a storm"));
+  $("reconnect").addEventListener("click", () => start(input.value.trim() || "a red ball moving right"));
   window.addEventListener("pagehide", teardown);
   setInterval(renderOverlay, 250);
   renderOverlay();
