@@ -178,7 +178,6 @@ if triton is not None:
             triton.Config({"BM": 128, "BN": 64}, num_warps=8, num_stages=3),
             triton.Config({"BM": 128, "BN": 128}, num_warps=8, num_stages=2),
             triton.Config({"BM": 128, "BN": 64}, num_warps=4, num_stages=3),
-            triton.Config({"BM": 64, "BN": 64}, num_warps=4, num_stages=3),
         ],
         key=["Lq", "Lk", "D"],
     )(_attn_kernel)
