@@ -82,6 +82,7 @@ def _generator(args):
     gen = build_generator(args.preset, device=device, seed=args.weights_seed, checkpoint=args.checkpoint, cfg=cfg,
                           **_weights(args))
     log_attention(device)
+    logging.getLogger("streamsvc.cli").info("%s", fidelity.describe(gen.cfg, degrade=False))
     if device.type == "cuda":
         from models.dit import compile_helpers
 
