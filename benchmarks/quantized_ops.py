@@ -60,8 +60,13 @@ def time_gemms(mc, m, device, dtype, timer, iters) -> list[dict]:
         xq, xs = fp8.quantize_rows(x)
         gemm = lambda: q.gemm(xq, xs, dtype)  # noqa: E731
         quant = (lambda: fp8.OPS.gelu_quantize_rows(x)) if name.startswith("ffn.2") else (lambda: fp8.OPS.quantize_rows(x))
+        fns = [bf16, gemm, quant]
+        if fp8.use_scaled_mm(x, k, n):  # cuBLASLt's fast accumulation (less precise): worth it?
+            b16 = None if q.bias is None else q.bias.to(dtype)
+            fns.append(lambda: torch._scaled_mm(xq, q.weight_fp8.t(), scale_a=xs, scale_b=q.weight_scale.view(1, -1),
+                                                bias=b16, out_dtype=dtype, use_fast_accum=True))
         with torch.inference_mode():
-            t_bf16, t_gemm, t_quant = timer.split([bf16, gemm, quant], iters)
+            t_bf16, t_gemm, t_quant, *t_fast = timer.split(fns, iters)
             want = lin(x).float()
             err = ((q(x).float() - want).norm() / want.norm()).item()
         flops = 2 * m * k * n
@@ -69,6 +74,7 @@ def time_gemms(mc, m, device, dtype, timer, iters) -> list[dict]:
         rows.append({
             "gemm": name, "m": m, "k": k, "n": n, "per_block": count, "scaled_mm": fp8.use_scaled_mm(x, k, n),
             "bf16_ms": round(t_bf16, 4), "fp8_gemm_ms": round(t_gemm, 4), "quant_ms": round(t_quant, 4),
+            "fp8_gemm_fast_accum_ms": round(t_fast[0], 4) if t_fast else None,
             "bf16_tflops": round(flops / t_bf16 / 1e9, 1), "fp8_gemm_tflops": round(flops / t_gemm / 1e9, 1),
             "speedup_gemm": round(t_bf16 / t_gemm, 3), "speedup_with_quant": round(count * t_bf16 / fp8_block, 3),
             "rel_err_vs_bf16": round(err, 4),
@@ -76,7 +82,8 @@ def time_gemms(mc, m, device, dtype, timer, iters) -> list[dict]:
         r = rows[-1]
         log(f"{name:16s} {m}x{k}x{n}: bf16 {r['bf16_ms']:.3f} ms ({r['bf16_tflops']} TFLOP/s), FP8 GEMM {r['fp8_gemm_ms']:.3f} "
             f"({r['fp8_gemm_tflops']}, x{r['speedup_gemm']}), its input's quantization {r['quant_ms']:.3f} x1 per {count} "
-            f"GEMM(s): x{r['speedup_with_quant']} with it; rel err {r['rel_err_vs_bf16']}")
+            f"GEMM(s): x{r['speedup_with_quant']} with it; rel err {r['rel_err_vs_bf16']}; fast accumulation "
+            f"{r['fp8_gemm_fast_accum_ms']} ms")
     return rows
 
 
