@@ -312,6 +312,8 @@ class AttentionKV:
         self.shape = (len(access), max(self.reads) + n_tokens, cfg.num_heads, cfg.head_dim)
         self.dtype, self.device = model.dtype, model.device
         self.staged = in_place(access, self.n_frames)
+        # training's layout: one access for every sample, no cache: attention runs on the batch at once
+        self.shared = access[0].cache is None and all(acc is access[0] for acc in access)
         self.own_at = [0] if self.staged else self.reads  # where each stream's own keys and values go
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -463,6 +465,13 @@ class CausalWanModel(nn.Module):
         else:
             q = attn.q(x).view(b, n, nh, hd)  # [B, L, H, D], before the qk norm
             k = attn.k(x).view(b, n, nh, hd)
+        if kv.shared:  # no cache, the same positions and mask for every sample: no loop over the batch
+            (cos, sin), _ = rope[0]
+            qs = KERNELS.norm_rope(q, attn.norm_q.weight, eps, cos, sin).transpose(1, 2)
+            ks = KERNELS.norm_rope(k, attn.norm_k.weight, eps, cos, sin).transpose(1, 2)
+            vs = attn.v(x).view(b, n, nh, hd).transpose(1, 2)
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(1, 2)
+            return attn.o(out.reshape(b, n, -1))
         keys, values = kv.buffers(layer)  # [B, Lk, H, D], the cached part filled
         qs = torch.empty_like(q)
         writes = []  # (access, K normalized before RoPE, V), stored once attention has read the cache
@@ -505,6 +514,8 @@ class CausalWanModel(nn.Module):
         if not needs_mask(access):
             return None
         tpf = self.cfg.tokens_per_frame
+        if len(access) > 1 and all(acc is access[0] for acc in access):  # one mask, broadcast over the batch
+            return self._attention_mask(access[:1], nf, device)
         reads = [acc.frames_read for acc in access]
         lk = (max(reads) + nf) * tpf
         mask = torch.zeros(len(access), 1, nf * tpf, lk, dtype=torch.bool)

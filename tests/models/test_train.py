@@ -48,6 +48,29 @@ def test_teacher_forcing_equals_the_chunk_generator_across_a_prompt_switch():
     torch.testing.assert_close(v[0, :, 2 * nf :], v_served, rtol=0, atol=1e-4)
 
 
+def test_a_batch_sharing_one_layout_equals_each_sample_alone():
+    """Training's batch shares one access (no cache, one mask): attention runs on the batch at once; it
+    must give what the per-stream path gives each sample."""
+    from dataclasses import replace
+
+    from models.dit import CacheAccess
+
+    gen = tiny_generator()
+    model, nf = gen.model, gen.cfg.frames_per_chunk
+    mc = model.cfg
+    g = torch.Generator().manual_seed(0)
+    clean, noisy = (torch.randn(3, mc.in_channels, 2 * nf, mc.latent_height, mc.latent_width, generator=g) for _ in range(2))
+    t = torch.rand(3, 2 * nf, generator=g) * 1000
+    text = frame_text(model, gen.text_encoder, [["a red ball"] * 4 * nf, ["a blue box"] * 4 * nf, ["a green ball"] * 4 * nf])
+    positions, visible = teacher_layout(2, nf)
+    shared = CacheAccess(None, 0, visible=visible, positions=positions)
+    x, tt = torch.cat([clean, noisy], dim=2), torch.cat([torch.zeros_like(t), t], dim=1)
+    with torch.no_grad():
+        batched = model.predict_flow(x, tt, text, [shared] * 3)
+        alone = model.predict_flow(x, tt, text, [replace(shared) for _ in range(3)])  # distinct: the loop
+    torch.testing.assert_close(batched, alone, rtol=0, atol=1e-5)
+
+
 def test_captions_and_loss_follow_what_a_cache_holds_after_a_switch():
     a, b = Scene("red", "ball", motion="right"), Scene("blue", "square", motion="down")
     from models.scenes import Clip
