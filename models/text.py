@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Sequence
@@ -47,14 +48,19 @@ class HashTextEncoder:
 
     def encode(self, prompts: list[str]) -> torch.Tensor:
         out = torch.zeros(len(prompts), self.text_len, self.text_dim)
-        pos = torch.arange(self.text_dim // 2, dtype=torch.float32)
         for b, prompt in enumerate(prompts):
-            for i, word in enumerate(self.tokenize(prompt)):
-                angle = i / 10000 ** (2 * pos / self.text_dim)
-                code = torch.cat([angle.sin(), angle.cos()])[: self.text_dim]
-                out[b, i, : code.shape[0]] = 0.1 * code
-                out[b, i] += self._word(word)
+            words = self.tokenize(prompt)
+            if words:
+                out[b, : len(words)] = torch.stack([self._word(w) for w in words]) + self._positions[: len(words)]
         return out
+
+    @functools.cached_property
+    def _positions(self) -> torch.Tensor:
+        """[text_len, text_dim]: 0.1 x the sinusoidal code of each token position (zero-padded to text_dim)."""
+        pos = torch.arange(self.text_dim // 2, dtype=torch.float32)
+        angle = torch.arange(self.text_len, dtype=torch.float32)[:, None] / 10000 ** (2 * pos / self.text_dim)
+        code = torch.cat([angle.sin(), angle.cos()], dim=1)
+        return torch.nn.functional.pad(0.1 * code, (0, self.text_dim - code.shape[1]))
 
 
 class VocabTextEncoder(HashTextEncoder):
