@@ -174,10 +174,11 @@ class Rope:
             ).reshape(len(positions) * self.tokens_per_frame, 1, -1)
             if len(self._tables) > 64:
                 self._tables.clear()
-            sign = torch.tensor([-1.0, 1.0], dtype=torch.float64)
-            cos = ang.cos().repeat_interleave(2, dim=-1)
-            sin = (ang.sin()[..., None] * sign).flatten(-2)
-            self._tables[key] = (cos.float().to(device), sin.float().to(device))
+            with torch.inference_mode(False):  # normal tensors: a table made while serving may serve training
+                sign = torch.tensor([-1.0, 1.0], dtype=torch.float64)
+                cos = ang.cos().repeat_interleave(2, dim=-1)
+                sin = (ang.sin()[..., None] * sign).flatten(-2)
+                self._tables[key] = (cos.float().to(device), sin.float().to(device))
         return self._tables[key]
 
 

@@ -12,6 +12,12 @@ Stages, run in order by one command that stops after `--minutes` and checkpoints
    After a prompt switch the sinks keep the old prompt's K/V as a recache leaves them: a frame's text
    is per frame, the old prompt's for the sink chunk, the new one's for the rest.
 
+4. rollout: a short fine-tune on the model's own context, as Self-Forcing trains: a batch of streams
+   rolled out with the real ChunkGenerator (its cache, prompt switches and recaches), up to a random
+   chunk; one random denoising step of that chunk runs with the gradient, its flow regressed onto the
+   rendered truth of the chunk (the scene is deterministic given the prompts, so the truth is known
+   even where the model's own history has drifted from it).
+
 `--smoke` runs a few steps of each on the CPU in seconds (CI runs it). `--export FILE` writes the
 weights as one safetensors file (DiT, decoder, encoder and the text vectors of the caption words).
 """
@@ -31,14 +37,14 @@ import numpy as np
 import torch
 
 from models.config import ModelConfig
-from models.decoder import TinyStreamingDecoder
+from models.decoder import DecoderState, TinyStreamingDecoder, frames_per_chunk
 from models.dit import CacheAccess, CausalWanModel, TextKV
-from models.generator import GeneratorConfig
+from models.generator import ChunkGenerator, GeneratorConfig
 from models.latent import BlockPCA, video_frames
 from models.scenes import Clip, chunk_of_frame, draw, sample_clip, vocabulary
 from models.text import HashTextEncoder
 
-STAGES = ("pca", "decoder", "teacher")
+STAGES = ("pca", "decoder", "teacher", "rollout")
 
 
 @dataclass(frozen=True)
@@ -57,10 +63,14 @@ class TrainConfig:
     decoder_noise: float = 0.2  # latents get noise of up to this std while the decoder trains (the DiT's are not exact)
     p_sampler_sigma: float = 0.75  # share of noisy chunks at one of the sampler's levels (the rest: shifted uniform)
     context_noise: float = 0.1  # the clean context is noised to a level of up to this (its timestep stays 0)
+    rollout_steps: int = 1000
+    rollout_batch: int = 32  # streams rolled out together
+    rollout_chunks: int = 8  # the trained chunk is one of the first this many of a stream
+    rollout_lr: float = 2e-4
 
     @classmethod
     def smoke(cls) -> TrainConfig:
-        return cls(pca_clips=4, decoder_steps=3, teacher_steps=3, batch=2)
+        return cls(pca_clips=4, decoder_steps=3, teacher_steps=3, batch=2, rollout_steps=2, rollout_batch=2, rollout_chunks=3)
 
 
 def parse_overrides(text: str) -> dict:
@@ -153,6 +163,25 @@ def chunk_weights(clip: Clip) -> list[float]:
     ]
 
 
+class _NoFrames:
+    """A decoder that decodes nothing: a rollout needs the latents and the cache, not the frames."""
+
+    def __init__(self, mc: ModelConfig) -> None:
+        self.mc = mc
+
+    def init_state(self) -> DecoderState:
+        return DecoderState()
+
+    def state_bytes(self, height: int, width: int) -> int:
+        return 0
+
+    def decode(self, latents: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        first = state.frames_out == 0
+        n = frames_per_chunk(latents.shape[1], first, self.mc.temporal_upsample)
+        state.frames_out += n
+        return latents.new_zeros(n, 1, 1, 3, dtype=torch.uint8)
+
+
 # -- the run -------------------------------------------------------------------------------------
 
 
@@ -173,8 +202,9 @@ class Trainer:
         self.opt = self._optimizer()
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
-        params = {"decoder": self.decoder.parameters(), "teacher": self.model.parameters()}.get(self.stage)
-        return None if params is None else torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=0.01)
+        params = {"decoder": self.decoder, "teacher": self.model, "rollout": self.model}.get(self.stage)
+        lr = self.cfg.rollout_lr if self.stage == "rollout" else self.cfg.lr
+        return None if params is None else torch.optim.AdamW(params.parameters(), lr=lr, weight_decay=0.01)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -219,7 +249,7 @@ class Trainer:
     # -- stages -------------------------------------------------------------------------------
 
     def steps_of(self, stage: str) -> int:
-        return {"pca": 1, "decoder": self.cfg.decoder_steps, "teacher": self.cfg.teacher_steps}[stage]
+        return {"pca": 1, "decoder": self.cfg.decoder_steps, "teacher": self.cfg.teacher_steps, "rollout": self.cfg.rollout_steps}[stage]
 
     def run(self, minutes: float, save_minutes: float) -> bool:
         """Train for up to `minutes`; returns whether every stage is done."""
@@ -248,8 +278,9 @@ class Trainer:
 
     def _lr(self) -> None:
         frac = self.step / max(1, self.steps_of(self.stage))
+        peak = self.cfg.rollout_lr if self.stage == "rollout" else self.cfg.lr
         for group in self.opt.param_groups:
-            group["lr"] = self.cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+            group["lr"] = peak * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
 
     def _clips(self, n: int) -> list[Clip]:
         return [sample_clip(self.rng, self.cfg.chunks, height=self.mc.height, width=self.mc.width) for _ in range(n)]
@@ -301,6 +332,46 @@ class Trainer:
         weight = torch.tensor([chunk_weights(c) for c in clips], device=self.device).repeat_interleave(fpc, dim=1)
         per_frame = (v - (eps - clean)).pow(2).mean(dim=(1, 3, 4))  # [B, F]
         loss = (per_frame * weight).sum() / weight.sum().clamp_min(1)
+        self._update(loss, self.model)
+        return loss.item()
+
+    def rollout_step(self) -> float:
+        """Streams rolled out by the ChunkGenerator up to chunk k (switching prompt where their timelines
+        do), k's first `step` denoising steps too; then step `step` of chunk k with the gradient."""
+        self._lr()
+        cfg, fpc = self.cfg, self.gen.frames_per_chunk
+        k = int(self.rng.integers(cfg.rollout_chunks))
+        step = int(self.rng.integers(len(self.gen.sigmas)))
+        timelines = [sample_clip(self.rng, k + 1, p_long=0.0, height=self.mc.height, width=self.mc.width).timeline for _ in range(cfg.rollout_batch)]
+        gen = ChunkGenerator(self.model, replace(self.gen, cuda_graphs=False, stage_kv=False), self.encoder, _NoFrames(self.mc))
+        seed = int(self.rng.integers(2**31))
+        self.model.eval()
+        states = [gen.open_stream(f"r{i}", tl.caption_at(0), seed=seed + i) for i, tl in enumerate(timelines)]
+        try:
+            for chunk in range(k + 1):
+                for s, tl in zip(states, timelines):
+                    if tl.caption_at(chunk) != s.prompt:
+                        gen.set_prompt(s, tl.caption_at(chunk))
+                for _ in range(len(self.gen.sigmas) if chunk < k else step):
+                    gen.denoise(states)
+                if chunk < k:
+                    gen.commit(states)
+            if step == 0:  # start chunk k (its prompt, a recache after a switch, its noise) without a step
+                for s in states:
+                    gen._start_chunk(s)
+            self.model.train()
+            x = torch.stack([s.x for s in states]).clone()  # out of inference mode: autograd may keep it
+            sigma = gen.sigmas[step]
+            t = torch.full((len(states), fpc), 1000 * sigma, device=self.device)
+            text = self.model.project_text(self.encoder.encode([s.prompt for s in states]).to(self.device))
+            v = self.model.predict_flow(x, t, text, [CacheAccess(s.cache, s.cache.num_frames) for s in states])
+            frames = video_frames(range(k * fpc, (k + 1) * fpc), self.mc.temporal_upsample)
+            rendered = torch.stack([tl.render(frames, self.device) for tl in timelines])
+            truth = self.pca.encode(rendered.view(len(states), fpc, self.mc.temporal_upsample, *rendered.shape[2:]))
+            loss = torch.nn.functional.mse_loss(v, (x - truth) / sigma)
+        finally:
+            for s in states:
+                gen.close_stream(s)
         self._update(loss, self.model)
         return loss.item()
 

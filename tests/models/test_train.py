@@ -117,7 +117,7 @@ def test_smoke_run_trains_every_stage_resumes_and_exports(tmp_path, capsys):
     assert main(args + ["--export", str(weights)]) == 0
     assert "done" in capsys.readouterr().out
     stages = [json.loads(line)["stage"] for line in (out / "log.jsonl").read_text().splitlines()]
-    assert sorted(set(stages)) == sorted(STAGES) and len(stages) == 1 + 3 + 3
+    assert sorted(set(stages)) == sorted(STAGES) and len(stages) == 1 + 3 + 3 + 2
     with safe_open(str(weights), "pt") as f:
         keys = set(f.keys())
     assert {"pca.basis", "text.vectors", "decoder.conv_in.weight", "dit.patch_embedding.weight"} <= keys
@@ -135,3 +135,36 @@ def test_the_decoder_starts_as_the_encoders_inverse():
     with torch.no_grad():
         rgb, _ = trainer.decoder(z.transpose(1, 2))
     torch.testing.assert_close(rgb, trainer.pca.decode(z).flatten(1, 2), atol=1e-4, rtol=0)
+
+
+def test_a_rollout_step_trains_on_the_generators_own_cache_across_a_switch(tmp_path, monkeypatch):
+    """The rollout stage rolls streams out with the ChunkGenerator (a prompt switch, so a recache) and
+    steps every DiT weight that one denoising forward reaches, leaving no stream open."""
+    import models.train as train
+
+    trainer = Trainer(TrainConfig.smoke(), tmp_path, torch.device("cpu"))
+    trainer.pca_step()
+    trainer.stage, trainer.step = "rollout", 0
+    trainer.opt = trainer._optimizer()
+    switched = []
+    real = train.sample_clip
+
+    def with_switch(rng, num_chunks, **kw):  # always a switch at the last chunk
+        clip = real(rng, num_chunks, **kw)
+        a, b = Scene("red", "ball", motion="right"), Scene("blue", "square", motion="down")
+        segments = ((0, a, "a red ball moving right"), (num_chunks - 1, b, "a blue square falling"))
+        switched.append(num_chunks > 1)
+        return clip.__class__(Timeline(segments if num_chunks > 1 else segments[:1]), clip.chunks)
+
+    monkeypatch.setattr(train, "sample_clip", with_switch)
+    trainer.rng = np.random.default_rng(1)  # k = 2 of rollout_chunks 3: two chunks, then the switch
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    recaches = []
+    real_recache = train.ChunkGenerator.recache
+    monkeypatch.setattr(train.ChunkGenerator, "recache", lambda self, s: (recaches.append(s.stream_id), real_recache(self, s)))
+    loss = trainer.rollout_step()
+    assert np.isfinite(loss)
+    assert any(switched) and recaches, "the rollout crossed a prompt switch with a recache"
+    after = trainer.model.state_dict()
+    moved = [k for k in before if not torch.equal(before[k], after[k])]
+    assert any(k.startswith("blocks.0.self_attn") for k in moved) and any(k.startswith("head") for k in moved)
