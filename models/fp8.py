@@ -62,11 +62,20 @@ def reference(xq, xs, wq, ws, bias, out_dtype: torch.dtype) -> torch.Tensor:
     return y.to(out_dtype)
 
 
+_BIAS_IN_GEMM = [True]  # False once a build of torch refused the bias in the row-wise GEMM: added after it
+
+
 def scaled_mm(xq, xs, wq, ws, bias, out_dtype: torch.dtype) -> torch.Tensor:
     """`reference` through torch._scaled_mm (row-wise scales; bf16/fp16/fp32 out). wq is [N, K] row-major,
     which is the column-major [K, N] operand cuBLASLt wants; K and N must be multiples of 16."""
     b = None if bias is None else bias.to(out_dtype)
-    return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), bias=b, out_dtype=out_dtype)
+    if b is not None and _BIAS_IN_GEMM[0]:
+        try:
+            return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), bias=b, out_dtype=out_dtype)
+        except RuntimeError:  # first seen on an eager forward (graphs capture only after one)
+            _BIAS_IN_GEMM[0] = False
+    out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=out_dtype)
+    return out if b is None else out + b
 
 
 def use_scaled_mm(x: torch.Tensor, in_features: int, out_features: int) -> bool:
