@@ -174,3 +174,27 @@ def test_commit_reuse_batched_streams_equal_one_by_one():
         gen.run(Work.DENOISE, [batch[0], batch[2]])
     gen.run(Work.COMMIT, batch)
     assert [b.forwards["commit"] for b in batch] == [0, 1, 0]
+
+
+def test_commit_reuse_survives_switching_streams_between_last_step_and_commit():
+    """The last step's K/V are written in the device's workspace; another stream taking the workspace before
+    the commit copies them home first (including slots past the cache's fill)."""
+    alone = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        gen = tiny_generator(sink_frames=3, window_frames=3, commit_reuse=True)
+        s = gen.open_stream(name, f"prompt {name}", seed=seed)
+        it = gen.stream(s)
+        alone[name] = torch.stack([next(it).latents for _ in range(4)])
+    gen = tiny_generator(sink_frames=3, window_frames=3, commit_reuse=True)
+    a, b = gen.open_stream("a", "prompt a", seed=1), gen.open_stream("b", "prompt b", seed=2)
+    out = {"a": [], "b": []}
+    for _ in range(4):
+        for _ in range(4):
+            gen.denoise([a])
+        for _ in range(4):
+            gen.denoise([b])  # b takes the workspace: a's last-step K/V go home
+        out["a"] += gen.commit([a])
+        out["b"] += gen.commit([b])
+    assert gen.workspace.switches > 4
+    for name in ("a", "b"):
+        torch.testing.assert_close(torch.stack([c.latents for c in out[name]]), alone[name], rtol=1e-5, atol=1e-5)
