@@ -63,10 +63,20 @@ class TrainConfig:
     decoder_noise: float = 0.2  # latents get noise of up to this std while the decoder trains (the DiT's are not exact)
     p_sampler_sigma: float = 0.75  # share of noisy chunks at one of the sampler's levels (the rest: shifted uniform)
     context_noise: float = 0.1  # the clean context is noised to a level of up to this (its timestep stays 0)
+    # how the flow loss weighs the latent channels. The PCA latents are whitened: each channel has unit
+    # variance, so in a plain MSE the faint high-order components (edge detail, std 0.3 before whitening)
+    # count as much as the first (the block's mean colour, std 15) and learning colour and shape is slow.
+    # "std": each channel by its std before whitening (normalized to mean 1); "var": by its variance (an
+    # MSE in pixel space); "none": plain MSE on the whitened latents.
+    loss_weight: str = "std"
     rollout_steps: int = 1000
     rollout_batch: int = 32  # streams rolled out together
     rollout_chunks: int = 8  # the trained chunk is one of the first this many of a stream
     rollout_lr: float = 2e-4
+
+    def __post_init__(self) -> None:
+        if self.loss_weight not in ("none", "std", "var"):
+            raise ValueError(f"loss_weight {self.loss_weight!r}: use none, std or var")
 
     @classmethod
     def smoke(cls) -> TrainConfig:
@@ -330,7 +340,7 @@ class Trainer:
         text = frame_text(self.model, self.encoder, [clip_captions(c, fpc) for c in clips])
         v = teacher_forward(self.model, context, noisy, 1000 * sigma, text, fpc)
         weight = torch.tensor([chunk_weights(c) for c in clips], device=self.device).repeat_interleave(fpc, dim=1)
-        per_frame = (v - (eps - clean)).pow(2).mean(dim=(1, 3, 4))  # [B, F]
+        per_frame = ((v - (eps - clean)).pow(2) * self._channel_weights()).mean(dim=(1, 3, 4))  # [B, F]
         loss = (per_frame * weight).sum() / weight.sum().clamp_min(1)
         self._update(loss, self.model)
         return loss.item()
@@ -368,12 +378,18 @@ class Trainer:
             frames = video_frames(range(k * fpc, (k + 1) * fpc), self.mc.temporal_upsample)
             rendered = torch.stack([tl.render(frames, self.device) for tl in timelines])
             truth = self.pca.encode(rendered.view(len(states), fpc, self.mc.temporal_upsample, *rendered.shape[2:]))
-            loss = torch.nn.functional.mse_loss(v, (x - truth) / sigma)
+            loss = ((v - (x - truth) / sigma).pow(2) * self._channel_weights()).mean()
         finally:
             for s in states:
                 gen.close_stream(s)
         self._update(loss, self.model)
         return loss.item()
+
+    def _channel_weights(self) -> torch.Tensor:
+        """[1, C, 1, 1, 1]: each latent channel's weight in the flow loss (TrainConfig.loss_weight)."""
+        power = {"none": 0, "std": 1, "var": 2}[self.cfg.loss_weight]
+        w = self.pca.std.to(self.device) ** power
+        return (w / w.mean()).view(1, -1, 1, 1, 1)
 
     def _update(self, loss: torch.Tensor, module: torch.nn.Module) -> None:
         self.opt.zero_grad(set_to_none=True)

@@ -1,8 +1,10 @@
 """Training the built-in model: the teacher-forcing forward equals serving's, and a smoke run resumes."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
+import pytest
 import torch
 
 from models.latent import BlockPCA, video_frames
@@ -51,8 +53,6 @@ def test_teacher_forcing_equals_the_chunk_generator_across_a_prompt_switch():
 def test_a_batch_sharing_one_layout_equals_each_sample_alone():
     """Training's batch shares one access (no cache, one mask): attention runs on the batch at once; it
     must give what the per-stream path gives each sample."""
-    from dataclasses import replace
-
     from models.dit import CacheAccess
 
     gen = tiny_generator()
@@ -168,3 +168,16 @@ def test_a_rollout_step_trains_on_the_generators_own_cache_across_a_switch(tmp_p
     after = trainer.model.state_dict()
     moved = [k for k in before if not torch.equal(before[k], after[k])]
     assert any(k.startswith("blocks.0.self_attn") for k in moved) and any(k.startswith("head") for k in moved)
+
+
+def test_the_flow_loss_weighs_latent_channels_by_their_spread_before_whitening(tmp_path):
+    trainer = Trainer(TrainConfig.smoke(), tmp_path, torch.device("cpu"))
+    trainer.pca_step()
+    std = trainer.pca.std
+    for how, power in (("none", 0), ("std", 1), ("var", 2)):
+        trainer.cfg = replace(trainer.cfg, loss_weight=how)
+        w = trainer._channel_weights().flatten()
+        torch.testing.assert_close(w, std**power / (std**power).mean())
+    assert w[0] > 100 * w[-1]  # the first component (mean colour) far above the last (fine detail)
+    with pytest.raises(ValueError, match="loss_weight"):
+        TrainConfig(loss_weight="pixels")
