@@ -9,7 +9,8 @@ it), the FP8 GEMM alone (`torch._scaled_mm` on operands quantized beforehand) an
 quantization as the model runs it (once per block per input; `--compile` fuses it as serve does), with TFLOP/s;
 then the sums over a block's GEMMs times the layers: the GEMM ms of a forward in bf16 and in FP8. Attention: a chunk's queries
 over cache fills 0 .. sink + window frames, bf16 (FA4 where usable, else SDPA) against INT8 (quantization of Q
-and K included) and its kernel alone, with TFLOP/s, and the relative error of INT8 against bf16. Medians of
+and K included), its kernel alone, and the same Triton kernel on bf16 Q and K (what INT8 gains inside the
+kernel, apart from how the kernel compares with FA4), with TFLOP/s, and the relative error of INT8 against bf16. Medians of
 CUDA events (perf_counter on CPU) after a warm-up. Ends with one JSON line.
 """
 
@@ -113,7 +114,13 @@ def time_attention(mc, frames, fills, device, dtype, timer, iters) -> list[dict]
             def kernel_only():
                 sage.attend_quantized(*operands, v, out)
 
-            fns.append(kernel_only)
+            # the same Triton kernel with bf16 Q and K (unit scales): what INT8 gains within the kernel, apart from
+            # how the kernel itself compares with FA4
+            qb = (q.float() * hd**-0.5 * sage.LOG2E).to(dtype).permute(0, 2, 1, 3).contiguous()
+            kb = k.permute(0, 2, 1, 3).contiguous()
+            one_q = torch.ones_like(operands[1])
+            one_k = torch.ones_like(operands[3])
+            fns += [kernel_only, lambda: sage.attend_quantized(qb, one_q, kb, one_k, v, out)]
         with torch.inference_mode():
             times = timer.split(fns, iters)
             err = ((sage.attend(q, k, v).float() - bf16().float()).norm() / bf16().float().norm()).item()
@@ -122,12 +129,14 @@ def time_attention(mc, frames, fills, device, dtype, timer, iters) -> list[dict]
                "int8_kernel": "triton" if sage.usable(q) else "torch reference",
                "bf16_ms": round(times[0], 4), "int8_ms": round(times[1], 4),
                "int8_kernel_ms": round(times[2], 4) if kernel_only else None,
+               "triton_bf16_kernel_ms": round(times[3], 4) if kernel_only else None,
                "bf16_tflops": round(flops / times[0] / 1e9, 1), "int8_tflops": round(flops / times[1] / 1e9, 1),
                "speedup": round(times[0] / times[1], 3), "rel_err": round(err, 4)}
         rows.append(row)
         log(f"attention, {fill:2d} cached frames ({lk} keys): bf16 ({row['bf16_kernel']}) {row['bf16_ms']:.3f} ms "
             f"({row['bf16_tflops']} TFLOP/s), INT8 {row['int8_ms']:.3f} ({row['int8_tflops']}; kernel alone "
-            f"{row['int8_kernel_ms']}), x{row['speedup']}, rel err {row['rel_err']}")
+            f"{row['int8_kernel_ms']}; the same kernel in bf16 {row['triton_bf16_kernel_ms']}), x{row['speedup']}, "
+            f"rel err {row['rel_err']}")
     return rows
 
 
