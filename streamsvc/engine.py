@@ -136,6 +136,7 @@ class Engine:
         self.gpu_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # device time (CUDA events; CPU: wall)
         self.decoder_bytes = 0  # device memory of one stream's decoder state, counted with its KV cache
         self.degraded_chunks = 0  # chunks made with fewer denoising steps than the schedule's (instead of a stall)
+        self.heartbeat_at: float | None = None  # engine clock at the loop's latest turn (None: not serving yet)
         self.gen: ChunkGenerator | None = None
         self.sched: Scheduler | None = None
         self.output: OutputStage | None = None
@@ -152,6 +153,13 @@ class Engine:
     @property
     def chunk_latency_max_s(self) -> float:
         return self.output.latency_max_s if self.output else 0.0
+
+    def stalled_for(self) -> float | None:
+        """Seconds since the engine thread's loop last turned (a turn waits 0.5 s at most when idle, one
+        forward when busy); inf when the thread has died, None while it builds and warms up."""
+        if not self._thread.is_alive() and self._thread.ident is not None:
+            return float("inf")
+        return None if self.heartbeat_at is None else max(0.0, self.clock() - self.heartbeat_at)
 
     # -- lifecycle (any thread) ---------------------------------------------------------------
 
@@ -320,6 +328,7 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping:
+            self.heartbeat_at = self.clock()
             for cmd in self._drain():
                 self._apply(cmd)
             self._retire(wait=False)

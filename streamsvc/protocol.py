@@ -134,10 +134,15 @@ class ErrorCode(StrEnum):
     TOO_MANY_STREAMS = "too_many_streams"  # start over this token's or this address's stream limit
     RATE_LIMITED = "rate_limited"  # a control message over the stream's rate; it was dropped, the stream goes on
     INTERNAL = "internal"  # the server failed; the message says what, never a traceback
+    # a cluster's worker (the GPU replica that ran the stream) was lost; the stream is gone, and a new `start`
+    # on a new connection is placed again (on another worker): the one error worth retrying at once
+    WORKER_LOST = "worker_lost"
 
 
 START_REFUSALS = frozenset({ErrorCode.REFUSED, ErrorCode.UNAUTHORIZED, ErrorCode.TOO_MANY_STREAMS})
 """The codes that answer a ``start`` the server will not serve: no stream follows."""
+RETRYABLE = frozenset({ErrorCode.WORKER_LOST})
+"""The codes after which a viewer should reconnect at once: its stream ended through no fault of its own."""
 
 
 class ProtocolError(Exception):

@@ -121,9 +121,13 @@ class Server:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, listen: bool = True) -> None:
+        """Start the engine, then listen (``listen=False``: a cluster replica, whose connections come
+        from the gateway through streamsvc/cluster instead of a socket)."""
         self._loop = asyncio.get_running_loop()
         await asyncio.wrap_future(self.engine.start())
+        if not listen:
+            return
         self._server = await serve(
             self._handle, self.config.host, self.config.port, process_request=self._http,
             compression=None, max_size=P.MAX_MESSAGE_BYTES, ping_interval=20, ping_timeout=20,
