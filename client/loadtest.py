@@ -238,11 +238,19 @@ def scrape_metrics(url: str, timeout_s: float = 2.0) -> dict[str, float] | None:
     except (urllib.error.URLError, OSError, TimeoutError):
         return None
     out = {}
+    across: dict[str, float] = {}  # a cluster gateway's per-replica samples, summed over replicas (max of maxima)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             labels = {k: (repr(float(v)) if k == "le" else v) for k, v in s.labels.items()}
             joined = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
             out[f"{s.name}{{{joined}}}" if joined else s.name] = s.value
+            if "replica" in labels:
+                rest = ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k != "replica")
+                key = f"{s.name}{{{rest}}}" if rest else s.name
+                peak = s.name.endswith(("_max_seconds", "_scheduler_load", "_scheduler_pressure"))
+                across[key] = max(across.get(key, s.value), s.value) if peak else across.get(key, 0.0) + s.value
+    for key, value in across.items():
+        out.setdefault(key, value)
     return out
 
 
@@ -349,6 +357,10 @@ def summarize(results: Sequence[StreamResult], *, duration_s: float) -> dict:
         "stalls": {"count": sum(p.stalls for p in pbs), "total_s": _r(stall_s),
                    "ratio": _r(stall_s / watched if watched > 0 else 0.0, 6),
                    "streams_with_stalls": sum(1 for p in pbs if p.stalls > 0)},
+        # a cluster's worker died under some viewers: they reconnected (moved); the others' stalls counted apart
+        "worker_lost": {"count": sum(r.worker_lost for r in results), "reconnects": sum(r.reconnects for r in results),
+                        "streams": sum(1 for r in results if r.worker_lost),
+                        "stalls_of_the_others": sum(p.stalls for r, p in zip(admitted, pbs) if r.worker_lost == 0)},
         "freezes": {"count": sum(p.freezes for p in pbs), "total_s": _r(sum(p.freeze_s for p in pbs))},
         "degraded_chunks": sum(r.degraded_chunks for r in admitted),
         "chunks": sum(r.chunks for r in admitted),
@@ -371,6 +383,7 @@ def summarize(results: Sequence[StreamResult], *, duration_s: float) -> dict:
              "chunks": r.chunks, "degraded_chunks": r.degraded_chunks, "prompt_versions": len(r.prompt_versions),
              "control_p50_s": _r(percentile(r.playback.control_latencies_s, 50)),
              "min_headroom_s": _r(r.min_headroom_s), "errors": len(r.errors),
+             "worker_lost": r.worker_lost, "reconnects": r.reconnects,
              "stall_events": [[_r(t, 3), _r(d, 4)] for t, d in r.stall_events]}
             for r in admitted
         ],
@@ -415,6 +428,9 @@ def format_table(report: dict) -> str:
         ("min headroom at arrival", f(report["min_headroom_s"]["min"], 3, " s")),
         ("decode per frame", f(report["decode"]["per_frame_ms"], 3, " ms")),
         ("errors", str(report["errors"]["count"])),
+        *([("worker lost / reconnected (cluster)", f"{report['worker_lost']['count']} / "
+            f"{report['worker_lost']['reconnects']} ({report['worker_lost']['streams']} streams moved; stalls of the "
+            f"others {report['worker_lost']['stalls_of_the_others']})")] if report.get("worker_lost", {}).get("count") else []),
     ]
     srv = report.get("server")
     if srv:

@@ -76,6 +76,9 @@ class ClientConfig:
     open_timeout_s: float = 10.0  # connect + handshake + `ready`/`refused`, in all
     close_timeout_s: float = 2.0  # how long `close()` waits for the server's `closed`
     max_session_s: float = 3600.0  # hard bound on a session, whatever the caller asks
+    # after a retryable error (protocol.RETRYABLE: a cluster's worker was lost), connect again at once and start
+    # over, at most this many times a session; the playback buffer goes on (the gap is the viewer's stall)
+    max_reconnects: int = 3
     # time each prompt sent to the first played frame showing the prompt's colour (client/verify.py; the built-in
     # model's scenes): needs decoded frames
     verify_pixels: bool = False
@@ -124,6 +127,8 @@ class StreamResult:
     closed_reason: str | None  # the server's `closed` reason, if one came
     errors: tuple[str, ...]  # "code: message" of each error message, and the client's own failures
     pixels: PixelStats | None = None  # pixel-verified prompt latency (ClientConfig.verify_pixels), else None
+    worker_lost: int = 0  # retryable errors (`worker_lost`): the worker running the stream was lost
+    reconnects: int = 0  # times the viewer connected again after one and was admitted
 
 
 class ViewerClient:
@@ -162,6 +167,9 @@ class ViewerClient:
         self._changed = asyncio.Event()  # set on every message received and on the end
         self._ended = asyncio.Event()  # the server closed the stream or the connection went away
         self._unacked_prompts = 0
+        self.worker_lost = 0  # retryable errors received (protocol.RETRYABLE)
+        self.reconnects = 0  # reconnections after one that were admitted
+        self._retry = False  # the stream ended with a retryable error: run() connects again
         self.pixels: PixelLatency | None = None  # with verify_pixels: times prompts on the played frames' pixels
 
     async def __aenter__(self) -> Self:
@@ -231,15 +239,29 @@ class ViewerClient:
         duration_s = min(duration_s, self.config.max_session_s)
         try:
             if await self.open():
-                deadline = self._connected_at + duration_s
-                for at_s, prompt in sorted(prompts)[: _max_count(duration_s, 0.01)]:
-                    if self._connected_at + at_s >= deadline or not await self._sleep_until(self._connected_at + at_s):
+                start = self._connected_at
+                deadline = start + duration_s
+                schedule = sorted(prompts)[: _max_count(duration_s, 0.01)]
+                for _ in range(len(schedule) + self.config.max_reconnects + 2):
+                    until = deadline if not schedule else min(deadline, start + schedule[0][0])
+                    if not await self._sleep_until(until):
+                        if self._retry and self.clock() < deadline and await self._reconnect():
+                            continue  # placed again: the prompts go on from where they were
                         break
-                    await self.set_prompt(prompt)
-                await self._sleep_until(deadline)
+                    if self.clock() >= deadline or not schedule:
+                        break
+                    await self.set_prompt(schedule.pop(0)[1])
         finally:
             await self.close()
         return self.result()
+
+    async def _reconnect(self) -> bool:
+        """Connect again after a retryable error and start a new stream (the server places it again); the
+        playback buffer goes on. False when that fails (the session then ends). Transports that cannot
+        reconnect keep this default."""
+        self._retry = False
+        self._finish()
+        return False
 
     async def _sleep_until(self, t: float) -> bool:
         """Sleep until clock() >= t; False if the stream ended first."""
@@ -333,6 +355,8 @@ class ViewerClient:
             closed_reason=self.closed_reason,
             errors=tuple(self.errors),
             pixels=self.pixels.stats() if self.pixels is not None else None,
+            worker_lost=self.worker_lost,
+            reconnects=self.reconnects,
         )
 
     def _parse(self, raw: str):
@@ -352,6 +376,9 @@ class ViewerClient:
     def _on_error(self, msg: P.Error) -> None:
         self.server_errors.append(msg)
         self.errors.append(f"{msg.code.value}: {msg.message}")
+        if msg.code in P.RETRYABLE:
+            self.worker_lost += 1
+            self._retry = self.reconnects < self.config.max_reconnects
         # A set_prompt the server refused or failed on is answered by an error instead of an ack
         # (acks and errors keep the order of the requests); forget it so later acks pair up.
         if msg.request == "set_prompt" and self._unacked_prompts > 0:
@@ -389,9 +416,18 @@ class StreamClient(ViewerClient):
         """
         if self.state is not ClientState.NEW:
             raise RuntimeError(f"cannot open: client is {self.state.value}")
+        self._connected_at = self.clock()
+        if not await self._connect():
+            return False
+        self._buffer = self._new_buffer()
+        self._begin()
+        return True
+
+    async def _connect(self) -> bool:
+        """Connect, send ``start``, wait for ``ready``: True when admitted (then PLAYING); else the socket
+        is dropped and the session is over."""
         self.state = ClientState.OPENING
         cfg = self.config
-        self._connected_at = self.clock()
         try:
             async with asyncio.timeout(cfg.open_timeout_s):
                 self._ws = await connect(self.url, compression=None, max_size=P.MAX_CHUNK_BYTES,
@@ -409,10 +445,14 @@ class StreamClient(ViewerClient):
             admitted = False
         if not admitted:
             await self._drop_socket()
-            self._ended_at = self.clock()
+            self._finish()
             return False
         self.state = ClientState.PLAYING
-        self._buffer = self._new_buffer()
+        return True
+
+    def _begin(self) -> None:
+        """The admitted stream's tasks: receiver, playback clock, reporter."""
+        cfg = self.config
         if cfg.decode is not DecodeMode.NONE:
             self._decoder = StreamDecoder()
         self._tasks = [
@@ -421,6 +461,27 @@ class StreamClient(ViewerClient):
         ]
         if cfg.stats_every_s > 0:
             self._tasks.append(asyncio.create_task(self._report(), name=f"stats-{self.ready.stream_id}"))
+
+    async def _reconnect(self) -> bool:
+        self._retry = False
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=self.config.close_timeout_s)
+        self._tasks = []
+        await self._drop_socket()
+        if self._decoder is not None:
+            self._decoder.close()
+            self._decoder = None
+        for _ in range(self._unacked_prompts):  # the old stream's prompts will never be acked
+            self._buffer.prompt_rejected()
+        self._unacked_prompts = 0
+        self._ended.clear()
+        self.closed_reason = None
+        if not await self._connect():
+            return False
+        self.reconnects += 1
+        self._begin()
         return True
 
     async def close(self) -> None:
@@ -578,7 +639,8 @@ class StreamClient(ViewerClient):
             self._on_error(msg)
         elif isinstance(msg, P.Closed):
             self.closed_reason = msg.reason
-            self._finish()
+            if not self._retry:  # (a retryable end keeps the playback books open for the next stream)
+                self._finish()
             self._ended.set()
         elif isinstance(msg, P.Ready):
             self._fail("a second ready arrived")
@@ -587,6 +649,10 @@ class StreamClient(ViewerClient):
     def _lost(self, exc: ConnectionClosed | None) -> None:
         """The connection ended. Without a `closed` message first, that is an error."""
         if self._ended.is_set():
+            return
+        if self._retry:
+            self._ended.set()
+            self._changed.set()
             return
         if self.closed_reason is None and self._ended_at is None:
             self._fail(f"connection lost: {_close_text(exc)}")

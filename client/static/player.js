@@ -20,6 +20,9 @@
   const RTP_CLOCK_HZ = 90000;
   const H264_PROFILE = "42e01f";  // constrained baseline, what the server's encoder makes
   const START_REFUSALS = ["refused", "unauthorized", "too_many_streams"];  // protocol.START_REFUSALS
+  // protocol.RETRYABLE: a cluster's worker running the stream was lost; a new start is placed on another one
+  const RETRYABLE = ["worker_lost"];
+  const MAX_RECONNECTS = 3;  // in a row, without a chunk in between
   const GATHER_TIMEOUT_MS = 5000;
   const ANSWER_TIMEOUT_MS = 15000;
   const MAX_HEADERS = 256;
@@ -56,6 +59,7 @@
   let presentTimes = [];
   let pendingSteers = [];      // {sentAt, version|null}
   let ended = false;
+  let reconnects = 0;  // reconnections after a retryable error since the last chunk played
   let statsTimer = null, answerTimer = null;
 
   // ------------------------------------------------------------ UI
@@ -200,6 +204,7 @@
         if (headers.length > MAX_HEADERS) headers.splice(0, headers.length - MAX_HEADERS);
         if (pts0 === null) pts0 = msg.pts;
         player.chunks += 1;
+        reconnects = 0;
         break;
       case "ack":
         player.acks.push(msg);
@@ -221,6 +226,15 @@
           setPhase("refused");
           banner(`The server refused the stream: ${msg.message}`, "error", true);
           teardown();
+        } else if (RETRYABLE.includes(msg.code) && reconnects < MAX_RECONNECTS) {
+          ended = true;  // this stream is gone: start a new one (placed again), under the prompt in the box
+          reconnects += 1;
+          player.reconnects = (player.reconnects || 0) + 1;
+          teardown();
+          setTimeout(() => {
+            start(input.value.trim() || "a red ball moving right");
+            banner(`The worker running the stream was lost; a new stream started (reconnect ${reconnects}).`, "info");
+          }, 250);
         } else {
           banner(`Server error (${msg.code}): ${msg.message}`, "info");
         }
