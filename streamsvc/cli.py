@@ -204,6 +204,8 @@ def cmd_serve(args) -> int:
         return 2
     config = ServerConfig(host=args.host, port=args.port, static_dir=str(static) if static.is_dir() else None,
                           webrtc=webrtc, access=access)
+    if args.cluster is not None:  # beyond one GPU: this front as the gateway of Ray Serve engine replicas
+        return _serve_cluster(args, config)
     try:
         asyncio.run(Server(_engine_config(args), config).serve_forever())
     except KeyboardInterrupt:
@@ -212,6 +214,37 @@ def cmd_serve(args) -> int:
         print(f"streamsvc serve: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster (the [cluster] extra, Ray Serve; see README: Beyond one GPU)")
+    g.add_argument("--cluster", default=None, metavar="auto|local|ADDRESS",
+                   help="run the engines as Ray Serve replicas, one per GPU, with this server as their gateway: "
+                        "auto = the Ray cluster `ray start` made on this machine, local = a new one-machine Ray "
+                        "instance on 127.0.0.1, or the head's HOST:PORT (default: none, one engine in this process)")
+    g.add_argument("--gpus", type=int, default=1, metavar="N",
+                   help="engine replicas, one GPU each (default 1; 0 = attach this gateway to the replicas "
+                        "another gateway started)")
+    g.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds a stopping replica's streams play on before it is stopped (Serve's "
+                        "graceful_shutdown_timeout_s; its viewers are then placed again; default 60)")
+    g.add_argument("--warmup-nice", type=int, default=0, metavar="N",
+                   help="niceness added to a replica's engine while it warms up (a replacement's warm-up then "
+                        "yields the CPU to the streams of the other replicas on a shared host; default 0)")
+
+
+def _serve_cluster(args, front) -> int:
+    import functools
+
+    try:
+        from streamsvc.cluster.launch import DeployConfig, replica_config, serve_cluster
+    except ImportError as e:
+        print(f"streamsvc serve: --cluster needs the cluster extra (pip install -e '.[cluster]'): {e}", file=sys.stderr)
+        return 2
+    # each replica builds its engine config on its own host (its device decides the defaults)
+    replica = replica_config(functools.partial(_engine_config, args), front, warmup_nice=args.warmup_nice)
+    deploy = DeployConfig(replicas=args.gpus, drain_timeout_s=args.drain_timeout)
+    return serve_cluster(args.cluster, args.gpus, replica, front, deploy)
 
 
 def _webrtc_args(p: argparse.ArgumentParser) -> None:
@@ -298,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_args(s)
     _webrtc_args(s)
     _access_args(s)
+    _cluster_args(s)
     s.set_defaults(func=cmd_serve)
 
     from client import loadtest  # the one place streamsvc reaches into client

@@ -1,0 +1,324 @@
+"""The gateway: `streamsvc serve`'s HTTP/WebSocket front as a Ray driver, relaying each viewer to its replica.
+
+It serves what `streamsvc serve` serves on one port (the player at /, /ws, /healthz, /metrics; and
+/replicas, the replicas' routing stats as JSON) and
+checks what the front checks (origins, tokens, the server cap, per-client limits: `Server`'s own
+code), then hands each stream to an engine replica (streamsvc/cluster/replica.py):
+
+- the viewer's `start` opens one streaming call, `session`, placed by the request router on the
+  replica with room (streamsvc/cluster/router.py); that call is the session's lease, renewed every
+  second (`renew`) so that a replica ends the streams of a gateway that died;
+- every item of the call goes to the viewer's WebSocket as it is (chunks as binary messages, the
+  rest as text), and the viewer's later messages go to the same replica (`feed`), one at a time, in
+  order;
+- when the replica dies (its process, or its node), the call fails at once (a lost node: after about
+  2.5 s): the viewer gets an `error` with code `worker_lost` (retryable: clients reconnect and are
+  placed again, on another replica; the stream starts over) and its socket closes. A call that fails
+  before its placement is retried on another replica, unseen by the viewer.
+
+WebRTC: signaling rides the relayed WebSocket; the answer comes from the replica's own peer
+connection with its host's candidates, so media flows between the browser and the replica directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from streamsvc import protocol as P
+from streamsvc.access import Refusal, StreamLimits, exposure_warning
+from streamsvc.cluster.placement import ReplicaStats
+from streamsvc.cluster.router import Board, board
+from streamsvc.server import WS_PATH, Metrics, Server, ServerConfig
+
+log = logging.getLogger("streamsvc.cluster.gateway")
+
+PLACE_ATTEMPTS = 3  # a session call that fails before its placement is tried again on another replica
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    renew_every_s: float = 1.0  # lease renewals to the replicas that hold this gateway's sessions
+    call_timeout_s: float = 5.0  # bound on one call to a replica (a message, a renewal)
+    place_timeout_s: float = 30.0  # bound on placing a session (a replica starting up counts against it)
+
+
+@dataclass
+class _Relay:
+    conn_id: str
+    replica: str | None = None  # where its session runs, once placed
+    lost: bool = False  # its replica died under it
+
+
+class Gateway(Server):
+    """`Server`'s front without an engine: each stream runs on a replica behind `handle` (the engine
+    deployment's Serve handle)."""
+
+    def __init__(self, handle, config: ServerConfig = ServerConfig(), gateway: GatewayConfig = GatewayConfig(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        # no Server.__init__: the engine is elsewhere; the attributes the front's methods use are set here
+        self.config = config
+        self.gateway = gateway
+        self.clock = clock
+        self.limits = StreamLimits(config.access)
+        self.metrics = Metrics()
+        self.sessions: dict[str, _Relay] = {}  # conn id -> relay (counted against the server cap)
+        self.handle = handle
+        self.board: Board = board(handle.deployment_name)
+        self.gateway_id = uuid.uuid4().hex[:12]
+        self.worker_lost = 0  # sessions whose replica died under them
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server = None
+        self._renewer: asyncio.Task | None = None
+        self._relays: set[asyncio.Task] = set()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self, listen: bool = True) -> None:
+        self._loop = asyncio.get_running_loop()
+        # a first call makes the handle's router, which then learns the replicas and their stats
+        with contextlib.suppress(Exception):
+            await self._call("info", timeout_s=self.gateway.place_timeout_s)
+        self._renewer = asyncio.create_task(self._renew())
+        self._server = await serve(
+            self._handle, self.config.host, self.config.port, process_request=self._http,
+            compression=None, max_size=P.MAX_MESSAGE_BYTES, ping_interval=20, ping_timeout=20,
+        )
+        log.info("gateway on http://%s:%d (WebSocket at %s), %d replicas", self.config.host, self.port, WS_PATH,
+                 len(self.board.replicas))
+        warning = exposure_warning(self.config.host, self.config.access)
+        if warning:
+            log.warning(warning)
+
+    async def stop(self, reason: str = "server shutting down") -> None:
+        """Close the viewers' sockets; their sessions end on their replicas (the viewer left)."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        if self._renewer is not None:
+            self._renewer.cancel()
+
+    # -- HTTP -------------------------------------------------------------------------------
+
+    def _http(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        if path == WS_PATH:
+            return self._check_origin(request)
+        if path == "/healthz":
+            ready = [s for s in self.board.stats() if s.ready and not s.draining]
+            ok = bool(ready)
+            text = f"ok: {len(ready)} of {len(self.board.replicas)} replicas take streams\n" if ok else \
+                f"no replica takes streams ({len(self.board.replicas)} known)\n"
+            return self._respond(http.HTTPStatus.OK if ok else http.HTTPStatus.SERVICE_UNAVAILABLE, text.encode(),
+                                 "text/plain")
+        if path == "/metrics":
+            return self._respond(http.HTTPStatus.OK, self.metrics_text().encode(), "text/plain; version=0.0.4")
+        if path == "/replicas":  # what placement sees: each replica's routing stats, without its metrics
+            rows = [{**s.to_dict(), "metrics": None} for s in self.board.stats()]
+            return self._respond(http.HTTPStatus.OK, json.dumps(rows).encode(), "application/json")
+        return self._static(path)
+
+    def metrics_text(self) -> str:
+        """Prometheus text: every replica's metrics with a `replica` label (from its routing stats, at most
+        about a second old), and the gateway's own as streamsvc_gateway_*."""
+        samples: dict[str, list[str]] = {}
+        stats = self.board.stats()
+        for s in stats:
+            for key, value in (s.metrics or {}).items():
+                name, labels = _split(key)
+                samples.setdefault(name, []).append(_sample(name, {**labels, "replica": s.replica}, value))
+        for family in self.metrics.registry.collect():
+            for smp in family.samples:
+                name = "streamsvc_gateway_" + smp.name.removeprefix("streamsvc_")
+                samples.setdefault(name, []).append(_sample(name, smp.labels, smp.value))
+        own = {
+            "streamsvc_gateway_sessions": [({}, len(self.sessions))],
+            "streamsvc_gateway_worker_lost_total": [({}, self.worker_lost)],
+            "streamsvc_gateway_replicas": [({"state": "ready"}, sum(s.ready and not s.draining for s in stats)),
+                                           ({"state": "draining"}, sum(s.draining for s in stats)),
+                                           ({"state": "starting"}, sum(not s.ready for s in stats))],
+        }
+        for name, rows in own.items():
+            samples[name] = [_sample(name, labels, value) for labels, value in rows]
+        return "".join(line for lines in samples.values() for line in lines)
+
+    # -- WebSocket --------------------------------------------------------------------------
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        start = await self._await_start(ws)
+        if start is None:
+            return
+        raw, msg = start
+        client = await self._let_in(ws, msg)
+        if client is None:
+            return
+        token, address = client
+        relay = _Relay(f"{self.gateway_id}-{next(self._ids)}")
+        self.sessions[relay.conn_id] = relay
+        try:
+            await self._relay(ws, relay, raw, address)
+        finally:
+            self.sessions.pop(relay.conn_id, None)
+            self.limits.release(token, address)
+
+    async def _await_start(self, ws: ServerConnection) -> tuple[str, P.Start] | None:
+        """The viewer's start (raw and parsed); what comes before it is answered as the server does."""
+        try:
+            async for raw in ws:
+                try:
+                    msg = P.parse_client(raw)
+                except P.ProtocolError as e:
+                    self.metrics.errors.inc()
+                    await ws.send(P.encode(e.to_message()))
+                    continue
+                if isinstance(msg, P.Start):
+                    return raw, msg
+                await ws.send(P.encode(P.Error(code=P.ErrorCode.NOT_STARTED,
+                                               message=f"send 'start' before '{msg.type}'")))
+        except ConnectionClosed:
+            pass
+        return None
+
+    async def _relay(self, ws: ServerConnection, relay: _Relay, start: str, address: str) -> None:
+        gen = await self._place(ws, relay, start, address)
+        if gen is None:
+            return
+        upstream = asyncio.create_task(self._upstream(ws, relay), name=f"up-{relay.conn_id}")
+        try:
+            async for item in gen:
+                if isinstance(item, dict):  # the replica's server closed the socket (e.g. unauthorized)
+                    code, reason = item.get("close", (1000, ""))
+                    await ws.close(code, reason)
+                    break
+                await ws.send(item)
+        except ConnectionClosed:
+            pass  # the viewer left: upstream tells the replica
+        except Exception as e:  # noqa: BLE001 - the replica's call failed: tell the viewer why
+            await self._lost(ws, relay, e)
+        finally:
+            upstream.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await upstream
+            gen.cancel()
+
+    async def _place(self, ws: ServerConnection, relay: _Relay, start: str, address: str):
+        """Open the session's streaming call on a replica: the call (its placement read), or None after
+        the viewer was told why not. A call that fails before its placement goes to another replica."""
+        exclude: list[str] = []
+        error = "no replica is running"
+        for _ in range(PLACE_ATTEMPTS):
+            gen = self.handle.options(stream=True, method_name="session").remote(
+                relay.conn_id, start, [], address, self.gateway_id, new_session=True, exclude=tuple(exclude))
+            try:
+                async with asyncio.timeout(self.gateway.place_timeout_s):
+                    first = await gen.__anext__()
+            except TimeoutError:
+                gen.cancel()
+                error = f"no replica took the stream within {self.gateway.place_timeout_s:g} s"
+                break
+            except Exception as e:  # noqa: BLE001 - that replica failed; try another
+                gen.cancel()
+                uid = self.board.routed.pop(relay.conn_id, None)
+                log.warning("placing %s on %s failed (%s: %s)", relay.conn_id, uid, type(e).__name__, e)
+                error = f"{type(e).__name__} while placing the stream"
+                if uid is not None:
+                    self.board.mark_lost(uid)
+                    exclude.append(uid)
+                continue
+            relay.replica = first["placed"]
+            self.board.routed.pop(relay.conn_id, None)
+            return gen
+        await self._refuse(ws, Refusal.ADMISSION, f"the stream could not be placed on a worker: {error}")
+        return None
+
+    async def _upstream(self, ws: ServerConnection, relay: _Relay) -> None:
+        """The viewer's messages to its replica, in order; when the viewer leaves, the replica is told."""
+        try:
+            async for raw in ws:
+                if not await self._call("feed", relay.conn_id, raw, replica=relay.replica):
+                    return  # the session has ended there
+        except ConnectionClosed:
+            pass
+        finally:
+            if not relay.lost:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._call("feed", relay.conn_id, None, replica=relay.replica))
+
+    async def _lost(self, ws: ServerConnection, relay: _Relay, e: Exception) -> None:
+        from ray.exceptions import RayActorError
+
+        if isinstance(e, RayActorError):
+            relay.lost = True
+            self.worker_lost += 1
+            self.board.mark_lost(relay.replica)
+            log.warning("session %s: its replica %s was lost (%s)", relay.conn_id, relay.replica, type(e).__name__)
+            error = P.Error(code=P.ErrorCode.WORKER_LOST, message=(
+                f"the worker running this stream was lost ({type(e).__name__}); the stream is gone: connect "
+                "again to be placed on another worker"))
+            reason = "worker lost"
+        else:
+            log.error("session %s on %s failed: %s: %s", relay.conn_id, relay.replica, type(e).__name__, e)
+            error = P.Error(code=P.ErrorCode.INTERNAL, message=f"the worker failed: {type(e).__name__}"[:200])
+            reason = "worker failed"
+        with contextlib.suppress(ConnectionClosed):
+            await ws.send(P.encode(error))
+            await ws.send(P.encode(P.Closed(reason=reason)))
+            await ws.close(1011, reason)
+
+    # -- calls to the replicas ---------------------------------------------------------------
+
+    async def _call(self, method: str, *args, timeout_s: float | None = None, **kwargs):
+        response = self.handle.options(method_name=method).remote(*args, **kwargs)
+        try:
+            async with asyncio.timeout(timeout_s or self.gateway.call_timeout_s):
+                return await response
+        except TimeoutError:
+            response.cancel()
+            raise
+
+    async def _renew(self) -> None:
+        """Every second, each replica holding sessions of this gateway hears that it is alive."""
+        while True:
+            await asyncio.sleep(self.gateway.renew_every_s)
+            replicas = {r.replica for r in self.sessions.values() if r.replica is not None and not r.lost}
+            results = await asyncio.gather(*(self._call("renew", self.gateway_id, replica=uid) for uid in replicas),
+                                           return_exceptions=True)
+            for uid, result in zip(replicas, results):
+                if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                    log.debug("renewing leases on %s failed: %s", uid, result)
+
+    def replica_stats(self) -> list[ReplicaStats]:
+        return self.board.stats()
+
+
+def _split(key: str) -> tuple[str, dict[str, str]]:
+    """'name{a=1,b=2}' -> ('name', {'a': '1', 'b': '2'}) (the replicas' metrics keys; values have no commas)."""
+    if "{" not in key:
+        return key, {}
+    name, rest = key.split("{", 1)
+    rest = rest.rstrip("}")
+    return name, dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+
+
+def _sample(name: str, labels: dict[str, str], value: float) -> str:
+    if labels:
+        inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
+        return f"{name}{{{inner}}} {float(value)!r}\n"
+    return f"{name} {float(value)!r}\n"
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,263 @@
+"""One engine per GPU as a Ray Serve replica: the same `Server` as `streamsvc serve`, without its socket.
+
+A session is one streaming call, `session(...)`, from the gateway: it is the session's lease. Its
+first item says where it runs (`Placement`); then come, in order, everything the server would have
+sent on the viewer's WebSocket (text messages as str, chunks as bytes, and a `{"close": [code,
+reason]}` where it would close the socket). The viewer's later messages arrive as `feed(...)` calls
+pinned to this replica (streamsvc/cluster/router.py). `RelayConnection` is what the server's
+WebSocket handler sees instead of a socket, so admission, rate limits, prompt coalescing, WebRTC
+signaling and every reply are the server's own code.
+
+Ray does not cancel a streaming call whose caller died, so the gateway renews its sessions' leases
+(`renew`, every second); a session not renewed for `lease_s` ends as if its viewer had left (a
+gateway's death frees its streams' KV caches within a few seconds).
+
+WebRTC: the server's peer connection lives here, so the SDP answer carries this host's candidates
+(the node's address) and media flows directly between this replica and the browser; the gateway only
+relays the signaling on the WebSocket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+
+from streamsvc import protocol as P
+from streamsvc.engine import EngineConfig
+from streamsvc.server import Server, ServerConfig
+
+log = logging.getLogger("streamsvc.cluster.replica")
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """What every engine replica runs. `engine` may be a function that builds the EngineConfig on the
+    replica's own host (its device, and defaults that depend on it), so the gateway needs no GPU."""
+
+    engine: EngineConfig | Callable[[], EngineConfig]
+    server: ServerConfig = ServerConfig(port=0)  # access rates, WebRTC (its host's candidates); never listens
+    lease_s: float = 5.0  # a session whose gateway stopped renewing it this long ends
+    stall_s: float = 10.0  # check_health fails when the engine thread's loop has not turned this long
+    # niceness added to the engine (its thread and encoder processes) while it warms up, taken back after where
+    # the OS lets it: on a shared host a replacement's warm-up then yields the CPU to the other replicas' streams
+    warmup_nice: int = 0
+
+
+class RelayConnection:
+    """What `Server._handle` needs of a WebSocket connection, fed by the gateway's calls."""
+
+    def __init__(self, conn_id: str, headers: list[tuple[str, str]], address: str) -> None:
+        self.conn_id = conn_id
+        self.request = _Request(Headers(headers))
+        self.remote_address = (address, 0)
+        self.inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()  # the viewer's messages; None: it left
+        self.outbox: asyncio.Queue[str | bytes | dict | None] = asyncio.Queue()  # to the gateway; None: the end
+        self.closed = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> str | bytes:
+        item = await self.inbox.get()
+        if item is None:
+            self.closed = True
+            raise StopAsyncIteration
+        return item
+
+    async def send(self, data: str | bytes) -> None:
+        if self.closed:
+            raise ConnectionClosed(None, None)
+        self.outbox.put_nowait(data)
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        if not self.closed:
+            self.outbox.put_nowait({"close": [code, reason]})
+        self.closed = True
+        self.inbox.put_nowait(None)
+
+
+@contextlib.contextmanager
+def _niced(add: int):
+    """Run the block at `add` more niceness (Linux: this thread, and the threads and processes it starts);
+    afterwards this process's threads and children get their niceness back where permitted."""
+    if add <= 0:
+        yield
+        return
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, before + add)
+    try:
+        yield
+    finally:
+        for tid in _threads_and_children():
+            with contextlib.suppress(OSError):  # lowering niceness needs CAP_SYS_NICE (or RLIMIT_NICE)
+                os.setpriority(os.PRIO_PROCESS, tid, before)
+
+
+def _threads_and_children() -> list[int]:
+    """This process's thread ids and its children's pids (Linux /proc; empty elsewhere)."""
+    ids = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            ids.append(int(tid))
+            with contextlib.suppress(OSError, ValueError):
+                ids += [int(c) for c in open(f"/proc/self/task/{tid}/children").read().split()]
+    return ids
+
+
+@dataclass(frozen=True)
+class _Request:
+    headers: Headers
+
+
+class EngineReplica:
+    """The deployment's class (streamsvc/cluster/launch.py wraps it in `serve.deployment`)."""
+
+    async def __init__(self, config: ReplicaConfig) -> None:
+        import ray
+        from ray import serve
+
+        self.config = config
+        # the engine thread and this loop share the GIL: as `streamsvc serve` does, hand it over sooner
+        sys.setswitchinterval(5e-4)
+        self.uid = serve.get_replica_context().replica_id.unique_id
+        self.host = ray.util.get_node_ip_address()
+        self.node = ray.get_runtime_context().get_node_id()
+        engine = config.engine() if callable(config.engine) else config.engine
+        server_cfg = config.server
+        if not server_cfg.webrtc.ice_addresses:  # offer this node's address (and loopback on a loopback host)
+            server_cfg = replace(server_cfg, host=self.host)
+        self.server = Server(engine, server_cfg)
+        self.draining = False
+        self.stream_kv_bytes = 0
+        self.conns: dict[str, RelayConnection] = {}
+        self.leases: dict[str, float] = {}  # gateway id -> its latest renewal (time.monotonic)
+        self.owner: dict[str, str] = {}  # conn id -> its gateway
+        with _niced(config.warmup_nice):  # threads and processes started in here inherit it
+            await self.server.start(listen=False)
+        gen = self.server.engine.gen
+        self.stream_kv_bytes = gen.cache_spec().stream_bytes() + self.server.engine.decoder_bytes  # one stream's
+        self._reaper = asyncio.create_task(self._reap())
+        log.info("replica %s ready on %s (%s)", self.uid, self.host, engine.device)
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    async def session(self, conn_id: str, start: str, headers: list[tuple[str, str]], address: str,
+                      gateway: str, new_session: bool = True, exclude: tuple[str, ...] = ()):
+        """One viewer's stream: its placement, then everything the server sends it (see the module's doc)."""
+        yield {"placed": self.uid, "host": self.host}
+        if self.draining:
+            yield P.encode(P.Error(code=P.ErrorCode.REFUSED, request="start",
+                                   message=f"worker {self.uid} is draining and takes no new streams"))
+            return
+        conn = RelayConnection(conn_id, headers, address)
+        self.conns[conn_id] = conn
+        self.owner[conn_id] = gateway
+        self.leases[gateway] = time.monotonic()
+        conn.inbox.put_nowait(start)
+        handler = asyncio.create_task(self.server._handle(conn), name=f"relay-{conn_id}")
+        handler.add_done_callback(lambda _: conn.outbox.put_nowait(None))
+        try:
+            while True:
+                item = await conn.outbox.get()
+                if item is None:
+                    return
+                yield item
+        finally:  # the stream ended, the gateway cancelled the call, or the lease ran out
+            conn.closed = True
+            conn.inbox.put_nowait(None)
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(handler), 5)
+            self.conns.pop(conn_id, None)
+            self.owner.pop(conn_id, None)
+
+    async def feed(self, conn_id: str, message: str | bytes | None, replica: str) -> bool:
+        """A viewer's message for its session (None: the viewer left). False when no such session."""
+        conn = self.conns.get(conn_id)
+        if conn is None:
+            return False
+        conn.inbox.put_nowait(message)
+        return True
+
+    async def renew(self, gateway: str, replica: str) -> int:
+        """The gateway is alive: its sessions here keep their lease. Returns how many it has here."""
+        self.leases[gateway] = time.monotonic()
+        return sum(1 for g in self.owner.values() if g == gateway)
+
+    async def _reap(self) -> None:
+        """End the sessions whose gateway stopped renewing (it died: Ray does not cancel their calls)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.config.lease_s / 4))
+            now = time.monotonic()
+            for conn_id, gateway in list(self.owner.items()):
+                if now - self.leases.get(gateway, now) > self.config.lease_s:
+                    log.warning("session %s: its gateway %s stopped renewing; ending it", conn_id, gateway)
+                    conn = self.conns.get(conn_id)
+                    if conn is not None:
+                        conn.inbox.put_nowait(None)
+                    self.owner.pop(conn_id, None)
+
+    # -- operations ----------------------------------------------------------------------------
+
+    async def drain(self, replica: str, draining: bool = True) -> int:
+        """Take no new streams (False: take them again); the open ones play on. Returns how many are open.
+        The router sends new streams elsewhere once the routing stats say so (within a stats period); one
+        that comes here meanwhile is refused with the reason, and its viewer may retry."""
+        self.draining = draining
+        return len(self.server.sessions)
+
+    async def info(self, replica: str | None = None) -> dict:
+        return self.record_routing_stats()
+
+    def record_routing_stats(self) -> dict:
+        """Serve's routing stats: what the router places new streams by (placement.ReplicaStats)."""
+        from streamsvc.cluster.placement import ReplicaStats
+
+        engine = self.server.engine
+        snap = engine.snapshot
+        sched = engine.config.scheduler
+        return ReplicaStats(
+            replica=self.uid, ready=snap is not None, draining=self.draining, streams=len(self.server.sessions),
+            free_kv_bytes=max(0, engine.kv_budget_bytes - engine.kv_used_bytes), stream_kv_bytes=self.stream_kv_bytes,
+            predicted_load=snap.predicted_load if snap is not None else 0.0,
+            utilization_target=sched.utilization_target, host=self.host, node=self.node, pid=os.getpid(),
+            metrics=self._metrics(),
+        ).to_dict()
+
+    def _metrics(self) -> dict[str, float]:
+        """The replica's /metrics samples, {'name{labels}': value} (labels sorted, unquoted)."""
+        self.server._refresh_metrics()
+        out = {}
+        for family in self.server.metrics.registry.collect():
+            for s in family.samples:
+                if s.name.endswith("_created"):  # prometheus_client's creation times: not figures
+                    continue
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def check_health(self) -> None:
+        """Serve's health check: fails when the engine thread has stalled or died."""
+        stalled = self.server.engine.stalled_for()
+        if stalled is not None and stalled > self.config.stall_s:
+            raise RuntimeError(f"engine thread stalled: its loop has not turned for {stalled:.1f} s "
+                               f"(limit {self.config.stall_s:g} s)")
+
+    async def __del__(self) -> None:
+        """Serve stops the replica (scaled down, replaced, drained past graceful_shutdown_timeout_s): its
+        viewers hear `worker_lost` first, so that they reconnect and are placed on another replica."""
+        self.draining = True
+        lost = P.encode(P.Error(code=P.ErrorCode.WORKER_LOST, message=(
+            f"worker {self.uid} is stopping; the stream is gone: connect again to be placed on another worker")))
+        for conn in list(self.conns.values()):
+            conn.outbox.put_nowait(lost)
+        with contextlib.suppress(Exception):
+            await self.server.stop("worker stopping")

@@ -1,0 +1,228 @@
+"""The cluster (issue 17) on CPU: two fake one-GPU nodes (ray.cluster_utils.Cluster), one tiny-preset
+engine replica each, the gateway in this process, real WebSocket viewers.
+
+One Ray instance for the whole test session (starting one costs seconds); the tests that break it
+(a killed replica, a removed node) run last and leave it as they found it or last. Every wait is
+bounded. Marker `cluster`; skipped without ray (`pip install -e '.[cluster]'`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from streamsvc.cluster.launch import ray_defaults
+
+ray_defaults(loopback=True)  # before ray is imported: Ray reads it at import
+pytest.importorskip("ray.serve")
+
+from client.loadtest import free_port, http_status, scrape_metrics  # noqa: E402
+from client.ws_client import ClientConfig, StreamClient  # noqa: E402
+from streamsvc.cluster.gateway import Gateway, GatewayConfig  # noqa: E402
+from streamsvc.cluster.launch import DeployConfig, deploy  # noqa: E402
+from streamsvc.cluster.replica import ReplicaConfig  # noqa: E402
+from streamsvc.engine import EngineConfig  # noqa: E402
+from streamsvc.server import ServerConfig  # noqa: E402
+
+pytestmark = pytest.mark.cluster
+
+T = 20.0  # bound for anything that should take a second or two on a busy 2-core machine
+STREAM_BYTES = 212_992  # one tiny-preset stream's KV cache and decoder state (checked in test_placement)
+PER_REPLICA = 2  # streams each replica's KV budget holds
+
+
+class Env:
+    def __init__(self, cluster, worker, handle, address):
+        self.cluster, self.worker, self.handle, self.address = cluster, worker, handle, address
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    args = {"num_cpus": 2, "num_gpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args=args)
+    worker = cluster.add_node(**{k: v for k, v in args.items() if k != "include_dashboard"})
+    ray.init(address=cluster.address, logging_level="WARNING")
+    engine = EngineConfig(preset="tiny", device="cpu", kv_budget_bytes=PER_REPLICA * STREAM_BYTES + STREAM_BYTES // 2)
+    handle = deploy(ReplicaConfig(engine=engine, lease_s=3.0),
+                    DeployConfig(replicas=2, num_cpus=1, drain_timeout_s=4, health_period_s=1, stats_period_s=0.25))
+    try:
+        yield Env(cluster, worker, handle, cluster.address)
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def gateway(env: Env):
+    g = Gateway(env.handle, ServerConfig(port=0), GatewayConfig(call_timeout_s=5, place_timeout_s=T))
+    await asyncio.wait_for(g.start(), T)
+    try:
+        # two replicas up, and the streams of the test before gone from their stats (placement reads them)
+        assert await wait_for(lambda: [(s.ready, s.streams) for s in g.replica_stats()] == [(True, 0)] * 2), \
+            g.replica_stats()
+        yield g
+    finally:
+        await g.stop()
+
+
+def viewer(g: Gateway, i: int = 0, **kw) -> StreamClient:
+    return StreamClient(f"ws://127.0.0.1:{g.port}/ws", ClientConfig(prompt=f"a red fox {i}", seed=i, **kw))
+
+
+async def wait_for(predicate, timeout_s: float = T) -> bool:
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return predicate()
+
+
+def streams_by_replica(g: Gateway) -> dict[str, int]:
+    return {s.replica: s.streams for s in g.replica_stats()}
+
+
+async def test_placement_by_free_kv_then_refusal_with_the_reason_when_every_replica_is_full(ray_cluster):
+    async with gateway(ray_cluster) as g:
+        stats = g.replica_stats()
+        assert {s.stream_kv_bytes for s in stats} == {STREAM_BYTES}
+        assert len({s.pid for s in stats}) == 2 and all(s.host for s in stats)
+        clients = [viewer(g, i) for i in range(2 * PER_REPLICA)]
+        try:
+            for c in clients:  # one at a time: each goes where the most KV is free
+                assert await asyncio.wait_for(c.open(), T), c.errors
+            assert await wait_for(lambda: sorted(streams_by_replica(g).values()) == [PER_REPLICA, PER_REPLICA]), \
+                streams_by_replica(g)
+            extra = viewer(g, 99)
+            assert not await asyncio.wait_for(extra.open(), T)
+            assert extra.refused_reason and "KV" in extra.refused_reason, (extra.refused_reason, extra.errors)
+            for c in clients:
+                assert await c.wait_until(lambda c=c: c.chunks >= 2, T), c.errors
+            # per-replica metrics reach the gateway's /metrics
+            m = await asyncio.to_thread(scrape_metrics, f"http://127.0.0.1:{g.port}/metrics")
+            per_replica = [k for k in m if k.startswith("streamsvc_chunks_total{replica=")]
+            assert len(per_replica) == 2, sorted(m)[:20]
+            assert m["streamsvc_chunks_total"] == sum(m[k] for k in per_replica) > 0  # scrape_metrics' sum
+            assert await wait_for(lambda: len(g.sessions) == 2 * PER_REPLICA)  # the refused one's socket closed
+            assert await asyncio.to_thread(http_status, f"http://127.0.0.1:{g.port}/healthz", 5) == 200
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+        assert await wait_for(lambda: sum(streams_by_replica(g).values()) == 0)
+
+
+async def test_a_draining_replica_takes_no_new_stream_and_its_streams_play_on(ray_cluster):
+    async with gateway(ray_cluster) as g:
+        a = viewer(g, 0)
+        assert await asyncio.wait_for(a.open(), T), a.errors
+        assert await wait_for(lambda: sorted(streams_by_replica(g).values()) == [0, 1])
+        (first,) = [uid for uid, n in streams_by_replica(g).items() if n == 1]
+        (other,) = [uid for uid in streams_by_replica(g) if uid != first]
+        assert await g._call("drain", replica=other) == 0  # the emptier one: new streams would go there
+        try:
+            assert await wait_for(lambda: any(s.draining for s in g.replica_stats()))
+            b = viewer(g, 1)
+            assert await asyncio.wait_for(b.open(), T), b.errors
+            assert await wait_for(lambda: streams_by_replica(g) == {first: 2, other: 0}), streams_by_replica(g)
+            seen = a.chunks
+            assert await a.wait_until(lambda: a.chunks >= seen + 2, T), a.errors
+            health = await asyncio.to_thread(http_status, f"http://127.0.0.1:{g.port}/healthz", 5)
+            assert health == 200  # one replica still takes streams
+            await asyncio.gather(a.close(), b.close())
+        finally:
+            await g._call("drain", replica=other, draining=False)
+        assert await wait_for(lambda: not any(s.draining for s in g.replica_stats()))
+
+
+async def test_when_the_gateway_dies_the_replicas_end_its_streams(ray_cluster):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    cmd = [sys.executable, "-m", "streamsvc.cli", "serve", "--cluster", ray_cluster.address, "--gpus", "0",
+           "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        async with gateway(ray_cluster) as g:  # this process's gateway watches the replicas
+            health = f"http://127.0.0.1:{port}/healthz"
+            assert await wait_for(lambda: http_status(health, 1) == 200, 60), "the other gateway did not come up"
+            c = StreamClient(f"ws://127.0.0.1:{port}/ws", ClientConfig(prompt="a fox", seed=3))
+            assert await asyncio.wait_for(c.open(), T), c.errors
+            assert await c.wait_until(lambda: c.chunks >= 1, T), c.errors
+            assert await wait_for(lambda: sum(streams_by_replica(g).values()) == 1)
+            proc.kill()  # SIGKILL: no goodbye; Ray does not cancel its streaming calls
+            t0 = time.monotonic()
+            assert await wait_for(lambda: sum(streams_by_replica(g).values()) == 0, T), streams_by_replica(g)
+            assert time.monotonic() - t0 < 3.0 + 3.0  # the lease (3 s in these tests) and a stats period or two
+            await c.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+async def test_a_killed_replica_s_viewer_gets_worker_lost_at_once_and_is_placed_again(ray_cluster):
+    async with gateway(ray_cluster) as g:
+        clients, runs = await start_runs(g, 2, 12.0)
+        victim = clients[0]
+        relay = session_of(g, 0)
+        pid = {s.replica: s.pid for s in g.replica_stats()}[relay.replica]
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert await victim.wait_until(lambda: victim.worker_lost == 1, T), victim.errors
+        assert time.monotonic() - t0 < 1.0, "worker_lost came late"
+        assert await victim.wait_until(lambda: victim.reconnects == 1, T), victim.errors
+        seen = victim.chunks
+        assert await victim.wait_until(lambda: victim.chunks >= seen + 2, T), victim.errors
+        results = await asyncio.wait_for(asyncio.gather(*runs), 30)
+        assert results[0].worker_lost == 1 and results[0].reconnects == 1
+        assert results[1].worker_lost == 0 and results[1].errors == ()
+        assert any("worker_lost" in e for e in results[0].errors)
+        assert g.worker_lost == 1
+
+
+async def start_runs(g: Gateway, n: int, duration_s: float) -> tuple[list[StreamClient], list[asyncio.Task]]:
+    """n viewers running for duration_s (run(): they reconnect after worker_lost), placed one after the
+    other: viewer i is the gateway's session i, one per replica."""
+    clients, runs = [], []
+    for i in range(n):
+        c = viewer(g, i)
+        runs.append(asyncio.create_task(c.run(duration_s)))
+        assert await c.wait_until(lambda c=c: c.chunks >= 1, T), c.errors
+        clients.append(c)
+    assert await wait_for(lambda: sorted(streams_by_replica(g).values()) == [1] * n), (
+        [(s.replica, s.streams, s.ready, s.free_kv_bytes) for s in g.replica_stats()], g.board.placed, g.board.lost)
+    return clients, runs
+
+
+def session_of(g: Gateway, i: int):
+    (relay,) = [r for r in g.sessions.values() if r.conn_id.endswith(f"-{i}")]
+    return relay
+
+
+async def test_a_removed_node_s_viewer_gets_worker_lost_and_is_placed_on_the_other_node(ray_cluster):
+    """Last: the cluster keeps one node. Ray notices a lost node's actors in seconds (ActorUnavailableError
+    at about 2.5 s, ActorDiedError later): the bound here is generous."""
+    async with gateway(ray_cluster) as g:
+        clients, runs = await start_runs(g, 2, 40.0)
+        doomed = {s.replica for s in g.replica_stats() if s.node == ray_cluster.worker.node_id}
+        assert len(doomed) == 1, [(s.replica, s.node) for s in g.replica_stats()]
+        (victim,) = [c for i, c in enumerate(clients) if session_of(g, i).replica in doomed]
+        await asyncio.to_thread(ray_cluster.cluster.remove_node, ray_cluster.worker)
+        assert await victim.wait_until(lambda: victim.worker_lost == 1, 30), victim.errors
+        assert await victim.wait_until(lambda: victim.reconnects == 1, T), victim.errors
+        seen = victim.chunks
+        assert await victim.wait_until(lambda: victim.chunks >= seen + 2, T), victim.errors
+        (survivor,) = [c for c in clients if c is not victim]
+        assert survivor.worker_lost == 0
+        for r in runs:
+            r.cancel()
+        await asyncio.wait(runs, timeout=T)
