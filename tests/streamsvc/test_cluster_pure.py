@@ -1,6 +1,15 @@
-"""Placement of a new stream over the replicas' routing stats (streamsvc/cluster/placement.py): pure, no Ray."""
+"""The cluster's parts that need no Ray: placement over the replicas' routing stats (streamsvc/cluster/placement.py),
+the replica's health check, and `streamsvc serve` without --cluster importing no Ray."""
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
 
 from streamsvc.cluster.placement import ReplicaStats, rank_replicas
+from streamsvc.cluster.replica import EngineReplica, ReplicaConfig
+from streamsvc.engine import Engine, EngineConfig
 
 KV = 100  # one stream's KV bytes in these tests
 
@@ -38,3 +47,23 @@ def test_stats_round_trip_through_the_dict_serve_carries():
     s = replica("a", 500, streams=2, load=0.3, host="10.0.0.2", pid=7, metrics={"streamsvc_chunks_total": 3.0})
     assert ReplicaStats.from_dict(s.to_dict()) == s
     assert ReplicaStats.from_dict({}) is None
+
+
+def test_check_health_fails_once_the_engine_thread_has_not_turned_for_stall_s():
+    now = [100.0]
+    engine = Engine(EngineConfig(), on_chunk=lambda *a: None, on_error=lambda *a: None, clock=lambda: now[0])
+    # no Ray: the check reads the replica's engine and config only
+    replica = SimpleNamespace(config=ReplicaConfig(engine=EngineConfig(), stall_s=10.0),
+                              server=SimpleNamespace(engine=engine))
+    EngineReplica.check_health(replica)  # not started: building and warming up counts as healthy
+    engine.heartbeat_at = 95.0
+    EngineReplica.check_health(replica)
+    now[0] = 106.0
+    with pytest.raises(RuntimeError, match="stalled: its loop has not turned for 11.0 s"):
+        EngineReplica.check_health(replica)
+
+
+def test_serve_without_cluster_imports_no_ray():
+    code = ("import sys, streamsvc.cli as c; a = c.build_parser().parse_args(['serve']); "
+            "assert a.cluster is None; assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
