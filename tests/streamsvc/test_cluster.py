@@ -1,9 +1,10 @@
 """The cluster (issue 17) on CPU: two fake one-GPU nodes (ray.cluster_utils.Cluster), one tiny-preset
 engine replica each, the gateway in this process, real WebSocket viewers.
 
-One Ray instance for the whole test session (starting one costs seconds); the tests that break it
-(a killed replica, a removed node) run last and leave it as they found it or last. Every wait is
-bounded. Marker `cluster`; skipped without ray (`pip install -e '.[cluster]'`).
+One Ray instance for the whole test session, this module's (starting one costs seconds; it stops
+before the next module's tests, which it would otherwise share the CPU with); the tests that break it
+(a killed replica, a removed node) run last. Every wait is bounded. Marker `cluster`; skipped without
+ray (`pip install -e '.[cluster]'`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Env:
         self.cluster, self.worker, self.handle, self.address = cluster, worker, handle, address
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # this module is the session's one Ray instance, gone before the next module
 def ray_cluster():
     import ray
     from ray import serve
