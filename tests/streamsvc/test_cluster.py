@@ -170,6 +170,16 @@ async def test_when_the_gateway_dies_the_replicas_end_its_streams(ray_cluster):
         proc.wait(10)
 
 
+async def test_webrtc_signaling_is_relayed_and_the_media_comes_from_the_replica(ray_cluster):
+    from client.webrtc_client import WebRtcClient
+
+    async with gateway(ray_cluster) as g:
+        c = WebRtcClient(f"ws://127.0.0.1:{g.port}/ws", ClientConfig(prompt="a red ball moving right", seed=1))
+        r = await asyncio.wait_for(c.run(4.0), 30)
+        assert r.admitted and r.errors == (), r.errors
+        assert r.chunks >= 2 and r.frames_decoded >= 2 * r.chunk_frames  # RTP from the replica's peer connection
+
+
 async def test_a_killed_replica_s_viewer_gets_worker_lost_at_once_and_is_placed_again(ray_cluster):
     async with gateway(ray_cluster) as g:
         clients, runs = await start_runs(g, 2, 12.0)
