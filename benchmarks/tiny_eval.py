@@ -219,7 +219,10 @@ def evaluate(gen, args: argparse.Namespace, t_start: float) -> dict:
             print(f"{label:28s} " + " ".join(f"{pct(row[a]):>7s}" for a in (*ATTRS, "all")))
     per_triple = {t: tally.rate(("triple", t, "all")) for t in triples}
     print("\nheld-out triples (*) and the 8 weakest seen ones: all three right, per chunk")
-    weakest = sorted((t for t in triples if t not in HELD_OUT), key=lambda t: per_triple[t] or 0)[:8]
+    def weakness(t: Triple) -> tuple[float, float]:  # all three right, then the three attributes' mean
+        return per_triple[t] or 0.0, sum(tally.rate(("triple", t, a)) or 0.0 for a in ATTRS)
+
+    weakest = sorted((t for t in triples if t not in HELD_OUT), key=weakness)[:8]
     for t in [t for t in triples if t in HELD_OUT] + weakest:
         marks = " ".join(f"{a} {pct(tally.rate(('triple', t, a)))}" for a in ATTRS)
         print(f"  {'*' if t in HELD_OUT else ' '} {' '.join(t):28s} {pct(per_triple[t])}   ({marks})")
