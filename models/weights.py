@@ -437,12 +437,20 @@ def resolve_weights(weights: str | None, preset: str, checkpoint: str | None = N
     """The model file that `weights` names, or None for the DiT of `checkpoint` / `wan_dir`, else random
     weights. None or "random": no model file ("random" with a checkpoint or a Wan folder is a contradiction);
     "builtin": the shipped one (the tiny preset's); "auto": the shipped one for the tiny preset when no
-    checkpoint or Wan folder is given, else None; anything else: a path to a model file."""
+    checkpoint or Wan folder is given and the file is installed, else None (random weights, with a warning when
+    the tiny preset's file is missing); anything else: a path to a model file."""
     given = "a checkpoint" if checkpoint else "a Wan folder" if wan_dir else None
     if weights is None:
         return None
     if weights == "auto":
-        return BUILTIN_WEIGHTS if preset == "tiny" and given is None else None
+        if preset != "tiny" or given is not None:
+            return None
+        if not BUILTIN_WEIGHTS.is_file():
+            log.warning("the built-in model (%s) is not in this install: random weights. Train it with "
+                        "`python -m models.train --export FILE` and pass --weights FILE, or --weights random to "
+                        "say so", BUILTIN_WEIGHTS)
+            return None
+        return BUILTIN_WEIGHTS
     if weights == "random":
         if given:
             raise ValueError(f"weights 'random' asks for random DiT weights, but {given} was given too: drop one")

@@ -1,6 +1,7 @@
 import av
 import numpy as np
 import pytest
+import torch
 
 from models import build_generator
 from streamsvc.cli import main
@@ -33,7 +34,22 @@ def test_bad_prompt_at_is_a_clear_error(tmp_path, capsys, bad):
     assert "--prompt-at wants SECONDS:TEXT" in capsys.readouterr().err
 
 
-def test_generate_defaults_to_the_built_in_model_and_writes_a_strip(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def smoke_model(tmp_path_factory):
+    """A model file in the shipped layout (a smoke run's export), to stand in for the built-in one."""
+    from models.train import Trainer, TrainConfig
+
+    out = tmp_path_factory.mktemp("train")
+    trainer = Trainer(TrainConfig.smoke(), out, torch.device("cpu"))
+    assert trainer.run(minutes=5, save_minutes=60)
+    trainer.export(out / "tiny.safetensors")
+    return out / "tiny.safetensors"
+
+
+def test_generate_defaults_to_the_built_in_model_and_writes_a_strip(tmp_path, capsys, monkeypatch, smoke_model):
+    from models import weights
+
+    monkeypatch.setattr(weights, "BUILTIN_WEIGHTS", smoke_model)
     args = ["generate", "--prompt", "a red ball moving right", "--seconds", "1", "--quiet", "--device", "cpu"]
     assert main(args + ["-o", str(tmp_path / "d.mp4"), "--strip", str(tmp_path / "s.png"), "--strip-every", "4"]) == 0
     assert main(args + ["-o", str(tmp_path / "b.mp4"), "--weights", "builtin"]) == 0
@@ -56,10 +72,15 @@ def test_a_missing_model_file_is_a_clear_error_not_a_traceback(tmp_path, monkeyp
     from models import weights
 
     monkeypatch.setattr(weights, "BUILTIN_WEIGHTS", tmp_path / "assets" / "tiny.safetensors")
-    assert main(["generate", "--prompt", "p", "-o", str(tmp_path / "x.mp4"), "--quiet"]) == 2
+    assert main(["generate", "--prompt", "p", "-o", str(tmp_path / "x.mp4"), "--quiet", "--weights", "builtin"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("streamsvc generate: the built-in model's weights are missing") and "--weights random" in err
-    assert main(["serve", "--port", "0"]) == 2  # before the server starts
+    assert main(["serve", "--port", "0", "--weights", "builtin"]) == 2  # before the server starts
     assert "streamsvc serve: the built-in model's weights are missing" in capsys.readouterr().err
+    # the default (auto) without the file: random weights, as --weights random, and a warning in the log
+    assert main(["generate", "--prompt", "p", "-o", str(tmp_path / "a.mp4"), "--quiet", "--seconds", "1"]) == 0
+    assert main(["generate", "--prompt", "p", "-o", str(tmp_path / "r.mp4"), "--quiet", "--seconds", "1", "--weights", "random"]) == 0
+    assert all(np.array_equal(x, y) for x, y in zip(decode(tmp_path / "a.mp4"), decode(tmp_path / "r.mp4")))
+    capsys.readouterr()
     assert main(["generate", "--prompt", "p", "--weights", "random", "--checkpoint", "x.pt", "--quiet"]) == 2
     assert "random DiT weights, but a checkpoint was given too" in capsys.readouterr().err
