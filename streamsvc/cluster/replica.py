@@ -53,23 +53,31 @@ class ReplicaConfig:
 
 
 class RelayConnection:
-    """What `Server._handle` needs of a WebSocket connection, fed by the gateway's calls."""
+    """What `Server._handle` needs of a WebSocket connection, fed by the gateway's calls.
+
+    Its two directions end apart: the viewer's messages end with a None in `inbox` (the viewer left, or
+    the replica ends the session: its gateway's lease ran out), after which the server's last messages
+    (its `closed`) still go to `outbox`, for the gateway to relay to a viewer that is still there; sends
+    fail (`closed`) only once the server closed the connection or the session's call itself ended."""
 
     def __init__(self, conn_id: str, headers: list[tuple[str, str]], address: str) -> None:
         self.conn_id = conn_id
         self.request = _Request(Headers(headers))
         self.remote_address = (address, 0)
-        self.inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()  # the viewer's messages; None: it left
+        self.inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()  # the viewer's messages; None: they end
         self.outbox: asyncio.Queue[str | bytes | dict | None] = asyncio.Queue()  # to the gateway; None: the end
-        self.closed = False
+        self.closed = False  # no more sends: the server closed it, or the session's call ended
+        self.inbox_ended = False
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> str | bytes:
+        if self.inbox_ended:
+            raise StopAsyncIteration
         item = await self.inbox.get()
         if item is None:
-            self.closed = True
+            self.inbox_ended = True  # (not `closed`: the server's reply to the end, its `closed`, still goes out)
             raise StopAsyncIteration
         return item
 

@@ -1,15 +1,23 @@
 """The cluster's parts that need no Ray: placement over the replicas' routing stats (streamsvc/cluster/placement.py),
-the replica's health check, and `streamsvc serve` without --cluster importing no Ray."""
+the replica's health check, `streamsvc serve` without --cluster importing no Ray, and the relay of a viewer's
+WebSocket (the gateway's code and the replica's `session`/`feed`/RelayConnection around a real `Server`, the
+handle's calls made in this process instead of through Ray Serve)."""
 
+import asyncio
+import contextlib
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
+from streamsvc import protocol as P
 from streamsvc.cluster.placement import ReplicaStats, rank_replicas
 from streamsvc.cluster.replica import EngineReplica, ReplicaConfig
 from streamsvc.engine import Engine, EngineConfig
+from streamsvc.server import Server, ServerConfig
 
 KV = 100  # one stream's KV bytes in these tests
 
@@ -67,3 +75,121 @@ def test_serve_without_cluster_imports_no_ray():
     code = ("import sys, streamsvc.cli as c; a = c.build_parser().parse_args(['serve']); "
             "assert a.cluster is None; assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---------------------------------------------------------------- the relay, without Ray
+
+T = 20.0  # bound on anything that takes a second or two on a busy 2-core machine
+
+
+class _Call:
+    """A Serve handle's call made in this process: awaitable (a response) or async-iterable (stream=True)."""
+
+    def __init__(self, coro_or_gen) -> None:
+        self._it = coro_or_gen
+        self._task: asyncio.Task | None = None
+
+    def __await__(self):
+        self._task = asyncio.ensure_future(self._it)
+        return self._task.__await__()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self._it.__anext__()
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        elif hasattr(self._it, "aclose"):  # a session call: its generator's finally runs, as Serve's cancel does
+            asyncio.ensure_future(self._it.aclose())
+
+
+class _LocalHandle:
+    """The engine deployment's handle, its one replica in this process."""
+
+    deployment_name = "relay-test"
+
+    def __init__(self, replica) -> None:
+        self.replica = replica
+        self._method = ""
+
+    def options(self, method_name: str, stream: bool = False) -> "_LocalHandle":
+        h = _LocalHandle(self.replica)
+        h._method = method_name
+        return h
+
+    def remote(self, *args, **kwargs) -> _Call:
+        return _Call(getattr(EngineReplica, self._method)(self.replica, *args, **kwargs))
+
+
+@contextlib.asynccontextmanager
+async def relayed():
+    """A gateway on a free port whose one replica runs the tiny preset on CPU in this process: (gateway, replica)."""
+    pytest.importorskip("ray.serve")  # the gateway's router module imports Ray (no instance is started)
+    from streamsvc.cluster.gateway import Gateway, GatewayConfig
+
+    server = Server(EngineConfig(), ServerConfig(port=0))
+    await asyncio.wait_for(server.start(listen=False), 60)
+    replica = SimpleNamespace(server=server, draining=False, uid="r1", host="127.0.0.1", conns={}, owner={},
+                              leases={})
+    g = Gateway(_LocalHandle(replica), ServerConfig(port=0), GatewayConfig(call_timeout_s=5, place_timeout_s=T))
+    await asyncio.wait_for(g.start(), T)
+    try:
+        yield g, replica
+    finally:
+        await g.stop()
+        await asyncio.wait_for(server.stop(), 30)
+
+
+async def _until_closed(ws) -> list:
+    """Every message until the socket closes: text ones parsed, chunks as 'chunk'."""
+    seen = []
+    with contextlib.suppress(ConnectionClosed):
+        async with asyncio.timeout(T):
+            async for raw in ws:
+                seen.append("chunk" if isinstance(raw, bytes) else P.parse_server(raw))
+    return seen
+
+
+async def _started(g) -> object:
+    ws = await connect(f"ws://127.0.0.1:{g.port}/ws", compression=None, max_size=P.MAX_CHUNK_BYTES)
+    await ws.send(P.encode(P.Start(prompt="a red fox", seed=1)))
+    async with asyncio.timeout(T):
+        assert isinstance(P.parse_server(await ws.recv()), P.Ready)
+        while not isinstance(await ws.recv(), bytes):  # a chunk: the stream plays
+            pass
+    return ws
+
+
+async def test_a_viewer_that_sends_close_through_the_gateway_gets_closed_before_the_socket_closes():
+    async with relayed() as (g, replica):
+        ws = await _started(g)
+        await ws.send(P.encode(P.Close()))
+        seen = await _until_closed(ws)
+        texts = [m for m in seen if m != "chunk"]
+        assert texts and isinstance(texts[-1], P.Closed) and texts[-1].reason == "closed by client", seen
+        assert ws.close_code == 1000
+        assert await _wait(lambda: not replica.conns and not g.sessions and not replica.server.sessions)
+
+
+async def test_a_session_the_replica_ends_on_its_own_still_tells_its_viewer_closed():
+    """The lease reaper ends a session by ending its viewer's input (as the viewer's leaving does): a viewer
+    still there (its gateway's renewals came late) gets `closed` before its socket closes, not a bare close."""
+    async with relayed() as (g, replica):
+        ws = await _started(g)
+        (conn,) = replica.conns.values()
+        conn.inbox.put_nowait(None)  # what EngineReplica._reap does
+        seen = await _until_closed(ws)
+        texts = [m for m in seen if m != "chunk"]
+        assert texts and isinstance(texts[-1], P.Closed), seen
+        assert await _wait(lambda: not replica.conns and not g.sessions and not replica.server.sessions)
+
+
+async def _wait(predicate, timeout_s: float = T) -> bool:
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return predicate()
