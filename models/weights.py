@@ -16,6 +16,7 @@ The model's shapes come from the weights (`infer_config`); the preset gives reso
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -433,6 +434,12 @@ class ModelFile:
     vectors: torch.Tensor  # [len(words), text_dim] their text-encoder vectors, as the model was trained with
 
 
+@functools.cache  # once per process: the CLI resolves before the server starts, the engine again
+def _warn_not_installed(path: Path) -> None:
+    log.warning("the built-in model (%s) is not in this install: random weights. Train it with "
+                "`python -m models.train --export FILE` and pass --weights FILE, or --weights random to say so", path)
+
+
 def resolve_weights(weights: str | None, preset: str, checkpoint: str | None = None, wan_dir: str | None = None) -> Path | None:
     """The model file that `weights` names, or None for the DiT of `checkpoint` / `wan_dir`, else random
     weights. None or "random": no model file ("random" with a checkpoint or a Wan folder is a contradiction);
@@ -446,9 +453,7 @@ def resolve_weights(weights: str | None, preset: str, checkpoint: str | None = N
         if preset != "tiny" or given is not None:
             return None
         if not BUILTIN_WEIGHTS.is_file():
-            log.warning("the built-in model (%s) is not in this install: random weights. Train it with "
-                        "`python -m models.train --export FILE` and pass --weights FILE, or --weights random to "
-                        "say so", BUILTIN_WEIGHTS)
+            _warn_not_installed(BUILTIN_WEIGHTS)
             return None
         return BUILTIN_WEIGHTS
     if weights == "random":
