@@ -7,8 +7,8 @@ Tiers, from the reference down (SGLang Diffusion's exact / lossless / lossy):
 
 `--fidelity TIER` caps the options: every option of a tier at or below it may run, and by default the
 tier's `default` options that are fast on the device do. Without `--fidelity` the math stays exact in
-steady state, options named on their own flags (`--kv-quant`) run, and the overload fallback of
-issue 14 (`degrade`: a late chunk runs fewer steps instead of stalling) is allowed; an explicit
+steady state, options named on their own flags (`--kv-quant`) run, and the overload fallback of the
+scheduler (`degrade`: a late chunk runs fewer steps instead of stalling) is allowed; an explicit
 `--fidelity exact` turns that off too. Each option's drift against `exact` from the same seed is
 measured by benchmarks/fidelity.py.
 """

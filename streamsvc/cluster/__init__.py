@@ -1,4 +1,4 @@
-"""Beyond one GPU: each GPU's engine is a Ray Serve replica behind a gateway (issue 17; the `[cluster]` extra).
+"""Beyond one GPU: each GPU's engine is a Ray Serve replica behind a gateway (the `[cluster]` extra).
 
 - `placement`: pure logic, no Ray: what a replica reports (`ReplicaStats`) and where a new stream goes
   (`rank_replicas`: the replicas with room first, most free KV first; the engine's admission decides).
