@@ -470,7 +470,7 @@ class CausalWanModel(nn.Module):
             (cos, sin), _ = rope[0]
             qs = KERNELS.norm_rope(q, attn.norm_q.weight, eps, cos, sin).transpose(1, 2)
             ks = KERNELS.norm_rope(k, attn.norm_k.weight, eps, cos, sin).transpose(1, 2)
-            vs = attn.v(x).view(b, n, nh, hd).transpose(1, 2)
+            vs = (v_all if v_all is not None else attn.v(x).view(b, n, nh, hd)).transpose(1, 2)
             out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(1, 2)
             return attn.o(out.reshape(b, n, -1))
         keys, values = kv.buffers(layer)  # [B, Lk, H, D], the cached part filled

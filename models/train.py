@@ -45,6 +45,7 @@ from models.scenes import Clip, chunk_of_frame, draw, sample_clip, vocabulary
 from models.text import HashTextEncoder
 
 STAGES = ("pca", "decoder", "teacher", "rollout")
+LOSS_WEIGHTS = {"none": 0, "std": 1, "var": 2}  # TrainConfig.loss_weight -> the power of each channel's std
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class TrainConfig:
     rollout_lr: float = 2e-4
 
     def __post_init__(self) -> None:
-        if self.loss_weight not in ("none", "std", "var"):
+        if self.loss_weight not in LOSS_WEIGHTS:
             raise ValueError(f"loss_weight {self.loss_weight!r}: use none, std or var")
 
     @classmethod
@@ -213,8 +214,11 @@ class Trainer:
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
         params = {"decoder": self.decoder, "teacher": self.model, "rollout": self.model}.get(self.stage)
-        lr = self.cfg.rollout_lr if self.stage == "rollout" else self.cfg.lr
-        return None if params is None else torch.optim.AdamW(params.parameters(), lr=lr, weight_decay=0.01)
+        return None if params is None else torch.optim.AdamW(params.parameters(), lr=self._peak_lr, weight_decay=0.01)
+
+    @property
+    def _peak_lr(self) -> float:
+        return self.cfg.rollout_lr if self.stage == "rollout" else self.cfg.lr
 
     @property
     def checkpoint_path(self) -> Path:
@@ -288,9 +292,8 @@ class Trainer:
 
     def _lr(self) -> None:
         frac = self.step / max(1, self.steps_of(self.stage))
-        peak = self.cfg.rollout_lr if self.stage == "rollout" else self.cfg.lr
         for group in self.opt.param_groups:
-            group["lr"] = peak * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+            group["lr"] = self._peak_lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
 
     def _clips(self, n: int) -> list[Clip]:
         return [sample_clip(self.rng, self.cfg.chunks, height=self.mc.height, width=self.mc.width) for _ in range(n)]
@@ -375,9 +378,7 @@ class Trainer:
             t = torch.full((len(states), fpc), 1000 * sigma, device=self.device)
             text = self.model.project_text(self.encoder.encode([s.prompt for s in states]).to(self.device))
             v = self.model.predict_flow(x, t, text, [CacheAccess(s.cache, s.cache.num_frames) for s in states])
-            frames = video_frames(range(k * fpc, (k + 1) * fpc), self.mc.temporal_upsample)
-            rendered = torch.stack([tl.render(frames, self.device) for tl in timelines])
-            truth = self.pca.encode(rendered.view(len(states), fpc, self.mc.temporal_upsample, *rendered.shape[2:]))
+            truth = self.pca.encode(self._render([Clip(tl, (k,)) for tl in timelines]))  # chunk k as rendered
             loss = ((v - (x - truth) / sigma).pow(2) * self._channel_weights()).mean()
         finally:
             for s in states:
@@ -387,7 +388,7 @@ class Trainer:
 
     def _channel_weights(self) -> torch.Tensor:
         """[1, C, 1, 1, 1]: each latent channel's weight in the flow loss (TrainConfig.loss_weight)."""
-        power = {"none": 0, "std": 1, "var": 2}[self.cfg.loss_weight]
+        power = LOSS_WEIGHTS[self.cfg.loss_weight]
         w = self.pca.std.to(self.device) ** power
         return (w / w.mean()).view(1, -1, 1, 1, 1)
 
