@@ -4,15 +4,13 @@ reference (Triton's interpreter on CPU, in a child process; compiled on CUDA).""
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from models import GeneratorConfig, build_generator, sage
+from tests.conftest import run_interpreted
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -116,10 +114,7 @@ def test_kernel_matches_reference(shape):
 @pytest.mark.skipif(HAS_CUDA or INTERPRET or not HAS_TRITON, reason="CUDA runs the kernel directly; needs triton")
 def test_interpreted_on_cpu():
     """Triton picks its interpreter per process at import, so the kernel tests run in a child with TRITON_INTERPRET=1."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "matches_reference"]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_interpreted(__file__, "matches_reference")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "2 passed" in proc.stdout
 

@@ -4,14 +4,12 @@ On CUDA they run compiled; on CPU a child process runs them in Triton's interpre
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from models import dit
+from tests.conftest import run_interpreted
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -178,10 +176,7 @@ def test_cuda_forwards_through_a_rolling_cache_track_cpu():
 @pytest.mark.skipif(HAS_CUDA or INTERPRET or not HAS_TRITON, reason="CUDA runs the kernels directly; needs triton")
 def test_interpreted_on_cpu():
     """Triton picks its interpreter per process at import, so the kernel tests run in a child with TRITON_INTERPRET=1."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "matches_reference"]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_interpreted(__file__, "matches_reference")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "5 passed" in proc.stdout  # float32; bfloat16 runs on CUDA
 
