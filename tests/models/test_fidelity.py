@@ -6,7 +6,7 @@ import torch
 
 from kvcache import StreamCache
 from models import CacheAccess, GeneratorConfig, Work, fidelity
-from tests.conftest import tiny_generator
+from tests.conftest import solo_and_batched, tiny_generator
 
 
 def test_every_option_has_a_tier_and_the_tiers_cap_them():
@@ -141,24 +141,7 @@ def test_commit_reuse_batched_streams_equal_one_by_one():
     """Streams at different fills and steps in one forward: each one whose step is its last writes its own
     slots; a batched commit runs a forward only for a chunk cut short (here: none, then one)."""
     gen = tiny_generator(sink_frames=3, window_frames=6, commit_reuse=True)
-    prompts = ["alpha", "beta", "gamma"]
-    solo = [gen.open_stream(f"s{i}", p, seed=10 + i) for i, p in enumerate(prompts)]
-    batch = [gen.open_stream(f"b{i}", p, seed=10 + i) for i, p in enumerate(prompts)]
-    for i in range(3):
-        for s in (solo[i], batch[i]):
-            it = gen.stream(s)
-            for _ in range(i + 1):
-                next(it)
-    solo_out = []
-    for s in solo:
-        it = gen.stream(s)
-        solo_out.append([next(it) for _ in range(2)])
-    batch_out = [[], [], []]
-    for _ in range(2):
-        for _ in range(len(gen.sigmas)):
-            gen.run(Work.DENOISE, batch)
-        for j, ch in enumerate(gen.run(Work.COMMIT, batch)):
-            batch_out[j].append(ch)
+    solo, batch, solo_out, batch_out = solo_and_batched(gen, ["alpha", "beta", "gamma"])
     for s_chunks, b_chunks in zip(solo_out, batch_out):
         for x, y in zip(s_chunks, b_chunks):
             torch.testing.assert_close(x.latents, y.latents, atol=1e-4, rtol=1e-4)

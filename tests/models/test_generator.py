@@ -6,7 +6,7 @@ import torch
 
 from kvcache import StreamCache
 from models import CacheAccess, Work
-from tests.conftest import tiny_generator
+from tests.conftest import solo_and_batched, tiny_generator
 
 
 def run_chunks(gen, state, n, prompt_at=None):
@@ -199,20 +199,7 @@ def test_prompt_changes_the_video():
 
 def test_batched_streams_equal_one_by_one():
     gen = tiny_generator(sink_frames=3, window_frames=6)
-    prompts = ["alpha", "beta", "gamma"]
-    # different cache fills: stream i has i+1 chunks committed before the batched part
-    solo = [gen.open_stream(f"s{i}", p, seed=10 + i) for i, p in enumerate(prompts)]
-    batch = [gen.open_stream(f"b{i}", p, seed=10 + i) for i, p in enumerate(prompts)]
-    for i in range(3):
-        run_chunks(gen, solo[i], i + 1)
-        run_chunks(gen, batch[i], i + 1)
-    solo_out = [run_chunks(gen, s, 2) for s in solo]
-    batch_out = [[], [], []]
-    for _ in range(2):
-        for _ in range(len(gen.sigmas)):
-            gen.run(Work.DENOISE, batch)
-        for j, ch in enumerate(gen.run(Work.COMMIT, batch)):
-            batch_out[j].append(ch)
+    solo, batch, solo_out, batch_out = solo_and_batched(gen, ["alpha", "beta", "gamma"])
     for s_chunks, b_chunks in zip(solo_out, batch_out):
         for x, y in zip(s_chunks, b_chunks):
             assert torch.allclose(x.latents, y.latents, atol=1e-4), (x.latents - y.latents).abs().max()
