@@ -17,8 +17,8 @@ def test_every_option_has_a_tier_and_the_tiers_cap_them():
     assert not fidelity.allowed("commit-reuse", "quantized") and fidelity.allowed("commit-reuse", "approximate")
     assert fidelity.allowed("commit-reuse", None)  # no cap given
     assert fidelity.defaults(None, "cuda") == [] and fidelity.defaults("exact", "cuda") == []
-    assert fidelity.defaults("quantized", "cuda") == ["fp8-linears", "int8-attention"]
-    assert fidelity.defaults("approximate", "cuda") == ["fp8-linears", "int8-attention", "steps-3", "commit-reuse"]
+    assert fidelity.defaults("quantized", "cuda") == ["fp8-linears"]  # INT8 attention only when named
+    assert fidelity.defaults("approximate", "cuda") == ["fp8-linears", "steps-3", "commit-reuse"]
     assert fidelity.defaults("approximate", "cpu") == ["steps-3", "commit-reuse"]  # FP8 and INT8 only pay on a GPU
     assert fidelity.degrade_allowed(None) and fidelity.degrade_allowed("quantized") and not fidelity.degrade_allowed("exact")
 
@@ -26,9 +26,11 @@ def test_every_option_has_a_tier_and_the_tiers_cap_them():
 def test_configure_sets_the_generator_and_refuses_what_is_over_the_cap():
     base = GeneratorConfig()
     cfg = fidelity.configure(base, "approximate", None, "cuda")
-    assert cfg.fp8_linears and cfg.attention_quant == "int8" and cfg.commit_reuse
+    assert cfg.fp8_linears and cfg.attention_quant == "none" and cfg.commit_reuse
     assert cfg.timesteps == base.timesteps[:3] and cfg.shorter_steps == (2,)
-    assert fidelity.active(cfg) == ["fp8-linears", "int8-attention", "steps-3", "commit-reuse"]
+    assert fidelity.active(cfg) == ["fp8-linears", "steps-3", "commit-reuse"]
+    named = fidelity.configure(base, "quantized", fidelity.parse("int8-attention"), "cuda")
+    assert named.attention_quant == "int8" and fidelity.active(named) == ["int8-attention"]
     assert fidelity.tier_of(fidelity.active(cfg)) == "approximate"
     assert "fidelity approximate" in fidelity.describe(cfg, degrade=True)
     assert fidelity.configure(base, "exact", None, "cuda") == base
