@@ -15,8 +15,9 @@ Stages, run in order by one command that stops after `--minutes` and checkpoints
 4. rollout: a short fine-tune on the model's own context, as Self-Forcing trains: a batch of streams
    rolled out with the real ChunkGenerator (its cache, prompt switches and recaches), up to a random
    chunk; one random denoising step of that chunk runs with the gradient, its flow regressed onto the
-   rendered truth of the chunk (the scene is deterministic given the prompts, so the truth is known
-   even where the model's own history has drifted from it).
+   chunk rendered from the model's own history (the scene is a function of the prompts and of where
+   the object was: the rendered chunk is moved to continue from where the model's object is at the end
+   of the chunk before, so a stream that drifted is taught to go on from there, not to jump back).
 
 `--smoke` runs a few steps of each on the CPU in seconds (CI runs it). `--export FILE` writes the
 weights as one safetensors file (DiT, decoder, encoder and the text vectors of the caption words).
@@ -74,10 +75,17 @@ class TrainConfig:
     rollout_batch: int = 32  # streams rolled out together
     rollout_chunks: int = 8  # the trained chunk is one of the first this many of a stream
     rollout_lr: float = 2e-4
+    # the rollout's regression target: "history" renders the chunk from where the model's own object is at
+    # the end of the chunk before (the scene is a function of the prompt and the history: a stream whose
+    # object went astray continues from there), "absolute" the stream's rendered truth from its first frame
+    # (which asks a model that drifted to jump back: a target its context contradicts)
+    rollout_truth: str = "history"
 
     def __post_init__(self) -> None:
         if self.loss_weight not in LOSS_WEIGHTS:
             raise ValueError(f"loss_weight {self.loss_weight!r}: use none, std or var")
+        if self.rollout_truth not in ("history", "absolute"):
+            raise ValueError(f"rollout_truth {self.rollout_truth!r}: use history or absolute")
 
     @classmethod
     def smoke(cls) -> TrainConfig:
@@ -172,6 +180,34 @@ def chunk_weights(clip: Clip) -> list[float]:
         float(tl.segment_at(c) == last and (c == 0 or (i > 0 and chunks[i - 1] == c - 1)))
         for i, c in enumerate(chunks)
     ]
+
+
+def object_centres(frames: torch.Tensor, threshold: float = 80 / 127.5, min_pixels: int = 20) -> torch.Tensor:
+    """frames [B, H, W, 3] in [-1, 1] -> [B, 2] (x, y) of each frame's object in pixels, wrap-aware (the
+    circular mean of the pixels farther than `threshold` from the border's median colour), NaN where fewer
+    than `min_pixels` are (client/pixels.py reads frames the same way, on the CPU, for the viewers)."""
+    b, h, w, _ = frames.shape
+    border = torch.cat([frames[:, 0], frames[:, -1], frames[:, :, 0], frames[:, :, -1]], dim=1)  # [B, 2(H+W), 3]
+    background = border.median(dim=1).values[:, None, None]
+    mask = ((frames - background).norm(dim=-1) > threshold).float()  # [B, H, W]
+
+    def circular(weights: torch.Tensor, size: int) -> torch.Tensor:  # [B, size] -> [B]
+        angle = 2 * math.pi * (torch.arange(size, device=weights.device) + 0.5) / size
+        mean = torch.atan2((weights * angle.sin()).sum(1), (weights * angle.cos()).sum(1))
+        return torch.remainder(mean, 2 * math.pi) * size / (2 * math.pi)
+
+    centres = torch.stack([circular(mask.sum(1), w), circular(mask.sum(2), h)], dim=1)
+    return torch.where(mask.sum((1, 2))[:, None] >= min_pixels, centres, torch.full_like(centres, math.nan))
+
+
+def roll_frames(frames: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """frames [B, ..., H, W, 3] with sample i moved by shifts[i] = (dx, dy) pixels (rounded) on the torus;
+    a NaN shift leaves its sample as it is."""
+    out = frames.clone()
+    for i, (dx, dy) in enumerate(shifts.tolist()):
+        if not math.isnan(dx):
+            out[i] = torch.roll(frames[i], (round(dy), round(dx)), dims=(-3, -2))
+    return out
 
 
 class _NoFrames:
@@ -378,13 +414,31 @@ class Trainer:
             t = torch.full((len(states), fpc), 1000 * sigma, device=self.device)
             text = self.model.project_text(self.encoder.encode([s.prompt for s in states]).to(self.device))
             v = self.model.predict_flow(x, t, text, [CacheAccess(s.cache, s.cache.num_frames) for s in states])
-            truth = self.pca.encode(self._render([Clip(tl, (k,)) for tl in timelines]))  # chunk k as rendered
+            frames = self._render([Clip(tl, (k,)) for tl in timelines])  # chunk k as rendered, [B, F, tu, H, W, 3]
+            if cfg.rollout_truth == "history" and k > 0:
+                frames = self._continue_from(frames, states, timelines, k)
+            truth = self.pca.encode(frames)
             loss = ((v - (x - truth) / sigma).pow(2) * self._channel_weights()).mean()
         finally:
             for s in states:
                 gen.close_stream(s)
         self._update(loss, self.model)
         return loss.item()
+
+    def _continue_from(self, frames: torch.Tensor, states, timelines, k: int) -> torch.Tensor:
+        """Chunk k's rendered frames, each stream's shifted on the torus by where its generated object is
+        at the last video frame of chunk k-1 against where the rendered one is; unshifted where no object
+        is found (the scene is the same up to the shift: constant velocity, wrapping at the edges)."""
+        fpc = self.gen.frames_per_chunk
+        last_latent = k * fpc - 1
+        last_video = video_frames([last_latent], self.mc.temporal_upsample)[-1]
+        newest = [max(range(len(s.cache.frame_ids)), key=s.cache.frame_ids.__getitem__) for s in states]
+        z = torch.stack([s.clean[slot] for s, slot in zip(states, newest)])  # [B, C, h, w]
+        seen = self.pca.decode(z[:, :, None])[:, 0, -1]  # [B, H, W, 3]: the linear inverse's last video frame
+        found = object_centres(seen)  # [B, 2] (x, y), NaN without an object
+        want = torch.as_tensor(np.stack([tl.centres([last_video])[0] for tl in timelines]), dtype=torch.float32)
+        size = torch.tensor([self.mc.width, self.mc.height], dtype=torch.float32)
+        return roll_frames(frames, torch.remainder(found.cpu() - want + size / 2, size) - size / 2)
 
     def _channel_weights(self) -> torch.Tensor:
         """[1, C, 1, 1, 1]: each latent channel's weight in the flow loss (TrainConfig.loss_weight)."""

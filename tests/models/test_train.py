@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from models.latent import BlockPCA, video_frames
-from models.scenes import Scene, Timeline, sample_clip
-from models.train import STAGES, Trainer, TrainConfig, chunk_weights, clip_captions, frame_text, main, teacher_forward, teacher_layout
+from models import train
+from models.scenes import Clip, Scene, Timeline, draw, sample_clip
+from models.train import STAGES, Trainer, TrainConfig, chunk_weights, clip_captions, frame_text, main, object_centres, teacher_forward, teacher_layout
 from tests.conftest import tiny_generator
 
 
@@ -181,3 +182,42 @@ def test_the_flow_loss_weighs_latent_channels_by_their_spread_before_whitening(t
     assert w[0] > 100 * w[-1]  # the first component (mean colour) far above the last (fine detail)
     with pytest.raises(ValueError, match="loss_weight"):
         TrainConfig(loss_weight="pixels")
+
+
+def test_object_centres_find_a_drawn_object_across_the_edges():
+    scenes = [Scene("red", "ball", size="small"), Scene("yellow", "square"), Scene("white", "triangle", background="black")]
+    centres = np.array([[30.0, 64.0], [126.0, 3.0], [64.0, 127.5]])
+    frames = draw(centres, scenes, 128, 128, "cpu").float() / 127.5 - 1
+    found = object_centres(frames)
+    dist = torch.remainder(found - torch.tensor(centres, dtype=torch.float32) + 64, 128) - 64
+    assert dist[:2].abs().max() < 0.6  # ball and square: symmetric about their centre
+    assert dist[2, 0].abs() < 0.6 and dist[2, 1].abs() < 6  # the triangle's mass sits below its box centre
+    empty = torch.full((1, 128, 128, 3), -0.5)
+    assert torch.isnan(object_centres(empty)).all()
+
+
+def test_the_rollout_target_continues_from_where_the_generated_object_is(tmp_path):
+    """rollout_truth "history": chunk k's target is the rendered chunk moved by how far the model's object
+    (read from its last latent frame of chunk k-1) is from the rendered one; no object: not moved."""
+    trainer = Trainer(replace(TrainConfig.smoke(), pca_clips=32), tmp_path, torch.device("cpu"))
+    trainer.pca_step()
+    fpc, tu = trainer.gen.frames_per_chunk, trainer.mc.temporal_upsample
+    a = Scene("green", "square", motion="right")
+    tl = Timeline(((0, a, "a green square moving right"),))
+    k, offset = 2, (-20, 12)
+    last = video_frames([k * fpc - 1], tu)[-1]
+    centre = tl.centres([last]) + np.array([offset])
+    seen = draw(np.repeat(centre, tu, axis=0), [a] * tu, 128, 128, "cpu")  # the model's last latent frame, astray
+    z = trainer.pca.encode(seen[None, None])[0, :, 0]  # [C, h, w]
+    state = type("S", (), {})()
+    state.cache = type("C", (), {"frame_ids": [0, 1, 2, k * fpc - 1, k * fpc - 2]})()
+    state.clean = torch.stack([torch.zeros_like(z)] * 3 + [z, torch.zeros_like(z)])
+    frames = train.render_clips([Clip(tl, (k,))], fpc, tu, "cpu")
+    moved = trainer._continue_from(frames, [state], [tl], k)
+    # read from the PCA's linear inverse, the object's centre is within a pixel of where it was drawn
+    near = [(offset[0] + i, offset[1] + j) for i in (-1, 0, 1) for j in (-1, 0, 1)]
+    assert any(torch.equal(moved, train.roll_frames(frames, torch.tensor([d], dtype=torch.float32))) for d in near)
+    state.clean = torch.zeros_like(state.clean) - 3  # no object in view: the rendered truth as it is
+    assert torch.equal(trainer._continue_from(frames, [state], [tl], k), frames)
+    shifted = draw(np.array([[40.0, 50.0]]) + np.array([offset]), [a], 128, 128, "cpu")
+    torch.testing.assert_close(train.roll_frames(draw(np.array([[40.0, 50.0]]), [a], 128, 128, "cpu"), torch.tensor([offset], dtype=torch.float32)), shifted)
