@@ -235,8 +235,9 @@ class _NoFrames:
 class Trainer:
     """Holds everything a checkpoint holds; `run` trains until the time is up or every stage is done."""
 
-    def __init__(self, cfg: TrainConfig, out: Path, device: torch.device) -> None:
+    def __init__(self, cfg: TrainConfig, out: Path, device: torch.device, amp: bool = False) -> None:
         self.cfg, self.out, self.device = cfg, out, device
+        self.amp = amp  # the teacher's forward under bf16 autocast (weights, optimizer and loss stay float32)
         self.mc = ModelConfig.from_name(cfg.preset, **parse_overrides(cfg.model))
         self.gen = GeneratorConfig()
         self.encoder = HashTextEncoder(self.mc.text_dim, self.mc.text_len)
@@ -376,8 +377,9 @@ class Trainer:
         noisy = (1 - s) * clean + s * eps
         ctx = torch.rand(b, 1, 1, 1, 1, device=self.device) * cfg.context_noise
         context = (1 - ctx) * clean + ctx * torch.randn_like(clean)
-        text = frame_text(self.model, self.encoder, [clip_captions(c, fpc) for c in clips])
-        v = teacher_forward(self.model, context, noisy, 1000 * sigma, text, fpc)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            text = frame_text(self.model, self.encoder, [clip_captions(c, fpc) for c in clips])
+            v = teacher_forward(self.model, context, noisy, 1000 * sigma, text, fpc).float()
         weight = torch.tensor([chunk_weights(c) for c in clips], device=self.device).repeat_interleave(fpc, dim=1)
         per_frame = ((v - (eps - clean)).pow(2) * self._channel_weights()).mean(dim=(1, 3, 4))  # [B, F]
         loss = (per_frame * weight).sum() / weight.sum().clamp_min(1)
@@ -478,6 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="CPU threads torch may use")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a TrainConfig field")
     p.add_argument("--export", type=Path, help="after training, write the weights to this .safetensors file")
+    p.add_argument("--amp", choices=("bf16", "off"), default="off",
+                   help="the teacher stage's forward in bf16 autocast (float32 weights and loss; resumes either way)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -489,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"--set {item}: no field {key!r}; fields: {', '.join(fields)}")
         cfg = replace(cfg, **{key: fields[key](value)})
     args.out.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, args.out, torch.device(args.device))
+    trainer = Trainer(cfg, args.out, torch.device(args.device), amp=args.amp == "bf16")
     if trainer.resume():
         print(f"resumed {trainer.checkpoint_path} at {trainer.stage} step {trainer.step}", flush=True)
     done = trainer.run(args.minutes, args.save_minutes)

@@ -221,3 +221,20 @@ def test_the_rollout_target_continues_from_where_the_generated_object_is(tmp_pat
     assert torch.equal(trainer._continue_from(frames, [state], [tl], k), frames)
     shifted = draw(np.array([[40.0, 50.0]]) + np.array([offset]), [a], 128, 128, "cpu")
     torch.testing.assert_close(train.roll_frames(draw(np.array([[40.0, 50.0]]), [a], 128, 128, "cpu"), torch.tensor([offset], dtype=torch.float32)), shifted)
+
+
+def test_the_teacher_step_under_bf16_autocast_tracks_float32(tmp_path):
+    """--amp bf16: the teacher's forward in bf16 autocast gives the float32 loss within bf16's precision, and
+    the weights it steps stay float32."""
+    losses = {}
+    for amp in (False, True):
+        trainer = Trainer(TrainConfig.smoke(), tmp_path / str(amp), torch.device("cpu"), amp=amp)
+        trainer.pca_step()
+        trainer.stage, trainer.step = "teacher", 0
+        trainer.opt = trainer._optimizer()
+        trainer.rng = np.random.default_rng(5)
+        torch.manual_seed(5)
+        losses[amp] = trainer.teacher_step()
+        assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert np.isfinite(losses[True]) and losses[True] != losses[False]
+    assert abs(losses[True] - losses[False]) < 0.05 * losses[False]
