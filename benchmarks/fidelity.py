@@ -1,15 +1,19 @@
 """Speed and drift of each speed option and fidelity tier against the exact (bf16 reference) run.
 
 For each variant (a set of speed options, models/fidelity.py) one stream runs `--chunks` chunks from the same
-seed and prompt as the exact run; then, at a full cache, `--timed-chunks` more are timed. Reported per variant:
-- drift: the relative latent error of the last of the `--chunks` chunks (||x - x_exact|| / ||x_exact||) and its
-  mean over all of them, and the PSNR (dB) of the decoded frames against the exact run's, over all chunks and
-  for the last one. Each chunk's noise is seeded from (seed, chunk index), so that a variant with fewer steps
-  (which draws fewer re-noising samples) starts each chunk from the same noise as the exact run. Random weights make this a proxy (their flow is not a trained one); `--weights builtin`
-  (tiny preset) measures it on the trained built-in model;
+seed and prompts as the exact run: `--prompt`, switched to `--prompt2` before chunk `--switch-at` (a recache, the
+same in every variant); then, at a full cache, `--timed-chunks` more are timed, and `--timed-recaches` prompt
+switches. Reported per variant:
+- drift: the relative latent error of the last of the `--chunks` chunks (||x - x_exact|| / ||x_exact||), its
+  mean over all of them and over those from the switch on (what a recache option changes), and the PSNR (dB) of
+  the decoded frames against the exact run's, over all chunks and for the last one. Each chunk's noise is
+  seeded from (seed, chunk index), so that a variant with fewer steps (which draws fewer re-noising samples)
+  starts each chunk from the same noise as the exact run. Random weights make this a proxy (their flow is not a
+  trained one); `--weights builtin` (tiny preset) measures it on the trained built-in model;
 - speed: ms of a denoising forward (median, full cache; a later step, which reads the keys rotated by the
   first), ms of the commit forward (0 with commit reuse), DiT ms per chunk (its forwards) and ms per chunk
-  with the decode, each the median over the timed chunks, and forwards per chunk.
+  with the decode, each the median over the timed chunks, and forwards per chunk; ms of a recache at a full cache
+  (the whole call, its forwards and any K/V it moves) and its forwards, the median over the timed recaches.
 
     python benchmarks/fidelity.py --preset tiny --device cpu                      # CPU smoke, random weights
     python benchmarks/fidelity.py --preset tiny --device cpu --weights builtin    # the trained tiny model
@@ -35,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models import ChunkGenerator, GeneratorConfig, build_generator, fidelity  # noqa: E402
+from models import ChunkGenerator, GeneratorConfig, Work, build_generator, fidelity  # noqa: E402
 
 # name -> speed options (None: the tier's defaults on the device)
 VARIANTS: dict[str, list[str] | None] = {
@@ -46,6 +50,7 @@ VARIANTS: dict[str, list[str] | None] = {
     "steps-3": ["steps-3"],
     "steps-2": ["steps-2"],
     "commit-reuse": ["commit-reuse"],
+    "recache-last": ["recache-last"],
     "approximate": ["fp8-linears", "int8-attention", "steps-3", "commit-reuse"],
     "approximate-2": ["fp8-linears", "int8-attention", "steps-2", "commit-reuse"],
 }
@@ -154,7 +159,8 @@ def run_variant(name, options, base_gen, base_cfg, models, args, ref) -> dict:
 
     gen._start_chunk = start_aligned
     state = gen.open_stream("fidelity", args.prompt, seed=args.seed)
-    it = gen.stream(state)
+    switched = 0 < args.switch_at < args.chunks  # chunks [switch_at, chunks) are the new prompt's
+    it = gen.stream(state, {args.switch_at: args.prompt2} if switched else None)
     lat, frames = [], []
     t0 = time.perf_counter()
     for _ in range(args.chunks):
@@ -184,6 +190,30 @@ def run_variant(name, options, base_gen, base_cfg, models, args, ref) -> dict:
         dit_ms.append(sum(f["denoise"]) + sum(f["commit"]))
         den += f["denoise"][1:]  # later steps: the first rotates the cached keys
         com += f["commit"]
+    # timed prompt switches at a full cache, each followed by a chunk (untimed) so that the ring turns between
+    # them; the first is a warm-up (on CUDA it may capture a graph the drift run did not)
+    recache_ms, recache_fwd_ms, recache_fwd = [], [], []
+    for i in range(args.timed_recaches + 1 if args.timed_recaches > 0 else 0):
+        gen.set_prompt(state, (args.prompt, args.prompt2)[i % 2])
+        timer.on = True
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            gen.run(Work.RECACHE, [state])
+            b.record()
+            torch.cuda.synchronize()
+            ms = a.elapsed_time(b)
+        else:
+            t = time.perf_counter()
+            gen.run(Work.RECACHE, [state])
+            ms = (time.perf_counter() - t) * 1e3
+        f = timer.take()
+        timer.on = False
+        if i > 0:
+            recache_ms.append(ms)
+            recache_fwd_ms.append(sum(f["recache"]))
+            recache_fwd.append(len(f["recache"]))
+        next(it)
     steps = len(gen.sigmas)
     row = {
         "variant": name,
@@ -195,17 +225,22 @@ def run_variant(name, options, base_gen, base_cfg, models, args, ref) -> dict:
         "commit_ms": round(statistics.median(com), 3) if com else 0.0,
         "dit_chunk_ms": round(statistics.median(dit_ms), 2),
         "chunk_ms": round(statistics.median(chunk_ms), 2),
+        "recache_ms": round(statistics.median(recache_ms), 2) if recache_ms else None,  # the whole call
+        "recache_fwd_ms": round(statistics.median(recache_fwd_ms), 2) if recache_fwd_ms else None,  # its forwards
+        "recache_forwards": recache_fwd[0] if recache_fwd else None,
         "drift_run_s": round(drift_s, 1),
         "int8_attention_vs_exact": check,  # on the model's own activations, per layer (int8-attention only)
     }
     if ref is None:
-        row.update(rel_err_last=0.0, rel_err_mean=0.0, psnr_db=None, psnr_last_db=None)
+        row.update(rel_err_last=0.0, rel_err_mean=0.0, rel_err_switched=0.0 if switched else None, psnr_db=None,
+                   psnr_last_db=None)
         ref = (lat, frames)
     else:
         errs = [((x - r).norm() / r.norm()).item() for x, r in zip(lat, ref[0])]
         row.update(
             rel_err_last=round(errs[-1], 5),
             rel_err_mean=round(statistics.mean(errs), 5),
+            rel_err_switched=round(statistics.mean(errs[args.switch_at:]), 5) if switched else None,
             psnr_db=round(psnr(torch.cat(frames), torch.cat(ref[1])), 2),
             psnr_last_db=round(psnr(frames[-1], ref[1][-1]), 2),
         )
@@ -219,8 +254,9 @@ def run_variant(name, options, base_gen, base_cfg, models, args, ref) -> dict:
 
 COLUMNS = (("variant", "variant", "{}"), ("tier", "tier", "{}"), ("steps", "steps", "{}"), ("fwd", "forwards_per_chunk", "{}"),
            ("denoise_ms", "denoise_ms", "{:.2f}"), ("commit_ms", "commit_ms", "{:.2f}"), ("dit_chunk_ms", "dit_chunk_ms", "{:.1f}"),
-           ("chunk_ms", "chunk_ms", "{:.1f}"), ("rel_err@N", "rel_err_last", "{:.4f}"), ("rel_err_mean", "rel_err_mean", "{:.4f}"),
-           ("psnr_dB", "psnr_db", "{:.1f}"), ("psnr@N_dB", "psnr_last_db", "{:.1f}"))
+           ("chunk_ms", "chunk_ms", "{:.1f}"), ("recache_ms", "recache_ms", "{:.2f}"), ("rc_fwd", "recache_forwards", "{}"),
+           ("rel_err@N", "rel_err_last", "{:.4f}"), ("rel_err_mean", "rel_err_mean", "{:.4f}"),
+           ("rel_err_sw", "rel_err_switched", "{:.4f}"), ("psnr_dB", "psnr_db", "{:.1f}"), ("psnr@N_dB", "psnr_last_db", "{:.1f}"))
 
 
 def format_table(rows: list[dict]) -> str:
@@ -241,10 +277,15 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma list of {', '.join(VARIANTS)} (exact always runs first: the reference)")
     p.add_argument("--chunks", type=int, default=20, help="chunks per variant before the drift is read (default 20)")
     p.add_argument("--timed-chunks", type=int, default=5, help="chunks timed after them, at a full cache (default 5)")
+    p.add_argument("--timed-recaches", type=int, default=5,
+                   help="prompt switches timed after those, at a full cache, a chunk after each (default 5)")
     p.add_argument("--sink-frames", type=int, default=3)
     p.add_argument("--window-frames", type=int, default=9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt", default="a red ball moving right")
+    p.add_argument("--prompt2", default="a blue ball moving left", help="the prompt switched to at --switch-at")
+    p.add_argument("--switch-at", type=int, default=10,
+                   help="the chunk from which --prompt2 holds (a recache before it); 0 or >= --chunks: no switch (default 10)")
     p.add_argument("--compile", action="store_true", help="torch.compile the elementwise helpers (CUDA; as serve does)")
     p.add_argument("--no-cuda-graphs", action="store_true")
     args = p.parse_args(argv)
@@ -286,9 +327,11 @@ def main(argv: list[str] | None = None) -> int:
             f"({time.time() - t0:.0f} s)")
         if row.get("int8_attention_vs_exact"):
             log(f"{name}: INT8 attention on the model's own activations vs exact: {row['int8_attention_vs_exact']}")
+    switch = (f"prompt switched at chunk {args.switch_at}, rel_err_sw: the mean from it"
+              if 0 < args.switch_at < args.chunks else "no prompt switch")
     print(f"fidelity at {args.preset} on {args.device} ({dtype}, weights {args.checkpoint or args.weights}), "
-          f"sink {args.sink_frames} + window {args.window_frames}: drift after {args.chunks} chunks against exact, "
-          f"ms medians of {args.timed_chunks} chunks at a full cache")
+          f"sink {args.sink_frames} + window {args.window_frames}: drift after {args.chunks} chunks against exact "
+          f"({switch}), ms medians of {args.timed_chunks} chunks and {args.timed_recaches} recaches at a full cache")
     print(format_table(rows))
     for r in rows:
         if r.get("int8_attention_vs_exact"):
@@ -303,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         "weights": args.checkpoint or args.weights,
         "chunks": args.chunks,
         "timed_chunks": args.timed_chunks,
+        "timed_recaches": args.timed_recaches,
+        "prompt": args.prompt,
+        "prompt2": args.prompt2,
+        "switch_at": args.switch_at,
         "sink_frames": args.sink_frames,
         "window_frames": args.window_frames,
         "compile": args.compile,

@@ -3,7 +3,7 @@
 Tiers, from the reference down (SGLang Diffusion's exact / lossless / lossy):
 - `exact`: the bf16 reference math;
 - `quantized`: the same work in lower precision (FP8 GEMMs, INT8 attention scores, int KV storage);
-- `approximate`: less work (fewer denoising steps, the commit forward skipped).
+- `approximate`: less work (fewer denoising steps, the commit forward skipped, a recache of the newest chunk only).
 
 `--fidelity TIER` caps the options: every option of a tier at or below it may run, and by default the
 tier's `default` options that are fast on the device do. Without `--fidelity` the math stays exact in
@@ -45,6 +45,10 @@ OPTIONS: tuple[SpeedOption, ...] = (
     SpeedOption("commit-reuse", "approximate",
                 "no commit forward: the cache keeps the K/V of the chunk's last denoising step (computed from its "
                 "noisy input at that step's noise level, as a context_noise > 0 commit would be)", True, ("cuda", "cpu")),
+    SpeedOption("recache-last", "approximate",
+                "a prompt switch recomputes only the window's newest chunk under the new prompt (one forward instead of "
+                "one per cached chunk); the older window chunks keep the K/V they had under the old prompt", False,
+                ("cuda", "cpu")),
     SpeedOption("degrade", "approximate", "a chunk about to be late runs 3 or 2 steps instead of stalling (--degrade)",
                 False, ("cuda", "cpu"), overload_only=True),
 )
@@ -103,7 +107,8 @@ def configure(cfg, tier: str | None, names: Sequence[str] | None, device_type: s
     steps = [int(n.split("-")[1]) for n in names if n.startswith("steps-")]
     timesteps = cfg.timesteps[: steps[0]] if steps else cfg.timesteps
     return replace(cfg, fp8_linears="fp8-linears" in names, attention_quant="int8" if "int8-attention" in names else "none",
-                   commit_reuse="commit-reuse" in names, timesteps=timesteps)
+                   commit_reuse="commit-reuse" in names, recache_chunks=1 if "recache-last" in names else 0,
+                   timesteps=timesteps)
 
 
 def degrade_allowed(tier: str | None) -> bool:
@@ -124,6 +129,8 @@ def active(cfg, full_steps: int = 4) -> list[str]:
         out.append(f"steps-{len(cfg.timesteps)}")
     if getattr(cfg, "commit_reuse", False):
         out.append("commit-reuse")
+    if getattr(cfg, "recache_chunks", 0):  # the option sets 1; more newest chunks (set by hand) go by the same name
+        out.append("recache-last")
     return out
 
 

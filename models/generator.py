@@ -61,6 +61,11 @@ class GeneratorConfig:
     # schedule), from the x0 predicted one step earlier, not the clean x0 at timestep 0 (what Self-Forcing's
     # `context_noise` > 0 also caches, with x0 re-noised instead). A recache recomputes them clean.
     commit_reuse: bool = False
+    # approximate: a recache recomputes only the window's newest `recache_chunks` chunks (0: every chunk) under
+    # the new prompt; the older window chunks keep the K/V they were committed with under the old prompt (and
+    # the sinks theirs, unless recache_sinks). The newest chunk is the one the next chunk attends to most
+    # closely; recomputing it alone is one forward instead of one per cached chunk.
+    recache_chunks: int = 0
 
     def __post_init__(self) -> None:
         if self.frames_per_chunk < 1:
@@ -69,6 +74,8 @@ class GeneratorConfig:
             raise ValueError(f"timesteps must be in (0, 1000], got {self.timesteps}")
         if any(n < 1 for n in self.degraded_steps):
             raise ValueError(f"degraded_steps {self.degraded_steps} must each be >= 1 (a chunk needs a step)")
+        if self.recache_chunks < 0:
+            raise ValueError(f"recache_chunks must be >= 0 (0: recache every window chunk), got {self.recache_chunks}")
         if self.attention_quant not in ("none", "int8"):
             raise ValueError(f"attention_quant {self.attention_quant!r} is unknown; use none or int8")
         if self.window_frames and self.window_frames < self.frames_per_chunk:
@@ -135,6 +142,9 @@ class StreamState:
     x0: torch.Tensor | None = None  # last predicted clean chunk
     # commit reuse: the slots the chunk's last denoising step wrote its K/V to (its commit then runs no forward)
     reused_slots: list[int] | None = None
+    # the window holds K/V that are not its frames' (an abandoned chunk's, written by commit reuse): the next
+    # recache recomputes the whole window, whatever cfg.recache_chunks says
+    recache_all: bool = False
     chunk_version: int = 0  # prompt version the chunk in progress is generated under
     chunks_done: int = 0
     frames_done: int = 0  # video frames emitted
@@ -240,6 +250,7 @@ class ChunkGenerator:
             # recache before the next chunk, under the pending prompt if there is one, else the same one)
             if state.pending_prompt is None:
                 self.set_prompt(state, state.prompt, version=state.prompt_version)
+            state.recache_all = True
             state.cache.touch()
         state.reused_slots = None
         state.step, state.steps, state.x, state.x0 = 0, len(self.sigmas), None, None
@@ -320,30 +331,47 @@ class ChunkGenerator:
         block-causal attention of one forward over the whole window (each chunk sees the sinks, the
         chunks before it and itself), without a mask, in the shapes of a commit (so the commit's
         CUDA graphs replay it). At sink 3 + window 9 on the H200: forwards over 3, 6 and 9 cached
-        frames, about 125 ms, where the masked forward over the window took about 320."""
+        frames, about 125 ms, where the masked forward over the window took about 320.
+
+        With `cfg.recache_chunks` = N > 0 (recache-last: 1) only the window's newest N chunks are
+        recomputed, reading the older ones as they are: those keep the K/V they had under the old
+        prompt. The window is laid out again in time order from slot S (`relayout_window`, which moves
+        only the bookkeeping), so the kept frames' K/V are first moved to their new slots (nothing
+        moves when the ring's head is at 0)."""
         if state.pending_prompt is None:
             raise ValueError(f"stream {state.stream_id}: recache without a pending prompt")
         self._apply_prompt(state)
         state.forwards[Work.RECACHE.value] += 1
-        cache = state.cache
+        cache, nf = state.cache, self.cfg.frames_per_chunk
         sinks = cache.sinks_filled
         old_window = cache.window_slots_in_order()
         new_window = cache.relayout_window()
         if old_window:
             state.clean[_rows(new_window, self.device)] = state.clean[_rows(old_window, self.device)].clone()
-        if self.cfg.recache_sinks:
-            read, slots = 0, list(range(sinks)) + new_window
-        else:
-            read, slots = sinks, new_window
-        if not slots:
-            return
-        blocks = [cache.frame_ids[s] // self.cfg.frames_per_chunk for s in slots]
+        kept = _older_frames(cache, new_window, 0 if state.recache_all else self.cfg.recache_chunks, nf)
+        state.recache_all = False
+        self._move_kv(cache, old_window[:kept], new_window[:kept])
+        slots = (list(range(sinks)) if self.cfg.recache_sinks else []) + new_window[kept:]
+        blocks = [cache.frame_ids[s] // nf for s in slots]
         for _, group in itertools.groupby(zip(blocks, slots), key=lambda b_s: b_s[0]):
             part = [slot for _, slot in group]  # one chunk's frames, in consecutive slots
             x = state.clean[_rows(part, self.device)].transpose(0, 1)[None]  # [1, C, F, h, w]
             t = torch.zeros(1, len(part), device=self.device)
-            self.forward(x, t, state.text, [CacheAccess(cache, read, write_slots=part)])
-            read += len(part)
+            # slots are in time order from 0: the chunk reads every slot before its own (recomputed or kept)
+            self.forward(x, t, state.text, [CacheAccess(cache, part[0], write_slots=part)])
+
+    def _move_kv(self, cache: StreamCache, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Move the K/V of slots `src` to slots `dst` (in time order), every layer, through the cache's own
+        read and write, in the storage the cache has now (the workspace if it is attached there): exact for
+        dense storage; int4 / int2 storage quantizes again what it dequantized."""
+        if list(src) == list(dst):
+            return
+        index = torch.tensor(list(src)).to(self.device, non_blocking=True)
+        for layer in range(cache.spec.num_layers):
+            k, v = cache.read(layer, max(src) + 1)  # a view or a scratch buffer: copied out before the write
+            cache.write(layer, dst, k.index_select(0, index), v.index_select(0, index))
+        if self.workspace is not None:
+            self.workspace.written(cache, dst)  # copied home when another stream takes the workspace
 
     @torch.inference_mode()
     def denoise(self, states: Sequence[StreamState]) -> None:
@@ -405,7 +433,8 @@ class ChunkGenerator:
         """Capture every CUDA graph that serving replays, before serving (then `freeze`): with a
         throwaway stream, at each cache fill, a chunk's first denoising step (it rotates the cached
         keys), its later steps, its commit, and a commit that rotates (after a switch of streams,
-        or in a recache); then a recache. Returns the number of graphs captured (0 off CUDA)."""
+        or in a recache); then a recache (with recache_chunks, also one of the whole window). Returns
+        the number of graphs captured (0 off CUDA)."""
         runner = self.runner
         if not isinstance(runner, GraphedForward):
             return 0
@@ -428,6 +457,10 @@ class ChunkGenerator:
                 state.clean[_rows(slots, self.device)] = x[0].transpose(0, 1)
             self.set_prompt(state, "capture again")
             self.recache(state)
+            if self.cfg.recache_chunks:  # the whole window too, as after commit reuse's chunk abandoned over it
+                state.recache_all = True
+                self.set_prompt(state, "capture once more")
+                self.recache(state)
         finally:
             self.close_stream(state)
         runner.freeze()
@@ -467,6 +500,16 @@ class ChunkGenerator:
         shape = (mc.in_channels, self.cfg.frames_per_chunk, mc.latent_height, mc.latent_width)
         state.x = torch.randn(shape, generator=state.noise, device=self.device)
         state.chunk_version = state.prompt_version
+
+
+def _older_frames(cache: StreamCache, window: Sequence[int], newest_chunks: int, frames_per_chunk: int) -> int:
+    """How many of the window's frames (`window`: its slots in time order) are older than its newest
+    `newest_chunks` chunks (0 for 0: every chunk is recomputed)."""
+    if not newest_chunks or not window:
+        return 0
+    blocks = [cache.frame_ids[s] // frames_per_chunk for s in window]  # chunk index of each frame, ascending
+    first = sorted(set(blocks))[-newest_chunks:][0]
+    return sum(b < first for b in blocks)
 
 
 def _rows(slots: Sequence[int], device: torch.device) -> slice | torch.Tensor:

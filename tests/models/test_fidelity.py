@@ -1,5 +1,6 @@
-"""Fidelity tiers (models/fidelity.py) and the approximate tier's generator options: shorter schedules
-and commit reuse (the cache keeps the last denoising step's K/V), tiny preset, CPU."""
+"""Fidelity tiers (models/fidelity.py) and the approximate tier's generator options: shorter schedules,
+commit reuse (the cache keeps the last denoising step's K/V) and recache-last (a prompt switch recomputes the
+window's newest chunk only), tiny preset, CPU."""
 
 import pytest
 import torch
@@ -185,6 +186,166 @@ def test_commit_reuse_survives_switching_streams_between_last_step_and_commit():
         torch.testing.assert_close(torch.stack([c.latents for c in out[name]]), alone[name], rtol=1e-5, atol=1e-5)
 
 
+def test_recache_last_is_an_approximate_option_off_by_default():
+    base = GeneratorConfig()
+    assert fidelity.BY_NAME["recache-last"].tier == "approximate" and "recache-last" in fidelity.STEADY
+    assert "recache-last" not in fidelity.defaults("approximate", "cuda") + fidelity.defaults("approximate", "cpu")
+    assert fidelity.parse("recache-last,commit-reuse") == ["recache-last", "commit-reuse"]
+    cfg = fidelity.configure(base, "approximate", fidelity.parse("recache-last"), "cpu")
+    assert cfg.recache_chunks == 1 and not cfg.commit_reuse and cfg.timesteps == base.timesteps
+    assert fidelity.active(cfg) == ["recache-last"] and fidelity.tier_of(["recache-last"]) == "approximate"
+    assert fidelity.configure(base, None, ["recache-last"], "cuda").recache_chunks == 1  # no cap given
+    assert fidelity.configure(cfg, "approximate", None, "cpu").recache_chunks == 0  # the tier's defaults only
+    assert "recache-last" in fidelity.describe(cfg, degrade=False) and "recache-last (approximate)" in fidelity.help_text()
+    with pytest.raises(ValueError, match="recache-last is approximate, over --fidelity quantized"):
+        fidelity.configure(base, "quantized", ["recache-last"], "cuda")
+    with pytest.raises(ValueError, match="recache_chunks must be >= 0"):
+        GeneratorConfig(recache_chunks=-1)
+
+
+def kv_by_frame(gen, state) -> dict:
+    """(layer, frame id) -> that frame's cached (K, V)."""
+    kv = {}
+    for layer in range(gen.model_cfg.num_layers):
+        k, v = state.cache.read(layer)
+        for slot, frame in enumerate(state.cache.frame_ids):
+            kv[layer, frame] = (k[slot].clone(), v[slot].clone())
+    return kv
+
+
+def six_chunks(stage_kv=True, **cfg):
+    """A stream of 6 chunks under "a forest", sink 3 + window 9: the ring's head is at 6, so the window's slots
+    are out of time order (a recache's relayout moves every frame). Returns (generator, state, iterator, forwards seen)."""
+    gen = tiny_generator(sink_frames=3, window_frames=9, stage_kv=stage_kv, **cfg)
+    seen = record_forwards(gen)
+    state = gen.open_stream("s", "a forest", seed=2)
+    it = gen.stream(state)
+    for _ in range(6):
+        next(it)
+    assert state.cache.head == 6
+    return gen, state, it, seen
+
+
+def switched(stage_kv=True, **cfg):
+    """`six_chunks`, then a switch to "a desert" and its recache. Returns the generator, the state, the recache's
+    forwards, the K/V by frame right after it, the clean latents of the newest chunk ([C, 3, h, w]) and the 2
+    chunks that follow."""
+    gen, state, it, seen = six_chunks(stage_kv, **cfg)
+    before = len(seen)
+    gen.set_prompt(state, "a desert")
+    gen.run(Work.RECACHE, [state])
+    forwards = len(seen) - before
+    kv = kv_by_frame(gen, state)
+    newest = state.clean[[state.cache.frame_ids.index(f) for f in (15, 16, 17)]].transpose(0, 1).clone()
+    return gen, state, forwards, kv, newest, [next(it) for _ in range(2)]
+
+
+def assert_kv(a, b, equal=True):
+    same = torch.allclose(a[0], b[0], rtol=1e-5, atol=1e-6) and torch.allclose(a[1], b[1], rtol=1e-5, atol=1e-6)
+    assert same == equal
+
+
+@pytest.mark.parametrize("stage_kv", [True, False])  # through the device's workspace, and the stream's own storage
+def test_recache_last_recomputes_the_newest_chunk_and_keeps_the_older_ones(stage_kv):
+    _, full_state, full_forwards, full, _, full_after = switched(stage_kv)
+    gen, state, forwards, last, x, last_after = switched(stage_kv, recache_chunks=1)
+    old = kv_by_frame(*six_chunks(stage_kv)[:2])  # no switch: the old prompt's K/V
+    assert (full_forwards, forwards) == (3, 1)  # forwards over 3, 6 and 9 cached frames; one over 9
+    assert state.forwards["recache"] == 1 and state.prompt_version == 1 and state.cache.frame_ids == full_state.cache.frame_ids
+    newest, older, sinks = (15, 16, 17), (9, 10, 11, 12, 13, 14), (0, 1, 2)
+    for layer in range(gen.model_cfg.num_layers):
+        for f in newest:  # the newest chunk as a full recache computes it. That holds in layers 0 and 1, so in
+            # every layer of the tiny preset's 2: the newest chunk's K/V of layer l depend on the older frames' K/V
+            # of the layers below l, and those of layer 0 (before any attention) do not depend on the prompt
+            assert_kv(last[layer, f], full[layer, f])
+            assert_kv(last[layer, f], old[layer, f], equal=layer == 0)
+        for f in older + sinks:  # moved from their ring slots to the relaid-out ones, K/V as under the old prompt
+            assert_kv(last[layer, f], old[layer, f])
+    for f in older:
+        assert_kv(last[1, f], full[1, f], equal=False)  # a full recache recomputed them under the new prompt
+    # at any depth: one forward at t = 0 over the newest chunk under the new prompt, reading the sinks and the
+    # older frames with the old prompt's K/V, in time order
+    ref = StreamCache(state.cache.spec)
+    for layer in range(gen.model_cfg.num_layers):
+        kept = [old[layer, f] for f in sinks + older]
+        ref.write(layer, range(9), torch.stack([k for k, _ in kept]), torch.stack([v for _, v in kept]))
+    gen.model(x[None], torch.zeros(1, 3), gen.encode_prompt("a desert"), [CacheAccess(ref, 9, write_slots=[9, 10, 11])])
+    for layer in range(gen.model_cfg.num_layers):
+        k, v = ref.read(layer, 12)
+        for slot, f in zip((9, 10, 11), newest):
+            assert_kv(last[layer, f], (k[slot], v[slot]))
+    # the chunks after the switch read the older chunks' old K/V: close to a full recache's, not equal
+    for a, b in zip(last_after, full_after):
+        assert a.prompt_version == b.prompt_version == 1
+        err = ((a.latents - b.latents).norm() / b.latents.norm()).item()
+        assert 0 < err < 0.5, err
+
+
+def test_recache_last_equals_a_full_recache_when_the_window_holds_one_chunk():
+    out = {}
+    for chunks in (0, 1):
+        gen = tiny_generator(sink_frames=3, window_frames=3, recache_chunks=chunks)
+        seen = record_forwards(gen)
+        state = gen.open_stream("s", "a forest", seed=5)
+        it = gen.stream(state, {4: "a desert"})
+        out[chunks] = (torch.stack([next(it).latents for _ in range(6)]), len(seen))
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=0, atol=0)
+    assert out[1][1] == out[0][1] == 6 * 5 + 1  # 5 forwards a chunk and one recache forward
+
+
+def test_recache_last_changes_nothing_without_a_switch():
+    lat = {}
+    for chunks in (0, 1):
+        gen = tiny_generator(sink_frames=3, window_frames=9, recache_chunks=chunks)
+        state = gen.open_stream("s", "a forest", seed=3)
+        it = gen.stream(state)
+        lat[chunks] = torch.stack([next(it).latents for _ in range(7)])  # past the window: the ring turns
+        assert state.forwards == {"recache": 0, "denoise": 28, "commit": 7}
+    assert torch.equal(lat[1], lat[0])
+
+
+def test_recache_last_kept_kv_go_home_when_another_stream_takes_the_workspace():
+    """The kept frames' K/V are moved in the workspace (the stream, copied in afresh, has written nothing
+    there yet); another stream taking it right after the recache copies them back to the stream's own storage."""
+    def run(other: bool):
+        gen = tiny_generator(sink_frames=3, window_frames=9, recache_chunks=1)
+        a = gen.open_stream("a", "a forest", seed=2)
+        b = gen.open_stream("b", "a city", seed=9)
+        it, it_b = gen.stream(a), gen.stream(b)
+        for _ in range(6):
+            next(it)
+        if other:
+            next(it_b)  # b takes the workspace: a goes home
+        gen.set_prompt(a, "a desert")
+        gen.run(Work.RECACHE, [a])  # a is copied in again, its kept K/V moved there
+        if other:
+            next(it_b)  # and a goes home again
+            assert gen.workspace.owner is b.cache
+        return torch.stack([next(it).latents for _ in range(2)])
+
+    torch.testing.assert_close(run(True), run(False), rtol=0, atol=0)
+
+
+def test_recache_last_recaches_the_whole_window_after_commit_reuse_abandoned_over_it():
+    gen = tiny_generator(sink_frames=3, window_frames=9, commit_reuse=True, recache_chunks=1)
+    seen = record_forwards(gen)
+    state = gen.open_stream("s", "a red kite", seed=4)
+    it = gen.stream(state)
+    for _ in range(4):
+        next(it)  # sinks and window full: the next chunk's last step overwrites the oldest window frames
+    for _ in range(4):
+        gen.denoise([state])
+    assert state.reused_slots == [3, 4, 5]
+    gen.abandon_chunk(state)
+    before = len(seen)
+    gen.run(Work.RECACHE, [state])
+    assert len(seen) - before == 3 and not state.recache_all  # every window chunk, the overwritten one included
+    gen.set_prompt(state, "a blue kite")
+    before = len(seen)
+    gen.run(Work.RECACHE, [state])
+    assert len(seen) - before == 1  # then the newest chunk only again
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_commit_reuse_replays_the_captured_graphs_and_equals_eager():
@@ -200,6 +361,29 @@ def test_cuda_commit_reuse_replays_the_captured_graphs_and_equals_eager():
         state = gen.open_stream("a", "a red kite", seed=1)
         it = gen.stream(state, {3: "a green kite"})
         lat[graphs] = torch.stack([next(it).latents for _ in range(6)])
+        if graphs:
+            assert gen.runner.stats["replays"] > 0 and not gen.runner._warned  # nothing ran uncaptured
+    assert (lat[True] != 0).any()
+    torch.testing.assert_close(lat[True], lat[False], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_recache_last_replays_the_captured_graphs_and_equals_eager():
+    """A recache of the newest chunk is a commit-shaped forward that rotates the keys, over every older frame:
+    after the start-up capture every forward is a replay, through switches with the window partly filled and
+    with the ring's head at 0, 6 and 3 (the kept frames' K/V moved before it), and equals eager."""
+    from models import build_generator
+
+    lat = {}
+    for graphs in (True, False):
+        cfg = GeneratorConfig(sink_frames=3, window_frames=9, recache_chunks=1, cuda_graphs=graphs)
+        gen = build_generator("tiny", device="cuda", dtype=torch.float32, seed=3, cfg=cfg)
+        gen.capture_graphs()
+        state = gen.open_stream("a", "a red kite", seed=1)
+        it = gen.stream(state, {2: "a green kite", 4: "a blue kite", 6: "a red kite", 7: "a white kite"})
+        lat[graphs] = torch.stack([next(it).latents for _ in range(9)])
+        assert state.forwards["recache"] == 4
         if graphs:
             assert gen.runner.stats["replays"] > 0 and not gen.runner._warned  # nothing ran uncaptured
     assert (lat[True] != 0).any()
