@@ -275,7 +275,7 @@ class Engine:
 
     def _warm_up(self) -> None:
         """Time what serving runs: a throwaway stream fills its window, turns the ring and switches
-        prompts (a full-window recache each time); at least 5 samples of each kind of forward once
+        prompts (a recache each time, as the speed options shape it); at least 5 samples of each kind of forward once
         the window is full, the median of each goes to the scheduler."""
         gen, cfg = self.gen, self.config
         state = gen.open_stream("warmup", "warm up", seed=0)
