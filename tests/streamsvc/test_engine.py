@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from streamsvc.encode import StreamDecoder
 from streamsvc.engine import Engine, EngineConfig, EngineError
@@ -85,3 +86,25 @@ def test_close_frees_the_stream_and_unknown_streams_are_errors(engine):
     time.sleep(0.3)
     assert len(got.chunks["a"]) <= n + 1  # at most the chunk that was in the output stage
     assert not got.errors
+
+
+def test_keep_freed_memory_serves_large_cpu_tensors_from_the_heap():
+    """After keep_freed_memory a 4 MB tensor is not a fresh mapping of its own (glibc's mallinfo2 counts them)."""
+    import ctypes
+
+    from streamsvc.engine import keep_freed_memory
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        pytest.skip("not glibc (>= 2.33)")
+    mallinfo2.restype = MallInfo2
+    assert keep_freed_memory()
+    before = mallinfo2().hblks
+    blocks = [torch.empty(1 << 20) for _ in range(4)]  # 4 MB each, above malloc's default mmap threshold
+    assert mallinfo2().hblks == before  # from the heap, not four new mappings
+    del blocks
