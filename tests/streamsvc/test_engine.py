@@ -39,7 +39,7 @@ class Collector:
 @pytest.fixture
 def engine():
     got = Collector()
-    eng = Engine(EngineConfig(preset="tiny", device="cpu", scheduler=SchedulerConfig(buffer_cap_s=2.0), warmup_chunks=5),
+    eng = Engine(EngineConfig(preset="tiny", device="cpu", scheduler=SchedulerConfig(buffer_cap_s=2.0, max_batch=4), warmup_chunks=5),
                  got.on_chunk, got.on_error)
     eng.start().result(timeout=60)
     yield eng, got
@@ -50,6 +50,10 @@ def test_streams_get_their_chunks_in_order_and_prompts_take_effect(engine):
     eng, got = engine
     guess = eng.sched.config.initial_forward_s
     assert all(0 < eng.sched.costs.estimate(kind) != guess for kind in WorkKind)  # measured at warm-up
+    batch = eng.sched.config.max_batch
+    assert batch > 1  # a full batch measured too: admission counts its gain before serving has run one
+    for kind in (WorkKind.DENOISE, WorkKind.COMMIT):
+        assert 0 < eng.sched.costs.estimate(kind, batch) != batch * eng.sched.costs.estimate(kind, 1)
     for sid in ("a", "b"):
         assert eng.open_stream(sid, f"prompt {sid}", seed=1, fps=16).result(timeout=10).accepted
     got.wait(lambda g: all(len(g.chunks.get(s, [])) >= 2 for s in ("a", "b")))
