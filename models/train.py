@@ -252,6 +252,7 @@ class Trainer:
         self.stage, self.step = STAGES[0], 0
         self.rng = np.random.default_rng(cfg.seed)
         self.opt = self._optimizer()
+        self.skipped_steps = 0  # steps whose loss was not finite (not stepped), this run
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
         params = {"decoder": self.decoder, "teacher": self.model, "rollout": self.model}.get(self.stage)
@@ -317,6 +318,8 @@ class Trainer:
             loss = getattr(self, f"{self.stage}_step")()
             self.step += 1
             record = {"stage": self.stage, "step": self.step, "loss": round(loss, 6), "seconds": round(time.monotonic() - t0, 3)}
+            if self.skipped_steps:
+                record["skipped"] = self.skipped_steps
             if self.step % 50 == 0 or self.step == self.steps_of(self.stage):
                 print(json.dumps(record), flush=True)
             log.write(json.dumps(record) + "\n")
@@ -453,6 +456,9 @@ class Trainer:
         return (w / w.mean()).view(1, -1, 1, 1, 1)
 
     def _update(self, loss: torch.Tensor, module: torch.nn.Module) -> None:
+        if not math.isfinite(loss.item()):  # e.g. an overflow under --amp: the step is skipped, the weights kept
+            self.skipped_steps += 1
+            return
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)

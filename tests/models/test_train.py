@@ -238,3 +238,17 @@ def test_the_teacher_step_under_bf16_autocast_tracks_float32(tmp_path):
         assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     assert np.isfinite(losses[True]) and losses[True] != losses[False]
     assert abs(losses[True] - losses[False]) < 0.05 * losses[False]
+
+
+def test_a_step_whose_loss_is_not_finite_is_skipped(tmp_path):
+    trainer = Trainer(TrainConfig.smoke(), tmp_path, torch.device("cpu"))
+    trainer.pca_step()
+    trainer.stage, trainer.step = "teacher", 0
+    trainer.opt = trainer._optimizer()
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    loss = sum(p.sum() for p in trainer.model.parameters()) * float("nan")
+    trainer._update(loss, trainer.model)
+    assert trainer.skipped_steps == 1
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    trainer._update(sum(p.pow(2).sum() for p in trainer.model.parameters()), trainer.model)  # a finite one steps
+    assert trainer.skipped_steps == 1 and not all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
