@@ -86,6 +86,14 @@ class TinyStreamingDecoder(nn.Module):
         features of the latent frame before z's first; None at a stream's start) ->
         (rgb [B, F*tu, H, W, 3] float, about [-1, 1]; the memory to carry on)."""
         b, nf, _, h, w = z.shape
+        x, mem = self._features(z, memory)
+        patches = self._patches(x, z.flatten(0, 1))  # [B*F, tu, h, w, su, su, 3]
+        rgb = patches.permute(0, 1, 2, 4, 3, 5, 6)  # [B*F, tu, h, su, w, su, 3]: rows of su*3 values move whole
+        return rgb.reshape(b, nf * self.tu, h * self.su, w * self.su, 3), mem
+
+    def _features(self, z: torch.Tensor, memory: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """z [B, F, C, h, w] -> (features of each video frame [B*F*tu, ch, h, w], the memory to carry on)."""
+        b, nf, _, h, w = z.shape
         feats = F.silu(self.conv_in(z.flatten(0, 1))).unflatten(0, (b, nf))  # [B, F, ch, h, w]
         mixed = []
         mem = memory
@@ -94,18 +102,28 @@ class TinyStreamingDecoder(nn.Module):
             mem = feats[:, f] + F.silu(self.memory(torch.cat([feats[:, f], prev], dim=1)))
             mixed.append(mem)
         x = self.temporal(torch.stack(mixed, 1).flatten(0, 1))  # [B*F, ch*tu, h, w]
-        x = F.silu(self.frame(x.view(b * nf * self.tu, -1, h, w)))  # [N, ch, h, w], N = B*F*tu
-        n, su, tu = x.shape[0], self.su, self.tu
-        # per latent pixel an 8x8 patch: a flat colour plus detail plus the linear path, summed at latent
-        # resolution with the patch in the channels, (3, su, su) order; then one permute into [N, H, W, 3]
-        # (summing in the output's layout, with 3 innermost, took the CPU 4x as long)
-        # the linear path's channels are (tu, su, su, 3): its weights reordered to (tu, 3, su, su) (a tiny tensor)
-        weight = self.inverse.weight.view(tu, su, su, 3, -1).permute(0, 3, 1, 2, 4).reshape(self.inverse.weight.shape)
-        bias = self.inverse.bias.view(tu, su, su, 3).permute(0, 3, 1, 2).reshape(-1)
-        linear = F.conv2d(z.flatten(0, 1), weight, bias).view(n, 3, su * su, h, w)  # [N, 3, su*su, h, w]
-        patch = linear + self.detail(x).view(n, 3, su * su, h, w) + self.color(x)[:, :, None]
-        rgb = patch.view(n, 3, su, su, h, w).permute(0, 4, 2, 5, 3, 1)  # [N, h, su, w, su, 3]
-        return rgb.reshape(b, nf * tu, h * su, w * su, 3), mem
+        return F.silu(self.frame(x.view(b * nf * self.tu, -1, h, w))), mem
+
+    def _patches(self, x: torch.Tensor, z: torch.Tensor, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+        """Each latent pixel's su x su patch of each of its tu video frames, scale * (flat colour + detail +
+        the linear path) + shift: x [B*F*tu, ch, h, w] features, z [B*F, C, h, w] latents ->
+        [B*F, tu, h, w, su, su, 3] float.
+
+        The three 1x1 maps are one matmul per frame of the tu, with the patch (dy, dx, c) in the last
+        dimension, so the full-resolution output is written once (summing full-size maps and permuting
+        them into [H, W, 3] order cost the CPU most of a chunk's decode)."""
+        bf, c_lat, h, w = z.shape
+        tu, su, ch, o = self.tu, self.su, x.shape[1], 3 * self.su * self.su
+        # detail's output channels are (c, dy, dx): reordered to (dy, dx, c), the flat colour added to each
+        detail = self.detail.weight.view(3, su, su, ch).permute(1, 2, 0, 3).reshape(o, ch) + self.color.weight.view(3, ch).repeat(su * su, 1)
+        bias = self.detail.bias.view(3, su, su).permute(1, 2, 0).reshape(o) + self.color.bias.repeat(su * su)
+        # the linear path's output channels are (t, dy, dx, c) already
+        linear, bias = self.inverse.weight.view(tu, o, c_lat), self.inverse.bias.view(tu, o) + bias
+        weight = torch.cat([detail.expand(tu, o, ch) * scale, linear * scale, (bias * scale + shift)[..., None]], dim=2)
+        ones = x.new_ones(bf, tu, 1, h * w)  # the bias's input
+        inputs = torch.cat([x.view(bf, tu, ch, h * w), z.view(bf, 1, c_lat, h * w).expand(bf, tu, c_lat, h * w), ones], dim=2)
+        out = torch.matmul(inputs.transpose(2, 3), weight.transpose(1, 2))  # [B*F, tu, h*w, o]
+        return out.view(bf, tu, h, w, su, su, 3)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, state: DecoderState) -> torch.Tensor:
@@ -113,10 +131,13 @@ class TinyStreamingDecoder(nn.Module):
         p = self.conv_in.weight
         z = latents.to(p.device, p.dtype).transpose(0, 1)[None]  # [1, F, C, h, w]
         first = state.memory is None
-        rgb, mem = self(z, None if first else state.memory[None])
+        x, mem = self._features(z, None if first else state.memory[None])
         state.memory = mem[0].detach()
-        rgb = rgb[0, self.tu - 1 :] if first else rgb[0]  # the stream's first latent frame gives one video frame
-        frames = rgb.clamp_(-1, 1).add_(1).mul_(127.5).round_().to(torch.uint8)
+        # straight to [0, 255], rounded and narrowed to uint8 before the one permute into [N, H, W, 3]
+        patches = self._patches(x, z[0], scale=127.5, shift=127.5).clamp_(0, 255).round_().to(torch.uint8)
+        _, nf, h, w = latents.shape
+        frames = patches.permute(0, 1, 2, 4, 3, 5, 6).reshape(nf * self.tu, h * self.su, w * self.su, 3)
+        frames = frames[self.tu - 1 :] if first else frames  # the stream's first latent frame gives one video frame
         state.frames_out += frames.shape[0]
         return frames  # [N, H, W, 3]
 

@@ -38,3 +38,23 @@ def test_each_latent_pixel_becomes_its_patch_of_colour_detail_and_linear_path():
         n, lat, t = bi * nf * tu + fi, bi * nf + fi // tu, fi % tu  # video frame in the batch, its latent frame
         want = colour[n, c, y, x_] + detail[n, (c * su + dy) * su + dx, y, x_] + linear[lat, ((t * su + dy) * su + dx) * 3 + c, y, x_]
         torch.testing.assert_close(rgb[bi, fi, yy, xx, c], want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_gives_the_forwards_frames_as_uint8_a_chunk_at_a_time():
+    """decode (the serving path: straight to [0, 255] and uint8 before its one permute) equals forward's
+    frames mapped from [-1, 1] to uint8, chunk after chunk with the memory carried, the stream's first latent
+    frame giving one video frame."""
+    mc = ModelConfig.from_name("tiny")
+    dec = TinyStreamingDecoder(mc).init_weights(1)
+    with torch.no_grad():
+        dec.inverse.weight.normal_(0, 0.2)
+    z = torch.randn(1, 6, mc.in_channels, mc.latent_height, mc.latent_width)
+    with torch.no_grad():
+        rgb, _ = dec(z)
+    want = rgb[0].clamp(-1, 1).add(1).mul(127.5).round().to(torch.uint8)[dec.tu - 1 :]
+    state = dec.init_state()
+    got = torch.cat([dec.decode(z[0, i : i + 3].transpose(0, 1), state) for i in (0, 3)])
+    assert got.dtype == torch.uint8 and got.shape == want.shape == (6 * dec.tu - dec.tu + 1, mc.height, mc.width, 3)
+    diff = (got.int() - want.int()).abs()
+    assert diff.max() <= 1 and (diff == 0).float().mean() > 0.99  # the same up to rounding at .5
+    assert state.frames_out == got.shape[0]
