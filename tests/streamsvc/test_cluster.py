@@ -111,8 +111,13 @@ async def test_placement_by_free_kv_then_refusal_with_the_reason_when_every_repl
             assert extra.refused_reason and "KV" in extra.refused_reason, (extra.refused_reason, extra.errors)
             for c in clients:
                 assert await c.wait_until(lambda c=c: c.chunks >= 2, T), c.errors
-            # per-replica metrics reach the gateway's /metrics
-            m = await asyncio.to_thread(scrape_metrics, f"http://127.0.0.1:{g.port}/metrics")
+            # per-replica metrics reach the gateway's /metrics (with the routing stats: a stats period or more old)
+            async def scrape() -> dict:
+                return await asyncio.to_thread(scrape_metrics, f"http://127.0.0.1:{g.port}/metrics")
+
+            deadline = time.monotonic() + T
+            while (m := await scrape()).get("streamsvc_chunks_total", 0) == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.25)
             per_replica = [k for k in m if k.startswith("streamsvc_chunks_total{replica=")]
             assert len(per_replica) == 2, sorted(m)[:20]
             assert m["streamsvc_chunks_total"] == sum(m[k] for k in per_replica) > 0  # scrape_metrics' sum
