@@ -60,6 +60,20 @@ def log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
+def elapsed_ms(fn, cuda: bool) -> float:
+    """ms that fn() takes: on CUDA between events around it (the device's time, after a synchronize)."""
+    if not cuda:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b)
+
+
 class ForwardTimer:
     """Wraps a generator's runner: the time of each forward, by kind (denoise, commit, recache)."""
 
@@ -174,17 +188,7 @@ def run_variant(name, options, base_gen, base_cfg, models, args, ref) -> dict:
     cuda = device.type == "cuda"
     for _ in range(args.timed_chunks):
         timer.on = True
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            next(it)
-            b.record()
-            torch.cuda.synchronize()
-            chunk_ms.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            next(it)
-            chunk_ms.append((time.perf_counter() - t) * 1e3)
+        chunk_ms.append(elapsed_ms(lambda: next(it), cuda))
         f = timer.take()
         timer.on = False
         dit_ms.append(sum(f["denoise"]) + sum(f["commit"]))
@@ -196,17 +200,7 @@ def run_variant(name, options, base_gen, base_cfg, models, args, ref) -> dict:
     for i in range(args.timed_recaches + 1 if args.timed_recaches > 0 else 0):
         gen.set_prompt(state, (args.prompt, args.prompt2)[i % 2])
         timer.on = True
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            gen.run(Work.RECACHE, [state])
-            b.record()
-            torch.cuda.synchronize()
-            ms = a.elapsed_time(b)
-        else:
-            t = time.perf_counter()
-            gen.run(Work.RECACHE, [state])
-            ms = (time.perf_counter() - t) * 1e3
+        ms = elapsed_ms(lambda: gen.run(Work.RECACHE, [state]), cuda)
         f = timer.take()
         timer.on = False
         if i > 0:
