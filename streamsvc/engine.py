@@ -41,6 +41,10 @@ from streamsvc.scheduler import Admission, Plan, Scheduler, SchedulerConfig, Sch
 
 log = logging.getLogger("streamsvc.engine")
 
+__all__ = ["ChunkOut", "Engine", "EngineConfig", "EngineError"]
+
+_KIND = {Work.RECACHE: WorkKind.RECACHE, Work.DENOISE: WorkKind.DENOISE, Work.COMMIT: WorkKind.COMMIT}  # generator -> scheduler
+
 
 def keep_freed_memory(limit: int = 1 << 30) -> bool:
     """Make glibc's malloc keep what CPU tensors free for the next ones, instead of mapping every large
@@ -55,10 +59,6 @@ def keep_freed_memory(limit: int = 1 << 30) -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
     return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, limit))
-
-__all__ = ["ChunkOut", "Engine", "EngineConfig", "EngineError"]
-
-_KIND = {Work.RECACHE: WorkKind.RECACHE, Work.DENOISE: WorkKind.DENOISE, Work.COMMIT: WorkKind.COMMIT}  # generator -> scheduler
 
 
 class EngineError(RuntimeError):
@@ -307,22 +307,12 @@ class Engine:
                 if full:
                     gen.set_prompt(state, f"warm up {full_chunks}")
                     full_chunks += 1
-                while True:
-                    work = gen.next_work(state)
-                    timer = _Timer(gen.device, self.clock)
-                    out = gen.run(work, [state])
-                    seconds = timer.seconds()
-                    if full:
-                        costs[_KIND[work]].append(seconds)
-                    if out[0] is not None:
-                        enc.encode(out[0].frames.cpu().numpy(), start_index=out[0].first_frame)
-                        break
+                chunk = self._run_chunk([state], costs if full else None)[0]
+                enc.encode(chunk.frames.cpu().numpy(), start_index=chunk.first_frame)
         finally:
             gen.close_stream(state)
             enc.close()
-        medians = {kind: statistics.median(times) for kind, times in costs.items() if times}
-        for kind, seconds in medians.items():
-            self.sched.seed_cost(kind, 1, seconds)
+        medians = self._seed_costs(costs, 1)
         log.info("warm-up: forward costs at a full cache, median of %s runs (ms): %s",
                  "/".join(str(len(costs[k])) for k in medians), {k.value: round(1e3 * v, 2) for k, v in medians.items()})
         if self.sched.config.max_batch > 1:
@@ -334,26 +324,36 @@ class Engine:
         (all arriving before any batch ran) is refused below what the device carries."""
         gen = self.gen
         states = [gen.open_stream(f"warmup-{i}", "warm up", seed=i) for i in range(batch)]
-        costs: dict[WorkKind, list[float]] = {WorkKind.DENOISE: [], WorkKind.COMMIT: []}
+        costs: dict[WorkKind, list[float]] = {k: [] for k in WorkKind}
         capacity = gen.cache_spec().capacity_frames
         try:
             for _ in range(capacity // gen.cfg.frames_per_chunk + 3):  # fill the caches, then 3 chunks timed
-                full = states[0].cache.num_frames == capacity
-                while True:
-                    work = gen.next_work(states[0])
-                    timer = _Timer(gen.device, self.clock)
-                    out = gen.run(work, states)
-                    if full:
-                        costs[_KIND[work]].append(timer.seconds())
-                    if out[0] is not None:
-                        break
+                self._run_chunk(states, costs if states[0].cache.num_frames == capacity else None)
         finally:
             for state in states:
                 gen.close_stream(state)
+        medians = self._seed_costs(costs, batch)
+        log.info("warm-up: batches of %d at a full cache (ms): %s", batch, {k.value: round(1e3 * v, 2) for k, v in medians.items()})
+
+    def _run_chunk(self, states: list[StreamState], costs: dict[WorkKind, list[float]] | None) -> list:
+        """One chunk of `states` (in step, batched), forward by forward, each forward's time into
+        costs[kind] when costs is given; returns the chunks."""
+        gen = self.gen
+        while True:
+            work = gen.next_work(states[0])
+            timer = _Timer(gen.device, self.clock)
+            out = gen.run(work, states)
+            if costs is not None:
+                costs[_KIND[work]].append(timer.seconds())
+            if out[0] is not None:
+                return out
+
+    def _seed_costs(self, costs: dict[WorkKind, list[float]], batch: int) -> dict[WorkKind, float]:
+        """The median of each kind's times, seeded into the scheduler's costs at `batch`."""
         medians = {kind: statistics.median(times) for kind, times in costs.items() if times}
         for kind, seconds in medians.items():
             self.sched.seed_cost(kind, batch, seconds)
-        log.info("warm-up: batches of %d at a full cache (ms): %s", batch, {k.value: round(1e3 * v, 2) for k, v in medians.items()})
+        return medians
 
     # -- engine thread: the loop ------------------------------------------------------------------
 
