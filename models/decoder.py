@@ -87,9 +87,7 @@ class TinyStreamingDecoder(nn.Module):
         (rgb [B, F*tu, H, W, 3] float, about [-1, 1]; the memory to carry on)."""
         b, nf, _, h, w = z.shape
         x, mem = self._features(z, memory)
-        patches = self._patches(x, z.flatten(0, 1))  # [B*F, tu, h, w, su, su, 3]
-        rgb = patches.permute(0, 1, 2, 4, 3, 5, 6)  # [B*F, tu, h, su, w, su, 3]: rows of su*3 values move whole
-        return rgb.reshape(b, nf * self.tu, h * self.su, w * self.su, 3), mem
+        return _frames(self._patches(x, z.flatten(0, 1))).unflatten(0, (b, nf * self.tu)), mem
 
     def _features(self, z: torch.Tensor, memory: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """z [B, F, C, h, w] -> (features of each video frame [B*F*tu, ch, h, w], the memory to carry on)."""
@@ -135,11 +133,16 @@ class TinyStreamingDecoder(nn.Module):
         state.memory = mem[0].detach()
         # straight to [0, 255], rounded and narrowed to uint8 before the one permute into [N, H, W, 3]
         patches = self._patches(x, z[0], scale=127.5, shift=127.5).clamp_(0, 255).round_().to(torch.uint8)
-        _, nf, h, w = latents.shape
-        frames = patches.permute(0, 1, 2, 4, 3, 5, 6).reshape(nf * self.tu, h * self.su, w * self.su, 3)
+        frames = _frames(patches)
         frames = frames[self.tu - 1 :] if first else frames  # the stream's first latent frame gives one video frame
         state.frames_out += frames.shape[0]
         return frames  # [N, H, W, 3]
+
+
+def _frames(patches: torch.Tensor) -> torch.Tensor:
+    """[B*F, tu, h, w, su, su, 3] patches -> [B*F*tu, H, W, 3] frames: one permute, rows of su*3 values moving whole."""
+    bf, tu, h, w, su, _, c = patches.shape
+    return patches.permute(0, 1, 2, 4, 3, 5, 6).reshape(bf * tu, h * su, w * su, c)
 
 
 def frames_per_chunk(latent_frames: int, first: bool, temporal_upsample: int = 4) -> int:
