@@ -28,12 +28,19 @@ class ModelConfig:
     decoder_channels: int = 64  # width of the built-in streaming decoder
     temporal_upsample: int = 4  # video frames per latent frame (the first latent frame gives 1)
     spatial_upsample: int = 8  # pixels per latent pixel along each axis
+    # what the head outputs: "flow" the velocity v = noise - x0 (Wan's DiTs), "sample" the clean latent x0,
+    # turned into v = (x - x0) / sigma by the model (the built-in model: its head has fewer outputs per token
+    # than a token's latent values, dim 128 against 4 x 4 x 16, so as a flow it cannot reproduce the noise
+    # and every step would leave part of it in the frames)
+    prediction: str = "flow"
 
     def __post_init__(self) -> None:
         if self.dim % self.num_heads:
             raise ValueError(f"{self.name}: dim {self.dim} is not divisible by num_heads {self.num_heads}")
         if self.head_dim % 2 or self.head_dim < 6:
             raise ValueError(f"{self.name}: head_dim {self.head_dim} must be even and >= 6 for 3D RoPE")
+        if self.prediction not in ("flow", "sample"):
+            raise ValueError(f"{self.name}: prediction {self.prediction!r}: use flow or sample")
         if self.patch[0] != 1:
             raise ValueError(f"{self.name}: temporal patch must be 1 for frame-causal caching, got {self.patch}")
         if self.latent_height % self.patch[1] or self.latent_width % self.patch[2]:

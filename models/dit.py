@@ -20,6 +20,9 @@ from kvcache import StreamCache
 from models import flash, fp8, sage, triton_ops
 from models.config import ModelConfig
 
+# a "sample" model's flow at timestep 0 (a commit, whose flow nobody reads): x0 through the smallest sigma
+SAMPLE_MIN_SIGMA = 1e-3
+
 
 @dataclass
 class CacheAccess:
@@ -440,8 +443,11 @@ class CausalWanModel(nn.Module):
                 shift, scale = mods[i + 1][:2] if i + 1 < len(self.blocks) else head
                 h, y = self._block(ops, i, blk, h, y, mods[i], text[i], shift, scale, kv, rope, mask)
 
-        out = self.head.head(y.view(b, nf * tpf, cfg.dim)).float()
-        return self._unpatchify(out, nf)
+        out = self._unpatchify(self.head.head(y.view(b, nf * tpf, cfg.dim)).float(), nf)
+        if cfg.prediction == "sample":  # the head gave x0: the flow that leads from x to it
+            sigma = (t.float() / 1000).clamp_min(SAMPLE_MIN_SIGMA).view(b, 1, nf, 1, 1)
+            out = (x.float() - out) / sigma
+        return out
 
     def _block(self, ops, i, blk: Block, h, y, mod, text_kv, next_shift, next_scale, kv, rope, mask):
         """h: residual [B, F, T, dim] float32; y: this block's modulated input -> (h, the next block's y).

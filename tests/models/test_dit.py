@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from models import ModelConfig
@@ -31,3 +32,30 @@ def test_sinusoidal_embedding_is_cos_then_sin():
     assert e.shape == (2, 8)
     assert torch.allclose(e[0], torch.tensor([1.0] * 4 + [0.0] * 4, dtype=torch.float64))
     assert torch.isclose(e[1, 0], torch.cos(torch.tensor(1000.0, dtype=torch.float64)))
+
+
+def test_a_sample_model_returns_the_flow_that_leads_to_its_head_output():
+    """prediction="sample": the head gives x0 and the model returns (x - x0) / sigma, so the sampler's
+    x - sigma * v is the head's output. A flow model with the same weights returns that output as it is."""
+    from dataclasses import replace
+
+    from models import CausalWanModel
+    from models.dit import CacheAccess
+
+    cfg = ModelConfig.from_name("tiny")
+    flow = CausalWanModel(cfg).init_weights(0).eval()
+    sample = CausalWanModel(replace(cfg, prediction="sample")).eval()
+    sample.load_state_dict(flow.state_dict())
+    x = torch.randn(2, cfg.in_channels, 3, cfg.latent_height, cfg.latent_width, generator=torch.Generator().manual_seed(1))
+    t = torch.tensor([[1000.0] * 3, [625.0] * 3])
+    text = flow.project_text(torch.randn(2, cfg.text_len, cfg.text_dim))
+    access = [CacheAccess(None, 0)] * 2
+    with torch.no_grad():
+        head = flow.predict_flow(x, t, text, access)
+        v = sample.predict_flow(x, t, text, access)
+        v0 = sample.predict_flow(x, torch.zeros_like(t), text, access)  # a commit's timestep: finite
+    torch.testing.assert_close(x - (t / 1000).view(2, 1, 3, 1, 1) * v, head, rtol=0, atol=1e-5)
+    assert not torch.allclose(v, head)
+    assert torch.isfinite(v0).all()
+    with pytest.raises(ValueError, match="prediction"):
+        replace(cfg, prediction="noise")
