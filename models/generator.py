@@ -622,7 +622,18 @@ def _from_model_file(
     decoder = decoder.to(device=device, dtype=dtype).eval()
     text_encoder = VocabTextEncoder(mc.text_dim, mc.text_len, mf.words, mf.vectors)
     log.info("model %s: %s preset, dim %d, %d layers, %d caption words", path, mf.preset, mc.dim, mc.num_layers, len(mf.words))
-    return ChunkGenerator(model, cfg, text_encoder, decoder)
+    return ChunkGenerator(model, _file_schedule(cfg, mf.timesteps), text_encoder, decoder)
+
+
+def _file_schedule(cfg: GeneratorConfig, timesteps: tuple[float, ...] | None) -> GeneratorConfig:
+    """The model file's own denoising levels in place of the default schedule's: as many of them as the
+    caller's schedule has (a steps-N option keeps the first N of the default, so N of the file's). A
+    schedule the caller wrote out (not a prefix of the default) stays as it is."""
+    n, default = len(cfg.timesteps), GeneratorConfig.timesteps
+    if timesteps is None or cfg.timesteps != default[:n] or n > len(timesteps):
+        return cfg
+    log.info("sampling with the model file's timesteps %s", ", ".join(f"{t:g}" for t in timesteps[:n]))
+    return replace(cfg, timesteps=timesteps[:n])
 
 
 def _text_encoder(wan_dir: str | None, mc: ModelConfig, device: torch.device, dtype: torch.dtype) -> TextEncoder | None:

@@ -162,9 +162,13 @@ def sample_scene(rng: np.random.Generator, held_out: bool = False) -> Scene:
     return Scene(colour, shape, size, motion, background)
 
 
+def chunks_of_frames(frames: np.ndarray) -> np.ndarray:
+    """The chunk (3 latent frames) each of video frames `frames` (an int array) belongs to."""
+    return np.where(frames == 0, 0, (frames + 3) // 4) // 3
+
+
 def chunk_of_frame(frame: int) -> int:
-    """The chunk (3 latent frames) video frame `frame` belongs to."""
-    return (0 if frame == 0 else (frame + 3) // 4) // 3
+    return int(chunks_of_frames(np.asarray(frame)))
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,11 @@ class Timeline:
 
     def segment_at(self, chunk: int) -> int:
         """Index of the segment that chunk `chunk` is generated under."""
-        return max(i for i, (start, _, _) in enumerate(self.segments) if start <= chunk)
+        return int(self.segments_of(np.array([chunk]))[0])
+
+    def segments_of(self, chunks: np.ndarray) -> np.ndarray:
+        """`segment_at` of each of `chunks` (an int array), at once."""
+        return np.searchsorted([start for start, _, _ in self.segments], chunks, side="right") - 1
 
     def scene_at(self, chunk: int) -> Scene:
         return self.segments[self.segment_at(chunk)][1]
@@ -194,26 +202,29 @@ class Timeline:
         """[N, 2] (x, y) centre of the object in each video frame: it starts at the frame's centre, and
         frame n > 0 moves it by the velocity of the scene of n's chunk; wrapped onto the frame."""
         n = np.arange(max(frames, default=0) + 1)
-        chunks = np.where(n == 0, 0, (n + 3) // 4) // 3  # chunk_of_frame, for every frame up to the last
-        velocity = np.array([self.scene_at(c).velocity for c in range(chunks[-1] + 1)])  # [chunks, 2]
-        step = np.where((n > 0)[:, None], velocity[chunks], 0.0)
+        velocity = np.array([scene.velocity for _, scene, _ in self.segments])  # [segments, 2]
+        step = np.where((n > 0)[:, None], velocity[self.segments_of(chunks_of_frames(n))], 0.0)
         pos = np.cumsum(step, axis=0) + (self.width / 2, self.height / 2)
         return np.mod(pos[list(frames)], (self.width, self.height))
 
     def render(self, frames: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
         """Video frames `frames` of this stream: [N, H, W, 3] uint8, drawn on `device`."""
-        scenes = [self.scene_at(chunk_of_frame(n)) for n in frames]
-        return draw(self.centres(frames), scenes, self.height, self.width, device)
+        which = self.segments_of(chunks_of_frames(np.asarray(frames)))
+        return draw(self.centres(frames), [scene for _, scene, _ in self.segments], self.height, self.width, device, which)
 
 
-def draw(centres: np.ndarray, scenes: Sequence[Scene], height: int, width: int, device) -> torch.Tensor:
-    """[N, H, W, 3] uint8: scene i's object centred at centres[i] (x, y) on its background, on a torus
-    (an object across an edge shows on the other side too). Pixel (row r, column c) samples (c+0.5, r+0.5)."""
-    n = len(scenes)
+def draw(
+    centres: np.ndarray, scenes: Sequence[Scene], height: int, width: int, device, which: np.ndarray | None = None
+) -> torch.Tensor:
+    """[N, H, W, 3] uint8: frame i's scene (scenes[which[i]], or scenes[i] without `which`) with its object
+    centred at centres[i] (x, y) on its background, on a torus (an object across an edge shows on the other
+    side too). Pixel (row r, column c) samples (c+0.5, r+0.5)."""
+    n = len(centres)
+    which = torch.as_tensor(np.arange(n) if which is None else which, device=device)
     as_t = lambda v: torch.as_tensor(np.asarray(v, dtype=np.float32), device=device)  # noqa: E731
     cx, cy = as_t(centres[:, 0]).view(n, 1, 1), as_t(centres[:, 1]).view(n, 1, 1)
-    r = as_t([SIZES[s.size] for s in scenes]).view(n, 1, 1)
-    shape = torch.as_tensor([SHAPES.index(s.shape) for s in scenes], device=device)
+    r = as_t([SIZES[s.size] for s in scenes])[which].view(n, 1, 1)
+    shape = torch.as_tensor([SHAPES.index(s.shape) for s in scenes], device=device)[which]
     xs = torch.arange(width, device=device, dtype=torch.float32).view(1, 1, width) + 0.5
     ys = torch.arange(height, device=device, dtype=torch.float32).view(1, height, 1) + 0.5
     dx = torch.remainder(xs - cx + width / 2, width) - width / 2  # [N, 1, W] toroidal offsets
@@ -226,8 +237,8 @@ def draw(centres: np.ndarray, scenes: Sequence[Scene], height: int, width: int, 
         ]
     )  # [3, N, H, W]
     mask = inside[shape, torch.arange(n, device=device)]  # [N, H, W]: each frame's own shape
-    fg = torch.as_tensor([COLOURS[s.colour] for s in scenes], device=device, dtype=torch.uint8).view(n, 1, 1, 3)
-    bg = torch.as_tensor([BACKGROUNDS[s.background] for s in scenes], device=device, dtype=torch.uint8).view(n, 1, 1, 3)
+    fg = torch.as_tensor([COLOURS[s.colour] for s in scenes], device=device, dtype=torch.uint8)[which].view(n, 1, 1, 3)
+    bg = torch.as_tensor([BACKGROUNDS[s.background] for s in scenes], device=device, dtype=torch.uint8)[which].view(n, 1, 1, 3)
     return torch.where(mask[..., None], fg, bg)
 
 

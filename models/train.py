@@ -9,12 +9,14 @@ Stages, run in order by one command that stops after `--minutes` and checkpoints
    [clean chunks | noisy chunks]: a clean chunk sees the clean chunks up to it, a noisy chunk the
    clean chunks before it and itself, at its clean twin's RoPE positions. Flow matching: sigma per
    chunk, mostly one of the sampler's levels, partly at random; the clean context slightly noised.
+   The loss is on the clean latent the predicted flow leads to (x - sigma v against x0): every level
+   weighs alike, as the sampler uses each of them to predict x0.
    After a prompt switch the sinks keep the old prompt's K/V as a recache leaves them: a frame's text
    is per frame, the old prompt's for the sink chunk, the new one's for the rest.
 
 4. rollout: a short fine-tune on the model's own context, as Self-Forcing trains: a batch of streams
    rolled out with the real ChunkGenerator (its cache, prompt switches and recaches), up to a random
-   chunk; one random denoising step of that chunk runs with the gradient, its flow regressed onto the
+   chunk; one random denoising step of that chunk runs with the gradient, its x0 regressed onto the
    chunk rendered from the model's own history (the scene is a function of the prompts and of where
    the object was: the rendered chunk is moved to continue from where the model's object is at the end
    of the chunk before, so a stream that drifted is taught to go on from there, not to jump back).
@@ -42,7 +44,7 @@ from models.decoder import DecoderState, TinyStreamingDecoder, frames_per_chunk
 from models.dit import CacheAccess, CausalWanModel, TextKV
 from models.generator import ChunkGenerator, GeneratorConfig
 from models.latent import BlockPCA, video_frames
-from models.scenes import Clip, chunk_of_frame, draw, sample_clip, vocabulary
+from models.scenes import Clip, chunks_of_frames, draw, sample_clip, vocabulary
 from models.text import HashTextEncoder
 
 STAGES = ("pca", "decoder", "teacher", "rollout")
@@ -55,8 +57,9 @@ class TrainConfig:
 
     preset: str = "tiny"
     # overrides of the preset's shapes (the export records the result): twice the preset's width, as wide as
-    # 16 streams on a 2-core CPU allow (dim 128 / 2 layers: 19.7 ms a chunk on one thread, the preset 15.4)
-    model: str = "dim=128,ffn_dim=256,num_heads=4,num_layers=2"
+    # 16 streams on a 2-core CPU allow (dim 128 / 2 layers: 19.7 ms a chunk on one thread, the preset 15.4);
+    # the head predicts x0 (ModelConfig.prediction: as a flow, 128 outputs could not undo 256 values' noise)
+    model: str = "dim=128,ffn_dim=256,num_heads=4,num_layers=2,prediction=sample"
     seed: int = 0
     chunks: int = 5  # chunks per clip: the sink chunk and four more, as a full sink 3 + window 9 cache sees them
     pca_clips: int = 64  # clips the encoder is fit on
@@ -97,14 +100,15 @@ class TrainConfig:
 
 
 def parse_overrides(text: str) -> dict:
-    """"dim=128,num_layers=4" -> {"dim": 128, "num_layers": 4}, typed as ModelConfig's fields."""
-    fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    """"dim=128,prediction=sample" -> {"dim": 128, "prediction": "sample"}, typed as ModelConfig's fields."""
+    types = {"int": int, "float": float, "str": str}
+    fields = {f.name: types.get(f.type) for f in dataclasses.fields(ModelConfig) if f.name != "name"}
     out = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
-        if fields.get(key) not in ("int", "float"):
-            raise ValueError(f"model override {item!r}: {key!r} is not a numeric field of ModelConfig")
-        out[key] = int(value) if fields[key] == "int" else float(value)
+        if fields.get(key) is None:
+            raise ValueError(f"model override {item!r}: {key!r} is not a number or word field of ModelConfig")
+        out[key] = fields[key](value)
     return out
 
 
@@ -157,13 +161,15 @@ def clip_latent_frames(clip: Clip, frames_per_chunk: int) -> list[int]:
 def render_clips(clips: Sequence[Clip], frames_per_chunk: int, temporal: int, device) -> torch.Tensor:
     """[B, F, temporal, H, W, 3] uint8: the video frames each latent frame of each clip sums up, drawn
     in one batch (a clip at a time costs a GPU step more in launches and copies than its training)."""
-    centres, scenes = [], []
+    centres, scenes, which = [], [], []
     for clip in clips:
+        tl = clip.timeline
         frames = video_frames(clip_latent_frames(clip, frames_per_chunk), temporal)
-        centres.append(clip.timeline.centres(frames))
-        scenes += [clip.timeline.scene_at(chunk_of_frame(n)) for n in frames]
+        centres.append(tl.centres(frames))
+        which.append(len(scenes) + tl.segments_of(chunks_of_frames(np.asarray(frames))))
+        scenes += [scene for _, scene, _ in tl.segments]
     tl = clips[0].timeline
-    out = draw(np.concatenate(centres), scenes, tl.height, tl.width, device)
+    out = draw(np.concatenate(centres), scenes, tl.height, tl.width, device, np.concatenate(which))
     return out.view(len(clips), -1, temporal, *out.shape[1:])
 
 
@@ -388,7 +394,7 @@ class Trainer:
             text = frame_text(self.model, self.encoder, [clip_captions(c, fpc) for c in clips])
             v = teacher_forward(self.model, context, noisy, 1000 * sigma, text, fpc).float()
         weight = torch.tensor([chunk_weights(c) for c in clips], device=self.device).repeat_interleave(fpc, dim=1)
-        per_frame = ((v - (eps - clean)).pow(2) * self._channel_weights()).mean(dim=(1, 3, 4))  # [B, F]
+        per_frame = ((noisy - s * v - clean).pow(2) * self._channel_weights()).mean(dim=(1, 3, 4))  # [B, F]
         loss = (per_frame * weight).sum() / weight.sum().clamp_min(1)
         self._update(loss, self.model)
         return loss.item()
@@ -427,7 +433,7 @@ class Trainer:
             if cfg.rollout_truth == "history" and k > 0:
                 frames = self._continue_from(frames, states, timelines, k)
             truth = self.pca.encode(frames)
-            loss = ((v - (x - truth) / sigma).pow(2) * self._channel_weights()).mean()
+            loss = ((x - sigma * v - truth).pow(2) * self._channel_weights()).mean()
         finally:
             for s in states:
                 gen.close_stream(s)
@@ -466,8 +472,9 @@ class Trainer:
 
     # -- export -------------------------------------------------------------------------------
 
-    def export(self, path: Path) -> None:
-        """The weights as shipped: DiT, decoder, encoder and the caption words' text vectors, one file."""
+    def export(self, path: Path, timesteps: Sequence[float] | None = None) -> None:
+        """The weights as shipped: DiT, decoder, encoder and the caption words' text vectors, one file, with
+        the denoising schedule to sample it with (`timesteps`; default: the levels training drew from)."""
         from safetensors.torch import save_file
 
         words = vocabulary()
@@ -476,7 +483,8 @@ class Trainer:
         tensors |= {f"pca.{k}": v for k, v in self.pca.state_dict().items()}
         tensors["text.vectors"] = torch.stack([self.encoder._word(w) for w in words])
         tensors = {k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}
-        metadata = {"preset": self.cfg.preset, "model": json.dumps(asdict(self.mc)), "text.words": json.dumps(words)}
+        metadata = {"preset": self.cfg.preset, "model": json.dumps(asdict(self.mc)), "text.words": json.dumps(words),
+                    "sampler.timesteps": json.dumps([float(t) for t in timesteps or self.gen.timesteps])}
         save_file(tensors, path, metadata=metadata)
 
 
@@ -490,6 +498,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="CPU threads torch may use")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a TrainConfig field")
     p.add_argument("--export", type=Path, help="after training, write the weights to this .safetensors file")
+    p.add_argument("--timesteps", type=lambda v: tuple(float(t) for t in v.split(",")), metavar="T1,T2,...",
+                   help="the sampling schedule the export names (timesteps before the shift; default: the sampler's "
+                        "levels training drew from). The built-in model ships with 1000,500,250,100: a lower last "
+                        "level than Self-Forcing's 250 gives it sharper edges")
     p.add_argument("--amp", choices=("bf16", "off"), default="off",
                    help="the teacher stage's forward in bf16 autocast (float32 weights and loss; resumes either way)")
     args = p.parse_args(argv)
@@ -509,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     done = trainer.run(args.minutes, args.save_minutes)
     print("done" if done else f"stopped at {trainer.stage} step {trainer.step}: run again to resume", flush=True)
     if args.export and trainer.pca is not None:
-        trainer.export(args.export)
+        trainer.export(args.export, args.timesteps)
         print(f"wrote {args.export} ({args.export.stat().st_size / 1e6:.2f} MB)", flush=True)
     return 0
 

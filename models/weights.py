@@ -423,7 +423,7 @@ class ModelFile:
     (`dit.*`), its streaming decoder (`decoder.*`), the latent encoder it was trained with (`pca.*`, not
     needed to generate) and the text vectors of the caption words (`text.vectors`, one row per word of
     the metadata's `text.words`); the metadata's `model` is the ModelConfig trained (JSON), `preset` its
-    preset's name."""
+    preset's name, `sampler.timesteps` (optional, JSON) the denoising schedule to sample it with."""
 
     path: Path
     preset: str  # the preset it was trained as (its resolution and sampling defaults)
@@ -432,6 +432,7 @@ class ModelFile:
     decoder: dict[str, torch.Tensor]  # TinyStreamingDecoder's state dict
     words: tuple[str, ...]  # the caption words, in the order of `vectors`' rows
     vectors: torch.Tensor  # [len(words), text_dim] their text-encoder vectors, as the model was trained with
+    timesteps: tuple[float, ...] | None = None  # the schedule it samples best with (None: the generator's default)
 
 
 @functools.cache  # once per process: the CLI resolves before the server starts, the engine again
@@ -502,6 +503,7 @@ def read_model_file(path: str | Path) -> ModelFile:
         fields = json.loads(meta["model"])
         config = ModelConfig(**{**fields, "patch": tuple(fields["patch"])})
         words = tuple(json.loads(meta["text.words"]))
+        timesteps = tuple(float(t) for t in json.loads(meta["sampler.timesteps"])) if "sampler.timesteps" in meta else None
     except (TypeError, KeyError, ValueError) as e:
         raise CheckpointError(f"model file {path}: its metadata does not describe a model ({e})") from e
     vectors = tensors.pop("text.vectors")
@@ -516,4 +518,4 @@ def read_model_file(path: str | Path) -> ModelFile:
         if head not in parts or not rest:
             raise CheckpointError(f"model file {path}: unexpected tensor {key!r} (expected dit.*, decoder.*, pca.*)")
         parts[head][rest] = t
-    return ModelFile(path, meta["preset"], config, parts["dit"], parts["decoder"], words, vectors)
+    return ModelFile(path, meta["preset"], config, parts["dit"], parts["decoder"], words, vectors, timesteps)

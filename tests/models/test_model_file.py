@@ -45,6 +45,28 @@ def test_a_model_file_builds_its_dit_decoder_and_text_encoder(model_file):
     assert chunk.frames.shape == (9, 128, 128, 3) and chunk.frames.dtype == torch.uint8
 
 
+def test_a_model_file_names_the_schedule_it_samples_with(model_file, tmp_path):
+    """The export records the denoising levels (training's by default, or `--timesteps`); the generator
+    takes the file's levels for the default schedule, the first N of them for a steps-N one, and keeps a
+    schedule written out by hand."""
+    from models.generator import GeneratorConfig
+    from models.train import main
+
+    assert W.read_model_file(model_file).timesteps == GeneratorConfig.timesteps
+    out = tmp_path / "run"
+    args = ["--smoke", "--device", "cpu", "--out", str(out), "--set", f"model={GROWN}"]
+    assert main([*args, "--minutes", "5"]) == 0  # trains to the end
+    own = (1000.0, 500.0, 250.0, 100.0)
+    assert main([*args, "--export", str(tmp_path / "f.safetensors"), "--timesteps", "1000,500,250,100"]) == 0
+    path = str(tmp_path / "f.safetensors")
+    assert W.read_model_file(path).timesteps == own
+    assert build_generator("tiny", weights=path).cfg.timesteps == own
+    two = GeneratorConfig(timesteps=GeneratorConfig.timesteps[:2])  # what steps-2 makes of the default
+    assert build_generator("tiny", weights=path, cfg=two).cfg.timesteps == own[:2]
+    mine = GeneratorConfig(timesteps=(1000.0, 300.0))
+    assert build_generator("tiny", weights=path, cfg=mine).cfg.timesteps == (1000.0, 300.0)
+
+
 def test_vocabulary_words_take_the_stored_vectors_others_the_hashed_ones():
     words = ["red", "ball"]
     vectors = torch.arange(2 * 8, dtype=torch.float32).view(2, 8)

@@ -252,3 +252,23 @@ def test_a_step_whose_loss_is_not_finite_is_skipped(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     trainer._update(sum(p.pow(2).sum() for p in trainer.model.parameters()), trainer.model)  # a finite one steps
     assert trainer.skipped_steps == 1 and not all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_model_overrides_are_typed_as_the_config_fields():
+    assert train.parse_overrides("dim=128,num_layers=2,eps=1e-5,prediction=sample") == {
+        "dim": 128, "num_layers": 2, "eps": 1e-5, "prediction": "sample"
+    }
+    with pytest.raises(ValueError, match="patch"):
+        train.parse_overrides("patch=2")
+
+
+def test_a_batch_of_clips_renders_as_each_timeline_alone():
+    """render_clips draws a batch at once (scenes looked up per segment): each clip's frames must be its
+    timeline's, across a prompt switch and for a long clip's late chunks."""
+    rng = np.random.default_rng(4)
+    clips = [sample_clip(rng, p_switch=1.0, p_long=p) for p in (0.0, 1.0, 0.0, 1.0)]
+    assert any(c.long for c in clips) and all(len(c.timeline.segments) > 1 for c in clips)
+    batch = train.render_clips(clips, 3, 4, "cpu")  # [B, F, 4, H, W, 3]
+    for clip, frames in zip(clips, batch):
+        alone = clip.timeline.render(video_frames(train.clip_latent_frames(clip, 3)))
+        assert torch.equal(frames.flatten(0, 1), alone)
