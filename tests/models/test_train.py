@@ -272,3 +272,10 @@ def test_a_batch_of_clips_renders_as_each_timeline_alone():
     for clip, frames in zip(clips, batch):
         alone = clip.timeline.render(video_frames(train.clip_latent_frames(clip, 3)))
         assert torch.equal(frames.flatten(0, 1), alone)
+
+
+def test_a_stage_of_zero_steps_is_skipped(tmp_path):
+    trainer = Trainer(replace(TrainConfig.smoke(), rollout_steps=0), tmp_path, torch.device("cpu"))
+    assert trainer.run(minutes=5, save_minutes=60)
+    stages = [json.loads(line)["stage"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert "teacher" in stages and "rollout" not in stages and trainer.stage == "done"
