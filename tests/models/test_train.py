@@ -27,10 +27,18 @@ def test_layout_is_self_forcings_clean_then_noisy():
     ]
 
 
-def test_teacher_forcing_equals_the_chunk_generator_across_a_prompt_switch():
+@pytest.mark.parametrize("weights", ["random", "builtin"])
+def test_teacher_forcing_equals_the_chunk_generator_across_a_prompt_switch(weights):
     """Chunks 0 and 1 under A, a switch to B (the recache redoes chunk 1's K/V, the sinks keep A's),
-    then chunk 2's first denoising step: the training forward predicts the same flow (fp32, 1e-4)."""
-    gen = tiny_generator()
+    then chunk 2's first denoising step: the training forward predicts the same flow (fp32, 1e-4), for
+    a flow model (random weights) and for the shipped one, which predicts x0."""
+    from models import build_generator
+    from models.weights import BUILTIN_WEIGHTS
+
+    if weights == "builtin" and not BUILTIN_WEIGHTS.is_file():
+        pytest.skip("the built-in model file is not in this checkout")
+    gen = build_generator("tiny", dtype=torch.float32, weights=weights)
+    assert gen.model_cfg.prediction == ("sample" if weights == "builtin" else "flow")
     nf = gen.cfg.frames_per_chunk
     state = gen.open_stream("s", "a red ball moving right", seed=3)
     it = gen.stream(state)
