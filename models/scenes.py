@@ -167,10 +167,6 @@ def chunks_of_frames(frames: np.ndarray) -> np.ndarray:
     return np.where(frames == 0, 0, (frames + 3) // 4) // 3
 
 
-def chunk_of_frame(frame: int) -> int:
-    return int(chunks_of_frames(np.asarray(frame)))
-
-
 @dataclass(frozen=True)
 class Timeline:
     """A stream's prompts: `segments` are (first chunk, scene, caption), the first at chunk 0, in order."""
@@ -184,13 +180,21 @@ class Timeline:
         if not starts or starts[0] != 0 or starts != sorted(set(starts)):
             raise ValueError(f"segments must start at chunk 0 and be strictly increasing, got starts {starts}")
 
+    @property
+    def scenes(self) -> list[Scene]:
+        return [scene for _, scene, _ in self.segments]
+
     def segment_at(self, chunk: int) -> int:
         """Index of the segment that chunk `chunk` is generated under."""
-        return int(self.segments_of(np.array([chunk]))[0])
+        return int(self.segments_of(np.asarray([chunk]))[0])
 
     def segments_of(self, chunks: np.ndarray) -> np.ndarray:
         """`segment_at` of each of `chunks` (an int array), at once."""
         return np.searchsorted([start for start, _, _ in self.segments], chunks, side="right") - 1
+
+    def segments_of_frames(self, frames: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The segment each of video frames `frames` is generated under, at once."""
+        return self.segments_of(chunks_of_frames(np.asarray(frames)))
 
     def scene_at(self, chunk: int) -> Scene:
         return self.segments[self.segment_at(chunk)][1]
@@ -202,15 +206,14 @@ class Timeline:
         """[N, 2] (x, y) centre of the object in each video frame: it starts at the frame's centre, and
         frame n > 0 moves it by the velocity of the scene of n's chunk; wrapped onto the frame."""
         n = np.arange(max(frames, default=0) + 1)
-        velocity = np.array([scene.velocity for _, scene, _ in self.segments])  # [segments, 2]
-        step = np.where((n > 0)[:, None], velocity[self.segments_of(chunks_of_frames(n))], 0.0)
+        velocity = np.array([scene.velocity for scene in self.scenes])  # [segments, 2]
+        step = np.where((n > 0)[:, None], velocity[self.segments_of_frames(n)], 0.0)
         pos = np.cumsum(step, axis=0) + (self.width / 2, self.height / 2)
         return np.mod(pos[list(frames)], (self.width, self.height))
 
     def render(self, frames: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
         """Video frames `frames` of this stream: [N, H, W, 3] uint8, drawn on `device`."""
-        which = self.segments_of(chunks_of_frames(np.asarray(frames)))
-        return draw(self.centres(frames), [scene for _, scene, _ in self.segments], self.height, self.width, device, which)
+        return draw(self.centres(frames), self.scenes, self.height, self.width, device, self.segments_of_frames(frames))
 
 
 def draw(

@@ -44,7 +44,7 @@ from models.decoder import DecoderState, TinyStreamingDecoder, frames_per_chunk
 from models.dit import CacheAccess, CausalWanModel, TextKV
 from models.generator import ChunkGenerator, GeneratorConfig
 from models.latent import BlockPCA, video_frames
-from models.scenes import Clip, chunks_of_frames, draw, sample_clip, vocabulary
+from models.scenes import Clip, draw, sample_clip, vocabulary
 from models.text import HashTextEncoder
 
 STAGES = ("pca", "decoder", "teacher", "rollout")
@@ -168,8 +168,8 @@ def render_clips(clips: Sequence[Clip], frames_per_chunk: int, temporal: int, de
         tl = clip.timeline
         frames = video_frames(clip_latent_frames(clip, frames_per_chunk), temporal)
         centres.append(tl.centres(frames))
-        which.append(len(scenes) + tl.segments_of(chunks_of_frames(np.asarray(frames))))
-        scenes += [scene for _, scene, _ in tl.segments]
+        which.append(len(scenes) + tl.segments_of_frames(frames))
+        scenes += tl.scenes
     tl = clips[0].timeline
     out = draw(np.concatenate(centres), scenes, tl.height, tl.width, device, np.concatenate(which))
     return out.view(len(clips), -1, temporal, *out.shape[1:])
