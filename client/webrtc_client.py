@@ -58,6 +58,7 @@ from urllib.parse import urlsplit
 
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
+from av.video.reformatter import VideoReformatter
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
@@ -156,7 +157,8 @@ class WebRtcClient(ViewerClient):
                                          open_timeout=cfg.open_timeout_s, close_timeout=cfg.close_timeout_s)
                 await self._ws.send(P.encode(cfg.start_message("webrtc")))
                 if await self._await_ready():
-                    self._buffer = self._new_buffer(to_rgb=lambda frame: frame.to_ndarray(format="rgb24"))
+                    rgb = VideoReformatter()  # one swscale context for every frame, not one per frame
+                    self._buffer = self._new_buffer(to_rgb=lambda frame: rgb.reformat(frame, format="rgb24").to_ndarray())
                     self.state = ClientState.PLAYING
                     self._tasks.append(asyncio.create_task(self._receive(), name=f"ws-{self.ready.stream_id}"))
                     ok = await self._negotiate()

@@ -47,6 +47,7 @@ import av
 import numpy as np
 from av.codec.context import Flags
 from av.video.frame import PictureType
+from av.video.reformatter import VideoReformatter
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,9 @@ class StreamEncoder:
         self._threads = threads
         self._extra_options = dict(options or {})
         self._ctx: av.VideoCodecContext | None = self._open()
+        # one swscale context for every frame: a frame's own reformat() builds a new one each call (at 128x128 that
+        # set-up was 3 of a 12-frame chunk's 4 ms)
+        self._to_yuv = VideoReformatter()
         self._next_index = 0  # the lowest stream index the next frame may have
         self._keyframe_lock = threading.Lock()
         self._keyframe_requested = False
@@ -170,7 +174,7 @@ class StreamEncoder:
         for i, rgb in enumerate(frames):
             # RGB -> BT.601 limited-range yuv420p, averaging chroma (faster than the codec's own reformat)
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
-            frame = frame.reformat(format="yuv420p", interpolation="BILINEAR")
+            frame = self._to_yuv.reformat(frame, format="yuv420p", interpolation="BILINEAR")
             frame.pts = start_index + i  # in 1/fps; restamped to 90 kHz below
             if i == 0 and force_idr:
                 frame.pict_type = PictureType.I  # an IDR, with forced-idr on
@@ -266,6 +270,7 @@ class StreamDecoder:
         self._ctx = av.CodecContext.create("h264", "r")
         self._ctx.thread_count = 1  # frame threads would delay output by a frame per thread
         self._ctx.flags |= Flags.low_delay
+        self._to_rgb = VideoReformatter()  # one swscale context for every frame (see StreamEncoder)
         self._started = False
 
     @property
@@ -281,7 +286,11 @@ class StreamDecoder:
             if not is_idr(access_unit):
                 return []
             self._started = True
-        return [frame.to_ndarray(format="rgb24") for frame in self._ctx.decode(av.Packet(access_unit))]
+        return [self.to_rgb(frame) for frame in self._ctx.decode(av.Packet(access_unit))]
+
+    def to_rgb(self, frame: av.VideoFrame) -> np.ndarray:
+        """A decoded frame as [H, W, 3] uint8 RGB."""
+        return self._to_rgb.reformat(frame, format="rgb24").to_ndarray()
 
     def close(self) -> None:
         """Release the decoder (frames still inside are dropped)."""
