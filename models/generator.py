@@ -554,14 +554,16 @@ def build_generator(
     default) for what follows (models/weights.py `resolve_weights`).
 
     The DiT: random weights from `seed`, or a checkpoint (a .pt/.safetensors file, `wrapper` choosing
-    its `generator_ema` / `generator`, or a Wan2.1 folder) whose shapes win over the preset's
+    its `generator_ema` / `generator`, or a Wan2.1 folder) whose shapes win over the preset's, checked
+    against the config.json of `wan_dir` and of a checkpoint folder, which also give the heads
     (models/weights.py `infer_config`), with an optional LoRA merged in fp32; with `wan_dir` and no
     checkpoint, the folder's own DiT. `wan_dir` (either layout) also gives the umT5 text encoder and the
     Wan VAE. `decoder`: tiny (the built-in), wan-vae (from `wan_dir`), taehv (`taehv`, a taew2_1.pth),
-    auto (wan-vae with `wan_dir`, else tiny)."""
+    auto (wan-vae with `wan_dir`, else tiny). The DiT is made in `dtype` on `device` and filled there,
+    never whole in fp32 on the host (a 14B's would be 57 GB)."""
     from models.dit import Rope
     from models.weights import (
-        checkpoint_num_heads, infer_config, load_state_dict, merge_lora, read_state_dict, resolve_weights,
+        dit_configs, infer_config, load_state_dict, merge_lora, read_state_dict, resolve_weights,
     )
 
     if decoder not in DECODERS:
@@ -579,22 +581,34 @@ def build_generator(
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if checkpoint:
-        sd = read_state_dict(checkpoint, wrapper)
-        mc = infer_config(mc, sd, num_heads=checkpoint_num_heads(checkpoint))
-        with torch.device("meta"):  # no random init of weights about to be overwritten
-            model = CausalWanModel(mc)
-        model = load_state_dict(model.to_empty(device="cpu"), sd)
-        model.rope = Rope(mc)  # its tables are plain tensors, not parameters: built on meta above
+        # read in the model's dtype, unless a LoRA is merged first (in fp32, into the weights as stored)
+        sd = read_state_dict(checkpoint, wrapper, dtype=None if lora else dtype)
+        mc = infer_config(mc, sd, dit_configs(checkpoint, wan_dir))
+        if lora and any(v.is_floating_point() and v.dtype.itemsize > dtype.itemsize for v in sd.values()):
+            merge_lora(sd, lora, alpha=lora_alpha)  # wider than the model: merged before the one rounding
+            lora = None
+        model = _empty_model(mc, device, dtype, sum(v.numel() for v in sd.values()))
+        model = load_state_dict(model, sd)
         del sd
         if lora:
             merge_lora(model, lora, alpha=lora_alpha)  # logs the layers merged
     else:
-        with torch.device("cpu"):
-            model = CausalWanModel(mc)
-        model.init_weights(seed)
-    model = model.to(device=device, dtype=dtype).eval()
+        model = _empty_model(mc, device, dtype, None).init_weights(seed)
+    model.rope = Rope(mc)  # its tables are plain tensors, not parameters: built on meta
+    model = model.eval()
     text_encoder = _text_encoder(wan_dir, mc, device, dtype)
     return ChunkGenerator(model, cfg, text_encoder, _decoder(decoder, wan_dir, taehv, device))
+
+
+def _empty_model(mc: ModelConfig, device: torch.device, dtype: torch.dtype, numel: int | None) -> CausalWanModel:
+    """The DiT's modules in `dtype` on `device`, uninitialized (no default init of weights about to be
+    overwritten); refused with the figures when its `numel` weights would not fit the GPU."""
+    with torch.device("meta"):
+        model = CausalWanModel(mc).to(dtype)
+    if numel is None:
+        numel = sum(p.numel() for p in model.parameters())
+    _check_free_memory(f"the DiT ({numel / 1e9:.2f} B parameters)", numel * dtype.itemsize, device)
+    return model.to_empty(device=device)
 
 
 def _from_model_file(

@@ -11,7 +11,8 @@ What loads, all into Wan2.1's module names (models/dit.py):
 - a whole model file of `python -m models.train --export` (`read_model_file`): DiT, decoder and the
   caption words' text vectors; the tiny preset's ships with the package (`BUILTIN_WEIGHTS`).
 
-The model's shapes come from the weights (`infer_config`); the preset gives resolution and sampling.
+The model's shapes come from the weights and the Wan folder's `config.json` (`read_wan_config`,
+`infer_config`), each checked against the other; the preset gives resolution and sampling.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import functools
 import json
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -36,6 +38,7 @@ _PREFIXES = ("base_model.model.", "model.", "module.")  # leading prefixes strip
 _INFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")  # wrapper names, dropped anywhere
 _LORA = re.compile(r"^(?P<module>.+)\.(?P<half>lora_A|lora_B|lora_down|lora_up)(?:\.(?P<adapter>[^.]+))?\.weight$")
 _LORA_HALF = {"lora_A": "A", "lora_down": "A", "lora_B": "B", "lora_up": "B"}
+DIT_INDEX = "diffusion_pytorch_model.safetensors.index.json"  # a sharded DiT's key -> shard file map (the 14B's)
 
 # diffusers' WanTransformer3DModel name -> Wan's name (the inverse of diffusers' convert_wan_to_diffusers.py)
 _DIFFUSERS_TOP = {
@@ -82,14 +85,23 @@ def _shown(keys) -> str:
 # ---------------------------------------------------------------------------------------------- reading
 
 
-def read_state_dict(path: str | Path, wrapper: str = "auto") -> dict[str, torch.Tensor]:
-    """Tensors of a local .safetensors / .pt file or Wan2.1 folder, unwrapped to the DiT's own keys."""
+def read_state_dict(path: str | Path, wrapper: str = "auto", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of a local .safetensors / .pt file or Wan2.1 folder, unwrapped to the DiT's own keys;
+    floating-point ones wider than `dtype` cast down to it when given (a sharded folder shard by shard,
+    so that a 14B DiT stored in fp32, 57 GB, never sits in host memory in fp32 as a whole)."""
     path = Path(path)
     if path.is_dir():
         if wrapper != "auto":
             raise CheckpointError(f"checkpoint {path} is a Wan folder: wrapper={wrapper!r} applies to .pt files only")
-        return load_wan_dir_dit(path)
-    return unwrap(_read_file(path), wrapper)
+        return load_wan_dir_dit(path, dtype)
+    return _cast(unwrap(_read_file(path), wrapper), dtype)
+
+
+def _cast(sd: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """`sd` with its floating-point tensors wider than `dtype` cast down to it (None: as they are)."""
+    if dtype is None:
+        return sd
+    return {k: v.to(dtype) if v.is_floating_point() and v.dtype.itemsize > dtype.itemsize else v for k, v in sd.items()}
 
 
 def _read_file(path: Path) -> dict:
@@ -149,26 +161,116 @@ def _strip(key: str) -> str:
 # ---------------------------------------------------------------------------------------------- Wan folders
 
 
-def load_wan_dir_dit(path: str | Path) -> dict[str, torch.Tensor]:
+def load_wan_dir_dit(path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The base DiT of a local Wan2.1 folder, in Wan's names: the original layout (`config.json` +
     `diffusion_pytorch_model*.safetensors` at the root) or the Diffusers layout (`transformer/`, or that
-    folder itself), sharded (with `diffusion_pytorch_model.safetensors.index.json`) or not."""
+    folder itself), sharded (with `diffusion_pytorch_model.safetensors.index.json`, as the 14B's is) or
+    not; floating-point tensors wider than `dtype` cast down to it shard by shard when given."""
     path = Path(path)
     folder = _dit_folder(path)
-    sd = _read_shards(folder)
+    sd = _read_shards(folder, dtype)
     if any(k.startswith("condition_embedder.") or ".attn1." in k for k in sd):
         sd = diffusers_to_wan(sd)
     return sd
 
 
-def checkpoint_num_heads(path: str | Path) -> int | None:
-    """Attention heads a checkpoint states: a Wan folder's config.json (`num_heads`, or diffusers'
-    `num_attention_heads`); None for a state-dict file, which cannot say."""
-    if not Path(path).is_dir():
+# config.json's fields in Wan's names (WanModel's), and diffusers' name of each (WanTransformer3DModel's)
+_CONFIG_FIELDS = {
+    "dim": None,  # diffusers: num_attention_heads * attention_head_dim
+    "ffn_dim": "ffn_dim",
+    "num_heads": "num_attention_heads",
+    "num_layers": "num_layers",
+    "in_dim": "in_channels",
+    "out_dim": "out_channels",
+    "text_dim": "text_dim",
+    "text_len": None,  # diffusers' pipeline pads to 512 tokens; its config does not say
+    "freq_dim": "freq_dim",
+    "eps": "eps",
+    "patch_size": "patch_size",
+}
+_CONFIG_CLASSES = ("WanModel", "WanTransformer3DModel")
+
+
+@dataclass(frozen=True)
+class WanConfig:
+    """What a Wan folder's config.json says of its DiT, in Wan's field names; None where it says nothing
+    (Wan's own config.json has no text_dim or patch_size, diffusers' no text_len)."""
+
+    path: Path  # the config.json read
+    dim: int | None = None
+    ffn_dim: int | None = None
+    num_heads: int | None = None
+    num_layers: int | None = None
+    in_dim: int | None = None
+    out_dim: int | None = None
+    text_dim: int | None = None
+    text_len: int | None = None
+    freq_dim: int | None = None
+    eps: float | None = None
+    patch_size: tuple[int, int, int] | None = None
+
+
+def read_wan_config(path: str | Path) -> WanConfig | None:
+    """The DiT's config.json of a local Wan2.1 folder: at its root (Wan's layout) or in `transformer/`
+    (Diffusers'), or None when it has none (or `path` is a checkpoint file). Wan's field names, or
+    diffusers' (`num_attention_heads` x `attention_head_dim`, `in_channels`, ...); a malformed file, another
+    model's config or a non-T2V Wan model is a CheckpointError."""
+    path = Path(path)
+    if not path.is_dir():
+        if path.exists():
+            return None  # a state-dict file says nothing of its heads
+        raise CheckpointError(f"Wan folder {path} does not exist (weights load from a local path only)")
+    file = next((f for f in (path / "config.json", path / "transformer" / "config.json") if f.is_file()), None)
+    if file is None:
         return None
-    cfg = json.loads((_dit_folder(Path(path)) / "config.json").read_text())
-    heads = cfg.get("num_heads", cfg.get("num_attention_heads"))
-    return int(heads) if heads is not None else None
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file} is not readable JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(raw).__name__}, not the DiT's config (an object)")
+    cls = raw.get("_class_name")
+    if cls is not None and cls not in _CONFIG_CLASSES:
+        raise CheckpointError(f"{file} is the config of a {cls}, not of a Wan DiT ({' or '.join(_CONFIG_CLASSES)})")
+    if raw.get("model_type", "t2v") != "t2v":
+        raise CheckpointError(f"{file} describes a Wan {raw['model_type']!r} model: only text-to-video (t2v) DiTs run here")
+    fields: dict = {}
+    for wan, diffusers in _CONFIG_FIELDS.items():
+        value = raw.get(wan, raw.get(diffusers) if diffusers else None)
+        if value is not None:
+            fields[wan] = _config_value(file, wan, value)
+    if "dim" not in fields and raw.get("num_attention_heads") is not None and raw.get("attention_head_dim") is not None:
+        fields["dim"] = _config_value(file, "num_attention_heads", raw["num_attention_heads"]) * _config_value(
+            file, "attention_head_dim", raw["attention_head_dim"])
+    return WanConfig(file, **fields)
+
+
+def _config_value(file: Path, field: str, value):
+    """A config.json value checked: a positive int (eps: a positive number; patch_size: three ints)."""
+    if field == "patch_size":
+        if not (isinstance(value, list) and len(value) == 3 and all(type(v) is int and v > 0 for v in value)):
+            raise CheckpointError(f"{file}: patch_size {value!r} is not three positive ints")
+        return tuple(value)
+    if field == "eps":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise CheckpointError(f"{file}: eps {value!r} is not a positive number")
+        return float(value)
+    if type(value) is not int or value <= 0:
+        raise CheckpointError(f"{file}: {field} {value!r} is not a positive int")
+    return value
+
+
+def dit_configs(checkpoint: str | Path | None, wan_dir: str | Path | None) -> list[WanConfig]:
+    """The config.json files that describe the DiT loaded from `checkpoint` (a file or a Wan folder; None:
+    `wan_dir`'s own DiT): the checkpoint folder's own, then `wan_dir`'s, which holds for every checkpoint
+    loaded with it. Each is checked against the DiT's tensors (`infer_config`)."""
+    folders = [Path(p) for p in (checkpoint, wan_dir) if p]
+    configs: list[WanConfig] = []
+    for folder in folders:
+        cfg = read_wan_config(folder)
+        if cfg is not None and all(cfg.path.resolve() != c.path.resolve() for c in configs):
+            configs.append(cfg)
+    return configs
 
 
 def _dit_folder(path: Path) -> Path:
@@ -184,12 +286,17 @@ def _dit_folder(path: Path) -> Path:
     )
 
 
-def _read_shards(folder: Path) -> dict[str, torch.Tensor]:
+def _read_shards(folder: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    index = folder / DIT_INDEX
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a shard index (JSON with a 'weight_map' object): {e!r}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: its weight_map is not an object of key -> shard file name")
         files = sorted(set(weight_map.values()))
         absent = [f for f in files if not (folder / f).is_file()]
         if absent:
@@ -199,7 +306,11 @@ def _read_shards(folder: Path) -> dict[str, torch.Tensor]:
         files = sorted(p.name for p in folder.glob("diffusion_pytorch_model*.safetensors"))
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(str(folder / f)))
+        shard = _cast(load_file(str(folder / f)), dtype)
+        if weight_map is not None and (stray := sorted(k for k in shard if weight_map.get(k) != f)):
+            raise CheckpointError(f"{folder / f} holds key(s) that {index.name} maps elsewhere or not at all: {_shown(stray)}")
+        sd.update(shard)
+        del shard
     if weight_map is not None and (lost := sorted(set(weight_map) - set(sd))):
         raise CheckpointError(f"{index} maps key(s) that no shard holds: {_shown(lost)}")
     return {_strip(k): v for k, v in sd.items()}
@@ -236,13 +347,15 @@ def _rename(key: str, table: dict[str, str]) -> str | None:
 
 
 def infer_config(
-    preset_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], num_heads: int | None = None
+    preset_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], configs: Sequence[WanConfig] = ()
 ) -> ModelConfig:
-    """The preset with the DiT's shapes read from the weights: dim, ffn_dim, num_layers, text_dim,
-    freq_dim, patch and in/out channels (Wan's config.json leaves text_dim at 4096; the weights say what
-    the model holds). Heads cannot be read from shapes: `num_heads` (a Wan folder's config.json) when
-    given, else the preset's while dim is the preset's, else the preset's head_dim (128 in every Wan2.1
-    size). Resolution, text length and the decoder stay the preset's."""
+    """The preset with the DiT's shapes: dim, ffn_dim, num_layers, text_dim, freq_dim, patch and in/out
+    channels read from the weights, and checked against each of `configs` (the Wan folder's config.json:
+    a field that disagrees with the tensors is a CheckpointError naming the field, its value and the
+    tensor's shape). Heads cannot be read from shapes: the config's num_heads; with no config, the
+    preset's while dim is the preset's, else the preset's head_dim (128 in every Wan2.1 size) when it
+    divides dim, else an error that asks for a config.json. The config's text_len and eps win over the
+    preset's; resolution and the decoder stay the preset's."""
 
     def shape(key: str, ndim: int) -> torch.Size:
         if key not in state_dict:
@@ -253,35 +366,90 @@ def infer_config(
         return s
 
     pe = shape("patch_embedding.weight", 5)  # [dim, in_channels, pt, ph, pw]
-    dim, in_channels, patch = pe[0], pe[1], tuple(int(p) for p in pe[2:])
+    dim, in_channels, patch = int(pe[0]), int(pe[1]), tuple(int(p) for p in pe[2:])
     blocks = {int(m.group(1)) for k in state_dict if (m := re.match(r"^blocks\.(\d+)\.", k))}
     if not blocks:
         raise CheckpointError("checkpoint has no blocks.N.* keys: cannot infer num_layers (is it a Wan2.1 DiT?)")
-    head_out = shape("head.head.weight", 2)[0]
-    if head_out % (patch[0] * patch[1] * patch[2]):
-        raise CheckpointError(f"head.head.weight has {head_out} outputs, not a multiple of the patch {patch}")
-    if num_heads is None:
-        num_heads = preset_cfg.num_heads if dim == preset_cfg.dim else dim // preset_cfg.head_dim
-        if dim != preset_cfg.dim and dim % preset_cfg.head_dim:
+    head = shape("head.head.weight", 2)  # [out_channels * pt * ph * pw, dim]
+    patch_numel = patch[0] * patch[1] * patch[2]
+    if head[0] % patch_numel:
+        raise CheckpointError(f"head.head.weight has {head[0]} outputs, not a multiple of the patch {patch}")
+    ffn = shape("blocks.0.ffn.0.weight", 2)  # [ffn_dim, dim]
+    text = shape("text_embedding.0.weight", 2)  # [dim, text_dim]
+    time = shape("time_embedding.0.weight", 2)  # [dim, freq_dim]
+    num_layers = max(blocks) + 1
+    # what the tensors say of each config.json field: (value, the tensor that says it)
+    seen = {
+        "dim": (dim, f"patch_embedding.weight is {tuple(pe)}"),
+        "in_dim": (in_channels, f"patch_embedding.weight is {tuple(pe)}"),
+        "patch_size": (patch, f"patch_embedding.weight is {tuple(pe)}"),
+        "ffn_dim": (int(ffn[0]), f"blocks.0.ffn.0.weight is {tuple(ffn)}"),
+        "num_layers": (num_layers, f"blocks run from blocks.0 to blocks.{num_layers - 1}"),
+        "out_dim": (int(head[0]) // patch_numel, f"head.head.weight is {tuple(head)} (patch {patch})"),
+        "text_dim": (int(text[1]), f"text_embedding.0.weight is {tuple(text)}"),
+        "freq_dim": (int(time[1]), f"time_embedding.0.weight is {tuple(time)}"),
+    }
+    for cfg in configs:
+        wrong = [f"{field} {getattr(cfg, field)} but the checkpoint's {where}"
+                 for field, (value, where) in seen.items()
+                 if getattr(cfg, field) is not None and getattr(cfg, field) != value]
+        if wrong:
             raise CheckpointError(
-                f"checkpoint dim {dim} is not a multiple of the {preset_cfg.name!r} preset's head_dim "
-                f"{preset_cfg.head_dim}: pass num_heads"
+                f"{cfg.path} says " + "; ".join(wrong) + ": it describes another model than the checkpoint (give the "
+                "Wan folder of the checkpoint's size, or a config.json that matches it)"
             )
+    stated = {c.path: c.num_heads for c in configs if c.num_heads is not None}
+    if len(set(stated.values())) > 1:
+        raise CheckpointError("the configs disagree on num_heads: " + ", ".join(f"{p} says {h}" for p, h in stated.items()))
+    num_heads = next(iter(stated.values()), None)
+    if num_heads is None:
+        num_heads = _guess_heads(preset_cfg, dim, {k: v for k, (v, _) in seen.items()})
+    elif dim % num_heads or (dim // num_heads) % 2 or dim // num_heads < 6:
+        raise CheckpointError(
+            f"{next(iter(stated))} says num_heads {num_heads}, which does not split the checkpoint's dim {dim} into "
+            "heads of an even width >= 6 (3D RoPE)"
+        )
+    text_len = next((c.text_len for c in configs if c.text_len is not None), preset_cfg.text_len)
+    eps = next((c.eps for c in configs if c.eps is not None), preset_cfg.eps)
     try:
         return replace(
             preset_cfg,
-            dim=int(dim),
-            ffn_dim=int(shape("blocks.0.ffn.0.weight", 2)[0]),
+            dim=dim,
+            ffn_dim=int(ffn[0]),
             num_heads=int(num_heads),
-            num_layers=max(blocks) + 1,
-            text_dim=int(shape("text_embedding.0.weight", 2)[1]),
-            freq_dim=int(shape("time_embedding.0.weight", 2)[1]),
-            in_channels=int(in_channels),
-            out_channels=head_out // (patch[0] * patch[1] * patch[2]),
+            num_layers=num_layers,
+            text_dim=int(text[1]),
+            text_len=text_len,
+            freq_dim=int(time[1]),
+            eps=eps,
+            in_channels=in_channels,
+            out_channels=int(head[0]) // patch_numel,
             patch=patch,
         )
     except ValueError as e:
         raise CheckpointError(f"the checkpoint's shapes do not fit preset {preset_cfg.name!r}: {e}") from e
+
+
+def _guess_heads(preset_cfg: ModelConfig, dim: int, seen: dict) -> int:
+    """Heads of a DiT no config.json describes: the preset's at the preset's dim, else heads of the
+    preset's head_dim when they divide dim (logged as a guess), else an error asking for a config.json."""
+    if dim == preset_cfg.dim:
+        return preset_cfg.num_heads
+    head_dim = preset_cfg.head_dim
+    if dim % head_dim == 0:
+        log.info("the DiT's dim %d is not the %s preset's and no config.json says its heads: %d heads of %d (the "
+                 "preset's head width) assumed", dim, preset_cfg.name, dim // head_dim, head_dim)
+        return dim // head_dim
+    widths = [w for w in range(6, dim + 1, 2) if dim % w == 0]
+    width = max((w for w in widths if w <= head_dim), default=widths[0] if widths else head_dim)
+    example = {"_class_name": "WanModel", "model_type": "t2v", "dim": dim, "ffn_dim": seen["ffn_dim"],
+               "num_heads": max(1, dim // width), "num_layers": seen["num_layers"], "in_dim": seen["in_dim"],
+               "out_dim": seen["out_dim"], "freq_dim": seen["freq_dim"], "text_len": preset_cfg.text_len}
+    raise CheckpointError(
+        f"cannot tell the DiT's attention heads: its dim {dim} is not a multiple of the {preset_cfg.name!r} preset's "
+        f"head width {head_dim}, and no config.json says num_heads. Add the model's config.json to the Wan folder "
+        f"given with --wan-dir (Wan's field names), e.g. for heads {width} wide:\n  {json.dumps(example)}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- loading

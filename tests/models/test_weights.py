@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from models import CausalWanModel, CheckpointError, ModelConfig, build_generator, load_checkpoint, save_checkpoint
-from models.weights import diffusers_to_wan, infer_config, load_state_dict, load_wan_dir_dit, merge_lora, read_state_dict
+from models.weights import (
+    WanConfig, dit_configs, diffusers_to_wan, infer_config, load_state_dict, load_wan_dir_dit, merge_lora,
+    read_state_dict, read_wan_config,
+)
 
 
 def tiny_model(seed: int) -> CausalWanModel:
@@ -204,8 +207,10 @@ def test_inferred_dims_win_over_the_preset(tmp_path):
     assert (cfg.latent_height, cfg.text_len, cfg.patch, cfg.in_channels, cfg.out_channels) == (16, 16, (1, 4, 4), 16, 16)
     assert infer_config(tiny, tiny_model(0).state_dict()) == tiny  # the preset's own shapes: nothing changes
     wider = CausalWanModel(ModelConfig.from_name("tiny", dim=128, num_heads=4)).state_dict()
-    assert infer_config(tiny, wider).num_heads == 4  # dim changed: the preset's head_dim (32) kept
-    assert infer_config(tiny, wider, num_heads=8).num_heads == 8
+    assert infer_config(tiny, wider).num_heads == 4  # dim changed, no config: the preset's head_dim (32) kept
+    stated = WanConfig(tmp_path / "config.json", num_heads=8, text_len=24, eps=1e-5)
+    assert (infer_config(tiny, wider, [stated]).num_heads, infer_config(tiny, wider, [stated]).text_len) == (8, 24)
+    assert infer_config(tiny, wider, [stated]).eps == 1e-5
     save_checkpoint(src, tmp_path / "small.safetensors")
     g = build_generator("tiny", checkpoint=str(tmp_path / "small.safetensors"))
     assert g.model_cfg.dim == 32 and g.model_cfg.text_dim == 24 and len(g.model.blocks) == 1
@@ -214,19 +219,61 @@ def test_inferred_dims_win_over_the_preset(tmp_path):
     assert chunk.latents.shape[0] == 16 and torch.isfinite(chunk.latents).all()
     with pytest.raises(CheckpointError, match="checkpoint has no 'patch_embedding.weight'"):
         infer_config(tiny, {"blocks.0.ffn.0.weight": torch.zeros(4, 4)})
-    with pytest.raises(CheckpointError, match="dim 48 is not a multiple of the 'tiny' preset's head_dim 32: pass num_heads"):
-        infer_config(tiny, {**tiny_model(0).state_dict(), "patch_embedding.weight": torch.zeros(48, 16, 1, 4, 4)})
 
 
-def wan_dir(tmp_path, model, heads, shards=1):
+
+def test_heads_no_config_can_tell_are_an_error_that_asks_for_one(tmp_path):
+    """dim 48 is no multiple of the tiny preset's 32-wide heads: the error asks for a config.json and shows
+    a line of one, which, put in a Wan folder, makes the same weights load."""
+    tiny = ModelConfig.from_name("tiny")
+    src = CausalWanModel(ModelConfig.from_name("tiny", dim=48, num_heads=4, ffn_dim=96)).init_weights(2)
+    with pytest.raises(CheckpointError) as e:
+        infer_config(tiny, src.state_dict())
+    msg = str(e.value)
+    assert "cannot tell the DiT's attention heads: its dim 48 is not a multiple of the 'tiny' preset's head width 32" in msg
+    assert "Add the model's config.json to the Wan folder given with --wan-dir" in msg and "pass num_heads" not in msg
+    example = json.loads(msg.splitlines()[-1])
+    assert example == {"_class_name": "WanModel", "model_type": "t2v", "dim": 48, "ffn_dim": 96, "num_heads": 2,
+                       "num_layers": 2, "in_dim": 16, "out_dim": 16, "freq_dim": 32, "text_len": 16}
+    torch.save({"generator_ema": prefixed(src)}, tmp_path / "sf.pt")
+    with pytest.raises(CheckpointError, match="cannot tell the DiT's attention heads"):
+        build_generator("tiny", checkpoint=str(tmp_path / "sf.pt"))
+    assert infer_config(tiny, src.state_dict(), [WanConfig(tmp_path / "config.json", **example_fields(example, 4))]).num_heads == 4
+    wan = tmp_path / "Wan2.1-T2V-small"
+    wan.mkdir()
+    save_checkpoint(src, wan / "diffusion_pytorch_model.safetensors")
+    (wan / "config.json").write_text(json.dumps({**example, "num_heads": 4}))
+    g = build_generator("tiny", checkpoint=str(wan))
+    assert (g.model_cfg.dim, g.model_cfg.num_heads, g.model_cfg.head_dim) == (48, 4, 12)
+    assert_same(g.model, src)
+
+
+def example_fields(example: dict, heads: int) -> dict:
+    return {k: v for k, v in {**example, "num_heads": heads}.items() if not k.startswith("_") and k != "model_type"}
+
+
+def shapes_with(checkpoint, wan=None) -> ModelConfig:
+    """The tiny preset as build_generator shapes it for `checkpoint` loaded with the Wan folder `wan`
+    (without loading the folder's umT5, which these tests do not write)."""
+    return infer_config(ModelConfig.from_name("tiny"), read_state_dict(checkpoint), dit_configs(checkpoint, wan))
+
+
+def wan_config(cfg: ModelConfig, **override) -> dict:
+    """config.json as Wan2.1 ships it (WanModel's fields: no text_dim, no patch_size)."""
+    return {"_class_name": "WanModel", "_diffusers_version": "0.30.0", "model_type": "t2v", "dim": cfg.dim,
+            "eps": cfg.eps, "ffn_dim": cfg.ffn_dim, "freq_dim": cfg.freq_dim, "in_dim": cfg.in_channels,
+            "num_heads": cfg.num_heads, "num_layers": cfg.num_layers, "out_dim": cfg.out_channels,
+            "text_len": cfg.text_len, **override}
+
+
+def wan_dir(tmp_path, model, heads, shards=1, **override):
     """Wan's original layout: config.json + diffusion_pytorch_model*.safetensors at the folder root."""
     from safetensors.torch import save_file
 
     d = tmp_path / "Wan2.1-T2V-1.3B"
     d.mkdir()
     (d / "models_t5_umt5-xxl-enc-bf16.pth").write_bytes(b"")
-    (d / "config.json").write_text(json.dumps({"_class_name": "WanModel", "dim": model.cfg.dim, "num_heads": heads,
-                                               "num_layers": model.cfg.num_layers, "text_dim": 4096}))
+    (d / "config.json").write_text(json.dumps(wan_config(model.cfg, num_heads=heads, **override)))
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
     keys = sorted(sd)
     if shards == 1:
@@ -267,6 +314,132 @@ def test_wan_dir_sharded_index_naming_an_absent_shard(tmp_path):
     (d / "diffusion_pytorch_model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="names shard\\(s\\) that are not in .*: diffusion_pytorch_model-00002-of-00002"):
         load_wan_dir_dit(d)
+
+
+def test_wan_dir_sharded_index_that_disagrees_with_its_shards(tmp_path):
+    d = wan_dir(tmp_path, tiny_model(11), heads=2, shards=3)
+    index = d / "diffusion_pytorch_model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    index.write_text(json.dumps({"weight_map": {**weight_map, "head.head.weight": "diffusion_pytorch_model-00001-of-00003.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"-00002-of-00003.safetensors holds key\(s\) that .* maps elsewhere or not at all: head.head.weight"):
+        load_wan_dir_dit(d)
+    index.write_text(json.dumps({**weight_map, "blocks.9.ffn.0.weight": "x"}))  # no "weight_map"
+    with pytest.raises(CheckpointError, match="is not a shard index"):
+        load_wan_dir_dit(d)
+    index.write_text(json.dumps({"weight_map": {**weight_map, "blocks.9.ffn.0.weight": weight_map["head.head.weight"]}}))
+    with pytest.raises(CheckpointError, match="maps key\\(s\\) that no shard holds: blocks.9.ffn.0.weight"):
+        load_wan_dir_dit(d)
+
+
+def test_a_sharded_fp32_folder_is_read_in_the_models_dtype(tmp_path):
+    src = tiny_model(11)
+    d = wan_dir(tmp_path, src, heads=2, shards=3)
+    sd = read_state_dict(d, dtype=torch.bfloat16)
+    assert {v.dtype for v in sd.values()} == {torch.bfloat16}
+    assert torch.equal(sd["head.head.weight"], src.head.head.weight.detach().bfloat16())
+    assert {v.dtype for v in read_state_dict(d, dtype=torch.float64).values()} == {torch.float32}  # never widened
+
+
+# ---- config.json: the DiT's shape, checked against the tensors ----
+
+
+def test_config_json_gives_the_heads_for_a_checkpoint_file_loaded_with_the_folder(tmp_path):
+    """Self-Forcing's .pt beside a Wan folder whose config.json says 4 heads: 4 heads of 16, the config's
+    text_len; without the folder, the preset's 2 heads (the same tensors fit both)."""
+    src = tiny_model(11)
+    d = wan_dir(tmp_path, src, heads=4, text_len=24)
+    torch.save({"generator_ema": prefixed(src)}, tmp_path / "self_forcing_dmd.pt")
+    mc = shapes_with(tmp_path / "self_forcing_dmd.pt", d)
+    assert (mc.num_heads, mc.head_dim, mc.text_len) == (4, 16, 24)
+    mc = shapes_with(tmp_path / "self_forcing_dmd.pt")
+    assert (mc.num_heads, mc.text_len) == (2, 16)
+    g = build_generator("tiny", checkpoint=str(d))  # the folder's own DiT: its config too
+    assert (g.model_cfg.num_heads, g.model_cfg.text_len) == (4, 24)
+    assert_same(g.model, src)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("dim", 96, "dim 96 but the checkpoint's patch_embedding.weight is (64, 16, 1, 4, 4)"),
+    ("ffn_dim", 8960, "ffn_dim 8960 but the checkpoint's blocks.0.ffn.0.weight is (128, 64)"),
+    ("num_layers", 30, "num_layers 30 but the checkpoint's blocks run from blocks.0 to blocks.1"),
+    ("in_dim", 36, "in_dim 36 but the checkpoint's patch_embedding.weight is (64, 16, 1, 4, 4)"),
+    ("out_dim", 4, "out_dim 4 but the checkpoint's head.head.weight is (256, 64) (patch (1, 4, 4))"),
+    ("freq_dim", 256, "freq_dim 256 but the checkpoint's time_embedding.0.weight is (64, 32)"),
+    ("text_dim", 4096, "text_dim 4096 but the checkpoint's text_embedding.0.weight is (64, 32)"),
+    ("patch_size", [1, 2, 2], "patch_size (1, 2, 2) but the checkpoint's patch_embedding.weight is (64, 16, 1, 4, 4)"),
+])
+def test_a_config_that_disagrees_with_the_tensors_names_the_field(tmp_path, field, value, says):
+    src = tiny_model(11)
+    d = wan_dir(tmp_path, src, heads=2, **{field: value})
+    torch.save({"generator_ema": prefixed(src)}, tmp_path / "self_forcing_dmd.pt")
+    for load in (lambda: build_generator("tiny", checkpoint=str(d)), lambda: shapes_with(tmp_path / "self_forcing_dmd.pt", d)):
+        with pytest.raises(CheckpointError) as e:
+            load()
+        assert f"{d / 'config.json'} says {says}" in str(e.value)
+        assert "describes another model than the checkpoint" in str(e.value)
+
+
+def test_config_json_heads_that_cannot_split_dim(tmp_path):
+    d = wan_dir(tmp_path, tiny_model(11), heads=3)
+    with pytest.raises(CheckpointError, match="says num_heads 3, which does not split the checkpoint's dim 64"):
+        build_generator("tiny", checkpoint=str(d))
+
+
+def test_the_checkpoint_folders_config_and_wan_dirs_are_both_checked(tmp_path):
+    src = tiny_model(11)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    own, other = wan_dir(tmp_path / "a", src, heads=2), wan_dir(tmp_path / "b", src, heads=4)
+    with pytest.raises(CheckpointError, match=r"the configs disagree on num_heads: .*a/.* says 2, .*b/.* says 4"):
+        shapes_with(own, other)
+    assert dit_configs(own, own) == [read_wan_config(own)]  # one folder, one config
+    big = CausalWanModel(ModelConfig.from_name("tiny", dim=128, num_heads=4)).init_weights(1)
+    (tmp_path / "c").mkdir()
+    wrong = wan_dir(tmp_path / "c", big, heads=4)
+    with pytest.raises(CheckpointError, match="c/.*config.json says dim 128 but the checkpoint's patch_embedding.weight is \\(64,"):
+        shapes_with(own, wrong)
+
+
+def test_read_wan_config_takes_wan_and_diffusers_names(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(wan_config(ModelConfig.from_name("wan2.1-14b"))))
+    c = read_wan_config(tmp_path)
+    assert (c.dim, c.ffn_dim, c.num_heads, c.num_layers, c.in_dim, c.out_dim, c.text_len, c.freq_dim, c.eps) == (
+        5120, 13824, 40, 40, 16, 16, 512, 256, 1e-6)
+    assert c.text_dim is None and c.patch_size is None and c.path == tmp_path / "config.json"
+    d = tmp_path / "diffusers"
+    (d / "transformer").mkdir(parents=True)
+    (d / "transformer" / "config.json").write_text(json.dumps({
+        "_class_name": "WanTransformer3DModel", "_diffusers_version": "0.33.0", "added_kv_proj_dim": None,
+        "attention_head_dim": 128, "cross_attn_norm": True, "eps": 1e-06, "ffn_dim": 8960, "freq_dim": 256,
+        "image_dim": None, "in_channels": 16, "num_attention_heads": 12, "num_layers": 30, "out_channels": 16,
+        "patch_size": [1, 2, 2], "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 1024, "text_dim": 4096}))
+    c = read_wan_config(d)
+    assert (c.dim, c.num_heads, c.ffn_dim, c.num_layers, c.in_dim, c.out_dim, c.text_dim, c.patch_size, c.text_len) == (
+        1536, 12, 8960, 30, 16, 16, 4096, (1, 2, 2), None)
+    (tmp_path / "nothing.pt").write_bytes(b"")
+    assert read_wan_config(tmp_path / "nothing.pt") is None  # a state-dict file says nothing
+    (tmp_path / "empty").mkdir()
+    assert read_wan_config(tmp_path / "empty") is None
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_wan_config(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("config, error", [
+    ({"_class_name": "AutoencoderKLWan", "dim": 96}, "is the config of a AutoencoderKLWan, not of a Wan DiT"),
+    ({"_class_name": "WanModel", "model_type": "i2v", "dim": 5120}, "describes a Wan 'i2v' model: only text-to-video"),
+    ({"dim": "5120"}, "dim '5120' is not a positive int"),
+    ({"num_heads": 0}, "num_heads 0 is not a positive int"),
+    ({"eps": -1}, "eps -1 is not a positive number"),
+    ({"patch_size": [1, 2]}, r"patch_size \[1, 2\] is not three positive ints"),
+    ([1, 2], "holds a JSON list, not the DiT's config"),
+])
+def test_a_malformed_config_json_is_an_error(tmp_path, config, error):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=error):
+        read_wan_config(tmp_path)
+    (tmp_path / "config.json").write_text("{dim: 1")
+    with pytest.raises(CheckpointError, match="is not readable JSON"):
+        read_wan_config(tmp_path)
 
 
 # diffusers' own rename table (scripts/convert_wan_to_diffusers.py), spelled independently of ours
