@@ -104,6 +104,25 @@ fit (the pool's reason), whose chunk does not fit the cap, whose compute would p
 the predicted load over `utilization_target`, or that the start rule cannot serve:
 with it admitted, the predicted lead (one chunk of every stream, batched, plus the
 margin) and a chunk no longer fit under `buffer_cap_s`.
+
+Admission counts every stage a chunk passes (`Stage`): the device (the forwards above),
+the output stage (frames to the host, x264 and packing, on `output_capacity` workers) and
+the transports' send (the event loop). Each stage's cost per chunk is seeded by the
+warm-up (`seed_stage`) and then follows the `cost_percentile` of what serving measures
+(`observe_stage`); a stream is admitted only while every stage stays under its target.
+It also listens to what viewers get (the closed loop): while any stream was late within
+`late_hold_s` (a chunk delivered after its viewer's buffer ran dry, a viewer reporting an
+empty buffer, a chunk degraded on the device or at the encoder: `mark_late`), nobody is
+admitted. And a burst is admitted in tranches: streams that have not yet delivered
+`confirm_chunks` chunks are starting, and a newcomer is admitted only while every stage
+can make the starting streams' first `confirm_chunks` chunks within the first chunk's
+play time with the time the admitted streams leave it; measurement confirms the room
+(their chunks arrive, the costs follow them) before the next tranche.
+
+The last resort (`overloaded`): when degradation has run out (a chunk ran with the fewest
+steps it may and still did not leave the margin) and viewers still stall
+(`overload_stalls` modelled stalls within `overload_window_s`), the newest stream is named
+for the engine to end, rather than every viewer stalling.
 """
 
 from __future__ import annotations
@@ -121,6 +140,14 @@ _EPS_S = 1e-9  # tolerance on time comparisons, so a wake-up at exactly the comp
 
 class SchedulerError(RuntimeError):
     """The scheduler was used against its contract (unknown stream, plan not outstanding, ...)."""
+
+
+class Stage(enum.Enum):
+    """The stages a chunk passes, each with its own cost per chunk and capacity (admission checks them all)."""
+
+    DEVICE = "device"  # the forwards (the scheduler's CostModel by kind and batch)
+    OUTPUT = "output"  # frames to the host, x264 and packing, on the output workers
+    SEND = "send"  # the transports' send, on the event loop
 
 
 class WorkKind(enum.Enum):
@@ -171,6 +198,17 @@ class SchedulerConfig:
     degrade_margin_s: float = 0.1
     # After a degraded chunk, for this long, streams steering to a new prompt do not run ahead of their lead.
     pressure_hold_s: float = 2.0
+    # The output stage: chunks it works on at once (its workers) and the busy fraction admission keeps it under.
+    output_capacity: float = 1.0
+    output_target: float = 0.7
+    send_target: float = 0.5  # busy fraction of the event loop admission keeps the transports' send under
+    # Closed loop: no admission until every stream has been on time for this long (see `mark_late`).
+    late_hold_s: float = 2.0
+    # A stream is starting until it has delivered this many chunks; starting streams bound the next tranche (0: off).
+    confirm_chunks: int = 2
+    # Last resort: with degradation run out, this many modelled stalls within overload_window_s end the newest stream.
+    overload_stalls: int = 2
+    overload_window_s: float = 4.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -216,6 +254,20 @@ class SchedulerConfig:
             raise ValueError(f"degrade_margin_s={self.degrade_margin_s}: must be a finite number of seconds >= 0")
         if not (self.pressure_hold_s >= 0 and math.isfinite(self.pressure_hold_s)):
             raise ValueError(f"pressure_hold_s={self.pressure_hold_s}: must be a finite number of seconds >= 0")
+        if not (self.output_capacity > 0 and math.isfinite(self.output_capacity)):
+            raise ValueError(f"output_capacity={self.output_capacity}: must be a finite number of workers > 0")
+        for name in ("output_target", "send_target"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be > 0 (e.g. 0.7; math.inf turns the check off)")
+        if not (self.late_hold_s >= 0 and math.isfinite(self.late_hold_s)):
+            raise ValueError(f"late_hold_s={self.late_hold_s}: must be a finite number of seconds >= 0 (e.g. 2.0)")
+        if self.confirm_chunks < 0:
+            raise ValueError(f"confirm_chunks={self.confirm_chunks}: must be >= 0 chunks (e.g. 2; 0 turns tranches off)")
+        if self.overload_stalls < 1 or not (self.overload_window_s > 0 and math.isfinite(self.overload_window_s)):
+            raise ValueError(
+                f"overload_stalls={self.overload_stalls}, overload_window_s={self.overload_window_s}: need >= 1 "
+                "stall and a finite window > 0 s (e.g. 2 and 4.0)"
+            )
         if self.latency_window < 1:
             raise ValueError(f"latency_window={self.latency_window}: must be >= 1 chunk latency (e.g. 32)")
         if not 0 <= self.latency_min_samples <= self.latency_window:
@@ -294,6 +346,9 @@ class SchedulerStats:
     per_stream: tuple[StreamStats, ...]  # in admission order
     degraded_chunks: int = 0  # summed over the admitted streams
     pressure: bool = False  # a chunk was degraded within pressure_hold_s: no stream steers ahead of its lead
+    # predicted busy fraction of each stage (the device's is predicted_load), what admission checks
+    stage_load: dict[Stage, float] = field(default_factory=dict)
+    late: bool = False  # a stream was late within late_hold_s: admission is closed (the closed loop)
 
 
 @dataclass
@@ -505,6 +560,11 @@ class Scheduler:
         self._rr_cursor = -1  # admission order of the stream round robin served last
         self._outstanding: _Outstanding | None = None
         self._pressure_until = -math.inf  # until then a chunk was recently degraded (see pressure_hold_s)
+        # cost of one chunk on the output stage and the send (per stream; the device's is `costs`)
+        self.stage_costs = CostModel(0.001, cfg.cost_percentile, cfg.cost_window, cfg.cost_min_samples)
+        self._late: tuple[float, str, str] | None = None  # the latest lateness: (time, stream, what happened)
+        self._stalls: deque[float] = deque()  # times of modelled stalls within overload_window_s
+        self._exhausted: deque[float] = deque()  # times within overload_window_s a chunk ran its fewest steps, short
 
     # ----- streams -------------------------------------------------------------------
 
@@ -563,6 +623,9 @@ class Scheduler:
                 f"{needed:.2f} ({req.fps / req.chunk_frames:.2f} chunks/s x {cost_ms:.1f} ms per chunk), "
                 f"{total:.2f} > target {cfg.utilization_target:.2f}; try again when a stream closes"
             )
+        reasons += self._stage_refusals(req)
+        if math.isfinite(cfg.utilization_target):
+            reasons += self._loop_refusals(req, now)
         if reasons:
             return Admission(accepted=False, reason="; ".join(reasons), predicted_load=current)
         for s in self._streams.values():  # their samples did not see the newcomer's queueing
@@ -605,7 +668,57 @@ class Scheduler:
         replaces the model's figure from `now` on."""
         if buffered_frames < 0:
             raise ValueError(f"stream {stream_id!r}: buffered_frames={buffered_frames} must be >= 0")
-        self._get(stream_id).playback.observe(buffered_frames, now)
+        s = self._get(stream_id)
+        stalls = s.playback.stalls
+        s.playback.observe(buffered_frames, now)
+        if s.playback.stalls > stalls:
+            self._stalled(s, now, "its viewer reported an empty buffer")
+
+    def mark_late(self, stream_id: str, now: float, what: str) -> None:
+        """Stream `stream_id` was late at `now` in a way the scheduler cannot see (e.g. a chunk encoded cheaper
+        to meet its deadline): admission stays closed for `late_hold_s` (the closed loop)."""
+        self._late = (now, stream_id, what)
+
+    def dry_at(self, stream_id: str) -> float | None:
+        """When the stream's viewer runs dry unless its newest chunk in flight arrives: its buffer plus the
+        chunks in flight before that one; None while it is not playing (not started or paused)."""
+        s = self._get(stream_id)
+        dry_at = s.playback.dry_at()
+        if dry_at is None:
+            return None
+        return dry_at + sum(c.frames for c in list(s.in_flight)[:-1]) / s.request.fps
+
+    def overloaded(self, now: float) -> str | None:
+        """The last resort: the newest stream, to end, when degradation has run out within overload_window_s
+        and `overload_stalls` modelled stalls followed it; None otherwise (and with fewer than 2 streams, where
+        ending one helps nobody). Naming a stream clears the evidence: the next needs new stalls."""
+        cfg = self.config
+        for times in (self._stalls, self._exhausted):
+            while times and times[0] < now - cfg.overload_window_s:
+                times.popleft()
+        if len(self._streams) < 2 or not self._exhausted:
+            return None
+        if sum(1 for t in self._stalls if t >= self._exhausted[0]) < cfg.overload_stalls:
+            return None
+        self._stalls.clear()
+        self._exhausted.clear()
+        return max(self._streams.values(), key=lambda s: s.order).request.stream_id
+
+    def observe_stage(self, stage: Stage, seconds: float) -> None:
+        """One chunk's measured cost on `stage` (OUTPUT: its encode on a worker; SEND: the event loop's share)."""
+        if stage is Stage.DEVICE:
+            raise ValueError("the device's costs are per forward: use observe_cost")
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            raise ValueError(f"seconds={seconds}: a chunk's cost must be a finite number >= 0")
+        self.stage_costs.observe(stage, 1, seconds)
+
+    def seed_stage(self, stage: Stage, seconds: float) -> None:
+        """What one chunk costs on `stage` before serving measures it (the warm-up's figure)."""
+        if stage is Stage.DEVICE:
+            raise ValueError("the device's costs are per forward: use seed_cost")
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(f"seconds={seconds}: a chunk's cost must be a finite number > 0")
+        self.stage_costs.seed(stage, 1, seconds)
 
     # ----- planning ------------------------------------------------------------------
 
@@ -641,8 +754,15 @@ class Scheduler:
             chunk_index=tuple(s.chunks_done for s, _ in batch),
             steps=tuple(w.steps for _, w in batch),
         )
-        if any(w.steps < self.config.denoise_steps for _, w in batch):
-            self._pressure_until = now + self.config.pressure_hold_s
+        cfg = self.config
+        floor = min(cfg.degrade_steps, default=cfg.denoise_steps)
+        for s, w in batch:
+            if w.steps < cfg.denoise_steps:
+                self._pressure_until = now + cfg.pressure_hold_s
+                self._late = (now, s.request.stream_id, f"a chunk ran {w.steps} of {cfg.denoise_steps} steps to stay ahead")
+            playing = s.playback.started and not s.playback.paused
+            if playing and w.kind is not WorkKind.RECACHE and w.steps <= floor and w.slack_s < cfg.degrade_margin_s:
+                self._exhausted.append(now)  # the fewest steps it may run do not leave it the margin
         self._outstanding = _Outstanding(
             plan=plan,
             orders=tuple(s.order for s, _ in batch),
@@ -819,6 +939,8 @@ class Scheduler:
             per_stream=per_stream,
             degraded_chunks=sum(st.degraded_chunks for st in per_stream),
             pressure=now < self._pressure_until,
+            stage_load={stage: self.stage_load(stage) for stage in Stage},
+            late=self._late is not None and now - self._late[0] < self.config.late_hold_s,
         )
 
     # ----- internals -----------------------------------------------------------------
@@ -839,6 +961,10 @@ class Scheduler:
 
     def _credit(self, s: _Stream, chunk: _InFlight, now: float) -> float:
         """The viewer gets `chunk` at `now`; returns its latency, recorded if the chunk started due."""
+        s.playback.advance(now)
+        if s.playback.dry_since is not None:
+            self._stalled(s, now, f"chunk {s.chunks_done - len(s.in_flight) - 1} reached its viewer "
+                                  f"{now - s.playback.dry_since:.2f} s after the buffer ran dry")
         s.playback.deliver(chunk.frames, now)
         if s.first_delivered_at is None:
             s.first_delivered_at = now
@@ -847,6 +973,72 @@ class Scheduler:
             s.latencies.append(latency)
             s.fresh_samples += 1
         return latency
+
+    def _stalled(self, s: _Stream, now: float, what: str) -> None:
+        """A modelled stall of `s`: the closed loop closes admission, and the last resort counts it."""
+        self._late = (now, s.request.stream_id, what)
+        self._stalls.append(now)
+
+    def _stage_chunk_s(self, stage: Stage, streams: int) -> float:
+        """One stream's chunk on `stage`, as a share of the stage's time (the device's batched at `streams`)."""
+        if stage is Stage.DEVICE:
+            return self._stream_chunk_s(streams)
+        capacity = self.config.output_capacity if stage is Stage.OUTPUT else 1.0
+        return self.stage_costs.estimate(stage) / capacity
+
+    def stage_load(self, stage: Stage, extra: StreamRequest | None = None) -> float:
+        """Predicted busy fraction of `stage` with the admitted streams (and `extra`, if given)."""
+        reqs = [s.request for s in self._streams.values()] + ([extra] if extra is not None else [])
+        chunk_s = self._stage_chunk_s(stage, len(reqs))
+        return sum(r.fps / r.chunk_frames for r in reqs) * chunk_s
+
+    def _stage_refusals(self, req: StreamRequest) -> list[str]:
+        """The output stage and the send, with `req` admitted: over their targets? (The device is checked apart.)"""
+        cfg = self.config
+        reasons = []
+        for stage, target, what in ((Stage.OUTPUT, cfg.output_target, f"{cfg.output_capacity:g} output worker(s)"),
+                                    (Stage.SEND, cfg.send_target, "the event loop")):
+            load = self.stage_load(stage, req)
+            if load > target + _EPS_S:
+                reasons.append(
+                    f"{stage.value}: {what} would be {load:.2f} busy with {len(self._streams) + 1} streams "
+                    f"({self.stage_costs.estimate(stage) * 1e3:.1f} ms per chunk) > target {target:.2f}; try again "
+                    "when a stream closes"
+                )
+        return reasons
+
+    def _loop_refusals(self, req: StreamRequest, now: float) -> list[str]:
+        """The closed loop (a stream late lately) and the tranche (streams still starting)."""
+        cfg = self.config
+        if self._late is not None and now - self._late[0] < cfg.late_hold_s:
+            at, stream_id, what = self._late
+            return [
+                f"closed loop: stream {stream_id} was late {now - at:.1f} s ago ({what}); admission reopens once "
+                f"every stream has been on time for {cfg.late_hold_s:g} s"
+            ]
+        starting = [s for s in self._streams.values() if s.chunks_done - len(s.in_flight) < cfg.confirm_chunks]
+        if not starting:
+            return []
+        # The k-th of k newcomers gets its first chunk after all k first chunks and needs its second within the
+        # first's play time: k chunks of each stage must fit in that window, at the stage's target, beside the
+        # streams already confirmed.
+        window_s = req.first_chunk_frames / req.fps
+        n = len(self._streams) + 1
+        others = [s.request for s in self._streams.values() if s not in starting]
+        targets = {Stage.DEVICE: cfg.utilization_target, Stage.OUTPUT: cfg.output_target, Stage.SEND: cfg.send_target}
+        for stage, target in targets.items():
+            chunk_s = self._stage_chunk_s(stage, n)
+            busy = sum(r.fps / r.chunk_frames for r in others) * chunk_s
+            room_s = max(0.0, target - busy) * window_s
+            if (len(starting) + 1) * chunk_s > room_s + _EPS_S:
+                since = now - min(s.admitted_at for s in starting)
+                return [
+                    f"starting: {len(starting)} streams admitted in the last {since:.1f} s have not yet delivered "
+                    f"{cfg.confirm_chunks} chunks, and the {stage.value} starts {int(room_s / chunk_s + _EPS_S)} at "
+                    f"once ({chunk_s * 1e3:.1f} ms per chunk, each stream's next chunk due within {window_s:.2f} s "
+                    f"of its first, {busy:.2f} busy with the others, target {target:.2f}); try again in a second"
+                ]
+        return []
 
     def _guard_s(self) -> float:
         """Slack under which a stream counts as about to stall (0 with the guard off)."""

@@ -20,6 +20,7 @@ from streamsvc.scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedulerError,
+    Stage,
     StreamRequest,
     WorkKind,
 )
@@ -764,7 +765,7 @@ def test_batching_groups_only_the_same_kind_and_step():
 
 
 def test_admission_counts_a_streams_share_of_a_measured_batch():
-    sched = make(max_batch=4, utilization_target=1.0)
+    sched = make(max_batch=4, utilization_target=1.0, confirm_chunks=0)  # no tranches: the compute check alone
     admit(sched, "a", "b")  # 4/3 chunks/s x 0.3125 s each: 0.83; batches of 2 unmeasured count as 2 forwards
     assert sched.predicted_load() == pytest.approx(2 * 4 / 3 * CHUNK_WORK)
     refused = sched.admit(StreamRequest("c", FPS), 0.0)
@@ -983,3 +984,150 @@ def test_playback_model_counts_stalls_exactly():
     pb.resume(10.0)
     assert pb.dry_at() == 10.25
     assert (pb.stall_count(11.0), pb.stall_seconds(11.0)) == (2, 1.6875)
+
+
+# ----- admission by the whole pipeline, the closed loop, tranches, the last resort -------------------
+
+
+def test_a_slow_output_stage_refuses_new_streams_with_the_device_to_spare():
+    sched = make(utilization_target=0.9, output_capacity=1.0, output_target=0.5, confirm_chunks=0, initial_forward_s=1 / 256)
+    sched.seed_stage(Stage.OUTPUT, 0.125)  # x264 + packing: 0.125 s a chunk, 4/3 chunks/s a stream: 0.17 each
+    admit(sched, "a", "b", "c")
+    refused = sched.admit(StreamRequest("d", FPS), 0.0)
+    assert not refused.accepted
+    assert refused.reason.startswith("output: 1 output worker(s) would be 0.67 busy with 4 streams (125.0 ms per chunk)")
+    assert "compute" not in refused.reason  # the device alone would take it: 4 x 4/3 x 5/256 s = 0.1
+    for _ in range(8):  # serving measures cheaper encodes (p90 of the last 64): room again
+        sched.observe_stage(Stage.OUTPUT, 0.0625)
+    assert sched.admit(StreamRequest("d", FPS), 0.0).accepted
+    assert sched.stats(0.0).stage_load[Stage.OUTPUT] == pytest.approx(4 * 4 / 3 * 0.0625)
+
+
+def test_the_send_stage_has_a_target_of_its_own():
+    sched = make(send_target=0.25, confirm_chunks=0, initial_forward_s=1 / 256)
+    sched.seed_stage(Stage.SEND, 0.0625)  # 4/3 chunks/s x 0.0625 = 0.083 a stream
+    admit(sched, "a", "b", "c")
+    refused = sched.admit(StreamRequest("d", FPS), 0.0)
+    assert "send: the event loop would be 0.33 busy with 4 streams" in refused.reason
+    with pytest.raises(ValueError, match="observe_cost"):
+        sched.observe_stage(Stage.DEVICE, 0.1)
+
+
+def test_a_burst_of_40_on_a_pipeline_with_room_for_10_admits_at_most_10():
+    # Room for 10 in steady state: each stream needs 4/3 chunks/s x 5 forwards x 1/128 s = 0.052 of the device.
+    sched = make(utilization_target=0.55, initial_forward_s=1 / 128)
+    sched.seed_stage(Stage.OUTPUT, 0.01)
+    accepted = [sched.admit(StreamRequest(f"s{i}", FPS), 0.001 * i) for i in range(40)]
+    assert 1 <= sum(a.accepted for a in accepted) <= 10
+    assert all(a.reason for a in accepted if not a.accepted)
+    first = sum(a.accepted for a in accepted)
+    # The tranche: 0.55 x 0.5625 s of the device over 0.039 s a chunk: 7 starting streams at once, the rest refused
+    assert first == 7 and "starting: 7 streams" in accepted[7].reason and "the device starts 7 at once" in accepted[7].reason
+    # Once a tranche has delivered two chunks each (and nobody was late), the next: up to the 10 of steady state.
+    clock = Clock(sched, 0.05, cost=1 / 128)
+    admitted = [f"s{i}" for i in range(7)]
+    for tranche in (2, 1):
+        while min(sched.stream_stats(sid, clock.now).chunks_delivered for sid in admitted) < 2:
+            if clock.step() is None:
+                clock.now = sched.wake_at(clock.now)
+        assert sched.stats(clock.now).stalls == 0
+        more = [sched.admit(StreamRequest(f"t{len(admitted) + i}", FPS), clock.now) for i in range(40)]
+        assert sum(a.accepted for a in more) == tranche  # the tranche shrinks as the device fills
+        admitted += [f"t{len(admitted) + i}" for i, a in enumerate(more) if a.accepted]
+    assert len(sched) == 10 and "compute:" in more[-1].reason  # 10 in all: the device's target
+
+
+def test_a_late_stream_closes_admission_until_it_has_been_on_time_for_the_hold():
+    sched = make(utilization_target=0.9, late_hold_s=2.0, confirm_chunks=0)
+    admit(sched, "a")
+    now = first_chunk(sched)  # delivered at 0.3125: 9 frames, dry at 0.875
+    plan = sched.next(1.5)  # the device was away: the next chunk reaches the viewer at 1.8125, 0.94 s late
+    clock = Clock(sched, 1.5)
+    sched.complete(plan, 1.5 + COST, COST)
+    clock.now = 1.5 + COST
+    clock.run(4)
+    assert sched.stream_stats("a", clock.now).stalls == 1
+    refused = sched.admit(StreamRequest("b", FPS), clock.now)
+    assert not refused.accepted and refused.reason.startswith("closed loop: stream a was late 0.0 s ago (chunk 1 reached")
+    assert sched.stats(clock.now).late
+    assert not sched.admit(StreamRequest("b", FPS), clock.now + 1.9).accepted
+    assert sched.admit(StreamRequest("b", FPS), clock.now + 2.0).accepted
+    del now
+
+
+def test_a_viewer_reporting_an_empty_buffer_or_a_cheaper_encode_closes_admission():
+    sched = make(late_hold_s=1.0, confirm_chunks=0, utilization_target=0.9)
+    admit(sched, "a")
+    now = first_chunk(sched)
+    sched.observe_buffer("a", 0, now)
+    assert "its viewer reported an empty buffer" in sched.admit(StreamRequest("b", FPS), now).reason
+    assert sched.admit(StreamRequest("b", FPS), now + 1.0).accepted
+    sched.mark_late("b", now + 1.5, "chunk 3 encoded cheaper to meet its deadline")
+    assert "stream b was late 0.5 s ago (chunk 3 encoded cheaper" in sched.admit(StreamRequest("c", FPS), now + 2.0).reason
+
+
+def test_a_degraded_chunk_closes_admission():
+    sched = make(**DEGRADE, utilization_target=0.9, confirm_chunks=0)
+    admit(sched, "a")
+    now = first_chunk(sched) + 0.25
+    assert sched.next(now).steps == (2,)
+    assert "a chunk ran 2 of 4 steps to stay ahead" in sched.admit(StreamRequest("b", FPS), now).reason
+
+
+def test_dry_at_counts_the_chunks_in_flight_before_the_newest():
+    sched = make(start_margin_s=math.inf)  # every chunk runs ahead to the cap
+    admit(sched, "a")
+    assert sched.dry_at("a") is None  # not playing yet
+    clock = Clock(sched)
+    for _ in range(5):
+        sched.complete(sched.next(clock.now), clock.now, None, deliver=False)
+    sched.delivered("a", 0.3125)  # 9 frames: dry at 0.875
+    assert sched.dry_at("a") == 0.875
+    for _ in range(5):  # the next chunk in flight: the viewer runs dry at 0.875 unless it arrives
+        sched.complete(sched.next(0.5), 0.5, None, deliver=False)
+    assert sched.dry_at("a") == 0.875
+    for _ in range(5):  # one more behind it: the first in flight's 12 frames come first
+        sched.complete(sched.next(0.5), 0.5, None, deliver=False)
+    assert sched.dry_at("a") == 0.875 + 0.75
+
+
+def run_late(sched: Scheduler, until: float, away: float) -> Clock:
+    """Serve `streams` until `until`, the device away for `away` s after each chunk (a throttled device)."""
+    clock = Clock(sched)
+    while clock.now < until:
+        plan = clock.step()
+        if plan is None:
+            clock.now = sched.wake_at(clock.now) or clock.now + COST
+        elif plan.kind is C:
+            clock.now += away
+    return clock
+
+
+def test_the_newest_stream_is_ended_only_after_degradation_ran_out():
+    # Degradation absorbs the device being away 0.1 s after every chunk: chunks run fewer steps, and though the
+    # start-up stalls twice, the fewest steps always leave the margin, so no stream is named.
+    mild = make(**DEGRADE, start_margin_s=0.0625)
+    admit(mild, "a", "b")
+    clock = run_late(mild, 6.0, away=0.1)
+    assert mild.stats(clock.now).degraded_chunks > 0
+    assert mild.overloaded(clock.now) is None
+    # Away for long after every chunk: chunks run with 2 steps (the fewest) and the viewers still stall.
+    sched = make(**DEGRADE, overload_stalls=2, overload_window_s=4.0)
+    admit(sched, "a", "b")
+    clock = run_late(sched, 3.0, away=0.5)
+    named = sched.overloaded(clock.now)
+    assert named == "b"  # the newest
+    assert sched.stats(clock.now).degraded_chunks > 0 and sched.stats(clock.now).stalls >= 2
+    assert sched.overloaded(clock.now) is None  # the evidence is spent: the next needs stalls of its own
+
+
+def test_stalls_without_degradation_running_out_end_nobody():
+    sched = make(**DEGRADE)
+    admit(sched, "a", "b")
+    first_chunk(sched)
+    for t in (1.0, 1.5, 2.0):
+        sched._stalled(sched._get("a"), t, "test")  # stalls the degrade never had a chance against
+    assert sched.overloaded(2.0) is None
+    one = make()
+    admit(one, "a")
+    assert one.overloaded(0.0) is None
