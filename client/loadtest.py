@@ -301,7 +301,8 @@ def server_figures(first: dict | None, last: dict | None, wall_s: float, peak: d
         "server_ttff_mean_s": round(delta("streamsvc_ttff_seconds_sum") / ttff_n, 4) if ttff_n else None,
         "client_stalls": delta("streamsvc_client_stalls_total"),
         "webrtc_track_stalls": delta("streamsvc_webrtc_track_stalls_total"),
-        "degraded_chunks": delta("streamsvc_degraded_chunks"),
+        "degraded_chunks": {stage: delta(f"streamsvc_degraded_chunks{{stage={stage}}}") for stage in ("device", "encode")},
+        "overloaded": delta("streamsvc_streams_overloaded_total"),
         "pressure_peak": None if peak is None else peak.get("streamsvc_scheduler_pressure"),
         "modelled_stalls_peak": None if peak is None else peak.get("streamsvc_modelled_stalls"),
         "scheduler_load_peak": None if peak is None else peak.get("streamsvc_scheduler_load"),
@@ -417,7 +418,7 @@ def format_table(report: dict) -> str:
         *([("stalls during the viewers' own pauses", f"{st['during_own_pauses']} (the load test's event loop paused "
             f"{report['client_loop']['pauses_over_50ms']} times over 50 ms, longest "
             f"{f(report['client_loop']['pause_max_s'], 3)} s)")] if "client_loop" in report else []),
-        ("degraded chunks (fewer steps)", f"{report['degraded_chunks']} of {report['chunks']}"),
+        ("degraded chunks (fewer steps, cheaper encode)", f"{report['degraded_chunks']} of {report['chunks']}"),
         ("control latency p50 / p95 / max", " / ".join(f(cl[k], 3) for k in ("p50", "p95", "max"))
          + f" s (n={cl['n']}, pending {cl['pending']})"),
         *([("pixel-verified latency p50 / p95 / max", " / ".join(f(px[k], 3) for k in ("p50", "p95", "max"))
@@ -442,6 +443,9 @@ def format_table(report: dict) -> str:
         rows.append(("server chunk latency mean / max", f"{f(srv['chunk_latency_mean_s'], 3)} / "
                      f"{f(srv.get('chunk_latency_max_s'), 3)} s ({f(srv.get('chunks_over_1s'), 0)} chunks over 1 s)"))
         rows.append(("server engine busy", f(srv["engine_busy"], 3)))
+        dg = srv.get("degraded_chunks") or {}
+        rows.append(("server degraded device / encode, ended overloaded",
+                     f"{f(dg.get('device'), 0)} / {f(dg.get('encode'), 0)}, {f(srv.get('overloaded'), 0)}"))
         if report.get("config", {}).get("transport") == "webrtc":
             rows.append(("server-side track stalls (WebRTC)", f(srv.get("webrtc_track_stalls"), 0)))
     cpu = report.get("cpu")

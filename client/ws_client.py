@@ -114,7 +114,8 @@ class StreamResult:
     session_s: float  # connect -> end of the session
     connected_at: float | None  # the client's clock at connect (stall_events count from here)
     chunks: int  # chunks received
-    degraded_chunks: int  # chunks made with fewer denoising steps than `ready` announced (instead of a stall)
+    # chunks degraded instead of a stall: fewer denoising steps than `ready` announced, or a cheaper encode
+    degraded_chunks: int
     frames_decoded: int  # frames out of the decoder (or counted from headers with DecodeMode.NONE)
     bad_frames: int  # decoded frames whose size differs from `ready`'s
     prompt_versions: tuple[int, ...]  # distinct prompt versions seen in chunk headers, in order of arrival
@@ -342,7 +343,7 @@ class ViewerClient:
             session_s=0.0 if self._connected_at is None else end - self._connected_at,
             connected_at=self._connected_at,
             chunks=len(self.headers),
-            degraded_chunks=sum(1 for h in self.headers if ready is not None and h.steps < ready.steps),
+            degraded_chunks=sum(1 for h in self.headers if ready is not None and h.steps < ready.steps or h.encode == "fast"),
             frames_decoded=self.frames_decoded,
             bad_frames=self.bad_frames,
             prompt_versions=tuple(versions),

@@ -10,7 +10,10 @@ waits at most one forward.
 The event loop never touches the model, the scheduler or the KV pool. It sends commands (open,
 prompt, pause, close, ...) that the engine thread applies between launches and answers through
 concurrent futures; finished chunks come back through `on_chunk` (from the output workers),
-errors through `on_error`, both of which the server wraps in `loop.call_soon_threadsafe`.
+errors through `on_error(stream_id, message, code)`, both of which the server wraps in
+`loop.call_soon_threadsafe`. The code is "internal" for a failure, "overloaded" for the last
+resort: the newest stream ended because degradation could no longer keep every stream from
+stalling (Scheduler.overloaded).
 
 Before serving, the engine captures every CUDA graph serving replays (models/graphs.py) and runs
 a throwaway stream through a full window, every ring phase and prompt switches, timing each kind
@@ -37,7 +40,7 @@ from kvcache import CachePool
 from models import ChunkGenerator, GeneratorConfig, StreamState, Work, build_generator, fidelity
 from streamsvc.encode import EncoderSpec, StreamEncoder
 from streamsvc.output import ChunkOut, OutputStage, StreamOutput
-from streamsvc.scheduler import Admission, Plan, Scheduler, SchedulerConfig, SchedulerStats, StreamRequest, WorkKind
+from streamsvc.scheduler import Admission, Plan, Scheduler, SchedulerConfig, SchedulerStats, Stage, StreamRequest, WorkKind
 
 log = logging.getLogger("streamsvc.engine")
 
@@ -131,7 +134,7 @@ class Engine:
         self,
         config: EngineConfig,
         on_chunk: Callable[[ChunkOut], None],
-        on_error: Callable[[str, str], None],
+        on_error: Callable[[str, str, str], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -152,6 +155,7 @@ class Engine:
         self.gpu_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # device time (CUDA events; CPU: wall)
         self.decoder_bytes = 0  # device memory of one stream's decoder state, counted with its KV cache
         self.degraded_chunks = 0  # chunks made with fewer denoising steps than the schedule's (instead of a stall)
+        self.overloaded_streams = 0  # streams ended as the last resort (Scheduler.overloaded)
         self.heartbeat_at: float | None = None  # engine clock at the loop's latest turn (None: not serving yet)
         self.gen: ChunkGenerator | None = None
         self.sched: Scheduler | None = None
@@ -165,6 +169,11 @@ class Engine:
     @property
     def chunks_encoded(self) -> int:
         return self.output.chunks if self.output else 0
+
+    @property
+    def fast_encodes(self) -> int:
+        """Chunks the output stage encoded cheaper to meet their deadline."""
+        return self.output.fast_chunks if self.output else 0
 
     @property
     def chunk_latency_max_s(self) -> float:
@@ -214,6 +223,10 @@ class Engine:
 
     def request_keyframe(self, stream_id: str) -> Future:
         return self._submit(self._keyframe, stream_id)
+
+    def observe_send(self, seconds_per_chunk: float) -> Future:
+        """What the transports' send cost the event loop per chunk lately (admission's SEND stage)."""
+        return self._submit(self.sched.observe_stage, Stage.SEND, seconds_per_chunk)
 
     def close_stream(self, stream_id: str) -> Future:
         """Future[bool]: frees the stream's KV cache at once; False if it was not open."""
@@ -277,11 +290,13 @@ class Engine:
         self.kv_budget_bytes = budget
         # the scheduler plans the generator's schedule, and its shorter ones instead of stalls unless told not to
         degrade = gen.cfg.shorter_steps if cfg.degrade else ()
-        self.sched = Scheduler(replace(cfg.scheduler, denoise_steps=len(gen.sigmas), degrade_steps=degrade))
-        log.info("%s", fidelity.describe(gen.cfg, bool(degrade)))  # which speed options run (models/fidelity.py)
         workers = cfg.output_workers or min(4, max(1, (os.cpu_count() or 1) // 4))
+        self.sched = Scheduler(replace(cfg.scheduler, denoise_steps=len(gen.sigmas), degrade_steps=degrade,
+                                       output_capacity=float(workers)))
+        log.info("%s", fidelity.describe(gen.cfg, bool(degrade)))  # which speed options run (models/fidelity.py)
         processes = cfg.output_processes if cfg.output_processes is not None else device.type == "cpu"
-        self.output = OutputStage(device, workers, self._handed_over, self._output_failed, self.clock, processes)
+        self.output = OutputStage(device, workers, self._handed_over, self._output_failed, self.clock, processes,
+                                  degrade=cfg.degrade)
         log.info("model ready in %.1f s", time.monotonic() - t0)
         if device.type == "cuda":
             log.info("capturing CUDA graphs (compiles kernels on first sight; takes a while the first time)")
@@ -299,6 +314,7 @@ class Engine:
         state = gen.open_stream("warmup", "warm up", seed=0)
         enc = StreamEncoder(gen.model_cfg.width, gen.model_cfg.height, 16)
         costs: dict[WorkKind, list[float]] = {k: [] for k in WorkKind}
+        encodes: list[float] = []
         capacity = gen.cache_spec().capacity_frames
         full_chunks = 0
         try:
@@ -308,13 +324,18 @@ class Engine:
                     gen.set_prompt(state, f"warm up {full_chunks}")
                     full_chunks += 1
                 chunk = self._run_chunk([state], costs if full else None)[0]
+                t0 = time.perf_counter()
                 enc.encode(chunk.frames.cpu().numpy(), start_index=chunk.first_frame)
+                encodes.append(time.perf_counter() - t0)
         finally:
             gen.close_stream(state)
             enc.close()
         medians = self._seed_costs(costs, 1)
-        log.info("warm-up: forward costs at a full cache, median of %s runs (ms): %s",
-                 "/".join(str(len(costs[k])) for k in medians), {k.value: round(1e3 * v, 2) for k, v in medians.items()})
+        encode_s = statistics.median(encodes[-full_chunks:])
+        self.sched.seed_stage(Stage.OUTPUT, encode_s)
+        log.info("warm-up: forward costs at a full cache, median of %s runs (ms): %s; x264 %.2f ms a chunk",
+                 "/".join(str(len(costs[k])) for k in medians), {k.value: round(1e3 * v, 2) for k, v in medians.items()},
+                 1e3 * encode_s)
         if self.sched.config.max_batch > 1:
             self._warm_up_batched(self.sched.config.max_batch)
 
@@ -380,6 +401,7 @@ class Engine:
                 self._apply(cmd)
             self._retire(wait=False)
             now = self.clock()
+            self._end_overloaded(now)
             plan = self.sched.next(now)
             if plan is not None:
                 if len(self._in_flight) >= 2:  # the device has a forward running and one queued
@@ -412,7 +434,7 @@ class Engine:
             self.sched.cancel(plan)
             for sid in plan.stream_ids:
                 self._close(sid)
-                self._on_error(sid, f"generation failed: {type(e).__name__}: {e}")
+                self._on_error(sid, f"generation failed: {type(e).__name__}: {e}", "internal")
             return
         self._in_flight.append(timer.launched(plan.kind, len(streams), now))
         self.sched.complete(plan, now, None, deliver=False)
@@ -421,7 +443,7 @@ class Engine:
             self.degraded_chunks += chunk.steps < len(self.gen.sigmas)
             self.output.submit(st.output, chunk.frames, index=chunk.index, first_frame=chunk.first_frame,
                                prompt_version=chunk.prompt_version, steps=chunk.steps, keyframe=keyframe,
-                               started_at=st.chunk_started_at)
+                               started_at=st.chunk_started_at, deadline=self.sched.dry_at(st.state.stream_id))
         self.snapshot = self.sched.stats(now)
 
     def _retire(self, wait: bool) -> None:
@@ -482,18 +504,34 @@ class Engine:
     def _handed_over(self, out: ChunkOut, stream: StreamOutput) -> None:
         """An output worker has encoded a chunk: to the transports, and (as a command) to the scheduler."""
         self._on_chunk(out)
-        self._commands.put(_Command(self._delivered, (stream, self.clock())))
+        self._commands.put(_Command(self._delivered, (stream, out, self.clock())))
 
-    def _delivered(self, stream: StreamOutput, now: float) -> None:
+    def _delivered(self, stream: StreamOutput, out: ChunkOut, now: float) -> None:
+        self.sched.observe_stage(Stage.OUTPUT, out.encode_s)
         if self._is_open(stream):  # not a closed stream whose id was opened again
             self.sched.delivered(stream.stream_id, now)
+            if out.fast:
+                self.sched.mark_late(stream.stream_id, now, f"chunk {out.header.index} encoded cheaper to meet its deadline")
+
+    def _end_overloaded(self, now: float) -> None:
+        """The last resort: end the stream the scheduler names, when degradation can no longer keep every stream
+        from stalling."""
+        victim = self.sched.overloaded(now)
+        if victim is None or not self._close(victim):
+            return
+        self.overloaded_streams += 1
+        log.warning("overloaded: ended stream %s, the newest, after degradation ran out and viewers still stalled",
+                    victim)
+        self._on_error(victim, "the server is overloaded: the newest stream ended so that the others keep playing "
+                               "(degradation could no longer keep every stream from stalling); try again later",
+                       "overloaded")
 
     def _output_failed(self, stream: StreamOutput, message: str) -> None:
         self._commands.put(_Command(self._fail, (stream, message)))
 
     def _fail(self, stream: StreamOutput, message: str) -> None:
         if self._is_open(stream) and self._close(stream.stream_id):
-            self._on_error(stream.stream_id, message)
+            self._on_error(stream.stream_id, message, "internal")
 
     def _is_open(self, stream: StreamOutput) -> bool:
         st = self._streams.get(stream.stream_id)

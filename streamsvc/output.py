@@ -7,7 +7,10 @@ the frames with the stream's x264 encoder (PyAV releases the GIL), packs the Web
 and hands the chunk over. So the GPU never waits for x264, and x264 never holds up a launch.
 
 A stream's chunks go to one worker, in order (its encoder is stateful); streams are spread over
-the workers. A stream that closes has its encoder closed by its worker, after what is queued.
+the workers. A chunk carries its deadline (when its viewer runs dry without it): when the
+worker picks it up too late for a normal encode (the p90 of its recent encodes, plus
+`margin_s`), it encodes it cheaper (`StreamEncoder.encode(fast=True)`), tagged in the header;
+a chunk with time to spare never is. A stream that closes has its encoder closed by its worker, after what is queued.
 
 With `processes` (the CPU default) each worker's encoders live in a child process of their own
 (`EncoderProcess`): PyAV holds the GIL for much of an encode, and on a CPU host the engine thread
@@ -19,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+from collections import deque
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +47,8 @@ class ChunkOut:
     packets: list  # the same frames as av.Packet (pts on the 90 kHz clock), for WebRTC
     payload: bytes  # the WebSocket binary message: framed header + access units, built once
     latency_s: float  # from the launch of the chunk's first forward to the hand-over
+    encode_s: float = 0.0  # the output stage's work on it: x264 and packing (the wait for the frames left out)
+    fast: bool = False  # encoded cheaper to meet its deadline
 
 
 @dataclass
@@ -67,6 +73,7 @@ class _Job:
     steps: int  # denoising steps it was made with
     keyframe: bool
     started_at: float  # launch of the chunk's first forward (engine clock)
+    deadline: float | None  # when its viewer runs dry without it (engine clock); None: not playing yet
 
 
 class OutputStage:
@@ -80,9 +87,13 @@ class OutputStage:
         on_failed: Callable[[StreamOutput, str], None],
         clock: Callable[[], float] = time.monotonic,
         processes: bool = False,
+        degrade: bool = True,
+        margin_s: float = 0.1,
     ) -> None:
         """`on_chunk(out, stream)` and `on_failed(stream, message)` are called from the workers; `processes`:
-        x264 in one child process per worker, out of this process's GIL."""
+        x264 in one child process per worker, out of this process's GIL; `degrade`: a chunk that would reach
+        its viewer less than `margin_s` before its deadline with a normal encode is encoded cheaper."""
+        self.degrade, self.margin_s = degrade, margin_s
         self.device = device
         self._on_chunk, self._on_failed, self.clock = on_chunk, on_failed, clock
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -97,7 +108,9 @@ class OutputStage:
         self._lock = threading.Lock()  # guards the figures below
         self.encode_seconds = 0.0  # x264 and packing, summed over chunks (the wait for the frames left out)
         self.chunks = 0
+        self.fast_chunks = 0  # chunks encoded cheaper to meet their deadline
         self.latency_max_s = 0.0
+        self._recent: deque[float] = deque(maxlen=32)  # the latest normal encodes' times (all workers)
 
     def open(self, stream_id: str, spec: EncoderSpec) -> StreamOutput:
         """A stream's output; its encoder is made here (threads) or at its first chunk (processes)."""
@@ -105,7 +118,7 @@ class OutputStage:
         return StreamOutput(stream_id, spec, next(self._next_worker) % len(self._queues), encoder)
 
     def submit(self, stream: StreamOutput, frames: torch.Tensor, *, index: int, first_frame: int, prompt_version: int,
-               steps: int, keyframe: bool, started_at: float) -> None:
+               steps: int, keyframe: bool, started_at: float, deadline: float | None = None) -> None:
         """Queue a chunk whose frames ([N, H, W, 3] uint8, maybe still being computed on the device) are launched."""
         ready = None
         if frames.is_cuda:
@@ -118,7 +131,7 @@ class OutputStage:
                 ready.record(cs)
             frames.record_stream(cs)  # the decoder's output is not reused before the copy has read it
             frames = host
-        job = _Job(stream, frames, ready, index, first_frame, prompt_version, steps, keyframe, started_at)
+        job = _Job(stream, frames, ready, index, first_frame, prompt_version, steps, keyframe, started_at, deadline)
         self._queues[stream.worker].put(job)
 
     def close(self, stream: StreamOutput) -> None:
@@ -170,20 +183,35 @@ class OutputStage:
         if job.ready is not None:
             job.ready.synchronize()  # the frames are on the host (waits without the GIL)
         t0 = self.clock()
+        fast = self._late(job, t0)
         stream, frames = job.stream, job.frames.numpy()
         if stream.encoder is not None:
-            packets = stream.encoder.encode(frames, start_index=job.first_frame, keyframe=job.keyframe)
+            packets = stream.encoder.encode(frames, start_index=job.first_frame, keyframe=job.keyframe, fast=fast)
         else:
             packets = self._hosts[stream.worker].encode(stream.stream_id, stream.spec, frames,
-                                                        start_index=job.first_frame, keyframe=job.keyframe)
+                                                        start_index=job.first_frame, keyframe=job.keyframe, fast=fast)
         aus = [bytes(p) for p in packets]
+        keyframe = job.keyframe or packets[0].is_keyframe
         header = ChunkHeader.describe(aus, index=job.index, pts=job.first_frame, prompt_version=job.prompt_version,
-                                      steps=job.steps, keyframe=job.keyframe)
+                                      steps=job.steps, keyframe=keyframe, fast=fast)
         payload = pack_chunk(header, aus)
         now = self.clock()
-        out = ChunkOut(job.stream.stream_id, header, aus, packets, payload, now - job.started_at)
+        out = ChunkOut(job.stream.stream_id, header, aus, packets, payload, now - job.started_at, now - t0, fast)
         with self._lock:
             self.encode_seconds += now - t0
             self.chunks += 1
+            self.fast_chunks += fast
+            if not fast:
+                self._recent.append(now - t0)
             self.latency_max_s = max(self.latency_max_s, out.latency_s)
         self._on_chunk(out, job.stream)
+
+    def _late(self, job: _Job, now: float) -> bool:
+        """Whether a normal encode (the p90 of the recent ones) would leave the chunk less than margin_s before
+        its deadline: then it is encoded cheaper. Never for a chunk with time to spare, or not yet playing."""
+        if not self.degrade or job.deadline is None:
+            return False
+        with self._lock:
+            recent = sorted(self._recent)
+        expected = recent[int(0.9 * (len(recent) - 1))] if recent else 0.0
+        return now + expected + self.margin_s > job.deadline

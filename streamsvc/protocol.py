@@ -134,6 +134,8 @@ class ErrorCode(StrEnum):
     TOO_MANY_STREAMS = "too_many_streams"  # start over this token's or this address's stream limit
     RATE_LIMITED = "rate_limited"  # a control message over the stream's rate; it was dropped, the stream goes on
     INTERNAL = "internal"  # the server failed; the message says what, never a traceback
+    # the server ended the stream, the newest, because degradation could no longer keep every stream from stalling
+    OVERLOADED = "overloaded"
     # a cluster's worker (the GPU replica that ran the stream) was lost; the stream is gone, and a new `start`
     # on a new connection is placed again (on another worker): the one error worth retrying at once
     WORKER_LOST = "worker_lost"
@@ -280,6 +282,8 @@ class Chunk(_Message):
     prompt_version: Version  # the prompt version the chunk was generated under
     steps: Steps  # denoising steps it was made with: fewer than the ready message's when degraded instead of a stall
     keyframe: bool  # the first access unit is an IDR with SPS/PPS: decoding can start here
+    # "fast": encoded cheaper (higher CRF, point-sampled chroma) because it would otherwise have reached the viewer late
+    encode: Literal["normal", "fast"] = "normal"
     sizes: list[Annotated[int, Field(ge=1, le=MAX_CHUNK_BYTES)]]  # byte size of each frame's access unit
 
     @model_validator(mode="after")
@@ -292,7 +296,8 @@ class Chunk(_Message):
 
     @classmethod
     def describe(
-        cls, access_units: list[bytes], *, index: int, pts: int, prompt_version: int, steps: int, keyframe: bool
+        cls, access_units: list[bytes], *, index: int, pts: int, prompt_version: int, steps: int, keyframe: bool,
+        fast: bool = False,
     ) -> Chunk:
         """The header of a chunk made of ``access_units`` (sizes and frame count filled in)."""
         return cls(
@@ -302,6 +307,7 @@ class Chunk(_Message):
             prompt_version=prompt_version,
             steps=steps,
             keyframe=keyframe,
+            encode="fast" if fast else "normal",
             sizes=[len(au) for au in access_units],
         )
 

@@ -45,6 +45,8 @@ from streamsvc.transport.webrtc import WebRtcTransport
 log = logging.getLogger("streamsvc.server")
 
 WS_PATH = "/ws"
+SEND_PERIOD_S = 1.0  # how often the event loop's cost per chunk is measured for admission (its SEND stage)
+SEND_MIN_CHUNKS = 8  # chunks a measurement needs (fewer: it waits for the next period)
 CONTROL_TYPES = (P.SetPrompt, P.Pause, P.Resume, P.Stats, P.Close)
 
 
@@ -76,8 +78,15 @@ class Metrics:
         self.chunk_latency = Histogram("streamsvc_chunk_latency_seconds", "First denoising step to chunk ready",
                                        registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
         self.chunks = Counter("streamsvc_chunks", "Chunks sent", registry=r)
-        self.degraded = Gauge("streamsvc_degraded_chunks", "Chunks made with fewer denoising steps instead of a stall",
+        self.degraded = Gauge("streamsvc_degraded_chunks", "Chunks degraded instead of a stall, by the stage that "
+                              "was late (device: fewer denoising steps; encode: a cheaper x264 encode)", ["stage"],
                               registry=r)
+        self.overloaded = Counter("streamsvc_streams_overloaded", "Streams ended as the last resort (error 'overloaded'): "
+                                  "degradation could no longer keep every stream from stalling", registry=r)
+        self.stage_load = Gauge("streamsvc_stage_load", "Predicted busy fraction of each stage a chunk passes "
+                                "(what admission checks against its target)", ["stage"], registry=r)
+        self.admission_closed = Gauge("streamsvc_admission_closed",
+                                      "1 while a stream was late lately: no stream is admitted (the closed loop)", registry=r)
         self.pressure = Gauge("streamsvc_scheduler_pressure",
                               "1 while a chunk was degraded lately (no stream steers ahead of its lead)", registry=r)
         self.queue = Gauge("streamsvc_scheduler_queue", "Streams that want a forward now", registry=r)
@@ -106,6 +115,8 @@ class Server:
         self.clock = clock  # the control rates' time (tests inject one)
         self.limits = StreamLimits(config.access)
         self._tasks: set[asyncio.Task] = set()  # prompts released at a chunk (kept referenced until done)
+        self._chunks_sent = 0  # chunks handed to the transports (the SEND stage's measure)
+        self._send_meter: asyncio.Task | None = None
         self.engine_config = engine_config
         self.metrics = Metrics()
         self.sessions: dict[str, Session] = {}
@@ -126,6 +137,7 @@ class Server:
         from the gateway through streamsvc/cluster instead of a socket)."""
         self._loop = asyncio.get_running_loop()
         await asyncio.wrap_future(self.engine.start())
+        self._send_meter = asyncio.create_task(self._measure_send(), name="send-meter")
         if not listen:
             return
         self._server = await serve(
@@ -145,6 +157,8 @@ class Server:
         """Every stream gets `closed`, then the engine stops."""
         for session in list(self.sessions.values()):
             await self._end(session, reason)
+        if self._send_meter is not None:
+            self._send_meter.cancel()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -160,6 +174,17 @@ class Server:
         await stop.wait()
         log.info("shutting down")
         await self.stop()
+
+    async def _measure_send(self) -> None:
+        """Every SEND_PERIOD_S, the event loop's CPU time per chunk sent (everything it does: the sends, control
+        messages, WebRTC's packetizing and encryption) goes to admission as the SEND stage's cost."""
+        cpu, chunks = time.thread_time(), self._chunks_sent
+        while True:
+            await asyncio.sleep(SEND_PERIOD_S)
+            if self._chunks_sent - chunks >= SEND_MIN_CHUNKS:
+                now_cpu = time.thread_time()
+                self.engine.observe_send((now_cpu - cpu) / (self._chunks_sent - chunks))
+                cpu, chunks = now_cpu, self._chunks_sent
 
     # -- engine callbacks (called in the engine thread, run on the loop) ---------------------
 
@@ -177,11 +202,15 @@ class Server:
         session.outbox.put_nowait(out)
         self._spawn(self._release_prompt(session))
 
-    def _on_error(self, stream_id: str, message: str) -> None:
+    def _on_error(self, stream_id: str, message: str, code: str) -> None:
+        """The engine ended a stream: a failure ("internal") or the last resort ("overloaded")."""
         session = self.sessions.get(stream_id)
+        if code == P.ErrorCode.OVERLOADED:
+            self.metrics.overloaded.inc()
         if session is not None:
-            session.outbox.put_nowait(P.Error(code=P.ErrorCode.INTERNAL, message=message[: P.MAX_TEXT_CHARS]))
-            asyncio.ensure_future(self._end(session, "generation failed", engine_closed=True))
+            session.outbox.put_nowait(P.Error(code=P.ErrorCode(code), message=message[: P.MAX_TEXT_CHARS]))
+            reason = "overloaded" if code == P.ErrorCode.OVERLOADED else "generation failed"
+            asyncio.ensure_future(self._end(session, reason, engine_closed=True))
 
     # -- HTTP ---------------------------------------------------------------------------------
 
@@ -237,8 +266,12 @@ class Server:
         m.encode_s.set(self.engine.encode_seconds)
         m.chunks_encoded.set(self.engine.chunks_encoded)
         m.chunk_latency_max.set(self.engine.chunk_latency_max_s)
-        m.degraded.set(self.engine.degraded_chunks)
+        m.degraded.labels("device").set(self.engine.degraded_chunks)
+        m.degraded.labels("encode").set(self.engine.fast_encodes)
         if snap is not None:
+            for stage, load in snap.stage_load.items():
+                m.stage_load.labels(stage.value).set(load)
+            m.admission_closed.set(int(snap.late))
             m.pressure.set(int(snap.pressure))
             m.queue.set(snap.queue_length)
             m.load.set(snap.predicted_load)
@@ -488,6 +521,7 @@ class Server:
                     else:
                         await ws.send(item.payload)
                     session.delivered(self._loop.time())
+                    self._chunks_sent += 1
                     self.metrics.chunks.inc()
                     if session.chunks_sent == 1 and session.ttff_s is not None:
                         self.metrics.ttff.observe(session.ttff_s)

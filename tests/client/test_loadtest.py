@@ -67,7 +67,7 @@ def test_summary_counts_admitted_refused_stalls_and_latencies():
     assert len(r["per_stream"]) == 2
     json.dumps(r)  # the report is plain JSON
     assert "16 admitted" not in loadtest.format_table(r) and "2 admitted" in loadtest.format_table(r)
-    assert re.search(r"degraded chunks \(fewer steps\) +3 of 28\n", loadtest.format_table(r))
+    assert re.search(r"degraded chunks \(fewer steps, cheaper encode\) +3 of 28\n", loadtest.format_table(r))
 
 
 def test_an_empty_run_summarizes_without_dividing_by_zero():

@@ -16,15 +16,15 @@ class Collector:
     def __init__(self):
         self.lock = threading.Lock()
         self.chunks: dict[str, list] = {}
-        self.errors: list[tuple[str, str]] = []
+        self.errors: list[tuple[str, str, str]] = []
 
     def on_chunk(self, out):
         with self.lock:
             self.chunks.setdefault(out.stream_id, []).append(out)
 
-    def on_error(self, stream_id, message):
+    def on_error(self, stream_id, message, code):
         with self.lock:
-            self.errors.append((stream_id, message))
+            self.errors.append((stream_id, message, code))
 
     def wait(self, predicate, timeout=20.0):
         deadline = time.monotonic() + timeout

@@ -110,3 +110,30 @@ def test_a_dead_encoder_process_fails_its_streams_and_the_next_ones_get_a_new_on
     assert [sid for sid, _ in sink.chunks] == ["a", "b"]
     assert sink.failed == [("a", sink.failed[0][1])] and "encoder process is gone" in sink.failed[0][1]
     assert not host.alive and stage._hosts[0] is not host and not stage._hosts[0].alive  # stopped with the stage
+
+
+@WHERE
+def test_a_chunk_short_of_its_deadline_is_encoded_cheaper_and_one_with_time_to_spare_never(processes):
+    sink = Sink()
+    stage = OutputStage(torch.device("cpu"), 1, sink.on_chunk, sink.on_failed, processes=processes, margin_s=0.1)
+    stream = stage.open("a", SPEC)
+    now = time.monotonic()
+    deadlines = [None, now + 60.0, now + 0.05, now + 0.05, now + 60.0]  # not playing, spare, short, short, spare
+    try:
+        for i, deadline in enumerate(deadlines):
+            stage.submit(stream, frames(40 * i + 20), index=i, first_frame=4 * i, prompt_version=0, steps=4,
+                         keyframe=i == 0, started_at=now, deadline=deadline)
+        sink.wait(len(deadlines))
+    finally:
+        stage.stop()
+    outs = [out for _, out in sink.chunks]
+    assert [o.fast for o in outs] == [False, False, True, True, False]
+    assert [o.header.encode for o in outs] == ["normal", "normal", "fast", "fast", "normal"]
+    # switching encoders starts with an IDR both ways; staying does not
+    assert [o.header.keyframe for o in outs] == [True, False, True, False, True]
+    assert stage.fast_chunks == 2 and all(o.encode_s > 0 for o in outs)
+    dec = StreamDecoder()
+    decoded = [f for o in outs for au in o.access_units for f in dec.decode(au)]
+    assert len(decoded) == 20
+    means = [float(np.mean(decoded[4 * i + 3])) for i in range(5)]
+    assert means == pytest.approx([20, 60, 100, 140, 180], abs=3)  # every chunk shows its own frames

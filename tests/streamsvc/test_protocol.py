@@ -266,14 +266,15 @@ def test_pack_unpack_round_trip(header_units):
 
 def test_wire_layout():
     units = [b"\x00\x00\x00\x01\x65abc", b"\x00\x00\x00\x01\x41d"]
-    header = p.Chunk.describe(units, index=2, pts=21, prompt_version=1, steps=3, keyframe=True)
+    header = p.Chunk.describe(units, index=2, pts=21, prompt_version=1, steps=3, keyframe=True, fast=True)
     data = p.pack_chunk(header, units)
     head = p.encode(header).encode()
     assert data == b"SSC1" + len(head).to_bytes(4, "big") + head + units[0] + units[1]
     assert json.loads(head) == {
         "type": "chunk", "index": 2, "pts": 21, "frames": 2, "prompt_version": 1, "steps": 3, "keyframe": True,
-        "sizes": [8, 6],
+        "encode": "fast", "sizes": [8, 6],
     }
+    assert p.Chunk.describe(units, index=2, pts=21, prompt_version=1, steps=3, keyframe=True).encode == "normal"
 
 
 @fast
