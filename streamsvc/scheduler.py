@@ -107,7 +107,8 @@ margin) and a chunk no longer fit under `buffer_cap_s`.
 
 Admission counts every stage a chunk passes (`Stage`): the device (the forwards above),
 the output stage (frames to the host, x264 and packing, on `output_capacity` workers) and
-the transports' send (the event loop). Each stage's cost per chunk is seeded by the
+the transports' send (the event loop). The device's load counts the streams' prompt switches
+as measured: the recaches of the last RECACHE_WINDOW_S, at a recache's cost. Each stage's cost per chunk is seeded by the
 warm-up (`seed_stage`) and then follows the `cost_percentile` of what serving measures
 (`observe_stage`); a stream is admitted only while every stage stays under its target.
 It also listens to what viewers get (the closed loop): while any stream was late within
@@ -135,6 +136,7 @@ from dataclasses import dataclass, field, replace
 POLICIES = ("slack", "least_slack", "round_robin", "fifo")
 
 RECACHE_STAGE = -1  # Plan.step of a RECACHE forward: it comes before a chunk's step 0
+RECACHE_WINDOW_S = 10.0  # admission counts the recaches of this many past seconds as the streams' steering load
 _EPS_S = 1e-9  # tolerance on time comparisons, so a wake-up at exactly the computed time is runnable
 
 
@@ -564,6 +566,7 @@ class Scheduler:
         self.stage_costs = CostModel(0.001, cfg.cost_percentile, cfg.cost_window, cfg.cost_min_samples)
         self._late: tuple[float, str, str] | None = None  # the latest lateness: (time, stream, what happened)
         self._stalls: deque[float] = deque()  # times of modelled stalls within overload_window_s
+        self._recaches: deque[float] = deque()  # times of recaches (one per stream) within RECACHE_WINDOW_S
         self._exhausted: deque[float] = deque()  # times within overload_window_s a chunk ran its fewest steps, short
 
     # ----- streams -------------------------------------------------------------------
@@ -590,9 +593,10 @@ class Scheduler:
         if req.stream_id in self._streams:
             raise SchedulerError(f"stream {req.stream_id!r} is already admitted")
         cfg = self.config
+        steering = self._recache_load(now)
         current = self.predicted_load()
         n = len(self._streams) + 1
-        needed = self.stream_load(req, n)
+        needed = self.stream_load(req, n) + steering / max(1, n - 1)  # it steers as often as the others
         total = self._load(n) + needed  # with it, the others may batch more (or, unmeasured, no better)
         reasons = []
         if kv_refusal is not None:
@@ -805,6 +809,7 @@ class Scheduler:
             if due_at is not None and s.chunk_due_at is None:  # the chunk's first forward (a restart keeps it)
                 s.chunk_due_at, s.chunk_sampled = due_at, due
             if plan.kind is WorkKind.RECACHE:
+                self._recaches.append(now)
                 s.step = 0  # a partial chunk (if any) is abandoned
                 s.cache_seq = prompt_seq
             elif plan.kind is WorkKind.DENOISE:
@@ -893,8 +898,17 @@ class Scheduler:
         return self._load(len(self._streams))
 
     def _load(self, streams: int) -> float:
-        """The admitted streams' load when `streams` streams share the device (batches as that many allow)."""
-        return sum(self.stream_load(s.request, streams) for s in self._streams.values())
+        """The admitted streams' load when `streams` streams share the device (batches as that many allow), and
+        their prompt switches: the recaches of the last RECACHE_WINDOW_S, as a rate, at the recache's cost."""
+        chunks = sum(self.stream_load(s.request, streams) for s in self._streams.values())
+        return chunks + self._recache_load()
+
+    def _recache_load(self, now: float | None = None) -> float:
+        """Busy fraction of the device the admitted streams' recaches took lately (measured, not predicted)."""
+        if now is not None:
+            while self._recaches and self._recaches[0] < now - RECACHE_WINDOW_S:
+                self._recaches.popleft()
+        return len(self._recaches) / RECACHE_WINDOW_S * self.costs.estimate(WorkKind.RECACHE)
 
     def _stream_chunk_s(self, streams: int) -> float:
         """One stream's share of a chunk's forwards when `streams` streams batch up to max_batch together."""
@@ -927,7 +941,8 @@ class Scheduler:
         )
 
     def stats(self, now: float) -> SchedulerStats:
-        """A snapshot for metrics (pure: changes nothing)."""
+        """A snapshot for metrics (changes nothing but forgetting recaches older than RECACHE_WINDOW_S)."""
+        self._recache_load(now)
         per_stream = tuple(self.stream_stats(stream_id, now) for stream_id in self._streams)
         return SchedulerStats(
             streams=len(per_stream),

@@ -1131,3 +1131,19 @@ def test_stalls_without_degradation_running_out_end_nobody():
     one = make()
     admit(one, "a")
     assert one.overloaded(0.0) is None
+
+
+def test_admission_counts_the_recaches_of_the_last_seconds_as_the_streams_steering_load():
+    sched = make(utilization_target=0.9, confirm_chunks=0, initial_forward_s=1 / 64)
+    admit(sched, "a", "b")
+    base = sched.predicted_load()  # 2 x 4/3 chunks/s x 5/64 s
+    clock = Clock(sched, cost=1 / 64)
+    clock.run(10)  # both first chunks
+    for _ in range(4):  # four prompt switches of a: four recaches
+        sched.set_prompt("a", clock.now)
+        clock.run(2)
+    assert sched.predicted_load() == pytest.approx(base + 4 / 10 * (1 / 64))
+    adm = sched.admit(StreamRequest("c", FPS), clock.now)
+    assert adm.predicted_load == pytest.approx(base * 3 / 2 + 4 / 10 * (1 / 64) * 3 / 2)  # c steers as a and b do
+    sched.stats(clock.now + 10.1)  # ten seconds on, those recaches are forgotten
+    assert sched.predicted_load() == pytest.approx(base * 3 / 2)
