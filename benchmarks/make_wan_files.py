@@ -1,6 +1,6 @@
 """Random weight files in the exact layouts real users have, for timing real-weight serving offline.
 
-    python benchmarks/make_wan_files.py --out /data/wan [--size full|tiny] [--seed 0] [--device auto]
+    python benchmarks/make_wan_files.py --out /data/wan [--size full|tiny|14b|tiny-14b] [--seed 0] [--device auto]
 
 Writes, under --out (nothing is downloaded; the values are random, the names, shapes, dtypes and file
 formats are the real ones):
@@ -22,6 +22,18 @@ LongLive's generator: seed + 2); Self-Forcing's `generator` is its generator_ema
 their first dimension (other values, same bytes to read). umT5 and the LoRAs are normal noise from one
 generator per 16M-element piece (on the GPU when there is one, else in CPU threads); norms are 1.
 `--size tiny` writes the same layouts at the tiny preset's sizes (the tests load them on the CPU).
+
+`--size 14b` writes Wan2.1-T2V-14B's layout instead: the same umT5, tokenizer and VAE files, its
+config.json, and its DiT sharded as the 14B's is,
+
+    Wan2.1-T2V-14B/diffusion_pytorch_model-0000N-of-00006.safetensors   whole tensors in key order, ~4.8 GB each
+    Wan2.1-T2V-14B/diffusion_pytorch_model.safetensors.index.json       {"metadata": {"total_size"}, "weight_map"}
+
+in bf16 (28.6 GB; the published shards are fp32, 57 GB: `--base-dtype fp32`), drawn shard by shard on the
+GPU as Xavier-normal noise (the variance of init_weights' Xavier-uniform), so that neither the whole DiT nor
+an fp32 copy of it is ever in host memory; and taew2_1.pth. No Self-Forcing / LongLive / LoRA files (no
+such 14B checkpoints; each would be another 28.6 GB). `--size tiny-14b` is that layout at the tiny
+preset's sizes (the tests). About 40 GB and a few minutes at 14b on an H200 host.
 Prints one line per file and ends with one JSON line: the files and their bytes.
 """
 
@@ -30,6 +42,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -45,15 +58,22 @@ from models.dit import CausalWanModel  # noqa: E402
 from models.taehv import TAEHV_FILE, TAEHVDecoder  # noqa: E402
 from models.umt5 import WAN_CHECKPOINT, WAN_TOKENIZER, XXL, wan_key_map  # noqa: E402
 from models.wan_vae import WAN_VAE_FILE, diffusers_key_to_wan, wan_key_to_diffusers, wan21_vae_config  # noqa: E402
+from models.weights import DIT_INDEX  # noqa: E402
 
 WAN_DIR = "Wan2.1-T2V-1.3B"
+WAN_14B_DIR = "Wan2.1-T2V-14B"
 DIT_FILE = "diffusion_pytorch_model.safetensors"
 SELF_FORCING_FILE = "self_forcing_dmd.pt"
 LONGLIVE_BASE_FILE = "longlive_base.pt"
 LORA_FILE = "lora.pt"
 LORA_TARGETS = tuple(f"self_attn.{p}" for p in "qkvo") + tuple(f"cross_attn.{p}" for p in "qkvo") + ("ffn.0", "ffn.2")
 
-# what each size writes; the tiny umT5 is as wide as the tiny DiT's text input (32)
+# what each size writes; the tiny umT5 is as wide as the tiny DiT's text input (32). `shards`: the DiT
+# sharded with an index json as the 14B's is (Wan2.1-T2V-14B's folder, no Self-Forcing / LongLive / LoRA
+# files); 0: one safetensors file, as the 1.3B's is, and the 1.3B's causal checkpoints beside the folder
+_TINY_UMT5 = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
+                  relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                  feed_forward_proj="gated-gelu")
 SIZES = {
     "full": dict(
         preset="wan2.1-1.3b",
@@ -61,15 +81,29 @@ SIZES = {
         vae_base_dim=96,
         lora_rank=256,
         taehv_n_f=(256, 128, 64, 64),  # TAEHV's own
+        shards=0,
     ),
     "tiny": dict(
         preset="tiny",
-        umt5=dict(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
-                  relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                  feed_forward_proj="gated-gelu"),
+        umt5=_TINY_UMT5,
         vae_base_dim=8,
         lora_rank=4,
         taehv_n_f=(32, 16, 8, 8),
+        shards=0,
+    ),
+    "14b": dict(
+        preset="wan2.1-14b",
+        umt5=dict(XXL),
+        vae_base_dim=96,
+        taehv_n_f=(256, 128, 64, 64),
+        shards=6,  # as Wan2.1-T2V-14B's
+    ),
+    "tiny-14b": dict(
+        preset="tiny",
+        umt5=_TINY_UMT5,
+        vae_base_dim=8,
+        taehv_n_f=(32, 16, 8, 8),
+        shards=6,
     ),
 }
 
@@ -247,6 +281,62 @@ def wan_config_json(mc: ModelConfig) -> dict:
     }
 
 
+def dit_shapes(mc: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Wan's key -> shape of the DiT's tensors, in the model's order (built on meta: nothing allocated)."""
+    with torch.device("meta"):
+        model = CausalWanModel(mc)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def shard_names(shards: int) -> list[str]:
+    return [f"diffusion_pytorch_model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+
+
+def shard_plan(shapes: dict[str, tuple[int, ...]], itemsize: int, shards: int) -> dict[str, str]:
+    """Key -> shard file, as save_pretrained splits a model: whole tensors in key order, each in the shard
+    where the middle of its bytes falls (so shards hold about 1 / shards of the bytes each)."""
+    sizes = [math.prod(s) * itemsize for s in shapes.values()]
+    share = sum(sizes) / shards
+    names, plan, before = shard_names(shards), {}, 0
+    for key, size in zip(shapes, sizes):
+        plan[key] = names[min(shards - 1, int((before + size / 2) // share))]
+        before += size
+    if empty := [n for n in names if n not in plan.values()]:
+        raise ValueError(f"{len(shapes)} tensors leave shard(s) {', '.join(empty)} empty: fewer shards, please")
+    return plan
+
+
+def dit_tensor(key: str, shape: tuple[int, ...], mc: ModelConfig, noise: Noise, dtype: torch.dtype) -> torch.Tensor:
+    """One DiT tensor of random values shaped as init_weights draws them: modulation N(0, 1/dim), norms 1,
+    biases 0, the rest Xavier-normal (the variance of init_weights' Xavier-uniform)."""
+    if key.endswith("modulation"):
+        return noise.normal(f"dit/{key}", shape, mc.dim**-0.5, dtype)
+    if len(shape) == 1:
+        return (torch.ones if "norm" in key else torch.zeros)(shape, dtype=dtype)
+    fan_out, fan_in = shape[0], math.prod(shape[1:])
+    return noise.normal(f"dit/{key}", shape, math.sqrt(2.0 / (fan_in + fan_out)), dtype)
+
+
+def write_sharded_dit(folder: Path, mc: ModelConfig, noise: Noise, dtype: torch.dtype, shards: int,
+                      report: Report) -> None:
+    """The DiT as `shards` safetensors files and their index, one shard in host memory at a time."""
+    from safetensors.torch import save_file
+
+    shapes = dit_shapes(mc)
+    plan = shard_plan(shapes, dtype.itemsize, shards)
+    for name in shard_names(shards):
+        t = time.perf_counter()
+        tensors = {k: dit_tensor(k, shapes[k], mc, noise, dtype) for k, f in plan.items() if f == name}
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        del tensors
+        report.wrote(folder / name, t)
+    t = time.perf_counter()
+    total = sum(math.prod(s) * dtype.itemsize for s in shapes.values())
+    index = {"metadata": {"total_size": total}, "weight_map": plan}
+    (folder / DIT_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    report.wrote(folder / DIT_INDEX, t)
+
+
 def lora_state_dict(shapes: dict[str, tuple[int, int]], rank: int, noise: Noise, tag: str) -> dict[str, torch.Tensor]:
     """PEFT keys (`base_model.model.<module>.lora_A.weight` [r, in], `lora_B` [out, r]) for every Linear named."""
     out = {}
@@ -265,20 +355,23 @@ def make_files(out: str | Path, size: str = "full", seed: int = 0, device: str =
     """Write every file under `out`; returns {relative path: bytes}."""
     spec = SIZES[size]
     out = Path(out)
-    wan = out / WAN_DIR
+    wan = out / (WAN_14B_DIR if spec["shards"] else WAN_DIR)
     wan.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
     noise = Noise(seed, dev, threads or min(16, os.cpu_count() or 1))
     mc = ModelConfig.from_name(spec["preset"])
     if spec["umt5"]["d_model"] != mc.text_dim:
         raise RuntimeError(f"umT5 d_model {spec['umt5']['d_model']} != the {mc.name} DiT's text_dim {mc.text_dim}")
+    base_dtype = torch.float32 if base_dtype == "fp32" else torch.bfloat16
     report = Report(out)
     log(f"make_wan_files: size={size} seed={seed} noise on {dev} -> {out}")
-    # the three DiTs' init_weights draw on one CPU core each (a serial generator): run them beside the rest
-    dits = ThreadPoolExecutor(max_workers=3)
-    base_f = dits.submit(dit_state_dict, mc, seed, torch.float32 if base_dtype == "fp32" else torch.bfloat16)
-    ema_f = dits.submit(dit_state_dict, mc, seed + 1, torch.bfloat16)
-    longlive_f = dits.submit(dit_state_dict, mc, seed + 2, torch.bfloat16)
+    dits = None
+    if not spec["shards"]:
+        # the three DiTs' init_weights draw on one CPU core each (a serial generator): run them beside the rest
+        dits = ThreadPoolExecutor(max_workers=3)
+        base_f = dits.submit(dit_state_dict, mc, seed, base_dtype)
+        ema_f = dits.submit(dit_state_dict, mc, seed + 1, torch.bfloat16)
+        longlive_f = dits.submit(dit_state_dict, mc, seed + 2, torch.bfloat16)
 
     t = time.perf_counter()
     write_tokenizer(wan / WAN_TOKENIZER, spec["umt5"]["vocab_size"])
@@ -292,16 +385,35 @@ def make_files(out: str | Path, size: str = "full", seed: int = 0, device: str =
     write_wan_vae(wan / WAN_VAE_FILE, spec["vae_base_dim"], seed)
     report.wrote(wan / WAN_VAE_FILE, t)
 
+    t = time.perf_counter()
+    (wan / "config.json").write_text(json.dumps(wan_config_json(mc), indent=2) + "\n")
+    report.wrote(wan / "config.json", t)
+    if spec["shards"]:
+        write_sharded_dit(wan, mc, noise, base_dtype, spec["shards"], report)
+    else:
+        write_checkpoints(out, wan, mc, spec["lora_rank"], noise, base_f, ema_f, longlive_f, report)
+        dits.shutdown()
+
+    t = time.perf_counter()
+    write_taehv(out / TAEHV_FILE, spec["taehv_n_f"], seed)
+    report.wrote(out / TAEHV_FILE, t)
+
+    total = sum(report.files.values())
+    log(f"done: {len(report.files)} files, {total / 1e9:.2f} GB in {time.perf_counter() - report.t0:.1f} s")
+    return dict(sorted(report.files.items()))
+
+
+def write_checkpoints(out: Path, wan: Path, mc: ModelConfig, rank: int, noise: Noise, base_f, ema_f, longlive_f,
+                      report: Report) -> None:
+    """The 1.3B's: the Wan folder's own DiT, Self-Forcing's and LongLive's checkpoints and the LoRA."""
     from safetensors.torch import save_file
 
     t = time.perf_counter()
-    (wan / "config.json").write_text(json.dumps(wan_config_json(mc), indent=2) + "\n")
     base = base_f.result()
     save_file(base, str(wan / DIT_FILE), metadata={"format": "pt"})
     linears = {f"blocks.{i}.{m}": tuple(base[f"blocks.{i}.{m}.weight"].shape)
                for i in range(mc.num_layers) for m in LORA_TARGETS}
     del base
-    report.wrote(wan / "config.json", t)
     report.wrote(wan / DIT_FILE, t)
 
     t = time.perf_counter()
@@ -319,20 +431,10 @@ def make_files(out: str | Path, size: str = "full", seed: int = 0, device: str =
     report.wrote(out / LONGLIVE_BASE_FILE, t)
 
     t = time.perf_counter()
-    rank = spec["lora_rank"]
     torch.save({"generator_lora": lora_state_dict(linears, rank, noise, "generator_lora"),
                 "critic_lora": lora_state_dict(linears, rank, noise, "critic_lora"),
                 "step": 0}, out / LORA_FILE)
     report.wrote(out / LORA_FILE, t)
-
-    dits.shutdown()
-    t = time.perf_counter()
-    write_taehv(out / TAEHV_FILE, spec["taehv_n_f"], seed)
-    report.wrote(out / TAEHV_FILE, t)
-
-    total = sum(report.files.values())
-    log(f"done: {len(report.files)} files, {total / 1e9:.2f} GB in {time.perf_counter() - report.t0:.1f} s")
-    return dict(sorted(report.files.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="where the umT5/LoRA noise is drawn: auto (cuda if any), cuda, cpu")
     p.add_argument("--base-dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="dtype of the Wan folder's own DiT safetensors")
+                   help="dtype of the Wan folder's own DiT safetensors (the published ones are fp32: 57 GB at 14b)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     files = make_files(args.out, args.size, args.seed, args.device, args.base_dtype)

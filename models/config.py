@@ -137,4 +137,19 @@ PRESETS: dict[str, ModelConfig] = {
         latent_width=104,
         decoder_channels=64,
     ),
+    # Wan2.1-T2V-14B: the same latent space, text encoder (umT5-XXL) and VAE, at the 480x832 its causal descendants
+    # serve; 40 heads of 128. One latent frame of KV is 2 x 40 layers x 1560 tokens x 5120 x 2 B = 1.19 GiB,
+    # so a stream's cache at sink 3 + window 9 is 14.3 GiB (the device's workspace 25 GiB once).
+    "wan2.1-14b": ModelConfig(
+        name="wan2.1-14b",
+        dim=5120,
+        ffn_dim=13824,
+        num_heads=40,
+        num_layers=40,
+        text_dim=4096,
+        text_len=512,
+        latent_height=60,
+        latent_width=104,
+        decoder_channels=64,
+    ),
 }
