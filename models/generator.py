@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+from collections import OrderedDict
 from pathlib import Path
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -162,6 +163,10 @@ def apply_speed_options(model: CausalWanModel, cfg: GeneratorConfig) -> CausalWa
     return model
 
 
+PROMPT_CACHE_PROMPTS = 256  # prompts whose cross-attention K/V a generator keeps beyond the streams using them
+PROMPT_CACHE_BYTES = 2 * 2**30  # and at most this much of them (device memory no KV budget counts)
+
+
 class ChunkGenerator:
     """Runs the causal DiT forward by forward for any number of streams."""
 
@@ -184,7 +189,7 @@ class ChunkGenerator:
         self.sigmas = cfg.sigmas
         self.device = model.device
         self._sigmas = torch.tensor(self.sigmas, dtype=torch.float64, device=self.device)  # [steps], read by index
-        self._prompts: dict[str, TextKV] = {}
+        self._prompts: OrderedDict[str, TextKV] = OrderedDict()  # recent prompts' cross-attention K/V, newest last
         # the device's working copy of one stream's cache at a time (dense storage only)
         self.workspace = Workspace(self.workspace_spec(), self.device) if cfg.stage_kv and cfg.kv_quant == "none" else None
 
@@ -230,14 +235,19 @@ class ChunkGenerator:
             self.workspace.release(state.cache)
 
     def encode_prompt(self, prompt: str) -> TextKV:
-        """Cross-attention K/V of a prompt, computed once and kept while it is in use."""
-        if prompt not in self._prompts:
-            with torch.inference_mode():
-                kv = self.model.text_kv(self.text_encoder.encode([prompt]))
-            if len(self._prompts) > 256:
-                self._prompts.clear()
-            self._prompts[prompt] = kv
-        return self._prompts[prompt]
+        """Cross-attention K/V of a prompt, computed once. The most recent ones are kept (at most
+        PROMPT_CACHE_PROMPTS, and PROMPT_CACHE_BYTES of them: a wan2.1-14b prompt's K/V are 420 MB, 2 x 40
+        layers x 512 tokens x 5120 x 2 B); a stream holds its own prompt's whatever the cache drops."""
+        if prompt in self._prompts:
+            self._prompts.move_to_end(prompt)
+            return self._prompts[prompt]
+        with torch.inference_mode():
+            kv = self.model.text_kv(self.text_encoder.encode([prompt]))
+        self._prompts[prompt] = kv
+        size = sum(t.numel() * t.element_size() for pair in kv for t in pair)
+        while len(self._prompts) > max(1, min(PROMPT_CACHE_PROMPTS, PROMPT_CACHE_BYTES // max(1, size))):
+            self._prompts.popitem(last=False)
+        return kv
 
     def set_prompt(self, state: StreamState, prompt: str, version: int | None = None) -> None:
         """Steer the stream: the next chunk (after a recache) follows `prompt`, tagged `version`."""

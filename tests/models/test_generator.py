@@ -259,3 +259,26 @@ def test_bf16_generation_runs_and_tracks_fp32():
     assert a[1].frames.shape == (12, 128, 128, 3)
     rel = (a[0].latents - b[0].latents).norm() / b[0].latents.norm()
     assert rel < 0.1, rel
+
+
+def test_the_prompt_cache_keeps_the_most_recent_prompts_within_its_bytes(monkeypatch):
+    from models import generator as G
+
+    gen = tiny_generator()
+    kv = gen.encode_prompt("a")
+    size = sum(t.numel() * t.element_size() for pair in kv for t in pair)
+    assert gen.encode_prompt("a") is kv  # computed once
+    monkeypatch.setattr(G, "PROMPT_CACHE_BYTES", 2 * size)  # room for two (a 14B prompt is 420 MB)
+    gen.encode_prompt("b")
+    assert gen.encode_prompt("a") is kv  # "a" is now the newest
+    gen.encode_prompt("c")
+    assert list(gen._prompts) == ["a", "c"]  # "b", the least recent, went
+    state = gen.open_stream("s", "d", seed=0)
+    gen.encode_prompt("e")
+    gen.encode_prompt("f")
+    assert list(gen._prompts) == ["e", "f"]
+    held = state.text  # the stream keeps its own prompt's K/V; asked again, the same values
+    assert all(torch.equal(a, b) for pa, pb in zip(held, gen.encode_prompt("d")) for a, b in zip(pa, pb))
+    monkeypatch.setattr(G, "PROMPT_CACHE_BYTES", 0)
+    gen.encode_prompt("g")
+    assert list(gen._prompts) == ["g"]  # the newest always stays
