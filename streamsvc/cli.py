@@ -13,14 +13,18 @@ from kvcache import QUANT_MODES
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="model size (default: tiny, CPU-fast)")
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                   help="model size and resolution (default: tiny, CPU-fast; wan2.1-1.3b and wan2.1-14b at 480x832; "
+                        "a checkpoint's own dimensions win)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if present)")
     p.add_argument("--checkpoint", default=None,
                    help="local DiT weights: a .safetensors/.pt file (Self-Forcing, LongLive) or a Wan2.1 folder "
                         "(default: --wan-dir's own DiT, else random from --weights-seed)")
     p.add_argument("--wan-dir", default=None,
-                   help="the Wan2.1-T2V-1.3B folder, Wan's layout or Diffusers': the umT5 text encoder, the VAE and "
-                        "the base DiT (default: none: the built-in hashing text encoder and tiny decoder)")
+                   help="a Wan2.1 folder (T2V-1.3B, or T2V-14B with its sharded DiT), Wan's layout or Diffusers': the "
+                        "umT5 text encoder, the VAE and the base DiT; its config.json gives the DiT's heads and is "
+                        "checked against every checkpoint loaded with it (default: none: the built-in hashing text "
+                        "encoder and tiny decoder)")
     p.add_argument("--lora", default=None, help="a LoRA file merged into the checkpoint (LongLive's lora.pt)")
     p.add_argument("--lora-alpha", type=float, default=None, help="the LoRA's alpha (default: its rank, scale 1)")
     p.add_argument("--wrapper", default="auto", choices=("auto", "generator", "generator_ema"),

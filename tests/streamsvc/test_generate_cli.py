@@ -1,3 +1,5 @@
+import json
+
 import av
 import numpy as np
 import pytest
@@ -84,3 +86,26 @@ def test_a_missing_model_file_is_a_clear_error_not_a_traceback(tmp_path, monkeyp
     capsys.readouterr()
     assert main(["generate", "--prompt", "p", "--weights", "random", "--checkpoint", "x.pt", "--quiet"]) == 2
     assert "random DiT weights, but a checkpoint was given too" in capsys.readouterr().err
+
+
+def test_generate_the_14b_preset_from_a_sharded_wan_folder_whose_config_gives_the_heads(tmp_path, capsys):
+    """A small DiT in Wan2.1-T2V-14B's layout (3 shards and their index, config.json): 3 heads of 32, which
+    its dim 96 does not tell (the preset's heads are 128 wide); the preset's 480x832."""
+    from models import CausalWanModel, ModelConfig
+    from tests.models.test_weights import wan_dir
+
+    mc = ModelConfig.from_name("wan2.1-14b", dim=96, num_heads=3, ffn_dim=128, num_layers=2, text_dim=32)
+    d = wan_dir(tmp_path, CausalWanModel(mc).init_weights(3), heads=3, shards=3)
+    assert (d / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    args = ["generate", "--prompt", "a fox", "--seconds", "0.5", "--preset", "wan2.1-14b", "--checkpoint", str(d),
+            "--device", "cpu", "--quiet"]
+    assert main(args + ["-o", str(tmp_path / "a.mp4")]) == 0
+    assert "wrote 8 frames (832x480, 16 fps, H.264)" in capsys.readouterr().out
+    assert len(decode(tmp_path / "a.mp4")) == 8
+    config = json.loads((d / "config.json").read_text())
+    del config["num_heads"]  # a config that does not say: the heads are undecidable
+    (d / "config.json").write_text(json.dumps(config))
+    assert main(args + ["-o", str(tmp_path / "b.mp4")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot tell the DiT's attention heads: its dim 96 is not a multiple of the 'wan2.1-14b' preset's head " \
+           "width 128, and no config.json says num_heads" in err and "Traceback" not in err
