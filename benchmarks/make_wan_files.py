@@ -29,7 +29,7 @@ config.json, and its DiT sharded as the 14B's is,
     Wan2.1-T2V-14B/diffusion_pytorch_model-0000N-of-00006.safetensors   whole tensors in key order, ~4.8 GB each
     Wan2.1-T2V-14B/diffusion_pytorch_model.safetensors.index.json       {"metadata": {"total_size"}, "weight_map"}
 
-in bf16 (28.6 GB; the published shards are fp32, 57 GB: `--base-dtype fp32`), drawn shard by shard on the
+in bf16 (28.6 GB; `--base-dtype fp32` writes fp32 shards, 57 GB), drawn shard by shard on the
 GPU as Xavier-normal noise (the variance of init_weights' Xavier-uniform), so that neither the whole DiT nor
 an fp32 copy of it is ever in host memory; and taew2_1.pth. No Self-Forcing / LongLive / LoRA files (no
 such 14B checkpoints; each would be another 28.6 GB). `--size tiny-14b` is that layout at the tiny
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="where the umT5/LoRA noise is drawn: auto (cuda if any), cuda, cpu")
     p.add_argument("--base-dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="dtype of the Wan folder's own DiT safetensors (the published ones are fp32: 57 GB at 14b)")
+                   help="dtype of the Wan folder's own DiT safetensors (fp32 at 14b: 57 GB)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     files = make_files(args.out, args.size, args.seed, args.device, args.base_dtype)
