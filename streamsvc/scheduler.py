@@ -209,7 +209,7 @@ class SchedulerConfig:
     # A stream is starting until it has delivered this many chunks; starting streams bound the next tranche (0: off).
     confirm_chunks: int = 2
     # Last resort: with degradation run out, this many modelled stalls within overload_window_s end the newest stream.
-    overload_stalls: int = 2
+    overload_stalls: int = 4
     overload_window_s: float = 4.0
 
     def __post_init__(self) -> None:
@@ -1034,9 +1034,9 @@ class Scheduler:
         starting = [s for s in self._streams.values() if s.chunks_done - len(s.in_flight) < cfg.confirm_chunks]
         if not starting:
             return []
-        # The k-th of k newcomers gets its first chunk after all k first chunks and needs its second within the
-        # first's play time: k chunks of each stage must fit in that window, at the stage's target, beside the
-        # streams already confirmed.
+        # The k-th of k newcomers gets its first chunk after all k first chunks and the first newcomer needs its
+        # second within its first's play time: k chunks of each stage must fit in one chunk (the first newcomer's
+        # own) plus that window at the stage's target, beside the streams already confirmed.
         window_s = req.first_chunk_frames / req.fps
         n = len(self._streams) + 1
         others = [s.request for s in self._streams.values() if s not in starting]
@@ -1044,7 +1044,7 @@ class Scheduler:
         for stage, target in targets.items():
             chunk_s = self._stage_chunk_s(stage, n)
             busy = sum(r.fps / r.chunk_frames for r in others) * chunk_s
-            room_s = max(0.0, target - busy) * window_s
+            room_s = max(0.0, target - busy) * window_s + chunk_s
             if (len(starting) + 1) * chunk_s > room_s + _EPS_S:
                 since = now - min(s.admitted_at for s in starting)
                 return [
