@@ -155,7 +155,6 @@ class Engine:
         self.gpu_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # device time (CUDA events; CPU: wall)
         self.decoder_bytes = 0  # device memory of one stream's decoder state, counted with its KV cache
         self.degraded_chunks = 0  # chunks made with fewer denoising steps than the schedule's (instead of a stall)
-        self.overloaded_streams = 0  # streams ended as the last resort (Scheduler.overloaded)
         self.heartbeat_at: float | None = None  # engine clock at the loop's latest turn (None: not serving yet)
         self.gen: ChunkGenerator | None = None
         self.sched: Scheduler | None = None
@@ -295,8 +294,7 @@ class Engine:
                                        output_capacity=float(workers)))
         log.info("%s", fidelity.describe(gen.cfg, bool(degrade)))  # which speed options run (models/fidelity.py)
         processes = cfg.output_processes if cfg.output_processes is not None else device.type == "cpu"
-        self.output = OutputStage(device, workers, self._handed_over, self._output_failed, self.clock, processes,
-                                  degrade=cfg.degrade)
+        self.output = OutputStage(device, workers, self._handed_over, self._output_failed, self.clock, processes)
         log.info("model ready in %.1f s", time.monotonic() - t0)
         if device.type == "cuda":
             log.info("capturing CUDA graphs (compiles kernels on first sight; takes a while the first time)")
@@ -443,7 +441,7 @@ class Engine:
             self.degraded_chunks += chunk.steps < len(self.gen.sigmas)
             self.output.submit(st.output, chunk.frames, index=chunk.index, first_frame=chunk.first_frame,
                                prompt_version=chunk.prompt_version, steps=chunk.steps, keyframe=keyframe,
-                               started_at=st.chunk_started_at, deadline=self.sched.dry_at(st.state.stream_id))
+                               started_at=st.chunk_started_at, encode_by=self._encode_by(st.state.stream_id))
         self.snapshot = self.sched.stats(now)
 
     def _retire(self, wait: bool) -> None:
@@ -513,13 +511,20 @@ class Engine:
             if out.fast:
                 self.sched.mark_late(stream.stream_id, now, f"chunk {out.header.index} encoded cheaper to meet its deadline")
 
+    def _encode_by(self, stream_id: str) -> float | None:
+        """The latest start of a normal encode of the stream's newest chunk: its viewer's deadline less the output
+        stage's cost (p90) and the degrade margin; None (never cheaper) with degradation off or nothing playing."""
+        deadline = self.sched.dry_at(stream_id)
+        if not self.config.degrade or deadline is None:
+            return None
+        return deadline - self.sched.stage_costs.estimate(Stage.OUTPUT) - self.sched.config.degrade_margin_s
+
     def _end_overloaded(self, now: float) -> None:
         """The last resort: end the stream the scheduler names, when degradation can no longer keep every stream
         from stalling."""
         victim = self.sched.overloaded(now)
         if victim is None or not self._close(victim):
             return
-        self.overloaded_streams += 1
         log.warning("overloaded: ended stream %s, the newest, after degradation ran out and viewers still stalled",
                     victim)
         self._on_error(victim, "the server is overloaded: the newest stream ended so that the others keep playing "

@@ -7,10 +7,11 @@ the frames with the stream's x264 encoder (PyAV releases the GIL), packs the Web
 and hands the chunk over. So the GPU never waits for x264, and x264 never holds up a launch.
 
 A stream's chunks go to one worker, in order (its encoder is stateful); streams are spread over
-the workers. A chunk carries its deadline (when its viewer runs dry without it): when the
-worker picks it up too late for a normal encode (the p90 of its recent encodes, plus
-`margin_s`), it encodes it cheaper (`StreamEncoder.encode(fast=True)`), tagged in the header;
-a chunk with time to spare never is. A stream that closes has its encoder closed by its worker, after what is queued.
+the workers. A chunk may carry the latest time a normal encode can start and still reach its
+viewer in time (the engine's figure: the viewer's deadline less the output stage's cost and a
+margin); a worker that picks it up later encodes it cheaper (`StreamEncoder.encode(fast=True)`),
+tagged in the header; a chunk with time to spare never is. A stream that closes has its encoder
+closed by its worker, after what is queued.
 
 With `processes` (the CPU default) each worker's encoders live in a child process of their own
 (`EncoderProcess`): PyAV holds the GIL for much of an encode, and on a CPU host the engine thread
@@ -22,7 +23,6 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-from collections import deque
 import threading
 import time
 from collections.abc import Callable
@@ -73,7 +73,7 @@ class _Job:
     steps: int  # denoising steps it was made with
     keyframe: bool
     started_at: float  # launch of the chunk's first forward (engine clock)
-    deadline: float | None  # when its viewer runs dry without it (engine clock); None: not playing yet
+    encode_by: float | None  # a normal encode must start by then (engine clock), else a cheaper one; None: no limit
 
 
 class OutputStage:
@@ -87,13 +87,9 @@ class OutputStage:
         on_failed: Callable[[StreamOutput, str], None],
         clock: Callable[[], float] = time.monotonic,
         processes: bool = False,
-        degrade: bool = True,
-        margin_s: float = 0.1,
     ) -> None:
         """`on_chunk(out, stream)` and `on_failed(stream, message)` are called from the workers; `processes`:
-        x264 in one child process per worker, out of this process's GIL; `degrade`: a chunk that would reach
-        its viewer less than `margin_s` before its deadline with a normal encode is encoded cheaper."""
-        self.degrade, self.margin_s = degrade, margin_s
+        x264 in one child process per worker, out of this process's GIL."""
         self.device = device
         self._on_chunk, self._on_failed, self.clock = on_chunk, on_failed, clock
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -110,7 +106,6 @@ class OutputStage:
         self.chunks = 0
         self.fast_chunks = 0  # chunks encoded cheaper to meet their deadline
         self.latency_max_s = 0.0
-        self._recent: deque[float] = deque(maxlen=32)  # the latest normal encodes' times (all workers)
 
     def open(self, stream_id: str, spec: EncoderSpec) -> StreamOutput:
         """A stream's output; its encoder is made here (threads) or at its first chunk (processes)."""
@@ -118,7 +113,7 @@ class OutputStage:
         return StreamOutput(stream_id, spec, next(self._next_worker) % len(self._queues), encoder)
 
     def submit(self, stream: StreamOutput, frames: torch.Tensor, *, index: int, first_frame: int, prompt_version: int,
-               steps: int, keyframe: bool, started_at: float, deadline: float | None = None) -> None:
+               steps: int, keyframe: bool, started_at: float, encode_by: float | None = None) -> None:
         """Queue a chunk whose frames ([N, H, W, 3] uint8, maybe still being computed on the device) are launched."""
         ready = None
         if frames.is_cuda:
@@ -131,7 +126,7 @@ class OutputStage:
                 ready.record(cs)
             frames.record_stream(cs)  # the decoder's output is not reused before the copy has read it
             frames = host
-        job = _Job(stream, frames, ready, index, first_frame, prompt_version, steps, keyframe, started_at, deadline)
+        job = _Job(stream, frames, ready, index, first_frame, prompt_version, steps, keyframe, started_at, encode_by)
         self._queues[stream.worker].put(job)
 
     def close(self, stream: StreamOutput) -> None:
@@ -183,7 +178,7 @@ class OutputStage:
         if job.ready is not None:
             job.ready.synchronize()  # the frames are on the host (waits without the GIL)
         t0 = self.clock()
-        fast = self._late(job, t0)
+        fast = job.encode_by is not None and t0 > job.encode_by
         stream, frames = job.stream, job.frames.numpy()
         if stream.encoder is not None:
             packets = stream.encoder.encode(frames, start_index=job.first_frame, keyframe=job.keyframe, fast=fast)
@@ -201,17 +196,5 @@ class OutputStage:
             self.encode_seconds += now - t0
             self.chunks += 1
             self.fast_chunks += fast
-            if not fast:
-                self._recent.append(now - t0)
             self.latency_max_s = max(self.latency_max_s, out.latency_s)
         self._on_chunk(out, job.stream)
-
-    def _late(self, job: _Job, now: float) -> bool:
-        """Whether a normal encode (the p90 of the recent ones) would leave the chunk less than margin_s before
-        its deadline: then it is encoded cheaper. Never for a chunk with time to spare, or not yet playing."""
-        if not self.degrade or job.deadline is None:
-            return False
-        with self._lock:
-            recent = sorted(self._recent)
-        expected = recent[int(0.9 * (len(recent) - 1))] if recent else 0.0
-        return now + expected + self.margin_s > job.deadline

@@ -115,15 +115,15 @@ def test_a_dead_encoder_process_fails_its_streams_and_the_next_ones_get_a_new_on
 @WHERE
 def test_a_chunk_short_of_its_deadline_is_encoded_cheaper_and_one_with_time_to_spare_never(processes):
     sink = Sink()
-    stage = OutputStage(torch.device("cpu"), 1, sink.on_chunk, sink.on_failed, processes=processes, margin_s=0.1)
+    stage = OutputStage(torch.device("cpu"), 1, sink.on_chunk, sink.on_failed, processes=processes)
     stream = stage.open("a", SPEC)
     now = time.monotonic()
-    deadlines = [None, now + 60.0, now + 0.05, now + 0.05, now + 60.0]  # not playing, spare, short, short, spare
+    limits = [None, now + 60.0, now - 0.05, now - 0.05, now + 60.0]  # no limit, spare, short, short, spare
     try:
-        for i, deadline in enumerate(deadlines):
+        for i, encode_by in enumerate(limits):
             stage.submit(stream, frames(40 * i + 20), index=i, first_frame=4 * i, prompt_version=0, steps=4,
-                         keyframe=i == 0, started_at=now, deadline=deadline)
-        sink.wait(len(deadlines))
+                         keyframe=i == 0, started_at=now, encode_by=encode_by)
+        sink.wait(len(limits))
     finally:
         stage.stop()
     outs = [out for _, out in sink.chunks]
