@@ -46,6 +46,7 @@ log = logging.getLogger("streamsvc.engine")
 
 __all__ = ["ChunkOut", "Engine", "EngineConfig", "EngineError"]
 
+CHEAP_ENCODE_GAIN = 0.9  # the cheaper encode degrades a late chunk only when the warm-up timed it under this share
 _KIND = {Work.RECACHE: WorkKind.RECACHE, Work.DENOISE: WorkKind.DENOISE, Work.COMMIT: WorkKind.COMMIT}  # generator -> scheduler
 
 
@@ -155,6 +156,7 @@ class Engine:
         self.gpu_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # device time (CUDA events; CPU: wall)
         self.decoder_bytes = 0  # device memory of one stream's decoder state, counted with its KV cache
         self.degraded_chunks = 0  # chunks made with fewer denoising steps than the schedule's (instead of a stall)
+        self._cheap_encode = False  # the warm-up measured the cheaper encode cheaper: a late chunk's encode degrades
         self.heartbeat_at: float | None = None  # engine clock at the loop's latest turn (None: not serving yet)
         self.gen: ChunkGenerator | None = None
         self.sched: Scheduler | None = None
@@ -217,8 +219,9 @@ class Engine:
     def resume(self, stream_id: str) -> Future:
         return self._submit(self._pause, stream_id, False)
 
-    def observe_buffer(self, stream_id: str, buffered_frames: float) -> Future:
-        return self._submit(self._observe, stream_id, buffered_frames)
+    def observe_buffer(self, stream_id: str, buffered_frames: float, at_most: bool = False) -> Future:
+        """The viewer's buffer (Scheduler.observe_buffer; `at_most` for a report that crossed the network)."""
+        return self._submit(self._observe, stream_id, buffered_frames, at_most)
 
     def request_keyframe(self, stream_id: str) -> Future:
         return self._submit(self._keyframe, stream_id)
@@ -312,28 +315,36 @@ class Engine:
         state = gen.open_stream("warmup", "warm up", seed=0)
         enc = StreamEncoder(gen.model_cfg.width, gen.model_cfg.height, 16)
         costs: dict[WorkKind, list[float]] = {k: [] for k in WorkKind}
-        encodes: list[float] = []
+        encodes: dict[bool, list[float]] = {False: [], True: []}  # x264 per chunk: normal, fast (steady, no switch)
         capacity = gen.cache_spec().capacity_frames
-        full_chunks = 0
+        full_chunks, index = 0, 0
         try:
             while full_chunks < max(5, cfg.warmup_chunks):
                 full = state.cache.num_frames == capacity
                 if full:
                     gen.set_prompt(state, f"warm up {full_chunks}")
                     full_chunks += 1
-                chunk = self._run_chunk([state], costs if full else None)[0]
-                t0 = time.perf_counter()
-                enc.encode(chunk.frames.cpu().numpy(), start_index=chunk.first_frame)
-                encodes.append(time.perf_counter() - t0)
+                frames = self._run_chunk([state], costs if full else None)[0].frames.cpu().numpy()
+                for fast in (False, False, True, True) if full else (False,):  # each pair's first one switches
+                    t0 = time.perf_counter()
+                    enc.encode(frames, start_index=index, fast=fast)
+                    encodes[fast].append(time.perf_counter() - t0)
+                    index += len(frames)
         finally:
             gen.close_stream(state)
             enc.close()
         medians = self._seed_costs(costs, 1)
-        encode_s = statistics.median(encodes[-full_chunks:])
-        self.sched.seed_stage(Stage.OUTPUT, encode_s)
-        log.info("warm-up: forward costs at a full cache, median of %s runs (ms): %s; x264 %.2f ms a chunk",
-                 "/".join(str(len(costs[k])) for k in medians), {k.value: round(1e3 * v, 2) for k, v in medians.items()},
-                 1e3 * encode_s)
+        pairs = {fast: [a + b for a, b in zip(t[-2 * full_chunks::2], t[-2 * full_chunks + 1::2])]
+                 for fast, t in encodes.items()}  # two chunks in a mode, the switch into it included
+        normal_s, fast_s = (statistics.median(pairs[fast]) / 2 for fast in (False, True))
+        self.sched.seed_stage(Stage.OUTPUT, statistics.median(encodes[False][-2 * full_chunks + 1::2]))
+        # the cheaper encode is a degradation only where it is cheaper, switches included (at 128x128 x264 is a
+        # fifth of a chunk's encode, and a switch costs an IDR and, the first time, an encoder)
+        self._cheap_encode = fast_s < CHEAP_ENCODE_GAIN * normal_s
+        log.info("warm-up: forward costs at a full cache, median of %s runs (ms): %s; x264 %.2f ms a chunk, %.2f ms "
+                 "encoded cheaper (%s)", "/".join(str(len(costs[k])) for k in medians),
+                 {k.value: round(1e3 * v, 2) for k, v in medians.items()}, 1e3 * normal_s, 1e3 * fast_s,
+                 "a late chunk's degradation" if self._cheap_encode else "no gain: late chunks keep the normal encode")
         if self.sched.config.max_batch > 1:
             self._warm_up_batched(self.sched.config.max_batch)
 
@@ -515,7 +526,7 @@ class Engine:
         """The latest start of a normal encode of the stream's newest chunk: its viewer's deadline less the output
         stage's cost (p90) and the degrade margin; None (never cheaper) with degradation off or nothing playing."""
         deadline = self.sched.dry_at(stream_id)
-        if not self.config.degrade or deadline is None:
+        if not (self.config.degrade and self._cheap_encode) or deadline is None:
             return None
         return deadline - self.sched.stage_costs.estimate(Stage.OUTPUT) - self.sched.config.degrade_margin_s
 
@@ -586,9 +597,9 @@ class Engine:
         self._get(stream_id)
         (self.sched.pause if paused else self.sched.resume)(stream_id, self.clock())
 
-    def _observe(self, stream_id: str, buffered_frames: float) -> None:
+    def _observe(self, stream_id: str, buffered_frames: float, at_most: bool) -> None:
         self._get(stream_id)
-        self.sched.observe_buffer(stream_id, buffered_frames, self.clock())
+        self.sched.observe_buffer(stream_id, buffered_frames, self.clock(), at_most=at_most)
 
     def _keyframe(self, stream_id: str) -> None:
         self._get(stream_id).keyframe = True

@@ -206,6 +206,10 @@ class SchedulerConfig:
     send_target: float = 0.5  # busy fraction of the event loop admission keeps the transports' send under
     # Closed loop: no admission until every stream has been on time for this long (see `mark_late`).
     late_hold_s: float = 2.0
+    # ... and every stream's lead grows by late_margin_s until every stream has been on time for late_margin_hold_s:
+    # a late chunk shows jitter the latency percentile has not seen yet (a noisy neighbour, a busy host).
+    late_margin_s: float = 0.25
+    late_margin_hold_s: float = 30.0
     # A stream is starting until it has delivered this many chunks; starting streams bound the next tranche (0: off).
     confirm_chunks: int = 2
     # Last resort: with degradation run out, this many modelled stalls within overload_window_s end the newest stream.
@@ -261,6 +265,9 @@ class SchedulerConfig:
         for name in ("output_target", "send_target"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 (e.g. 0.7; math.inf turns the check off)")
+        if not (self.late_margin_s >= 0 and math.isfinite(self.late_margin_s) and self.late_margin_hold_s >= 0):
+            raise ValueError(f"late_margin_s={self.late_margin_s}, late_margin_hold_s={self.late_margin_hold_s}: "
+                             "must be finite numbers of seconds >= 0 (e.g. 0.25 and 10.0)")
         if not (self.late_hold_s >= 0 and math.isfinite(self.late_hold_s)):
             raise ValueError(f"late_hold_s={self.late_hold_s}: must be a finite number of seconds >= 0 (e.g. 2.0)")
         if self.confirm_chunks < 0:
@@ -565,6 +572,7 @@ class Scheduler:
         # cost of one chunk on the output stage and the send (per stream; the device's is `costs`)
         self.stage_costs = CostModel(0.001, cfg.cost_percentile, cfg.cost_window, cfg.cost_min_samples)
         self._late: tuple[float, str, str] | None = None  # the latest lateness: (time, stream, what happened)
+        self._late_margin = False  # late_margin_s is in force (a stream was late within late_margin_hold_s)
         self._stalls: deque[float] = deque()  # times of modelled stalls within overload_window_s
         self._recaches: deque[float] = deque()  # times of recaches (one per stream) within RECACHE_WINDOW_S
         self._exhausted: deque[float] = deque()  # times within overload_window_s a chunk ran its fewest steps, short
@@ -667,12 +675,17 @@ class Scheduler:
     def resume(self, stream_id: str, now: float) -> None:
         self._get(stream_id).playback.resume(now)
 
-    def observe_buffer(self, stream_id: str, buffered_frames: float, now: float) -> None:
+    def observe_buffer(self, stream_id: str, buffered_frames: float, now: float, *, at_most: bool = False) -> None:
         """An exact report of the viewer's buffer (delivered frames only, not those in flight);
-        replaces the model's figure from `now` on."""
+        replaces the model's figure from `now` on. `at_most`: a report that crossed the network (a viewer's
+        stats), which may have been sent a while before `now`: it lowers the model (a viewer behind it:
+        decoding, rebuffering) but never raises it (a late report would credit frames already played)."""
         if buffered_frames < 0:
             raise ValueError(f"stream {stream_id!r}: buffered_frames={buffered_frames} must be >= 0")
         s = self._get(stream_id)
+        if at_most and s.playback.started and not s.playback.paused:
+            s.playback.advance(now)
+            buffered_frames = min(buffered_frames, s.playback.seconds(now) * s.request.fps)
         stalls = s.playback.stalls
         s.playback.observe(buffered_frames, now)
         if s.playback.stalls > stalls:
@@ -733,6 +746,7 @@ class Scheduler:
                 f"plan {self._outstanding.plan.kind.value} for {self._outstanding.plan.stream_ids} is still "
                 "outstanding; call complete() or cancel() with it first"
             )
+        self._late_margin = self._late is not None and now - self._late[0] < self.config.late_margin_hold_s
         candidates = []
         for s in self._streams.values():
             s.playback.advance(now)
@@ -1095,12 +1109,13 @@ class Scheduler:
         return self._queue_work_s(len(self._streams)) + (self.costs.estimate(WorkKind.RECACHE) if recache else 0.0)
 
     def _lead_s(self, s: _Stream) -> float:
-        """The start rule's lead: p95 chunk latency (at least the prediction while samples are few) + margin."""
+        """The start rule's lead: p95 chunk latency (at least the prediction while samples are few) + margin (+ the
+        late margin while a stream was late lately)."""
         p95 = _p95(s.latencies)
         latency = p95
         if p95 is None or s.fresh_samples < self.config.latency_min_samples:
             latency = max(p95 or 0.0, self._predicted_latency_s(s))
-        return latency + self.config.start_margin_s
+        return latency + self.config.start_margin_s + (self.config.late_margin_s if self._late_margin else 0.0)
 
     def _start_threshold_s(self, s: _Stream, kind: WorkKind, step: int, now: float) -> float:
         """Buffered + in-flight video at or under which the stream's `kind` forward at `step` may start."""

@@ -441,7 +441,8 @@ class Server:
                 if msg.stalls > session.client_stalls:
                     self.metrics.client_stalls.inc(msg.stalls - session.client_stalls)
                     session.client_stalls = msg.stalls
-                await asyncio.wrap_future(self.engine.observe_buffer(sid, msg.buffered_s * session.fps))
+                # it left the viewer a while ago (more so on a busy host): it may lower the model, never raise it
+                await asyncio.wrap_future(self.engine.observe_buffer(sid, msg.buffered_s * session.fps, at_most=True))
                 session.buffer_report(msg.buffered_s)
             elif isinstance(msg, P.Close):
                 await self._end(session, "closed by client")

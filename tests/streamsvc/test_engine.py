@@ -92,6 +92,23 @@ def test_close_frees_the_stream_and_unknown_streams_are_errors(engine):
     assert not got.errors
 
 
+def test_the_stream_the_scheduler_names_overloaded_is_ended_with_that_code_and_the_others_go_on(engine):
+    eng, got = engine
+    for sid in ("a", "b"):
+        assert eng.open_stream(sid, f"prompt {sid}", seed=0, fps=16).result(timeout=10).accepted
+    got.wait(lambda g: all(len(g.chunks.get(s, [])) >= 1 for s in ("a", "b")))
+    named = iter(["b"])
+    real = eng.sched.overloaded
+    eng.sched.overloaded = lambda now: next(named, None) or real(now)  # degradation ran out: the scheduler names b
+    got.wait(lambda g: g.errors)
+    assert got.errors == [("b", got.errors[0][1], "overloaded")] and "overloaded" in got.errors[0][1]
+    assert "b" not in eng.sched and eng.kv_used_bytes == eng.pool.used_bytes
+    with pytest.raises(EngineError, match="not open"):
+        eng.set_prompt("b", "y").result(timeout=10)
+    n = len(got.chunks["a"])
+    got.wait(lambda g: len(g.chunks["a"]) >= n + 2)  # a keeps playing
+
+
 def test_keep_freed_memory_serves_large_cpu_tensors_from_the_heap():
     """After keep_freed_memory a 4 MB tensor is not a fresh mapping of its own (glibc's mallinfo2 counts them)."""
     import ctypes

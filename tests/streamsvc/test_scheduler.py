@@ -1147,3 +1147,36 @@ def test_admission_counts_the_recaches_of_the_last_seconds_as_the_streams_steeri
     assert adm.predicted_load == pytest.approx(base * 3 / 2 + 4 / 10 * (1 / 64) * 3 / 2)  # c steers as a and b do
     sched.stats(clock.now + 10.1)  # ten seconds on, those recaches are forgotten
     assert sched.predicted_load() == pytest.approx(base * 3 / 2)
+
+
+def test_a_report_from_across_the_network_lowers_the_model_but_never_raises_it():
+    sched = make()
+    admit(sched, "a")
+    now = first_chunk(sched)  # 9 frames delivered at 0.3125
+    sched.observe_buffer("a", 9, now + 0.25, at_most=True)  # sent when the viewer had 9, arriving 0.25 s later
+    assert sched.stream_stats("a", now + 0.25).buffered_s == 0.5625 - 0.25  # the model's: 4 frames played since
+    sched.observe_buffer("a", 2, now + 0.25, at_most=True)  # the viewer is behind the model: it wins
+    assert sched.stream_stats("a", now + 0.25).buffered_s == 0.125
+    sched.observe_buffer("a", 0, now + 0.3125, at_most=True)
+    assert sched.stream_stats("a", now + 0.3125).stalls == 1
+    sched.observe_buffer("a", 9, now + 0.5)  # an exact report (the server's own WebRTC track) sets it
+    assert sched.stream_stats("a", now + 0.5).buffered_s == 0.5625
+
+
+def test_a_late_stream_widens_every_lead_by_the_late_margin_for_the_hold():
+    sched = make(late_margin_s=0.25, late_margin_hold_s=10.0)
+    admit(sched, "a", "b")
+    lead = sched.lead_s("b")
+
+    def plan_at(now: float) -> None:  # the margin in force is decided when the scheduler plans
+        plan = sched.next(now)
+        if plan is not None:
+            sched.cancel(plan)
+
+    sched.mark_late("a", 1.0, "a chunk encoded cheaper")
+    plan_at(1.0)
+    assert sched.lead_s("b") == lead + 0.25
+    plan_at(10.9)
+    assert sched.lead_s("b") == lead + 0.25
+    plan_at(11.0)
+    assert sched.lead_s("b") == lead  # every stream on time for the hold: back to the plain margin
