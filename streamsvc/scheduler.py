@@ -186,8 +186,10 @@ class SchedulerConfig:
     # A fresh chunk starts when buffered + in-flight video falls to its p95 chunk latency plus this margin
     # (what the estimates miss: jitter beyond the p95, the hand-over, a forward queued ahead on the device;
     # a RECACHE must leave this much slack too); math.inf: no start rule, every stream runs ahead to the cap.
-    start_margin_s: float = 0.25
-    latency_window: int = 32  # chunk latencies per stream the p95 is taken over (the most recent ones)
+    start_margin_s: float = 0.15
+    latency_window: int = 32  # chunk latencies per stream the lead's percentile is taken over (the most recent ones)
+    # The start rule's lead is this percentile of the stream's recent chunk latencies, plus start_margin_s.
+    lead_percentile: float = 0.5
     # Fewer samples than this since the last admission: the lead is at least the predicted latency.
     latency_min_samples: int = 3
     # Among streams not about to stall, a chunk in progress goes first (finish one chunk before starting another).
@@ -206,8 +208,8 @@ class SchedulerConfig:
     send_target: float = 0.5  # busy fraction of the event loop admission keeps the transports' send under
     # Closed loop: no admission until every stream has been on time for this long (see `mark_late`).
     late_hold_s: float = 2.0
-    # ... and every stream's lead grows by late_margin_s until every stream has been on time for late_margin_hold_s:
-    # a late chunk shows jitter the latency percentile has not seen yet (a noisy neighbour, a busy host).
+    # After a stall every stream's lead grows by late_margin_s until none has stalled for late_margin_hold_s: a
+    # stall shows jitter the latency percentile has not seen yet (a noisy neighbour, a busy host).
     late_margin_s: float = 0.25
     late_margin_hold_s: float = 30.0
     # A stream is starting until it has delivered this many chunks; starting streams bound the next tranche (0: off).
@@ -277,6 +279,8 @@ class SchedulerConfig:
                 f"overload_stalls={self.overload_stalls}, overload_window_s={self.overload_window_s}: need >= 1 "
                 "stall and a finite window > 0 s (e.g. 2 and 4.0)"
             )
+        if not 0 < self.lead_percentile <= 1:
+            raise ValueError(f"lead_percentile={self.lead_percentile}: must be in (0, 1] (e.g. 0.95)")
         if self.latency_window < 1:
             raise ValueError(f"latency_window={self.latency_window}: must be >= 1 chunk latency (e.g. 32)")
         if not 0 <= self.latency_min_samples <= self.latency_window:
@@ -572,7 +576,8 @@ class Scheduler:
         # cost of one chunk on the output stage and the send (per stream; the device's is `costs`)
         self.stage_costs = CostModel(0.001, cfg.cost_percentile, cfg.cost_window, cfg.cost_min_samples)
         self._late: tuple[float, str, str] | None = None  # the latest lateness: (time, stream, what happened)
-        self._late_margin = False  # late_margin_s is in force (a stream was late within late_margin_hold_s)
+        self._late_margin = False  # late_margin_s is in force (a stream stalled within late_margin_hold_s)
+        self._last_stall_at = -math.inf  # the latest modelled stall
         self._stalls: deque[float] = deque()  # times of modelled stalls within overload_window_s
         self._recaches: deque[float] = deque()  # times of recaches (one per stream) within RECACHE_WINDOW_S
         self._exhausted: deque[float] = deque()  # times within overload_window_s a chunk ran its fewest steps, short
@@ -746,7 +751,7 @@ class Scheduler:
                 f"plan {self._outstanding.plan.kind.value} for {self._outstanding.plan.stream_ids} is still "
                 "outstanding; call complete() or cancel() with it first"
             )
-        self._late_margin = self._late is not None and now - self._late[0] < self.config.late_margin_hold_s
+        self._late_margin = now - self._last_stall_at < self.config.late_margin_hold_s
         candidates = []
         for s in self._streams.values():
             s.playback.advance(now)
@@ -1007,6 +1012,7 @@ class Scheduler:
         """A modelled stall of `s`: the closed loop closes admission, and the last resort counts it."""
         self._late = (now, s.request.stream_id, what)
         self._stalls.append(now)
+        self._last_stall_at = now
 
     def _stage_chunk_s(self, stage: Stage, streams: int) -> float:
         """One stream's chunk on `stage`, as a share of the stage's time (the device's batched at `streams`)."""
@@ -1111,10 +1117,10 @@ class Scheduler:
     def _lead_s(self, s: _Stream) -> float:
         """The start rule's lead: p95 chunk latency (at least the prediction while samples are few) + margin (+ the
         late margin while a stream was late lately)."""
-        p95 = _p95(s.latencies)
-        latency = p95
-        if p95 is None or s.fresh_samples < self.config.latency_min_samples:
-            latency = max(p95 or 0.0, self._predicted_latency_s(s))
+        measured = _percentile(s.latencies, self.config.lead_percentile)
+        latency = measured
+        if measured is None or s.fresh_samples < self.config.latency_min_samples:
+            latency = max(measured or 0.0, self._predicted_latency_s(s))
         return latency + self.config.start_margin_s + (self.config.late_margin_s if self._late_margin else 0.0)
 
     def _start_threshold_s(self, s: _Stream, kind: WorkKind, step: int, now: float) -> float:

@@ -297,7 +297,7 @@ def test_a_fresh_chunk_is_runnable_exactly_when_the_buffer_falls_to_the_lead():
 
 
 def test_the_lead_is_the_p95_of_recent_chunk_latencies_plus_the_margin():
-    sched = make()
+    sched = make(lead_percentile=0.95)
     admit(sched, "a")
     # 20 chunks with a hand-over of 1/16 s but two, each started when run_chunk finds it due.
     hand_overs = [0.0625] * 18 + [0.25, 0.1875]
@@ -322,7 +322,7 @@ def test_the_lead_is_the_p95_of_recent_chunk_latencies_plus_the_margin():
 
 
 def test_the_latency_window_is_bounded():
-    sched = make(latency_window=4, latency_min_samples=0)
+    sched = make(latency_window=4, latency_min_samples=0, lead_percentile=0.95)
     admit(sched, "a")
     t, latencies = 0.0, []
     for hand_over in [0.0, 0.0625, 0.0625, 0.25, 0.0625, 0.0625, 0.0625]:
@@ -332,6 +332,15 @@ def test_the_latency_window_is_bounded():
     assert sched.lead_s("a") == 0.5625 + MARGIN  # the p95 of 4 samples is their largest
     t, _ = run_chunk(sched, t, hand_over=0.0625)
     assert sched.lead_s("a") == 0.375 + MARGIN  # the slow one left the window
+
+
+def test_by_default_the_lead_is_the_median_latency_plus_the_margin():
+    sched = make(latency_window=4, latency_min_samples=0)
+    admit(sched, "a")
+    t = 0.0
+    for hand_over in [0.0, 0.0625, 0.25, 0.25]:  # latencies 0.3125, 0.375, 0.5625, 0.5625
+        t, _ = run_chunk(sched, t, hand_over=hand_over)
+    assert sched.lead_s("a") == 0.375 + MARGIN  # nearest-rank median of 4: the 2nd smallest
 
 
 def test_latency_counts_queueing_behind_another_streams_chunk():
@@ -374,7 +383,7 @@ def test_a_stream_with_a_new_prompt_runs_ahead_as_far_as_the_cap_allows():
 
 
 def test_committed_chunks_in_flight_count_toward_the_rule_until_delivered():
-    sched = make()
+    sched = make(lead_percentile=0.95)
     admit(sched, "a")
     clock = Clock(sched)
     clock.launch(5)
@@ -1163,20 +1172,25 @@ def test_a_report_from_across_the_network_lowers_the_model_but_never_raises_it()
     assert sched.stream_stats("a", now + 0.5).buffered_s == 0.5625
 
 
-def test_a_late_stream_widens_every_lead_by_the_late_margin_for_the_hold():
+def test_a_stall_widens_every_lead_by_the_late_margin_for_the_hold():
     sched = make(late_margin_s=0.25, late_margin_hold_s=10.0)
     admit(sched, "a", "b")
-    lead = sched.lead_s("b")
 
     def plan_at(now: float) -> None:  # the margin in force is decided when the scheduler plans
         plan = sched.next(now)
         if plan is not None:
             sched.cancel(plan)
 
-    sched.mark_late("a", 1.0, "a chunk encoded cheaper")
+    plan_at(0.0)
+    lead = sched.lead_s("b")
+    sched.mark_late("a", 0.5, "a chunk encoded cheaper")  # late, but nobody stalled: the margin stays
+    plan_at(0.5)
+    assert sched.lead_s("b") == lead
+    first_chunk(sched)  # a's first chunk: 9 frames at 0.3125
+    sched.observe_buffer("a", 0, 1.0)  # its viewer ran dry
     plan_at(1.0)
     assert sched.lead_s("b") == lead + 0.25
     plan_at(10.9)
     assert sched.lead_s("b") == lead + 0.25
     plan_at(11.0)
-    assert sched.lead_s("b") == lead  # every stream on time for the hold: back to the plain margin
+    assert sched.lead_s("b") == lead  # nobody stalled for the hold: back to the plain margin
