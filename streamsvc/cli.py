@@ -148,8 +148,14 @@ def _engine_config(args):
     gen = _speed_options(args, gen, device)
     utilization = args.utilization if args.utilization is not None else (0.9 if device.type == "cuda" else 0.6)
     max_batch = args.max_batch if args.max_batch is not None else (1 if device.type == "cuda" else 4)
+    # A GPU serves few streams one chunk at a time: a chunk's latency is its own forwards, or those and another
+    # stream's whole chunk (320 ms at 1.3B), two modes the median misses; many batched CPU streams' latencies are tight.
+    gpu = device.type == "cuda"
+    lead = args.lead_percentile if args.lead_percentile is not None else (0.95 if gpu else 0.5)
+    margin = args.start_margin if args.start_margin is not None else (0.25 if gpu else 0.2)
     sched = SchedulerConfig(policy=args.policy, buffer_cap_s=args.buffer_cap, max_batch=max_batch,
-                            utilization_target=utilization, startup_slack_s=args.startup_slack)
+                            utilization_target=utilization, startup_slack_s=args.startup_slack,
+                            lead_percentile=lead, start_margin_s=margin)
     return EngineConfig(
         preset=args.preset, device=str(device), checkpoint=args.checkpoint,
         weights_seed=args.weights_seed, generator=gen, scheduler=sched, compile=args.compile, **_weights(args),
@@ -177,6 +183,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-slack", type=float, default=0.75,
                    help="seconds a new stream's first chunk may wait behind playing streams that are about to stall "
                         "(default 0.75: a viewer joining never makes another stall, and still sees video within about 1 s)")
+    p.add_argument("--lead-percentile", type=float, default=None, metavar="Q",
+                   help="a stream's next chunk starts when its viewer's buffer falls to this percentile of its recent "
+                        "chunk latencies plus --start-margin (default 0.5 on CPU, 0.95 on a GPU)")
+    p.add_argument("--start-margin", type=float, default=None, metavar="S",
+                   help="seconds of video a chunk should arrive ahead of its viewer's need: what the latency estimate "
+                        "misses (default 0.2 on CPU, 0.25 on a GPU); less buffer is lower steering latency")
     p.add_argument("--degrade", choices=("auto", "off"), default=None,
                    help="auto (default, but off under --fidelity exact): a chunk that would reach its viewer late runs "
                         "fewer denoising steps (3 or 2 of 4; the chunk header's 'steps' says so) instead of stalling, "

@@ -1,8 +1,9 @@
 """--fidelity and --speed-options on the command line: what they turn on, and how they meet --degrade."""
 
 import pytest
+import torch
 
-from streamsvc import cli
+from streamsvc import cli, offline
 
 
 def engine_config(*flags):
@@ -43,3 +44,15 @@ def test_generate_takes_the_same_flags():
     args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--fidelity", "approximate",
                                           "--speed-options", "commit-reuse"])
     assert args.fidelity == "approximate" and args.speed_options == "commit-reuse"
+
+
+def test_the_start_rule_defaults_by_device_and_its_flags_override_them(monkeypatch):
+    cpu = engine_config().scheduler
+    assert (cpu.lead_percentile, cpu.start_margin_s) == (0.5, 0.2)
+    monkeypatch.setattr(offline, "default_device", lambda name: torch.device("cuda"))  # no GPU needed to build it
+    gpu = cli._engine_config(cli.build_parser().parse_args(["serve"])).scheduler
+    assert (gpu.lead_percentile, gpu.start_margin_s) == (0.95, 0.25)
+    both = engine_config("--lead-percentile", "0.9", "--start-margin", "0.3").scheduler
+    assert (both.lead_percentile, both.start_margin_s) == (0.9, 0.3)
+    with pytest.raises(ValueError, match="lead_percentile=1.5"):
+        engine_config("--lead-percentile", "1.5")
