@@ -25,8 +25,9 @@ is credited only by `delivered`. Each stream's viewer buffer is modelled
 then consumes frames at fps and stalls when empty) from delivered chunks and
 `now`, or set exactly by `observe_buffer`.
 
-When a stream's next chunk may start (the start rule). Its lead is the p95 of its
-last `latency_window` chunk latencies plus `start_margin_s`; a chunk's latency runs
+When a stream's next chunk may start (the start rule). Its lead is the `lead_percentile`
+(the median by default) of its last `latency_window` chunk latencies plus `start_margin_s`,
+and `late_margin_s` more while any stream stalled within `late_margin_hold_s`; a chunk's latency runs
 from the moment the rule made it due (or its first forward was issued, if earlier)
 to its delivery, so it includes queueing behind other streams' work and a RECACHE
 pending then. Only chunks that started due are samples (one running ahead, see
@@ -1021,6 +1022,11 @@ class Scheduler:
         capacity = self.config.output_capacity if stage is Stage.OUTPUT else 1.0
         return self.stage_costs.estimate(stage) / capacity
 
+    def _stage_target(self, stage: Stage) -> float:
+        """The busy fraction admission keeps `stage` under."""
+        cfg = self.config
+        return {Stage.DEVICE: cfg.utilization_target, Stage.OUTPUT: cfg.output_target, Stage.SEND: cfg.send_target}[stage]
+
     def stage_load(self, stage: Stage, extra: StreamRequest | None = None) -> float:
         """Predicted busy fraction of `stage` with the admitted streams (and `extra`, if given)."""
         reqs = [s.request for s in self._streams.values()] + ([extra] if extra is not None else [])
@@ -1031,9 +1037,8 @@ class Scheduler:
         """The output stage and the send, with `req` admitted: over their targets? (The device is checked apart.)"""
         cfg = self.config
         reasons = []
-        for stage, target, what in ((Stage.OUTPUT, cfg.output_target, f"{cfg.output_capacity:g} output worker(s)"),
-                                    (Stage.SEND, cfg.send_target, "the event loop")):
-            load = self.stage_load(stage, req)
+        for stage, what in ((Stage.OUTPUT, f"{cfg.output_capacity:g} output worker(s)"), (Stage.SEND, "the event loop")):
+            load, target = self.stage_load(stage, req), self._stage_target(stage)
             if load > target + _EPS_S:
                 reasons.append(
                     f"{stage.value}: {what} would be {load:.2f} busy with {len(self._streams) + 1} streams "
@@ -1060,9 +1065,8 @@ class Scheduler:
         window_s = req.first_chunk_frames / req.fps
         n = len(self._streams) + 1
         others = [s.request for s in self._streams.values() if s not in starting]
-        targets = {Stage.DEVICE: cfg.utilization_target, Stage.OUTPUT: cfg.output_target, Stage.SEND: cfg.send_target}
-        for stage, target in targets.items():
-            chunk_s = self._stage_chunk_s(stage, n)
+        for stage in Stage:
+            chunk_s, target = self._stage_chunk_s(stage, n), self._stage_target(stage)
             busy = sum(r.fps / r.chunk_frames for r in others) * chunk_s
             room_s = max(0.0, target - busy) * window_s + chunk_s
             if (len(starting) + 1) * chunk_s > room_s + _EPS_S:
@@ -1115,8 +1119,8 @@ class Scheduler:
         return self._queue_work_s(len(self._streams)) + (self.costs.estimate(WorkKind.RECACHE) if recache else 0.0)
 
     def _lead_s(self, s: _Stream) -> float:
-        """The start rule's lead: p95 chunk latency (at least the prediction while samples are few) + margin (+ the
-        late margin while a stream was late lately)."""
+        """The start rule's lead: the lead_percentile of its chunk latencies (at least the prediction while samples
+        are few) + the margin (+ the late margin while a stream stalled within late_margin_hold_s)."""
         measured = _percentile(s.latencies, self.config.lead_percentile)
         latency = measured
         if measured is None or s.fresh_samples < self.config.latency_min_samples:
