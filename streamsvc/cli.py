@@ -152,7 +152,7 @@ def _engine_config(args):
     # stream's whole chunk (320 ms at 1.3B), two modes the median misses; many batched CPU streams' latencies are tight.
     gpu = device.type == "cuda"
     lead = args.lead_percentile if args.lead_percentile is not None else (0.95 if gpu else 0.5)
-    margin = args.start_margin if args.start_margin is not None else (0.25 if gpu else 0.2)
+    margin = args.start_margin if args.start_margin is not None else (0.25 if gpu else 0.175)
     sched = SchedulerConfig(policy=args.policy, buffer_cap_s=args.buffer_cap, max_batch=max_batch,
                             utilization_target=utilization, startup_slack_s=args.startup_slack,
                             lead_percentile=lead, start_margin_s=margin)
@@ -188,7 +188,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "chunk latencies plus --start-margin (default 0.5 on CPU, 0.95 on a GPU)")
     p.add_argument("--start-margin", type=float, default=None, metavar="S",
                    help="seconds of video a chunk should arrive ahead of its viewer's need: what the latency estimate "
-                        "misses (default 0.2 on CPU, 0.25 on a GPU); less buffer is lower steering latency")
+                        "misses (default 0.175 on CPU, 0.25 on a GPU); less buffer is lower steering latency")
     p.add_argument("--degrade", choices=("auto", "off"), default=None,
                    help="auto (default, but off under --fidelity exact): a chunk that would reach its viewer late runs "
                         "fewer denoising steps (3 or 2 of 4; the chunk header's 'steps' says so) instead of stalling, "

@@ -187,7 +187,7 @@ class SchedulerConfig:
     # A fresh chunk starts when buffered + in-flight video falls to its p95 chunk latency plus this margin
     # (what the estimates miss: jitter beyond the p95, the hand-over, a forward queued ahead on the device;
     # a RECACHE must leave this much slack too); math.inf: no start rule, every stream runs ahead to the cap.
-    start_margin_s: float = 0.2
+    start_margin_s: float = 0.175
     latency_window: int = 32  # chunk latencies per stream the lead's percentile is taken over (the most recent ones)
     # The start rule's lead is this percentile of the stream's recent chunk latencies, plus start_margin_s.
     lead_percentile: float = 0.5

@@ -48,7 +48,7 @@ def test_generate_takes_the_same_flags():
 
 def test_the_start_rule_defaults_by_device_and_its_flags_override_them(monkeypatch):
     cpu = engine_config().scheduler
-    assert (cpu.lead_percentile, cpu.start_margin_s) == (0.5, 0.2)
+    assert (cpu.lead_percentile, cpu.start_margin_s) == (0.5, 0.175)
     monkeypatch.setattr(offline, "default_device", lambda name: torch.device("cuda"))  # no GPU needed to build it
     gpu = cli._engine_config(cli.build_parser().parse_args(["serve"])).scheduler
     assert (gpu.lead_percentile, gpu.start_margin_s) == (0.95, 0.25)
