@@ -137,6 +137,7 @@ class StreamEncoder:
         self._threads = threads
         self._extra_options = dict(options or {})
         self._ctx: av.VideoCodecContext | None = self._open(crf)
+        self._fast_crf = min(51, crf + FAST_CRF_OFFSET)
         self._fast_ctx: av.VideoCodecContext | None = None  # opened at the first fast chunk
         self._last_fast = False  # the last chunk went through the fast context
         # one swscale context for every frame: a frame's own reformat() builds a new one each call (at 128x128 that
@@ -180,7 +181,7 @@ class StreamEncoder:
             force_idr = keyframe or self._keyframe_requested or fast != self._last_fast
             self._keyframe_requested = False
         if fast and self._fast_ctx is None:
-            self._fast_ctx = self._open(min(51, self._crf + FAST_CRF_OFFSET))
+            self._fast_ctx = self._open(self._fast_crf)
         ctx = self._fast_ctx if fast else self._ctx
         self._last_fast = fast
 
@@ -263,7 +264,7 @@ class StreamEncoder:
             log.warning("H.264 encoder buffers frames (options %s); draining it after every chunk", self._extra_options)
             self._warned_buffering = True
         if fast:
-            packets, self._fast_ctx = self._fast_ctx.encode(None), self._open(min(51, self._crf + FAST_CRF_OFFSET))
+            packets, self._fast_ctx = self._fast_ctx.encode(None), self._open(self._fast_crf)
         else:
             packets, self._ctx = self._ctx.encode(None), self._open(self._crf)
         return packets
