@@ -14,7 +14,9 @@ messages; over WebRTC the same JSON travels on the data channel named
 Client -> server::
 
     {"type": "start", "prompt": "...", "seed": 7, "fps": 16, "transport": "ws", "token": "..."}
+    {"type": "watch", "stream_id": "s3", "transport": "ws", "token": "..."}
     {"type": "set_prompt", "prompt": "..."}
+    {"type": "handover", "to": "v7"}  {"type": "take"}  {"type": "record"}
     {"type": "pause"}  {"type": "resume"}  {"type": "close"}
     {"type": "stats", "buffered_s": 1.5, "frames_played": 480, "stalls": 0, ...}
     {"type": "offer", "sdp": "v=0..."}
@@ -22,7 +24,10 @@ Client -> server::
 Server -> client::
 
     {"type": "ready", "stream_id": "...", "fps": 16, "width": 832, "height": 480,
-     "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0, "steps": 4}
+     "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0, "steps": 4,
+     "role": "steer", "viewer_id": "v0"}
+    {"type": "audience", "role": "watch", "watchers": 23, "steered": true}
+    {"type": "recording", "url": "/recordings/s3.mp4", "chapters": "/recordings/s3.vtt"}
     {"type": "chunk", "index": 3, "pts": 33, "frames": 12, "prompt_version": 1, "steps": 4,
      "keyframe": false, "sizes": [2311, 187, ...]}
     {"type": "ack", "request": "set_prompt", "prompt_version": 1}
@@ -35,6 +40,21 @@ Server -> client::
 doubles as the SDP type, so ``JSON.stringify(pc.localDescription)`` is a valid
 ``offer`` message and an ``answer`` message can be handed to
 ``setRemoteDescription`` as is.
+
+Steerers and watchers
+---------------------
+The viewer whose ``start`` opened a stream is its steerer: it holds the
+stream's steer token. Anyone may ``watch`` an open stream by its id (the
+player's watch link is ``/#watch=ID``; access checks as for ``start``): a
+watcher gets ``ready`` with role ``watch`` and then the same encoded chunks
+as the steerer, from a keyframe on. Only the steerer may ``set_prompt``,
+``pause``, ``resume``, ``record`` or ``handover``; a watcher that tries gets
+``not_steerer`` and its stream goes on. ``handover`` gives the token to the
+watcher ``to`` (a ``viewer_id`` from its ``ready``); when the steerer leaves,
+the stream goes on while watchers remain and any of them may ``take`` the
+token. Every viewer gets ``audience`` when its role or the watcher count
+changes. ``close`` from a watcher ends its watching only; from the steerer it
+ends the stream for everyone.
 
 Unknown fields are refused (``invalid_field``), so a misspelt field is an error
 rather than silently ignored. Numbers are strict: ``"16"`` or ``16.0`` is not
@@ -136,13 +156,15 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"  # the server failed; the message says what, never a traceback
     # the server ended the stream, the newest, because degradation could no longer keep every stream from stalling
     OVERLOADED = "overloaded"
+    NOT_STEERER = "not_steerer"  # a watcher asked for what only the stream's steerer may do; its stream goes on
+    NOT_FOUND = "not_found"  # watch: no open stream has that id
     # a cluster's worker (the GPU replica that ran the stream) was lost; the stream is gone, and a new `start`
     # on a new connection is placed again (on another worker): the one error worth retrying at once
     WORKER_LOST = "worker_lost"
 
 
-START_REFUSALS = frozenset({ErrorCode.REFUSED, ErrorCode.UNAUTHORIZED, ErrorCode.TOO_MANY_STREAMS})
-"""The codes that answer a ``start`` the server will not serve: no stream follows."""
+START_REFUSALS = frozenset({ErrorCode.REFUSED, ErrorCode.UNAUTHORIZED, ErrorCode.TOO_MANY_STREAMS, ErrorCode.NOT_FOUND})
+"""The codes that answer a ``start`` or ``watch`` the server will not serve: no stream follows."""
 RETRYABLE = frozenset({ErrorCode.WORKER_LOST})
 """The codes after which a viewer should reconnect at once: its stream ended through no fault of its own."""
 
@@ -188,7 +210,11 @@ Version = Annotated[int, Field(ge=0, description="an integer >= 0")]
 Dimension = Annotated[int, Field(ge=1, le=MAX_DIMENSION, description=f"an integer in [1, {MAX_DIMENSION}]")]
 FrameCount = Annotated[int, Field(ge=1, le=MAX_CHUNK_FRAMES, description=f"an integer in [1, {MAX_CHUNK_FRAMES}]")]
 Steps = Annotated[int, Field(ge=1, le=MAX_STEPS, description=f"an integer in [1, {MAX_STEPS}]")]
-ClientType = Literal["start", "set_prompt", "pause", "resume", "stats", "close", "offer"]
+ClientType = Literal["start", "watch", "set_prompt", "handover", "take", "record", "pause", "resume", "stats", "close",
+                     "offer"]
+StreamId = Annotated[str, Field(min_length=1, max_length=MAX_STREAM_ID_CHARS, pattern=r"^[A-Za-z0-9_.-]+$",
+                                description=f"1 to {MAX_STREAM_ID_CHARS} letters, digits, '_', '.' or '-'")]
+ViewerId = StreamId
 
 
 # Client -> server.
@@ -209,6 +235,16 @@ class Start(_Message):
     token: Token | None = None
 
 
+class Watch(_Message):
+    """Receive an open stream's chunks as a watcher (no generation of one's own). Answered by ``ready`` with role
+    ``watch``, or ``error`` (``not_found``, ``refused``, ...)."""
+
+    type: Literal["watch"] = "watch"
+    stream_id: StreamId
+    transport: Literal["ws", "webrtc"] | None = Field(None, description="'ws' or 'webrtc'")
+    token: Token | None = None
+
+
 class SetPrompt(_Message):
     """Steer the stream. Answered by ``ack`` carrying the prompt version it will be generated under."""
 
@@ -216,14 +252,33 @@ class SetPrompt(_Message):
     prompt: Prompt
 
 
+class Handover(_Message):
+    """Steerer only: give the steer token to the watcher ``to``; the sender watches from then on."""
+
+    type: Literal["handover"] = "handover"
+    to: ViewerId
+
+
+class Take(_Message):
+    """Take the steer token of a stream whose steerer left (refused while someone steers)."""
+
+    type: Literal["take"] = "take"
+
+
+class Record(_Message):
+    """Steerer only: record the stream to MP4 from its next keyframe on; answered by ``recording``."""
+
+    type: Literal["record"] = "record"
+
+
 class Pause(_Message):
-    """Stop generating once the viewer's buffer is full."""
+    """Steerer only: stop generating; the stream's cache is parked in host memory until ``resume``."""
 
     type: Literal["pause"] = "pause"
 
 
 class Resume(_Message):
-    """Generate again after ``pause``."""
+    """Steerer only: bring a paused stream's cache back and generate again, exactly where it stopped."""
 
     type: Literal["resume"] = "resume"
 
@@ -270,6 +325,25 @@ class Ready(_Message):
     chunk_frames: FrameCount  # frames in every later chunk
     prompt_version: Version  # the version of the start prompt
     steps: Steps  # denoising steps of a chunk at full quality (a chunk with fewer was degraded)
+    role: Literal["steer", "watch"] = "steer"  # this viewer steers the stream, or watches it
+    viewer_id: ViewerId | None = None  # this viewer's id on the stream (the ``to`` of a handover)
+
+
+class Audience(_Message):
+    """Who is on the stream, as one viewer sees it; sent when its role or the watcher count changes."""
+
+    type: Literal["audience"] = "audience"
+    role: Literal["steer", "watch"]  # this viewer's role now
+    watchers: Count  # viewers watching, the steerer not counted
+    steered: bool  # someone holds the steer token (false: the steerer left; any watcher may ``take`` it)
+
+
+class Recording(_Message):
+    """The stream is being recorded: where the MP4 and its chapters (one per prompt, WebVTT) can be fetched."""
+
+    type: Literal["recording"] = "recording"
+    url: Annotated[str, Field(min_length=1, max_length=512)]
+    chapters: Annotated[str, Field(min_length=1, max_length=512)] | None = None
 
 
 class Chunk(_Message):
@@ -343,31 +417,27 @@ class Answer(_Message):
     sdp: Sdp
 
 
-ClientMessage = Annotated[
-    Union[Start, SetPrompt, Pause, Resume, Stats, Close, Offer],
-    Field(discriminator="type"),
-]
-ServerMessage = Annotated[
-    Union[Ready, Chunk, Ack, Error, Closed, Answer],
-    Field(discriminator="type"),
-]
-Message = Union[Start, SetPrompt, Pause, Resume, Stats, Close, Offer, Ready, Chunk, Ack, Error, Closed, Answer]
+_CLIENT_MODELS = (Start, Watch, SetPrompt, Handover, Take, Record, Pause, Resume, Stats, Close, Offer)
+_SERVER_MODELS = (Ready, Audience, Recording, Chunk, Ack, Error, Closed, Answer)
+ClientMessage = Annotated[Union[_CLIENT_MODELS], Field(discriminator="type")]
+ServerMessage = Annotated[Union[_SERVER_MODELS], Field(discriminator="type")]
+Message = Union[_CLIENT_MODELS + _SERVER_MODELS]
 
 _CLIENT = TypeAdapter(ClientMessage)
 _SERVER = TypeAdapter(ServerMessage)
-_CLIENT_TYPES = {m.model_fields["type"].default: m for m in (Start, SetPrompt, Pause, Resume, Stats, Close, Offer)}
-_SERVER_TYPES = {m.model_fields["type"].default: m for m in (Ready, Chunk, Ack, Error, Closed, Answer)}
+_CLIENT_TYPES = {m.model_fields["type"].default: m for m in _CLIENT_MODELS}
+_SERVER_TYPES = {m.model_fields["type"].default: m for m in _SERVER_MODELS}
 
 
 # ---------------------------------------------------------------- parsing
 
 
-def parse_client(data: str | bytes) -> Start | SetPrompt | Pause | Resume | Stats | Close | Offer:
+def parse_client(data: str | bytes) -> Start | Watch | SetPrompt | Handover | Take | Record | Pause | Resume | Stats | Close | Offer:
     """Parse one control message from a viewer. Raises ``ProtocolError`` and nothing else."""
     return _parse(data, _CLIENT, _CLIENT_TYPES)
 
 
-def parse_server(data: str | bytes) -> Ready | Chunk | Ack | Error | Closed | Answer:
+def parse_server(data: str | bytes) -> Ready | Audience | Recording | Chunk | Ack | Error | Closed | Answer:
     """Parse one message from the server (text on WebSocket, or the data channel). Raises ``ProtocolError``."""
     return _parse(data, _SERVER, _SERVER_TYPES)
 

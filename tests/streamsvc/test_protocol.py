@@ -375,4 +375,26 @@ def test_an_error_names_an_unknown_request_type_as_invalid():
 
 
 def test_start_refusals_are_the_codes_that_end_a_start():
-    assert p.START_REFUSALS == {ErrorCode.REFUSED, ErrorCode.UNAUTHORIZED, ErrorCode.TOO_MANY_STREAMS}
+    assert p.START_REFUSALS == {ErrorCode.REFUSED, ErrorCode.UNAUTHORIZED, ErrorCode.TOO_MANY_STREAMS,
+                                ErrorCode.NOT_FOUND}
+
+
+def test_watch_names_a_stream_and_steering_messages_parse():
+    watch = p.parse_client(json.dumps({"type": "watch", "stream_id": "s3", "transport": "webrtc"}))
+    assert isinstance(watch, p.Watch) and watch.stream_id == "s3" and watch.transport == "webrtc"
+    assert p.parse_client(json.dumps({"type": "handover", "to": "v7"})) == p.Handover(to="v7")
+    assert isinstance(p.parse_client('{"type": "take"}'), p.Take)
+    assert isinstance(p.parse_client('{"type": "record"}'), p.Record)
+    with pytest.raises(ProtocolError) as err:
+        p.parse_client(json.dumps({"type": "watch", "stream_id": "../s3"}))
+    assert err.value.code is ErrorCode.INVALID_FIELD and "'stream_id'" in err.value.message
+
+
+def test_ready_says_the_role_and_audience_round_trips():
+    ready = p.parse_server(json.dumps({"type": "ready", "stream_id": "s1", "fps": 16, "width": 64, "height": 64,
+                                       "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0, "steps": 4}))
+    assert ready.role == "steer" and ready.viewer_id is None  # a server that predates watchers
+    audience = p.Audience(role="watch", watchers=23, steered=False)
+    assert p.parse_server(p.encode(audience)) == audience
+    rec = p.Recording(url="/recordings/s1.mp4", chapters="/recordings/s1.vtt")
+    assert p.parse_server(p.encode(rec)) == rec
