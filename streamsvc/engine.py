@@ -226,6 +226,14 @@ class Engine:
     def request_keyframe(self, stream_id: str) -> Future:
         return self._submit(self._keyframe, stream_id)
 
+    def admit_viewer(self, stream_id: str) -> Future:
+        """Future[Admission]: one more viewer (a watcher) of the stream's chunks, if the send has room."""
+        return self._submit(lambda: self.sched.admit_viewer(self._get(stream_id).state.stream_id))
+
+    def viewer_left(self, stream_id: str) -> Future:
+        """A viewer of the stream left (the stream goes on)."""
+        return self._submit(self.sched.viewer_left, stream_id)
+
     def observe_send(self, seconds_per_chunk: float) -> Future:
         """What the transports' send cost the event loop per chunk lately (admission's SEND stage)."""
         return self._submit(self.sched.observe_stage, Stage.SEND, seconds_per_chunk)

@@ -525,6 +525,7 @@ class _Stream:
     prompt_at: float = 0.0  # time of the latest set_prompt
     steps: int = 0  # denoising steps of the chunk in progress (set by each of its DENOISE forwards: it may be cut)
     degraded: int = 0  # chunks committed with fewer steps than the schedule's
+    viewers: int = 1  # connections each of its chunks is sent to (its steerer and its watchers): the send's load
 
 
 @dataclass(frozen=True)
@@ -1028,10 +1029,38 @@ class Scheduler:
         return {Stage.DEVICE: cfg.utilization_target, Stage.OUTPUT: cfg.output_target, Stage.SEND: cfg.send_target}[stage]
 
     def stage_load(self, stage: Stage, extra: StreamRequest | None = None) -> float:
-        """Predicted busy fraction of `stage` with the admitted streams (and `extra`, if given)."""
-        reqs = [s.request for s in self._streams.values()] + ([extra] if extra is not None else [])
-        chunk_s = self._stage_chunk_s(stage, len(reqs))
-        return sum(r.fps / r.chunk_frames for r in reqs) * chunk_s
+        """Predicted busy fraction of `stage` with the admitted streams (and `extra`, if given, with one viewer)."""
+        streams = list(self._streams.values())
+        chunk_s = self._stage_chunk_s(stage, len(streams) + (extra is not None))
+        extra_rate = extra.fps / extra.chunk_frames if extra is not None else 0.0
+        return (sum(self._stage_rate(s, stage) for s in streams) + extra_rate) * chunk_s
+
+    @staticmethod
+    def _stage_rate(s: _Stream, stage: Stage) -> float:
+        """Chunks a second stream `s` puts through `stage`: the send sends each chunk to each of its viewers."""
+        rate = s.request.fps / s.request.chunk_frames
+        return rate * s.viewers if stage is Stage.SEND else rate
+
+    def admit_viewer(self, stream_id: str) -> Admission:
+        """One more viewer of `stream_id`'s chunks (a watcher: no generation, one more send of each chunk), if the
+        event loop's send stays under its target with it; the device and the output stage do not change."""
+        s = self._get(stream_id)
+        cost_s = self._stage_chunk_s(Stage.SEND, len(self._streams))
+        load = self.stage_load(Stage.SEND) + s.request.fps / s.request.chunk_frames * cost_s
+        if load > self.config.send_target + _EPS_S:
+            viewers = sum(t.viewers for t in self._streams.values())
+            return Admission(accepted=False, predicted_load=self.predicted_load(), reason=(
+                f"send: the event loop would be {load:.2f} busy sending to {viewers + 1} viewers "
+                f"({cost_s * 1e3:.2f} ms per chunk sent) > target {self.config.send_target:.2f}; try again when a "
+                "viewer leaves"))
+        s.viewers += 1
+        return Admission(accepted=True, reason=None, predicted_load=self.predicted_load())
+
+    def viewer_left(self, stream_id: str) -> None:
+        """A viewer of `stream_id` (its steerer or a watcher) left; the stream itself goes on."""
+        s = self._streams.get(stream_id)
+        if s is not None:
+            s.viewers = max(0, s.viewers - 1)
 
     def _stage_refusals(self, req: StreamRequest) -> list[str]:
         """The output stage and the send, with `req` admitted: over their targets? (The device is checked apart.)"""
@@ -1064,10 +1093,10 @@ class Scheduler:
         # own) plus that window at the stage's target, beside the streams already confirmed.
         window_s = req.first_chunk_frames / req.fps
         n = len(self._streams) + 1
-        others = [s.request for s in self._streams.values() if s not in starting]
+        others = [s for s in self._streams.values() if s not in starting]
         for stage in Stage:
             chunk_s, target = self._stage_chunk_s(stage, n), self._stage_target(stage)
-            busy = sum(r.fps / r.chunk_frames for r in others) * chunk_s
+            busy = sum(self._stage_rate(s, stage) for s in others) * chunk_s
             room_s = max(0.0, target - busy) * window_s + chunk_s
             if (len(starting) + 1) * chunk_s > room_s + _EPS_S:
                 since = now - min(s.admitted_at for s in starting)

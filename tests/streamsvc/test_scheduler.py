@@ -1022,6 +1022,26 @@ def test_the_send_stage_has_a_target_of_its_own():
         sched.observe_stage(Stage.DEVICE, 0.1)
 
 
+def test_watchers_count_in_the_send_stage_only():
+    sched = make(send_target=0.5, confirm_chunks=0, initial_forward_s=1 / 256)
+    sched.seed_stage(Stage.SEND, 0.015)  # 4/3 chunks/s x 0.015 = 0.02 a viewer: room for 25
+    admit(sched, "a")
+    device = sched.predicted_load()
+    accepted = [sched.admit_viewer("a").accepted for _ in range(30)]
+    assert accepted == [True] * 24 + [False] * 6  # the steerer and 24 watchers: 25 x 0.02 = 0.5
+    assert sched.stage_load(Stage.SEND) == pytest.approx(25 * 4 / 3 * 0.015)
+    output_s = sched.stage_costs.estimate(Stage.OUTPUT)
+    assert sched.predicted_load() == device and sched.stage_load(Stage.OUTPUT) == pytest.approx(4 / 3 * output_s)
+    refused = sched.admit_viewer("a")
+    assert refused.reason.startswith("send: the event loop would be 0.52 busy sending to 26 viewers (15.00 ms")
+    refused = sched.admit(StreamRequest("b", FPS), 0.0)  # a new stream's steerer is one more viewer too
+    assert not refused.accepted and "send: the event loop would be 0.52 busy with 2 streams" in refused.reason
+    sched.viewer_left("a")
+    assert sched.admit(StreamRequest("b", FPS), 0.0).accepted
+    with pytest.raises(SchedulerError):
+        sched.admit_viewer("nobody")
+
+
 def test_a_burst_of_40_on_a_pipeline_with_room_for_10_admits_at_most_10():
     # Room for 10 in steady state: each stream needs 4/3 chunks/s x 5 forwards x 1/128 s = 0.052 of the device.
     sched = make(utilization_target=0.55, initial_forward_s=1 / 128)
