@@ -1,0 +1,231 @@
+"""Recording a stream: its encoded packets muxed into MP4 as they are sent, a chapter per prompt.
+
+No re-encode: the access units the viewers get (H.264 Annex-B, SPS/PPS before each IDR) go into
+the MP4 as they are; the muxer turns them into length-prefixed samples and takes the SPS/PPS of
+the first keyframe as the track's configuration (avcC). A recording starts at a keyframe chunk
+(the server asks the encoder for one when recording starts) and its clock starts there at 0.
+Each prompt is a chapter, written into the MP4 and into a WebVTT chapters file beside it
+(``ID.vtt``), which a page lists with ``<track kind="chapters">``. The MP4 is finished when
+the recording closes (the stream ended, or the disk budget ran out): its index goes at the front
+(faststart), so a browser plays it as it downloads.
+
+`RecordingStore` owns the directory and the disk budget; `Recorder` is one stream's recording.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import av
+
+from streamsvc.protocol import Chunk
+
+log = logging.getLogger("streamsvc.record")
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]+\.(mp4|vtt)$")  # what GET /recordings/NAME may name
+_START_CODE = re.compile(b"\x00\x00\x01")
+_SPS, _PPS = 7, 8  # H.264 NAL unit types
+
+
+class RecordingRefused(Exception):
+    """A recording that may not start; the message says why and what to do, for the viewer."""
+
+
+@dataclass
+class _Chapter:
+    start: int  # first frame, counted from the recording's start
+    end: int  # one past its last frame
+    title: str  # the prompt
+
+
+class Recorder:
+    """One stream's recording. `add` each chunk as it is sent, `close` when the stream ends (always)."""
+
+    def __init__(self, store: RecordingStore, recording_id: str, fps: int, width: int, height: int) -> None:
+        self.store = store
+        self.recording_id = recording_id
+        self.fps, self.width, self.height = fps, width, height
+        self.path = store.directory / f"{recording_id}.mp4"
+        self.chapters_path = store.directory / f"{recording_id}.vtt"
+        self.bytes_written = 0  # sample bytes muxed so far (what the budget counts; the index adds little)
+        self.frames = 0  # frames muxed
+        self.stopped_reason: str | None = None  # set when it stopped before its stream ended (the disk budget)
+        self.chapters: list[_Chapter] = []
+        self._container: av.container.OutputContainer | None = None  # opened at the first keyframe chunk
+        self._stream = None
+        self._first_pts: int | None = None  # stream index of the first recorded frame
+        self._closed = False
+
+    def add(self, header: Chunk, access_units: list[bytes], prompt: str) -> bool:
+        """Mux one chunk (its header and access units as sent) made under `prompt`. Chunks before the first
+        keyframe chunk are skipped. False when the recording has stopped (closed, or the budget is reached)."""
+        if self._closed or self.stopped_reason is not None:
+            return False
+        if self._container is None:
+            if not header.keyframe:
+                return True  # waits for a keyframe to start at
+            self._open(access_units[0], header.pts)
+        size = sum(len(au) for au in access_units)
+        if not self.store.reserve(size):
+            self.stopped_reason = (
+                f"recording {self.recording_id} stopped at {self.frames / self.fps:.1f} s: the recordings use "
+                f"{self.store.used_bytes / 2**30:.2f} GiB of their {self.store.max_bytes / 2**30:g} GiB "
+                "(--record-max-gib); delete old recordings or raise the limit")
+            log.warning(self.stopped_reason)
+            return False
+        first = header.pts - self._first_pts
+        if not self.chapters or self.chapters[-1].title != prompt:
+            self.chapters.append(_Chapter(first, first, prompt))
+            self._write_chapters()
+        for i, au in enumerate(access_units):
+            packet = av.Packet(au)
+            packet.pts = packet.dts = first + i
+            packet.duration = 1
+            packet.time_base = Fraction(1, self.fps)  # the muxer rescales to its own (it picks the timescale)
+            packet.is_keyframe = i == 0 and header.keyframe
+            packet.stream = self._stream
+            self._container.mux(packet)
+        self.bytes_written += size
+        self.frames = first + len(access_units)
+        self.chapters[-1].end = self.frames
+        return True
+
+    def close(self) -> None:
+        """Finish the MP4 (chapters, index at the front) and the chapters file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._container is None:
+            return
+        try:
+            self._container.set_chapters([
+                {"id": i + 1, "start": c.start, "end": c.end, "time_base": Fraction(1, self.fps),
+                 "metadata": {"title": c.title}}
+                for i, c in enumerate(self.chapters)
+            ])
+            self._write_chapters()
+        finally:
+            self._container.close()
+            self.store.finished(self)
+        log.info("recording %s: %d frames (%.1f s), %d chapters, %.1f MB", self.recording_id, self.frames,
+                 self.frames / self.fps, len(self.chapters), self.path.stat().st_size / 1e6)
+
+    def _open(self, idr: bytes, pts: int) -> None:
+        params = [nal for nal in _nal_units(idr) if nal and nal[0] & 0x1F in (_SPS, _PPS)]
+        if not params:
+            raise ValueError(f"recording {self.recording_id}: the keyframe chunk's first access unit has no SPS/PPS")
+        container = av.open(str(self.path), "w", format="mp4", options={"movflags": "+faststart"})
+        stream = container.add_stream("h264", rate=self.fps)
+        stream.width, stream.height, stream.pix_fmt = self.width, self.height, "yuv420p"
+        stream.time_base = Fraction(1, self.fps)
+        stream.codec_context.extradata = b"".join(b"\x00\x00\x00\x01" + nal for nal in params)
+        self._container, self._stream, self._first_pts = container, stream, pts
+
+    def _write_chapters(self) -> None:
+        """The chapters as WebVTT (one cue per prompt), rewritten whole: it is small."""
+        lines = ["WEBVTT", ""]
+        for i, c in enumerate(self.chapters):
+            end = c.end if c.end > c.start else c.start + 1
+            lines += [f"chapter-{i + 1}", f"{_vtt_time(c.start / self.fps)} --> {_vtt_time(end / self.fps)}",
+                      _vtt_text(c.title), ""]
+        self.chapters_path.write_text("\n".join(lines), encoding="utf-8")
+
+
+class RecordingStore:
+    """The recordings' directory and disk budget: hands out recorders, finds recordings by name."""
+
+    def __init__(self, directory: Path, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes={max_bytes}: recordings need a disk budget > 0")
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self._known: set[str] = set()  # names of recordings made by this store or found in the directory
+        self._stored = 0  # bytes of finished recordings
+        self._active: dict[str, Recorder] = {}
+        self._scanned = False
+
+    @property
+    def used_bytes(self) -> int:
+        """Disk the recordings use: those finished (from earlier runs too) and those being written."""
+        self._scan()
+        return self._stored + sum(r.bytes_written for r in self._active.values())
+
+    def open(self, stream_id: str, fps: int, width: int, height: int) -> Recorder:
+        """A new recording of `stream_id`; raises RecordingRefused when the recordings fill their budget."""
+        used = self.used_bytes
+        if used >= self.max_bytes:
+            raise RecordingRefused(
+                f"cannot record: the recordings use {used / 2**30:.2f} GiB of their {self.max_bytes / 2**30:g} GiB "
+                "(--record-max-gib); delete old recordings or raise the limit")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RecordingRefused(f"cannot record: the recordings directory {self.directory}: {e.strerror}") from None
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        base = recording_id = f"{stream_id}-{stamp}"
+        for n in range(2, 1000):
+            if recording_id not in self._known and not (self.directory / f"{recording_id}.mp4").exists():
+                break
+            recording_id = f"{base}-{n}"
+        recorder = Recorder(self, recording_id, fps, width, height)
+        self._known.add(recording_id)
+        self._active[recording_id] = recorder
+        return recorder
+
+    def reserve(self, size: int) -> bool:
+        """Whether `size` more bytes fit the budget (the caller writes them if so)."""
+        return self.used_bytes + size <= self.max_bytes
+
+    def finished(self, recorder: Recorder) -> None:
+        self._active.pop(recorder.recording_id, None)
+        for path in (recorder.path, recorder.chapters_path):
+            if path.exists():
+                self._stored += path.stat().st_size
+
+    def path(self, name: str) -> Path | None:
+        """The file a request names (``ID.mp4`` or ``ID.vtt`` of a recording here), or None."""
+        if not _NAME.match(name):
+            return None
+        self._scan()
+        if name.rsplit(".", 1)[0] not in self._known:
+            return None
+        target = self.directory / name
+        return target if target.is_file() else None
+
+    def _scan(self) -> None:
+        """Count the recordings already in the directory (earlier runs), once."""
+        if self._scanned:
+            return
+        self._scanned = True
+        if not self.directory.is_dir():
+            return
+        for path in self.directory.iterdir():
+            if path.suffix in (".mp4", ".vtt") and _NAME.match(path.name) and path.is_file():
+                self._known.add(path.stem)
+                self._stored += path.stat().st_size
+
+
+def _nal_units(access_unit: bytes) -> list[bytes]:
+    """The NAL units of an Annex-B access unit, without start codes."""
+    starts = [m.end() for m in _START_CODE.finditer(access_unit)]
+    units = []
+    for i, start in enumerate(starts):
+        end = starts[i + 1] - 3 if i + 1 < len(starts) else len(access_unit)
+        units.append(access_unit[start:end].rstrip(b"\x00") if i + 1 < len(starts) else access_unit[start:end])
+    return units
+
+
+def _vtt_time(seconds: float) -> str:
+    ms = round(seconds * 1000)
+    return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}"
+
+
+def _vtt_text(text: str) -> str:
+    """A cue's text: one line, with the characters WebVTT reserves escaped."""
+    text = " ".join(text.split())
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
