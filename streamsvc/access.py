@@ -35,6 +35,8 @@ class Refusal(enum.StrEnum):
     CLIENT_STREAMS = "client_streams"  # the address's streams are at --max-streams-per-client
     SERVER_CAP = "server_cap"  # the server's hard cap on open streams
     ADMISSION = "admission"  # the scheduler or the KV pool: no room for the stream's compute or memory
+    NO_STREAM = "no_stream"  # watch: no open stream has that id
+    WATCHERS = "watchers"  # watch: the stream has --max-watchers watchers already
     RATE_LIMITED = "rate_limited"  # a control message over the stream's rate
     STATS_RATE_LIMITED = "stats_rate_limited"  # a stats message over its own, lower rate
 

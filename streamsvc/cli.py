@@ -215,11 +215,12 @@ def cmd_serve(args) -> int:
         _check_weights(args)
         webrtc = _webrtc_config(args)
         access = _access_config(args)
+        audience = _audience_config(args)
     except (ValueError, OSError) as e:
         print(f"streamsvc serve: {e}", file=sys.stderr)
         return 2
     config = ServerConfig(host=args.host, port=args.port, static_dir=str(static) if static.is_dir() else None,
-                          webrtc=webrtc, access=access)
+                          webrtc=webrtc, access=access, **audience)
     if args.cluster is not None:  # beyond one GPU: this front as the gateway of Ray Serve engine replicas
         return _serve_cluster(args, config)
     try:
@@ -302,6 +303,32 @@ def _access_args(p: argparse.ArgumentParser) -> None:
                    help="stats messages a stream may send a second, counted apart (default 4, burst as many)")
 
 
+def _audience_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("watchers and recording (see README: One stream, many viewers)")
+    g.add_argument("--max-watchers", type=int, default=64, metavar="N",
+                   help="viewers that may watch one stream through its watch link (/#watch=ID), its steerer not "
+                        "counted (default 64; 0: no watching); admission also counts their send")
+    g.add_argument("--orphan-timeout", type=float, default=60.0, metavar="S",
+                   help="a stream whose steerer left goes on this long for its watchers, steerable by whoever takes "
+                        "the token (default 60)")
+    g.add_argument("--record", default=None, metavar="DIR",
+                   help="record every stream to DIR as MP4 (no re-encode; a chapter per prompt); without it a "
+                        "steerer's 'record' message records its stream to --recordings-dir")
+    g.add_argument("--recordings-dir", default="recordings", metavar="DIR",
+                   help="where 'record' messages record to, served at /recordings/ID.mp4 (default ./recordings)")
+    g.add_argument("--record-max-gib", type=float, default=4.0, metavar="GIB",
+                   help="disk the recordings may use; a recording that reaches it stops, a new one is refused "
+                        "(default 4)")
+
+
+def _audience_config(args) -> dict:
+    if args.max_watchers < 0 or not args.orphan_timeout >= 0 or not args.record_max_gib > 0:
+        raise ValueError("--max-watchers and --orphan-timeout take numbers >= 0, --record-max-gib a number > 0")
+    return dict(max_watchers=args.max_watchers, orphan_timeout_s=args.orphan_timeout,
+                recordings_dir=args.record or args.recordings_dir, record_all=args.record is not None,
+                record_max_bytes=int(args.record_max_gib * 2**30))
+
+
 def _access_config(args):
     from streamsvc.access import AccessConfig, Rate, check_token, parse_auth_file
 
@@ -347,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_args(s)
     _webrtc_args(s)
     _access_args(s)
+    _audience_args(s)
     _cluster_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -158,6 +158,8 @@ class ErrorCode(StrEnum):
     OVERLOADED = "overloaded"
     NOT_STEERER = "not_steerer"  # a watcher asked for what only the stream's steerer may do; its stream goes on
     NOT_FOUND = "not_found"  # watch: no open stream has that id
+    # a request the server cannot serve now (the recordings' disk budget is full, no room to resume); the stream goes on
+    UNAVAILABLE = "unavailable"
     # a cluster's worker (the GPU replica that ran the stream) was lost; the stream is gone, and a new `start`
     # on a new connection is placed again (on another worker): the one error worth retrying at once
     WORKER_LOST = "worker_lost"

@@ -1,4 +1,11 @@
-"""One stream's life on the event loop: an explicit state machine, its prompt versions and its outbox."""
+"""One stream's life on the event loop: an explicit state machine, its prompt versions and its viewers.
+
+A stream has viewers (`Viewer`): the one that started it steers (holds its steer token), the
+others watch. Each viewer has its own outbox and transport; each chunk is encoded once and put in
+every viewer's outbox. A watcher that joins mid-stream starts at a keyframe: the chunks since the
+stream's last keyframe (`Session.gop`, a few at most) at once, or else the next keyframe chunk,
+asked of the encoder when it joins.
+"""
 
 from __future__ import annotations
 
@@ -77,9 +84,80 @@ class PromptGate:
         return [reply if r is None else r for r in held]
 
 
-@dataclass
+GOP_CHUNKS = 4  # chunks since the last keyframe a stream keeps for watchers who join (beyond: they wait for the next)
+
+
+class Role(enum.StrEnum):
+    STEER = "steer"  # holds the stream's steer token: its prompts steer, its close ends the stream
+    WATCH = "watch"  # receives the stream's chunks, steers nothing
+
+
+@dataclass(eq=False)
+class Viewer:
+    """One connection on a stream: its steerer or a watcher. Its transport reads `outbox`."""
+
+    viewer_id: str  # unique on the server ("v0", "v1", ...): the `to` of a handover
+    session: Session  # the stream it views
+    role: Role
+    token: str | None = None  # the access token it came with
+    address: str = ""  # its client address (a steerer's stream counts against it)
+    control_rate: TokenBucket | None = None  # control messages it may still send (stats apart)
+    stats_rate: TokenBucket | None = None  # stats messages it may still send
+    joined_at: float = field(default_factory=time.monotonic)  # its TTFF runs from here
+    first_chunk_at: float | None = None
+    chunks_sent: int = 0
+    client_stalls: int = 0  # stalls it has reported (stats messages)
+    keyframe_wanted: bool = False  # joined mid-stream: chunks before the next keyframe chunk are not sent to it
+    left: bool = False  # its connection is gone (or it closed): nothing more is put in its outbox
+    rtc: object | None = None  # its WebRTC transport (streamsvc.transport.webrtc.WebRtcTransport), if any
+    # messages for the transport, in order: a ChunkOut, a protocol model, or None (end)
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    # what a transport reads of its stream (WebRtcTransport takes a viewer where it took a session)
+    @property
+    def stream_id(self) -> str:
+        return self.session.stream_id
+
+    @property
+    def fps(self) -> int:
+        return self.session.fps
+
+    @property
+    def state(self) -> SessionState:
+        return self.session.state
+
+    @property
+    def closed(self) -> bool:
+        return self.left or self.session.closed
+
+    def buffer_report(self, buffered_s: float) -> None:
+        self.session.buffer_report(buffered_s)
+
+    def send(self, item) -> None:
+        """Queue a message (or a chunk) for this viewer, unless it left."""
+        if not self.left:
+            self.outbox.put_nowait(item)
+
+    def take_chunk(self, chunk) -> bool:
+        """Queue a chunk unless the viewer still waits for a keyframe and this is not one; True if queued."""
+        if self.left or self.keyframe_wanted and not chunk.header.keyframe:
+            return False
+        self.keyframe_wanted = False
+        self.outbox.put_nowait(chunk)
+        return True
+
+    def delivered(self, now: float) -> float | None:
+        """A chunk went to its transport; the viewer's TTFF (join to first chunk) when it was its first."""
+        self.chunks_sent += 1
+        if self.first_chunk_at is not None:
+            return None
+        self.first_chunk_at = now
+        return now - self.joined_at
+
+
+@dataclass(eq=False)
 class Session:
-    """A stream as the server sees it. Transports read `outbox`; the engine feeds it."""
+    """A stream as the server sees it: its state, its prompts and its viewers. The engine feeds it chunks."""
 
     stream_id: str
     fps: int
@@ -90,17 +168,73 @@ class Session:
     chunks_sent: int = 0
     first_chunk_at: float | None = None
     close_reason: str | None = None
-    client_stalls: int = 0  # stalls the client has reported (stats messages)
-    token: str | None = None  # the access token it was opened with (its stream counts against the token's limit)
-    address: str = ""  # the client address its stream counts against
-    control_rate: TokenBucket | None = None  # control messages it may still send (stats apart)
-    stats_rate: TokenBucket | None = None  # stats messages it may still send
     prompts: PromptGate = field(default_factory=PromptGate)
+    prompt_texts: dict[int, str] = field(default_factory=dict)  # recent prompts by version (recording's chapters)
     # held while a set_prompt is decided and answered, so replies keep the order of the requests
     steering: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # messages for the transport, in order: bytes (binary chunk), a protocol model, or None (end)
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    viewers: dict[str, Viewer] = field(default_factory=dict)  # by viewer id: the steerer and the watchers
+    steerer: Viewer | None = None  # who holds the steer token; None: it left, any watcher may take it
+    orphaned_at: float | None = None  # when the steerer left (the orphan timeout runs from here)
+    gop: list = field(default_factory=list)  # ChunkOuts since the last keyframe chunk (at most GOP_CHUNKS)
+    recorder: object | None = None  # its recording (streamsvc.record.Recorder), if one runs
+    token: str | None = None  # the access token it was opened with (it counts against the token's limit)
+    address: str = ""  # the client address that opened it (it counts against the address's limit)
+    track_queues: dict[str, float] = field(default_factory=dict)  # frames queued in each WebRTC viewer's track
+    audience_due: bool = False  # an `audience` message to every viewer is on its way
     _paused_from: SessionState = SessionState.PLAYING
+
+    def to_steerer(self, msg) -> None:
+        """A reply meant for whoever steers the stream now (dropped while nobody does)."""
+        if self.steerer is not None:
+            self.steerer.send(msg)
+
+    @property
+    def watchers(self) -> int:
+        return sum(1 for v in self.viewers.values() if v.role is Role.WATCH)
+
+    def fan_out(self, chunk) -> list[Viewer]:
+        """Queue a chunk for every viewer that may take it and keep it for watchers to come; the viewers that
+        waited for a keyframe and took this one (their first)."""
+        if chunk.header.keyframe:
+            self.gop = [chunk]
+        elif self.gop and len(self.gop) < GOP_CHUNKS:
+            self.gop.append(chunk)
+        else:
+            self.gop = []  # too long since the keyframe: a newcomer waits for the next one
+        firsts = []
+        for viewer in list(self.viewers.values()):
+            waited = viewer.keyframe_wanted
+            if viewer.take_chunk(chunk) and waited:
+                firsts.append(viewer)
+        return firsts
+
+    def join(self, viewer: Viewer) -> bool:
+        """Add a viewer; it gets the chunks since the last keyframe at once. False: it waits for a keyframe."""
+        self.viewers[viewer.viewer_id] = viewer
+        if viewer.role is Role.STEER:
+            self.steerer, self.orphaned_at = viewer, None
+        if self.gop:
+            for chunk in self.gop:
+                viewer.take_chunk(chunk)
+            return True
+        viewer.keyframe_wanted = self.chunks_sent > 0
+        return not viewer.keyframe_wanted
+
+    def leave(self, viewer: Viewer, now: float) -> None:
+        """A viewer is gone; a steerer leaving orphans the stream from `now`."""
+        viewer.left = True
+        self.viewers.pop(viewer.viewer_id, None)
+        if viewer is self.steerer:
+            self.steerer, self.orphaned_at = None, now
+
+    def give_token(self, to: Viewer) -> Viewer | None:
+        """`to` steers from now on; the viewer that held the token (if any) watches. Returns that one."""
+        before = self.steerer
+        if before is not None:
+            before.role = Role.WATCH
+        to.role = Role.STEER
+        self.steerer, self.orphaned_at = to, None
+        return before
 
     def transition(self, new: SessionState) -> None:
         if new is self.state:

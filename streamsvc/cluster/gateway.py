@@ -186,6 +186,11 @@ class Gateway(Server):
                     continue
                 if isinstance(msg, P.Start):
                     return raw, msg
+                if isinstance(msg, P.Watch):  # its stream may run on any replica: not routed yet
+                    await ws.send(P.encode(P.Error(code=P.ErrorCode.UNAVAILABLE, request="watch", message=(
+                        "watching a stream is not supported through the cluster gateway yet; serve without "
+                        "--cluster to use watch links"))))
+                    continue
                 await ws.send(P.encode(P.Error(code=P.ErrorCode.NOT_STARTED,
                                                message=f"send 'start' before '{msg.type}'")))
         except ConnectionClosed:

@@ -179,7 +179,7 @@ async def test_python_client_plays_steers_and_frees_the_stream():
         assert await client.open(), client.errors
         try:
             sid = client.ready.stream_id
-            rtc = server.webrtc[sid]
+            rtc = server.sessions[sid].steerer.rtc
             # SDP: H.264 only, every candidate on loopback, both ways
             answer = client._pc.remoteDescription.sdp
             assert "H264/90000" in answer and "VP8" not in answer
