@@ -13,13 +13,19 @@
 //    + (rtp - first rtp) * fps / 90000, and the chunk headers give its prompt version. getStats()
 //    gives freezeCount / totalFreezesDuration.
 //
+// 5. Watching: the page at /#watch=ID sends {"type": "watch", "stream_id": ID} instead of start and plays
+//    the same stream (from a keyframe); its prompt box is off unless it takes the steer token
+//    ("take", when the steerer left). "audience" messages give the role and the watcher count; the
+//    watch link of the stream is shown either way. "record" (steerer) answers "recording" with the
+//    MP4's address.
+//
 // window.player holds the page's state (read by the end-to-end test).
 "use strict";
 
 (() => {
   const RTP_CLOCK_HZ = 90000;
   const H264_PROFILE = "42e01f";  // constrained baseline, what the server's encoder makes
-  const START_REFUSALS = ["refused", "unauthorized", "too_many_streams"];  // protocol.START_REFUSALS
+  const START_REFUSALS = ["refused", "unauthorized", "too_many_streams", "not_found"];  // protocol.START_REFUSALS
   // protocol.RETRYABLE: a cluster's worker running the stream was lost; a new start is placed on another one
   const RETRYABLE = ["worker_lost"];
   const MAX_RECONNECTS = 3;  // in a row, without a chunk in between
@@ -50,6 +56,11 @@
     errors: [],
     message: null,          // the banner's text, if any
     closedReason: null,
+    role: null,             // "steer" or "watch" (ready, then audience)
+    viewerId: null,
+    watchers: 0,            // viewers watching the stream, the steerer not counted
+    steered: true,          // false: the steerer left and the token is free to take
+    recording: null,        // the recording's MP4 address, once one runs
   };
 
   let ws = null, pc = null, channel = null;
@@ -83,6 +94,22 @@
 
   function fmt(x, digits, unit) { return x === null || x === undefined ? "-" : x.toFixed(digits) + unit; }
 
+  function renderAudience() {
+    $("audience").hidden = player.streamId === null;
+    if (player.streamId === null) return;
+    $("role").textContent = player.role === "watch" ? "watching" : "steering";
+    $("watchers").textContent = `${player.watchers} watching`;
+    const link = `${location.origin}${location.pathname}#watch=${encodeURIComponent(player.streamId)}`;
+    $("watch-link").href = link;
+    $("watch-link").textContent = link;
+    $("take").hidden = player.role !== "watch" || player.steered;
+    $("record").hidden = player.role !== "steer" || player.recording !== null;
+    $("recording").hidden = player.recording === null;
+    if (player.recording !== null) $("recording").href = player.recording;
+    input.disabled = player.role === "watch";
+    button.disabled = player.role === "watch";
+  }
+
   function renderOverlay() {
     $("o-ttff").textContent = fmt(player.ttffMs === null ? null : player.ttffMs / 1000, 2, " s");
     $("o-fps").textContent = player.framesPresented ? player.presentedFps.toFixed(1) : "-";
@@ -106,18 +133,23 @@
       streamId: null, fps: null, ttffMs: null, presentedFps: 0, framesPresented: 0, framesDecoded: 0,
       freezeCount: 0, totalFreezesDuration: 0, versionOnScreen: null, promptVersion: 0,
       steerLatenciesMs: [], chunks: 0, acks: [], errors: [], closedReason: null,
+      role: null, viewerId: null, watchers: 0, steered: true, recording: null,
     });
     banner(null);
   }
 
-  function start(prompt) {
+  function start(prompt) { connect({ type: "start", prompt }); }
+
+  function watch(streamId) { connect({ type: "watch", stream_id: streamId }); }
+
+  function connect(first) {
     teardown();
     reset();
     startedAt = performance.now();
     setPhase("connecting");
     ws = new WebSocket(wsUrl());
     const token = new URLSearchParams(location.hash.slice(1)).get("token");
-    ws.onopen = () => ws.send(JSON.stringify({ type: "start", prompt, transport: "webrtc", ...(token ? { token } : {}) }));
+    ws.onopen = () => ws.send(JSON.stringify({ ...first, transport: "webrtc", ...(token ? { token } : {}) }));
     ws.onmessage = (e) => onMessage(e.data);
     ws.onerror = () => {};  // onclose follows with the code
     ws.onclose = (e) => {
@@ -190,6 +222,9 @@
       case "ready":
         player.streamId = msg.stream_id;
         player.fps = msg.fps;
+        player.role = msg.role || "steer";
+        player.viewerId = msg.viewer_id || null;
+        renderAudience();
         document.querySelector(".stage").style.aspectRatio = `${msg.width} / ${msg.height}`;
         negotiate().catch((e) => fail(`WebRTC setup failed: ${e.message}`));
         break;
@@ -206,6 +241,20 @@
         player.chunks += 1;
         reconnects = 0;
         break;
+      case "audience":
+        player.role = msg.role;
+        player.watchers = msg.watchers;
+        player.steered = msg.steered;
+        renderAudience();
+        break;
+      case "recording": {
+        // the recording page plays the MP4 with its chapters (it is complete once the stream has ended)
+        const id = msg.url.split("/").pop().replace(/\.mp4$/, "");
+        const token = new URLSearchParams(location.hash.slice(1)).get("token");
+        player.recording = `/recording.html#id=${encodeURIComponent(id)}${token ? "&token=" + encodeURIComponent(token) : ""}`;
+        renderAudience();
+        break;
+      }
       case "ack":
         player.acks.push(msg);
         if (msg.request === "set_prompt") {
@@ -326,12 +375,20 @@
     if (player.streamId !== null && !ended) steer(prompt);  // admitted: steer the stream
     else if (player.phase !== "connecting") start(prompt);
   });
-  $("reconnect").addEventListener("click", () => start(input.value.trim() || "a red ball moving right"));
+  const watchTarget = () => new URLSearchParams(location.hash.slice(1)).get("watch");
+  $("reconnect").addEventListener("click", () => {
+    if (watchTarget()) watch(watchTarget());
+    else start(input.value.trim() || "a red ball moving right");
+  });
+  window.addEventListener("hashchange", () => { if (watchTarget()) watch(watchTarget()); });
+  $("take").addEventListener("click", () => send({ type: "take" }));
+  $("record").addEventListener("click", () => send({ type: "record" }));
   window.addEventListener("pagehide", teardown);
   setInterval(renderOverlay, 250);
   renderOverlay();
 
   const params = new URLSearchParams(location.search);
   if (params.has("prompt")) input.value = params.get("prompt");
-  if (params.get("autostart") !== "0") start(input.value.trim());
+  if (watchTarget()) watch(watchTarget());
+  else if (params.get("autostart") !== "0") start(input.value.trim());
 })();

@@ -136,3 +136,41 @@ async def test_player_takes_its_token_from_the_page_fragment(tmp_path):
                 await browser.close()
     finally:
         await asyncio.wait_for(server.stop(), 30)
+
+
+async def test_a_second_page_opens_the_watch_link_and_plays_the_same_stream(tmp_path):
+    """The steering page shows a watch link; a second page opening it plays the same stream (from a keyframe), says
+    it watches, has no prompt box, and both pages count one watcher."""
+    server = Server(EngineConfig(), ServerConfig(port=0, static_dir=str(STATIC),
+                                                 webrtc=WebRtcConfig(ice_addresses=("127.0.0.1",))))
+    await server.start()
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        async with playwright_api.async_playwright() as pw:
+            browser = await pw.chromium.launch_persistent_context(
+                str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=FLAGS)
+            try:
+                page = await browser.new_page()
+                await page.goto(f"{base}/?prompt=a%20blue%20square%20falling", timeout=15_000)
+                await page.wait_for_function("player.framesPresented > 0", timeout=20_000)
+                link = await page.get_attribute("#watch-link", "href")
+                stream_id = await page.evaluate("player.streamId")
+                assert link.endswith(f"/#watch={stream_id}") and await page.inner_text("#role") == "steering"
+
+                watcher = await browser.new_page()
+                await watcher.goto(link, timeout=15_000)
+                await watcher.wait_for_function("player.framesPresented >= 16", timeout=20_000)
+                state = await watcher.evaluate("({role: player.role, id: player.streamId, phase: player.phase})")
+                assert state == {"role": "watch", "id": stream_id, "phase": "playing"}, state
+                assert await watcher.inner_text("#role") == "watching"
+                assert await watcher.is_disabled("#prompt")
+                await page.wait_for_function("player.watchers === 1", timeout=5_000)
+                await page.wait_for_function(
+                    "document.getElementById('watchers').textContent === '1 watching'", timeout=2_000)
+                assert len(server.sessions) == 1  # one stream generated for both pages
+                await watcher.close()
+                await page.wait_for_function("player.watchers === 0", timeout=5_000)
+            finally:
+                await browser.close()
+    finally:
+        await asyncio.wait_for(server.stop(), 30)
