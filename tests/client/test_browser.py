@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import client
+from streamsvc import protocol as P
 from streamsvc.access import AccessConfig
 from streamsvc.engine import EngineConfig
 from streamsvc.server import Server, ServerConfig
@@ -172,5 +173,62 @@ async def test_a_second_page_opens_the_watch_link_and_plays_the_same_stream(tmp_
                 await page.wait_for_function("player.watchers === 0", timeout=5_000)
             finally:
                 await browser.close()
+    finally:
+        await asyncio.wait_for(server.stop(), 30)
+
+
+async def test_a_recording_of_a_steered_stream_plays_in_chromium_with_its_prompts_listed(tmp_path):
+    """A steerer records its stream and steers it (a prompt every 2 s); once the stream ends, recording.html plays the
+    MP4 in Chromium's <video> to its end and lists one chapter per prompt. STREAMSVC_RECORD_S sets the stream's length
+    (default 6 s; the issue's figure is 30)."""
+    from tests.client.test_e2e_watch import Peer
+
+    seconds = float(os.environ.get("STREAMSVC_RECORD_S", "6"))
+    prompts = ["a red ball moving right", "a blue square falling", "a green triangle rising", "a yellow ball still"]
+    server = Server(EngineConfig(), ServerConfig(port=0, static_dir=str(STATIC), recordings_dir=str(tmp_path / "rec")))
+    await server.start()
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        steerer = await Peer.open(server, {"type": "start", "prompt": prompts[0], "seed": 5})
+        await steerer.send({"type": "record"})
+        await steerer.until(lambda: steerer.of(P.Recording), "recording")
+        steps = int(seconds / 2)
+        for i in range(1, steps + 1):
+            await asyncio.sleep(2.0)
+            if i < steps:
+                await steerer.send({"type": "set_prompt", "prompt": prompts[i % len(prompts)] + f" {i}"})
+        await steerer.send({"type": "close"})
+        await steerer.until(lambda: steerer.of(P.Closed), "closed")
+        await steerer.close()
+        rid = steerer.of(P.Recording)[0].url.rsplit("/", 1)[1].removesuffix(".mp4")
+        versions = sorted({h.prompt_version for h in steerer.headers})
+        async with playwright_api.async_playwright() as pw:
+            browser = await pw.chromium.launch_persistent_context(
+                str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=FLAGS)
+            try:
+                page = await browser.new_page()
+                await page.goto(f"{base}/recording.html#id={rid}", timeout=15_000)
+                await page.wait_for_function("document.getElementById('video').readyState >= 1", timeout=15_000)
+                await page.wait_for_function("recording.chapters.length > 0", timeout=10_000)
+                info = await page.evaluate("""async () => {
+                    const v = document.getElementById('video');
+                    v.playbackRate = 8;
+                    await v.play();
+                    await new Promise((done) => v.addEventListener('ended', done, {once: true}));
+                    return {duration: v.duration, width: v.videoWidth, time: v.currentTime, error: recording.error,
+                            frames: v.getVideoPlaybackQuality().totalVideoFrames, chapters: recording.chapters,
+                            listed: [...document.querySelectorAll('#chapters li')].map((li) => li.textContent)};
+                }""")
+            finally:
+                await browser.close()
+        recorded_s = info["duration"]
+        print(f"recording {rid}: {recorded_s:.2f} s in Chromium, {info['frames']} frames decoded, "
+              f"{len(info['chapters'])} chapters: {[c['text'] for c in info['chapters']]}")
+        assert info["error"] is None and info["width"] == server.engine.gen.model_cfg.width
+        assert seconds - 2.5 <= recorded_s <= seconds + 1 and info["time"] == pytest.approx(recorded_s, abs=0.1)
+        assert info["frames"] >= 0.9 * recorded_s * 16
+        assert [c["text"] for c in info["chapters"]][0] == prompts[0]
+        assert len(info["chapters"]) >= len(versions) - 1 and len(info["listed"]) == len(info["chapters"])
+        assert [c["start"] for c in info["chapters"]] == sorted(c["start"] for c in info["chapters"])
     finally:
         await asyncio.wait_for(server.stop(), 30)
