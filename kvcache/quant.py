@@ -336,6 +336,12 @@ class QuantStorage(KVStorage):
             self.loc,
         ]  # fmt: skip
 
+    def host_state(self) -> list[SlotMap]:
+        return self.maps  # which buffer holds each slot (`loc` is their copy on the device)
+
+    def load_host_state(self, state: list[SlotMap]) -> None:
+        self.maps = state
+
     @classmethod
     def bytes_for(cls, spec: CacheSpec) -> int:
         lay = QuantLayout.of(spec)

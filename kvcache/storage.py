@@ -53,6 +53,13 @@ class KVStorage(ABC):
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this storage allocated (for exact accounting)."""
 
+    def host_state(self) -> object:
+        """What the storage keeps on the host besides `tensors()` (parking moves both; None: nothing)."""
+        return None
+
+    def load_host_state(self, state: object) -> None:
+        """Take `host_state()` of a parked storage of the same spec."""
+
     @classmethod
     @abstractmethod
     def bytes_for(cls, spec: CacheSpec) -> int:

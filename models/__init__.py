@@ -3,7 +3,7 @@
 from models.config import PRESETS, ModelConfig
 from models.decoder import DecoderState, StreamingDecoder, TinyStreamingDecoder, frames_per_chunk
 from models.dit import CacheAccess, CausalWanModel
-from models.generator import Chunk, ChunkGenerator, GeneratorConfig, StreamState, Work, build_generator
+from models.generator import Chunk, ChunkGenerator, GeneratorConfig, ParkedStream, StreamState, Work, build_generator
 from models.text import HashTextEncoder, TextEncoder
 from models.weights import CheckpointError, load_checkpoint, save_checkpoint
 
@@ -18,6 +18,7 @@ __all__ = [
     "GeneratorConfig",
     "HashTextEncoder",
     "ModelConfig",
+    "ParkedStream",
     "StreamState",
     "StreamingDecoder",
     "TextEncoder",

@@ -11,6 +11,8 @@ interleave streams forward by forward; `stream()` strings them together for offl
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import enum
 import itertools
 import logging
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvcache import CacheSpec, StreamCache, Workspace
+from kvcache import CacheSpec, HostCopier, ParkedCache, StreamCache, Transfer, Workspace, park_cache, restore_cache
 from models.config import ModelConfig
 from models.decoder import DecoderState, StreamingDecoder, TinyStreamingDecoder, frames_per_chunk
 from models.dit import CacheAccess, CausalWanModel, TextKV, in_place
@@ -152,6 +154,38 @@ class StreamState:
     forwards: dict[str, int] = field(default_factory=lambda: {w.value: 0 for w in Work})
 
 
+# StreamState's fields that hold device tensors, moved to the host when the stream is parked (its cache apart)
+PARKED_FIELDS = ("text", "decoder", "clean", "x", "x0")
+
+
+@dataclass
+class ParkedStream:
+    """A stream parked in host memory (`ChunkGenerator.park`): its state, whose cache is None and whose
+    PARKED_FIELDS are None, and host copies of everything it held on the device. The noise generator stays
+    in the state: its state is a seed and an offset, kept on the host even for a CUDA generator."""
+
+    state: StreamState  # the stream, stripped of its device memory until `restore`
+    cache: ParkedCache  # its KV cache's storage and ring
+    fields: dict  # PARKED_FIELDS' values with every tensor replaced by its host copy (once `moved` is done)
+    moved: Transfer  # the copy of the fields' tensors
+    restored: list[Transfer] = field(default_factory=list)  # the copies back, after `restore`
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory it holds: the cache's and the other fields' tensors."""
+        return self.cache.nbytes + self.moved.nbytes
+
+    def done(self) -> bool:
+        """Whether the copies to the host (or, after `restore`, back to the device) have finished."""
+        copies = self.restored or [self.cache.moved, self.moved]
+        return all([t.done() for t in copies])
+
+    @property
+    def seconds(self) -> float:
+        """Time of the copies (to the host, or back after `restore`) on the copy stream; needs `done()`."""
+        return sum(t.seconds for t in (self.restored or [self.cache.moved, self.moved]))
+
+
 def apply_speed_options(model: CausalWanModel, cfg: GeneratorConfig) -> CausalWanModel:
     """Make `model` run the model-side speed options `cfg` asks for (models/fidelity.py): FP8 linears
     (quantized once, the bf16 weights dropped) and the INT8 attention. Idempotent (FP8 weights stay FP8); returns the model."""
@@ -192,6 +226,7 @@ class ChunkGenerator:
         self._prompts: OrderedDict[str, TextKV] = OrderedDict()  # recent prompts' cross-attention K/V, newest last
         # the device's working copy of one stream's cache at a time (dense storage only)
         self.workspace = Workspace(self.workspace_spec(), self.device) if cfg.stage_kv and cfg.kv_quant == "none" else None
+        self.copier = HostCopier(self.device)  # parks streams in host memory and brings them back
 
     # -- streams ------------------------------------------------------------------------------
 
@@ -233,6 +268,53 @@ class ChunkGenerator:
         """The stream is done: the workspace forgets it (its cache goes back to the pool)."""
         if self.workspace is not None:
             self.workspace.release(state.cache)
+
+    # -- parking ------------------------------------------------------------------------------
+
+    def park_bytes(self, state: StreamState) -> int:
+        """Host memory parking `state` takes now: its cache's storage and the tensors of its other fields."""
+        fields = {name: getattr(state, name) for name in PARKED_FIELDS}
+        return state.cache.spec.stream_bytes() + sum(t.numel() * t.element_size() for t in _tensors(fields))
+
+    def park(self, state: StreamState) -> ParkedStream:
+        """Start moving the stream's device memory to the host (pinned, on the copier's side stream, after what
+        the device has queued: a commit just launched included). The state keeps its scalars and its noise
+        generator; its cache (which the caller gives back to the pool) and its tensor fields are taken off it.
+        Any point of a chunk works (x, x0 and the step move too); the engine parks between chunks. The device
+        memory is free once `done()` and the caller drops the cache."""
+        if self.workspace is not None and self.workspace.owner is state.cache:
+            self.workspace.detach()  # what the stream wrote there goes home first (queued before the copies)
+        fields = {name: getattr(state, name) for name in PARKED_FIELDS}
+        cache = park_cache(state.cache, self.copier)
+        moved = self.copier.to_host(_tensors(fields))
+        parked = ParkedStream(state, cache, _rebuild(fields, iter(moved.tensors)), moved)
+        state.cache = None
+        for name in PARKED_FIELDS:
+            setattr(state, name, None)
+        return parked
+
+    def restore(self, parked: ParkedStream, cache: StreamCache) -> StreamState:
+        """The parked stream again, with `cache` (fresh from the pool, of `cache_spec()`) holding what its cache
+        held. Copies run on the side stream; the device's next work waits for them. Its prompt's text K/V
+        come from the prompt cache when it still has them (the same tensors), else back from the host."""
+        state = parked.state
+        if state.cache is not None:
+            raise ValueError(f"stream {state.stream_id} is not parked")
+        parked.restored = [restore_cache(parked.cache, cache, self.copier)]
+        parked.moved.wait()
+        fields = dict(parked.fields)
+        text = self._prompts.get(state.prompt)
+        if text is not None:
+            del fields["text"]
+        back = self.copier.to_device(_tensors(fields))
+        parked.restored.append(back)
+        fields = _rebuild(fields, iter(back.tensors))
+        if text is not None:
+            fields["text"] = text
+        for name in PARKED_FIELDS:
+            setattr(state, name, fields[name])
+        state.cache = cache
+        return state
 
     def encode_prompt(self, prompt: str) -> TextKV:
         """Cross-attention K/V of a prompt, computed once. The most recent ones are kept (at most
@@ -510,6 +592,38 @@ class ChunkGenerator:
         shape = (mc.in_channels, self.cfg.frames_per_chunk, mc.latent_height, mc.latent_width)
         state.x = torch.randn(shape, generator=state.noise, device=self.device)
         state.chunk_version = state.prompt_version
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor in `obj` (in lists, tuples, dicts and dataclasses, nested), in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _tensors(item)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+    return []
+
+
+def _rebuild(obj, tensors: Iterator[torch.Tensor]):
+    """`obj` again with its tensors (in `_tensors` order) replaced by the next of `tensors`; containers and
+    dataclasses are copied, everything else is shared."""
+    if isinstance(obj, torch.Tensor):
+        return next(tensors)
+    if isinstance(obj, list):
+        return [_rebuild(item, tensors) for item in obj]
+    if isinstance(obj, tuple):
+        return tuple(_rebuild(item, tensors) for item in obj)
+    if isinstance(obj, dict):
+        return {key: _rebuild(item, tensors) for key, item in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            setattr(out, f.name, _rebuild(getattr(obj, f.name), tensors))
+        return out
+    return obj
 
 
 def _older_frames(cache: StreamCache, window: Sequence[int], newest_chunks: int, frames_per_chunk: int) -> int:

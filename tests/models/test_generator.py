@@ -282,3 +282,54 @@ def test_the_prompt_cache_keeps_the_most_recent_prompts_within_its_bytes(monkeyp
     monkeypatch.setattr(G, "PROMPT_CACHE_BYTES", 0)
     gen.encode_prompt("g")
     assert list(gen._prompts) == ["g"]  # the newest always stays
+
+
+@pytest.mark.parametrize("at_step, quant", [(0, "none"), (2, "none"), (0, "int4")])
+def test_parked_and_restored_stream_continues_exactly(at_step, quant):
+    # the stream's whole state goes to host memory and back into a fresh cache, between chunks or in the
+    # middle of one (x, x0 and the step travel too), quantized storage with its slot maps: the chunks after
+    # it equal an uninterrupted run's
+    prompts = {2: "a red boat", 5: "a blue train"}
+    gen = tiny_generator(sink_frames=3, window_frames=6, kv_quant=quant)
+    want = run_chunks(gen, gen.open_stream("ref", "a cat", seed=7), 8, dict(prompts))
+    gen = tiny_generator(sink_frames=3, window_frames=6, kv_quant=quant)
+    other = gen.open_stream("other", "a dog", seed=3)  # takes the workspace while the stream is parked
+    state = gen.open_stream("s", "a cat", seed=7)
+    it = gen.stream(state, dict(prompts))
+    got = [next(it) for _ in range(3)]
+    for _ in range(at_step):
+        gen.run(Work.DENOISE, [state])
+    parked = _parked_and_back_after(gen, state, lambda: run_chunks(gen, other, 2))
+    assert parked.nbytes >= gen.cache_spec().stream_bytes() + state.clean.numel() * 4
+    got += [next(it) for _ in range(5)]
+    assert [c.index for c in got] == list(range(8))
+    for a, b in zip(want, got):
+        assert a.prompt_version == b.prompt_version
+        assert torch.equal(a.latents, b.latents) and torch.equal(a.frames, b.frames)
+
+
+def _parked_and_back_after(gen, state, meanwhile):
+    """Park `state`, run `meanwhile`, restore it into a new cache."""
+    parked = gen.park(state)
+    assert parked.done() and state.cache is None and state.clean is None and state.text is None
+    meanwhile()
+    cache = StreamCache(gen.cache_spec(), gen.device)
+    assert gen.restore(parked, cache) is state and state.cache is cache and parked.done()
+    return parked
+
+
+def test_park_moves_every_device_tensor_of_the_stream_to_the_host():
+    gen = tiny_generator(sink_frames=1, window_frames=3)
+    state = gen.open_stream("s", "a cat", seed=1)
+    run_chunks(gen, state, 2)
+    need = gen.park_bytes(state)
+    cache = state.cache
+    assert gen.workspace.owner is cache
+    parked = gen.park(state)
+    assert gen.workspace.owner is None  # the stream's frames went home before the copy
+    assert parked.nbytes == need and parked.cache.nbytes == cache.spec.stream_bytes() == cache.storage.nbytes
+    home = cache.storage.tensors()
+    assert [t.shape for t in parked.cache.moved.tensors] == [t.shape for t in home]
+    assert all(torch.equal(t, h) and t.data_ptr() != h.data_ptr() for t, h in zip(parked.cache.moved.tensors, home))
+    assert parked.cache.ring["frames_seen"] == 6 and parked.fields["decoder"].memory is not None
+    assert parked.seconds >= 0
