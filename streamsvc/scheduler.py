@@ -363,6 +363,7 @@ class SchedulerStats:
     # predicted busy fraction of each stage (the device's is predicted_load), what admission checks
     stage_load: dict[Stage, float] = field(default_factory=dict)
     late: bool = False  # a stream was late within late_hold_s: admission is closed (the closed loop)
+    parked: int = 0  # streams parked (not counted in `streams`)
 
 
 @dataclass
@@ -526,6 +527,7 @@ class _Stream:
     steps: int = 0  # denoising steps of the chunk in progress (set by each of its DENOISE forwards: it may be cut)
     degraded: int = 0  # chunks committed with fewer steps than the schedule's
     viewers: int = 1  # connections each of its chunks is sent to (its steerer and its watchers): the send's load
+    parking: bool = False  # held for parking: no new chunk starts, the one in progress is committed (see `hold`)
 
 
 @dataclass(frozen=True)
@@ -570,7 +572,8 @@ class Scheduler:
         self.config = config or SchedulerConfig()
         cfg = self.config
         self.costs = CostModel(cfg.initial_forward_s, cfg.cost_percentile, cfg.cost_window, cfg.cost_min_samples)
-        self._streams: dict[str, _Stream] = {}  # in admission order
+        self._streams: dict[str, _Stream] = {}  # in admission order (a stream unparked goes last)
+        self._parked: dict[str, _Stream] = {}  # parked streams: no load, never scheduled (see `park`)
         self._next_order = 0
         self._rr_cursor = -1  # admission order of the stream round robin served last
         self._outstanding: _Outstanding | None = None
@@ -587,9 +590,11 @@ class Scheduler:
     # ----- streams -------------------------------------------------------------------
 
     def __contains__(self, stream_id: str) -> bool:
-        return stream_id in self._streams
+        """Admitted, parked or not."""
+        return stream_id in self._streams or stream_id in self._parked
 
     def __len__(self) -> int:
+        """Admitted streams that are not parked."""
         return len(self._streams)
 
     @property
@@ -605,8 +610,28 @@ class Scheduler:
         start rule could not serve the streams with it (predicted lead + a chunk
         over the cap).
         """
-        if req.stream_id in self._streams:
+        if req.stream_id in self:
             raise SchedulerError(f"stream {req.stream_id!r} is already admitted")
+        reasons, current, total = self._refusals(req, now, kv_refusal)
+        if reasons:
+            return Admission(accepted=False, reason="; ".join(reasons), predicted_load=current)
+        for s in self._streams.values():  # their samples did not see the newcomer's queueing
+            s.fresh_samples = 0
+        self._streams[req.stream_id] = _Stream(
+            request=req,
+            order=self._next_order,
+            admitted_at=now,
+            playback=PlaybackModel(fps=req.fps, updated_at=now),
+            latencies=deque(maxlen=self.config.latency_window),
+            last_commit_at=now,
+        )
+        self._next_order += 1
+        return Admission(accepted=True, reason=None, predicted_load=total)
+
+    def _refusals(self, req: StreamRequest, now: float, kv_refusal: str | None,
+                  viewers: int = 1) -> tuple[list[str], float, float]:
+        """Why `req` (with `viewers` viewers) cannot join the admitted streams now (see `admit`), the predicted
+        load without it and with it."""
         cfg = self.config
         steering = self._recache_load(now)
         current = self.predicted_load()
@@ -642,28 +667,75 @@ class Scheduler:
                 f"{needed:.2f} ({req.fps / req.chunk_frames:.2f} chunks/s x {cost_ms:.1f} ms per chunk), "
                 f"{total:.2f} > target {cfg.utilization_target:.2f}; try again when a stream closes"
             )
-        reasons += self._stage_refusals(req)
+        reasons += self._stage_refusals(req, viewers)
         if math.isfinite(cfg.utilization_target):
             reasons += self._loop_refusals(req, now)
-        if reasons:
-            return Admission(accepted=False, reason="; ".join(reasons), predicted_load=current)
-        for s in self._streams.values():  # their samples did not see the newcomer's queueing
-            s.fresh_samples = 0
-        self._streams[req.stream_id] = _Stream(
-            request=req,
-            order=self._next_order,
-            admitted_at=now,
-            playback=PlaybackModel(fps=req.fps, updated_at=now),
-            latencies=deque(maxlen=cfg.latency_window),
-            last_commit_at=now,
-        )
-        self._next_order += 1
-        return Admission(accepted=True, reason=None, predicted_load=total)
+        return reasons, current, total
 
     def remove(self, stream_id: str) -> bool:
-        """Forget a stream (closed or failed); False if it was not there. A plan in flight for it is
-        fine, and so is a chunk of it in flight (`delivered` then returns None)."""
-        return self._streams.pop(stream_id, None) is not None
+        """Forget a stream (closed or failed), parked or not; False if it was not there. A plan in flight for
+        it is fine, and so is a chunk of it in flight (`delivered` then returns None)."""
+        return (self._streams.pop(stream_id, None) or self._parked.pop(stream_id, None)) is not None
+
+    # ----- parking (a paused stream's cache in host memory) ------------------------------
+
+    def hold(self, stream_id: str, held: bool = True) -> None:
+        """Start no new chunk (nor a RECACHE) for the stream: it is to be parked once its chunk in progress is
+        committed (`parkable`); a new prompt does not restart that chunk. `held` False lets it go on again."""
+        s = self._get(stream_id)
+        if stream_id in self._parked:
+            raise SchedulerError(f"stream {stream_id!r} is parked: unpark it instead")
+        s.parking = held
+
+    def parkable(self, stream_id: str) -> bool:
+        """Whether the held stream is between chunks and in no outstanding plan: it may be parked now."""
+        s = self._streams.get(stream_id)
+        busy = self._outstanding is not None and stream_id in self._outstanding.plan.stream_ids
+        return s is not None and s.parking and s.step == 0 and not busy
+
+    def park(self, stream_id: str, now: float) -> None:
+        """The stream's cache left the device: it costs no device load and is not scheduled, and its viewer's
+        buffer is paused, until `unpark`. Its counters (prompt versions, chunks, latencies, viewers) stay; a
+        prompt set meanwhile is applied after it comes back, a chunk in flight is still `delivered`."""
+        if not self.parkable(stream_id):
+            s = self._get(stream_id)
+            raise SchedulerError(
+                f"stream {stream_id!r} cannot be parked now: it is {'parked' if stream_id in self._parked else 'not held' if not s.parking else f'at step {s.step} of its chunk' if s.step else 'in the outstanding plan'}; "
+                "hold() it and park it once parkable()"
+            )
+        s = self._streams.pop(stream_id)
+        s.parking = False
+        s.playback.pause(now)
+        self._parked[stream_id] = s
+
+    def unpark(self, stream_id: str, now: float, kv_refusal: str | None = None) -> Admission:
+        """Bring a parked stream back if it is admitted again now, as a newcomer would be (its KV cache's room,
+        `kv_refusal`, computed by the caller; the device, the start rule, the output stage, its viewers'
+        send, the closed loop); refused, it stays parked. Admitted, it keeps its place in admission order,
+        its viewer's buffer plays on, and its next chunk (after a RECACHE if a prompt came meanwhile) is
+        scheduled as any other."""
+        s = self._parked.get(stream_id)
+        if s is None:
+            raise SchedulerError(f"stream {stream_id!r} is not parked (parked: {list(self._parked)})")
+        reasons, current, total = self._refusals(s.request, now, kv_refusal, s.viewers)
+        if reasons:
+            return Admission(accepted=False, reason="; ".join(reasons), predicted_load=current)
+        for other in self._streams.values():  # their samples did not see its queueing
+            other.fresh_samples = 0
+        del self._parked[stream_id]
+        s.fresh_samples = 0
+        s.last_commit_at = max(s.last_commit_at, now)  # no chunk of it was due while parked
+        s.playback.resume(now)
+        self._streams[stream_id] = s
+        return Admission(accepted=True, reason=None, predicted_load=total)
+
+    @property
+    def parked_ids(self) -> tuple[str, ...]:
+        """Streams parked, in the order they were parked."""
+        return tuple(self._parked)
+
+    def is_parked(self, stream_id: str) -> bool:
+        return stream_id in self._parked
 
     def set_prompt(self, stream_id: str, now: float) -> int:
         """A new prompt; returns its version. The next chunk runs under it (after a RECACHE if
@@ -860,7 +932,7 @@ class Scheduler:
         """The oldest in-flight chunk of the stream reached the transports at `now`: the viewer's
         buffer gets its frames (the first one sets TTFF). Returns its latency (due -> now), a
         sample of the start rule unless the chunk ran ahead; None if the stream was removed."""
-        s = self._streams.get(stream_id)
+        s = self._streams.get(stream_id) or self._parked.get(stream_id)
         if s is None:
             return None
         if not s.in_flight:
@@ -899,7 +971,7 @@ class Scheduler:
             work = self._work(s, now)
             if work.runnable:
                 return now
-            if s.playback.paused or s.playback.dry_at() is None:  # not draining
+            if s.playback.paused or s.playback.dry_at() is None or s.parking:  # not draining, or held for parking
                 continue
             buffered = s.playback.seconds(now)
             excess = buffered + self._in_flight_s(s) - self._start_threshold_s(s, work.kind, work.step, now)
@@ -977,15 +1049,18 @@ class Scheduler:
             pressure=now < self._pressure_until,
             stage_load={stage: self.stage_load(stage) for stage in Stage},
             late=self._late is not None and now - self._late[0] < self.config.late_hold_s,
+            parked=len(self._parked),
         )
 
     # ----- internals -----------------------------------------------------------------
 
     def _get(self, stream_id: str) -> _Stream:
-        try:
-            return self._streams[stream_id]
-        except KeyError:
-            raise SchedulerError(f"stream {stream_id!r} is not admitted (admitted: {list(self._streams)})") from None
+        """An admitted stream, parked or not."""
+        s = self._streams.get(stream_id) or self._parked.get(stream_id)
+        if s is None:
+            raise SchedulerError(f"stream {stream_id!r} is not admitted (admitted: {list(self._streams)}, parked: "
+                                 f"{list(self._parked)})")
+        return s
 
     def _take_outstanding(self, plan: Plan) -> _Outstanding:
         """Clear the outstanding plan, which must be `plan`, and return it."""
@@ -1028,11 +1103,14 @@ class Scheduler:
         cfg = self.config
         return {Stage.DEVICE: cfg.utilization_target, Stage.OUTPUT: cfg.output_target, Stage.SEND: cfg.send_target}[stage]
 
-    def stage_load(self, stage: Stage, extra: StreamRequest | None = None) -> float:
-        """Predicted busy fraction of `stage` with the admitted streams (and `extra`, if given, with one viewer)."""
+    def stage_load(self, stage: Stage, extra: StreamRequest | None = None, extra_viewers: int = 1) -> float:
+        """Predicted busy fraction of `stage` with the admitted streams (and `extra`, if given, with `extra_viewers`
+        viewers)."""
         streams = list(self._streams.values())
         chunk_s = self._stage_chunk_s(stage, len(streams) + (extra is not None))
         extra_rate = extra.fps / extra.chunk_frames if extra is not None else 0.0
+        if stage is Stage.SEND:
+            extra_rate *= extra_viewers
         return (sum(self._stage_rate(s, stage) for s in streams) + extra_rate) * chunk_s
 
     @staticmethod
@@ -1057,17 +1135,17 @@ class Scheduler:
         return Admission(accepted=True, reason=None, predicted_load=self.predicted_load())
 
     def viewer_left(self, stream_id: str) -> None:
-        """A viewer of `stream_id` (its steerer or a watcher) left; the stream itself goes on."""
-        s = self._streams.get(stream_id)
+        """A viewer of `stream_id` (its steerer or a watcher) left; the stream itself goes on (or stays parked)."""
+        s = self._streams.get(stream_id) or self._parked.get(stream_id)
         if s is not None:
             s.viewers = max(0, s.viewers - 1)
 
-    def _stage_refusals(self, req: StreamRequest) -> list[str]:
+    def _stage_refusals(self, req: StreamRequest, viewers: int = 1) -> list[str]:
         """The output stage and the send, with `req` admitted: over their targets? (The device is checked apart.)"""
         cfg = self.config
         reasons = []
         for stage, what in ((Stage.OUTPUT, f"{cfg.output_capacity:g} output worker(s)"), (Stage.SEND, "the event loop")):
-            load, target = self.stage_load(stage, req), self._stage_target(stage)
+            load, target = self.stage_load(stage, req, viewers), self._stage_target(stage)
             if load > target + _EPS_S:
                 reasons.append(
                     f"{stage.value}: {what} would be {load:.2f} busy with {len(self._streams) + 1} streams "
@@ -1241,7 +1319,7 @@ class Scheduler:
         chunk_s = self._chunk_cost_s()
         recache_s = self.costs.estimate(WorkKind.RECACHE)
         restart = False
-        if s.step > 0 and s.prompt_seq > s.chunk_seq and cfg.restart_on_prompt:
+        if s.step > 0 and s.prompt_seq > s.chunk_seq and cfg.restart_on_prompt and not s.parking:
             # A new prompt arrived mid-chunk: start over under it if the buffer lasts that long.
             redo_s = chunk_s + (recache_s if s.chunks_done > 0 else 0.0)
             restart = self._slack(s, now, redo_s, plain) >= cfg.restart_margin_chunks * chunk_s
@@ -1285,8 +1363,8 @@ class Scheduler:
         ahead_s = s.playback.seconds(now) + self._in_flight_s(s)
         if ahead_s > self._lead_s(s) + _EPS_S:
             work = replace(work, due=False)
-        if ahead_s > self._start_threshold_s(s, kind, step, now) + _EPS_S:
-            work = replace(work, runnable=False)
+        if ahead_s > self._start_threshold_s(s, kind, step, now) + _EPS_S or (s.parking and step <= 0):
+            work = replace(work, runnable=False)  # above the threshold, or held for parking between chunks
         return work
 
     def _rank_key(self, candidate: tuple[_Stream, _Work]) -> tuple:
