@@ -7,6 +7,13 @@ viewer connects at the same moment (the hard case for TTFF and admission), opens
 its own prompt, and sends a new prompt every ``--prompt-every`` seconds, each
 viewer at its own phase so the prompt changes are spread out.
 
+With ``--watchers-per-stream K`` each stream also gets K watchers (protocol.py
+"Steerers and watchers"): they join over the same transport as soon as their
+steerer's ``ready`` gave the stream's id, all at once, never steer, and leave
+when their steerer does. Each is measured like any viewer (its TTFF counts from
+its own connect, its join); the report gives them in a ``watchers`` section of
+their own, and every top-level figure stays the steerers'.
+
 With ``--verify-pixels`` the prompts are the built-in model's scene captions
 (colour, shape, motion; each a new colour) and every viewer also times each
 prompt to the first played frame whose colour matches it (client/verify.py),
@@ -37,7 +44,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -74,6 +81,9 @@ class ServerStartError(RuntimeError):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=16, help="viewers, all connecting at once (default 16)")
+    p.add_argument("--watchers-per-stream", type=int, default=0, metavar="K",
+                   help="watchers of each stream, joining once its steerer is ready, over the same transport; reported "
+                        "apart (default 0; a server admits --max-watchers a stream, 64 by default)")
     p.add_argument("--url", default=None,
                    help="server's WebSocket URL, e.g. ws://127.0.0.1:8000/ws (default: start a local server process)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds each viewer watches, from connect (default 30)")
@@ -328,13 +338,11 @@ def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
 
 
-def summarize(results: Sequence[StreamResult], *, duration_s: float) -> dict:
-    """The load test's report from every viewer's result."""
-    admitted = [r for r in results if r.admitted and r.playback is not None]
-    refused = [r for r in results if r.refused_reason is not None]
+def _viewing(admitted: Sequence[StreamResult]) -> dict:
+    """What admitted viewers saw, whatever their role: TTFF, stalls, freezes, delivered fps, time lost, headroom,
+    frames and decode cost (DESIGN.md "Measuring a stream")."""
     pbs = [r.playback for r in admitted]
     ttffs = [p.ttff_s for p in pbs if p.ttff_s is not None]
-    lat = [x for p in pbs for x in p.control_latencies_s]
     stall_s = sum(p.stall_s for p in pbs)
     watched = sum(p.play_s + p.stall_s for p in pbs)
     # viewer time lost: (startup wait + stall time) / session time, summed over admitted streams
@@ -343,31 +351,13 @@ def summarize(results: Sequence[StreamResult], *, duration_s: float) -> dict:
     frames = sum(r.frames_decoded for r in admitted)
     decode_s = sum(r.decode_s for r in admitted)
     headroom = [r.min_headroom_s for r in admitted if r.min_headroom_s is not None]
-    ready = admitted[0] if admitted else None
-    errors = Counter(e for r in results for e in r.errors if r.refused_reason is None or not e.startswith("refused"))
     return {
-        "streams": len(results),
-        "admitted": len(admitted),
-        "refused": {"count": len(refused), "reasons": dict(Counter(r.refused_reason for r in refused).most_common())},
-        "duration_s": duration_s,
-        "fps": ready.fps if ready else None,
-        "frame_size": [ready.width, ready.height] if ready else None,
-        "chunk_s": ready.chunk_frames / ready.fps if ready else None,
         "ttff_s": {"n": len(ttffs), "p50": _r(percentile(ttffs, 50)), "p95": _r(percentile(ttffs, 95)),
                    "p99": _r(percentile(ttffs, 99)), "max": _r(max(ttffs, default=None))},
         "stalls": {"count": sum(p.stalls for p in pbs), "total_s": _r(stall_s),
                    "ratio": _r(stall_s / watched if watched > 0 else 0.0, 6),
                    "streams_with_stalls": sum(1 for p in pbs if p.stalls > 0)},
-        # a cluster's worker died under some viewers: they reconnected (moved); the others' stalls counted apart
-        "worker_lost": {"count": sum(r.worker_lost for r in results), "reconnects": sum(r.reconnects for r in results),
-                        "streams": sum(1 for r in results if r.worker_lost),
-                        "stalls_of_the_others": sum(p.stalls for r, p in zip(admitted, pbs) if r.worker_lost == 0)},
         "freezes": {"count": sum(p.freezes for p in pbs), "total_s": _r(sum(p.freeze_s for p in pbs))},
-        "degraded_chunks": sum(r.degraded_chunks for r in admitted),
-        "chunks": sum(r.chunks for r in admitted),
-        "control_latency_s": {"n": len(lat), "p50": _r(percentile(lat, 50)), "p95": _r(percentile(lat, 95)),
-                              "max": _r(max(lat, default=None)), "sent": sum(r.prompts_sent for r in admitted),
-                              "pending": sum(p.prompts_pending for p in pbs)},
         "delivered_fps": {"mean": _r(sum(p.delivered_fps for p in pbs) / len(pbs) if pbs else None, 3),
                           "min": _r(min((p.delivered_fps for p in pbs), default=None), 3)},
         "viewer_time_lost": _r((startup + stall_s) / session if session > 0 else None, 6),
@@ -376,6 +366,51 @@ def summarize(results: Sequence[StreamResult], *, duration_s: float) -> dict:
                    "decoded": frames, "bad_size": sum(r.bad_frames for r in admitted)},
         "decode": {"total_s": _r(decode_s), "per_frame_ms": _r(1e3 * decode_s / frames if frames else None, 4),
                    "max_chunk_ms": _r(1e3 * max((r.decode_max_s for r in admitted), default=0.0), 3)},
+    }
+
+
+def _errors(results: Sequence[StreamResult]) -> Counter:
+    """Every viewer's error texts but its own refusal's."""
+    return Counter(e for r in results for e in r.errors if r.refused_reason is None or not e.startswith("refused"))
+
+
+def summarize(results: Sequence[StreamResult], *, duration_s: float, watchers: Sequence[StreamResult] | None = None,
+              watchers_per_stream: int = 0, watchers_not_started: int = 0) -> dict:
+    """The load test's report from every viewer's result. ``results`` are the streams' steerers (every top-level
+    figure is theirs); with ``watchers`` (their watchers' results, ``watchers_not_started`` more never joined
+    because their stream was refused) the report has a ``watchers`` section (``summarize_watchers``)."""
+    admitted = [r for r in results if r.admitted and r.playback is not None]
+    refused = [r for r in results if r.refused_reason is not None]
+    pbs = [r.playback for r in admitted]
+    lat = [x for p in pbs for x in p.control_latencies_s]
+    seen = _viewing(admitted)
+    ready = admitted[0] if admitted else None
+    errors = _errors(results)
+    report = {
+        "streams": len(results),
+        "admitted": len(admitted),
+        "refused": {"count": len(refused), "reasons": dict(Counter(r.refused_reason for r in refused).most_common())},
+        "duration_s": duration_s,
+        "fps": ready.fps if ready else None,
+        "frame_size": [ready.width, ready.height] if ready else None,
+        "chunk_s": ready.chunk_frames / ready.fps if ready else None,
+        "ttff_s": seen["ttff_s"],
+        "stalls": seen["stalls"],
+        # a cluster's worker died under some viewers: they reconnected (moved); the others' stalls counted apart
+        "worker_lost": {"count": sum(r.worker_lost for r in results), "reconnects": sum(r.reconnects for r in results),
+                        "streams": sum(1 for r in results if r.worker_lost),
+                        "stalls_of_the_others": sum(p.stalls for r, p in zip(admitted, pbs) if r.worker_lost == 0)},
+        "freezes": seen["freezes"],
+        "degraded_chunks": sum(r.degraded_chunks for r in admitted),
+        "chunks": sum(r.chunks for r in admitted),
+        "control_latency_s": {"n": len(lat), "p50": _r(percentile(lat, 50)), "p95": _r(percentile(lat, 95)),
+                              "max": _r(max(lat, default=None)), "sent": sum(r.prompts_sent for r in admitted),
+                              "pending": sum(p.prompts_pending for p in pbs)},
+        "delivered_fps": seen["delivered_fps"],
+        "viewer_time_lost": seen["viewer_time_lost"],
+        "min_headroom_s": seen["min_headroom_s"],
+        "frames": seen["frames"],
+        "decode": seen["decode"],
         "errors": {"count": sum(errors.values()), "messages": dict(errors.most_common(20))},
         "pixel_latency_s": pixel_summary([r.pixels for r in admitted if r.pixels is not None]),
         "per_stream": [
@@ -386,6 +421,45 @@ def summarize(results: Sequence[StreamResult], *, duration_s: float) -> dict:
              "min_headroom_s": _r(r.min_headroom_s), "errors": len(r.errors),
              "worker_lost": r.worker_lost, "reconnects": r.reconnects,
              "stall_events": [[_r(t, 3), _r(d, 4)] for t, d in r.stall_events]}
+            for r in admitted
+        ],
+    }
+    if watchers is not None:
+        report["watchers"] = summarize_watchers(watchers, per_stream=watchers_per_stream,
+                                                not_started=watchers_not_started, steerers=results)
+    return report
+
+
+def summarize_watchers(watchers: Sequence[StreamResult], *, per_stream: int, not_started: int,
+                       steerers: Sequence[StreamResult] = ()) -> dict:
+    """The ``watchers`` section: what the watchers saw, measured as any viewer (TTFF from each one's join), and
+    how many joined. ``not_started``: watchers that never connected because their stream was refused or failed;
+    ``steerers``: their streams' steerers, whose audience messages say how many watchers the server counted."""
+    admitted = [r for r in watchers if r.admitted and r.playback is not None]
+    refused = [r for r in watchers if r.refused_reason is not None]
+    errors = _errors(watchers)
+    seen = _viewing(admitted)
+    counted = [r.audience_max for r in steerers if r.admitted]
+    return {
+        "per_stream": per_stream,  # watchers asked for each stream
+        "count": len(watchers) + not_started,  # every watcher asked for
+        "admitted": len(admitted),
+        "refused": {"count": len(refused), "reasons": dict(Counter(r.refused_reason for r in refused).most_common())},
+        "not_started": not_started,  # their stream was refused (or failed): nothing to watch
+        "failed": len(watchers) - len(admitted) - len(refused),  # started, neither admitted nor refused (errors say why)
+        **seen,  # ttff_s (from the watcher's connect), stalls, freezes, delivered_fps, viewer_time_lost, ...
+        "chunks": sum(r.chunks for r in admitted),
+        "roles": dict(Counter(r.role for r in admitted).most_common()),  # "watch" unless the token came to one
+        "audience_max": {"min": min(counted, default=None), "max": max(counted, default=None)},  # as steerers saw it
+        "not_steerer": sum(r.not_steerer for r in watchers),
+        "ignored_messages": sum(r.ignored_messages for r in watchers),
+        "closed_reasons": dict(Counter(r.closed_reason for r in admitted).most_common(5)),
+        "errors": {"count": sum(errors.values()), "messages": dict(errors.most_common(20))},
+        "per_viewer": [
+            {"stream_id": r.stream_id, "viewer_id": r.viewer_id, "ttff_s": _r(r.playback.ttff_s),
+             "stalls": r.playback.stalls, "stall_s": _r(r.playback.stall_s), "freezes": r.playback.freezes,
+             "delivered_fps": _r(r.playback.delivered_fps, 3), "chunks": r.chunks, "session_s": _r(r.session_s, 3),
+             "errors": len(r.errors), "stall_events": [[_r(t, 3), _r(d, 4)] for t, d in r.stall_events]}
             for r in admitted
         ],
     }
@@ -454,13 +528,38 @@ def format_table(report: dict) -> str:
                      f" of {cpu['cores']} (load avg at start {cpu['loadavg_start']})"))
         if cpu.get("steal") is not None:
             rows.append(("CPU time stolen by the hypervisor", f"{100 * cpu['steal']:.1f} %"))
+    wt = report.get("watchers")
+    if wt:
+        rows += watcher_rows(wt, f)
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     for reason, n in list(report["refused"]["reasons"].items())[:3]:
         lines.append(f"refused x{n}: {reason}")
     for msg, n in list(report["errors"]["messages"].items())[:5]:
         lines.append(f"error x{n}: {msg}")
+    if wt:
+        for reason, n in list(wt["refused"]["reasons"].items())[:3]:
+            lines.append(f"watcher refused x{n}: {reason}")
+        for msg, n in list(wt["errors"]["messages"].items())[:5]:
+            lines.append(f"watcher error x{n}: {msg}")
     return "\n".join(lines)
+
+
+def watcher_rows(wt: dict, f) -> list[tuple[str, str]]:
+    """The table's lines of the ``watchers`` section."""
+    t, st, fz, fps = (wt[k] for k in ("ttff_s", "stalls", "freezes", "delivered_fps"))
+    own = f"; {st['during_own_pauses']} during the load test's own pauses" if "during_own_pauses" in st else ""
+    return [
+        ("watchers", f"{wt['count']} ({wt['per_stream']} a stream: {wt['admitted']} admitted, "
+                     f"{wt['refused']['count']} refused, {wt['not_started']} not started (stream refused), "
+                     f"{wt['failed']} failed)"),
+        ("watchers' TTFF from join p50 / p95 / max", " / ".join(f(t[k], 3) for k in ("p50", "p95", "max")) + " s"),
+        ("watchers' stalls", f"{st['count']} ({f(st['total_s'], 3)} s, ratio {f(st['ratio'], 5)}, "
+                             f"{st['streams_with_stalls']} watchers{own})"),
+        ("watchers' freezes (W3C)", f"{fz['count']} ({f(fz['total_s'], 3)} s)"),
+        ("watchers' delivered fps mean / min", f"{f(fps['mean'], 2)} / {f(fps['min'], 2)}"),
+        ("watchers' decode per frame / errors", f"{f(wt['decode']['per_frame_ms'], 3, ' ms')} / {wt['errors']['count']}"),
+    ]
 
 
 # ---------------------------------------------------------------- running
@@ -496,11 +595,12 @@ def caption(index: int, change: int) -> str:
 
 @dataclass
 class _Run:
-    clients: list
+    clients: list  # the steerers, one a stream
     metrics_url: str
     started_at: float
     peak_metrics: dict | None = None  # the scrape with the most open streams
     first_metrics: dict | None = None
+    watchers: list = field(default_factory=list)  # the watchers started so far
 
 
 async def _progress(run: _Run, every_s: float, duration_s: float, quiet: bool) -> None:
@@ -525,12 +625,18 @@ async def _progress(run: _Run, every_s: float, duration_s: float, quiet: bool) -
             prev, prev_t = m, now
         if not quiet:
             buffered = [s.buffered_s for s in stats]
+            watching = ""
+            if run.watchers:
+                ws = [w.stats() for w in run.watchers if w.ready is not None]
+                ws = [s for s in ws if s is not None]
+                watching = (f"  watchers {sum(1 for w in run.watchers if w.ready is not None and w.closed_reason is None)}"
+                            f" (stalls {sum(s.stalls for s in ws)})")
             print(f"[{now - run.started_at:5.1f} s] open {open_streams:3d}  "
                   f"chunks {sum(c.chunks for c in run.clients):5d}  "
                   f"buffer min {min(buffered, default=0):.2f} s  stalls {sum(s.stalls for s in stats)}  "
-                  f"prompts settled {sum(len(s.control_latencies_s) for s in stats)}  engine busy {busy}",
+                  f"prompts settled {sum(len(s.control_latencies_s) for s in stats)}  engine busy {busy}{watching}",
                   flush=True)
-        if all(c.state.value in ("closed", "refused") for c in run.clients):
+        if all(c.state.value in ("closed", "refused") for c in [*run.clients, *run.watchers]):
             return
 
 
@@ -569,9 +675,40 @@ def own_stalls(results: Sequence[StreamResult], pauses: Sequence[tuple[float, fl
     return count
 
 
+async def _stream(run: _Run, steerer, schedule: list[tuple[float, str]], duration_s: float, watchers: int,
+                  make_watcher) -> tuple[StreamResult, list[StreamResult], int]:
+    """One stream: its steerer's session, and ``watchers`` watchers (``make_watcher(stream_id)``) that join at once
+    when its ready came and watch until the steerer's session is due to end. Returns the steerer's result, the
+    watchers' results, and how many watchers never started (the stream was refused or failed, or ended first)."""
+    session = asyncio.create_task(steerer.run(duration_s, schedule))
+    results: list[StreamResult] = []
+    not_started = 0
+    try:
+        if watchers > 0:
+            # open() sets the event whatever happens, within its own timeout; the margin is for a busy loop
+            if await steerer.wait_opened(steerer.config.open_timeout_s + 10.0):
+                left = steerer.connected_at + duration_s - time.monotonic()
+            else:
+                left = 0.0
+            if left > 0 and not session.done():
+                clients = [make_watcher(steerer.ready.stream_id) for _ in range(watchers)]
+                run.watchers.extend(clients)
+                results = list(await asyncio.gather(*(w.run(left) for w in clients)))
+            else:
+                not_started = watchers
+        return await session, results, not_started
+    finally:
+        if not session.done():  # (only when this was cancelled or a watcher raised)
+            session.cancel()
+            await asyncio.wait([session], timeout=steerer.config.close_timeout_s + 1.0)
+
+
 async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
-    """Run every viewer at once; the report (without the CPU figures of the caller)."""
+    """Run every viewer at once (and each stream's watchers once its steerer is ready); the report (without the
+    CPU figures of the caller)."""
     cls = TRANSPORTS[args.transport]
+    per_stream = getattr(args, "watchers_per_stream", 0)
+    everyone = args.streams * (1 + per_stream)
     clients = []
     for i in range(args.streams):
         prompt = caption(i, 0) if args.verify_pixels else SUBJECTS[i % len(SUBJECTS)] + f" (viewer {i})"
@@ -579,6 +716,11 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
                            stats_every_s=args.stats_every, decode=DecodeMode(args.decode),
                            open_timeout_s=max(10.0, 0.25 * args.streams), verify_pixels=args.verify_pixels)
         clients.append(cls(url, cfg))
+
+    def make_watcher(stream_id: str):
+        return cls(url, ClientConfig(watch=stream_id, token=args.token, stats_every_s=args.stats_every,
+                                     decode=DecodeMode(args.decode), open_timeout_s=max(10.0, 0.25 * everyone)))
+
     murl = metrics_url(url)
     first = await asyncio.to_thread(scrape_metrics, murl)
     run = _Run(clients, murl, time.monotonic(), first_metrics=first)
@@ -586,17 +728,25 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     pauses = LoopPauses()
     watch = asyncio.create_task(pauses.run(time.monotonic() + args.duration + 30.0))
     try:
-        results = await asyncio.gather(*(
-            c.run(args.duration, prompt_schedule(i, args.streams, args.prompt_every, args.duration, args.verify_pixels))
+        streams = await asyncio.gather(*(
+            _stream(run, c, prompt_schedule(i, args.streams, args.prompt_every, args.duration, args.verify_pixels),
+                    args.duration, per_stream, make_watcher)
             for i, c in enumerate(clients)
         ))
     finally:
         progress.cancel()
         watch.cancel()
         await asyncio.wait([progress, watch], timeout=2)
+    results = [r for r, _, _ in streams]
     wall = time.monotonic() - run.started_at
     last = await asyncio.to_thread(scrape_metrics, murl)
-    report = summarize(results, duration_s=args.duration)
+    if per_stream > 0:
+        watchers = [w for _, ws, _ in streams for w in ws]
+        report = summarize(results, duration_s=args.duration, watchers=watchers, watchers_per_stream=per_stream,
+                           watchers_not_started=sum(n for _, _, n in streams))
+        report["watchers"]["stalls"]["during_own_pauses"] = own_stalls(watchers, pauses.pauses)
+    else:
+        report = summarize(results, duration_s=args.duration)
     report["stalls"]["during_own_pauses"] = own_stalls(results, pauses.pauses)
     report["client_loop"] = {"pause_max_s": round(pauses.max_s, 4), "pauses_over_50ms": len(pauses.pauses),
                              "paused_s": round(sum(lag for _, lag in pauses.pauses), 3)}
@@ -631,8 +781,9 @@ def _interrupt(signum, frame) -> None:
 
 
 def run(args) -> int:
-    if args.streams < 1 or args.duration <= 0:
-        print("streamsvc loadtest: --streams must be >= 1 and --duration > 0", file=sys.stderr)
+    if args.streams < 1 or args.duration <= 0 or args.watchers_per_stream < 0:
+        print("streamsvc loadtest: --streams must be >= 1, --duration > 0 and --watchers-per-stream >= 0",
+              file=sys.stderr)
         return 2
     if args.verify_pixels and args.decode == DecodeMode.NONE.value:
         print("streamsvc loadtest: --verify-pixels reads the frames: use --decode inline or thread", file=sys.stderr)
@@ -659,7 +810,8 @@ def run(args) -> int:
             url = server.ws_url
         else:
             url = args.url
-        print(f"{args.streams} viewers for {args.duration:g} s over {args.transport}, "
+        watching = f" and {args.watchers_per_stream} watchers a stream" if args.watchers_per_stream else ""
+        print(f"{args.streams} viewers{watching} for {args.duration:g} s over {args.transport}, "
               f"prompt every {args.prompt_every:g} s", flush=True)
         srv_cpu0, t0, cpu1 = server.cpu_seconds() if server else None, time.monotonic(), time.process_time()
         ticks0 = cpu_ticks()
@@ -696,7 +848,7 @@ def run(args) -> int:
                         "preset": args.preset, "weights": args.weights, "device": args.device, "policy": args.policy,
                         "buffer_cap_s": args.buffer_cap, "prompt_every_s": args.prompt_every,
                         "decode": args.decode, "stats_every_s": args.stats_every, "server_args": args.server_arg,
-                        "verify_pixels": args.verify_pixels}
+                        "verify_pixels": args.verify_pixels, "watchers_per_stream": args.watchers_per_stream}
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

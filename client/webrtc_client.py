@@ -7,7 +7,8 @@ same ``ClientConfig`` in, the same ``StreamResult`` out, the same
 
 The session:
 
-1. WebSocket to ``/ws``: ``start`` with ``transport: "webrtc"``, then ``ready``
+1. WebSocket to ``/ws``: ``start`` with ``transport: "webrtc"`` (or ``watch``
+   with ``ClientConfig.watch``: a watcher of an open stream), then ``ready``
    (or ``error`` with code ``refused``: the session ends with that reason).
 2. A peer connection with a recvonly video transceiver (H.264 only, the
    codec the server sends) and a data channel named ``control``; the offer
@@ -155,7 +156,7 @@ class WebRtcClient(ViewerClient):
             async with asyncio.timeout(cfg.open_timeout_s):
                 self._ws = await connect(self.url, compression=None, max_size=P.MAX_CHUNK_BYTES,
                                          open_timeout=cfg.open_timeout_s, close_timeout=cfg.close_timeout_s)
-                await self._ws.send(P.encode(cfg.start_message("webrtc")))
+                await self._ws.send(P.encode(cfg.first_message("webrtc")))
                 if await self._await_ready():
                     rgb = VideoReformatter()  # one swscale context for every frame, not one per frame
                     self._buffer = self._new_buffer(to_rgb=lambda frame: rgb.reformat(frame, format="rgb24").to_ndarray())
@@ -168,6 +169,8 @@ class WebRtcClient(ViewerClient):
             self._fail(f"connect: {type(e).__name__}: {e}")
         except ConnectionClosed as e:
             self._fail(f"connection closed before the stream started: {e}")
+        finally:
+            self._opened.set()
         if not ok:
             if self.state in (ClientState.OPENING, ClientState.PLAYING):
                 self.state = ClientState.CLOSED
@@ -411,6 +414,8 @@ class WebRtcClient(ViewerClient):
                 self._answer.set_result(None)
         elif isinstance(msg, P.Ready):
             self._fail("a second ready arrived")
+        else:  # audience, recording
+            self._on_other(msg)
         self._changed.set()
 
     def _parse(self, raw):

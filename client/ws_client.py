@@ -1,9 +1,11 @@
-"""One viewer over WebSocket: connect, start, decode, play, steer, report.
+"""One viewer over WebSocket: connect, start (or watch), decode, play, steer, report.
 
 ``StreamClient`` speaks the wire protocol of ``streamsvc/protocol.py`` to a
-server's ``/ws`` endpoint (one connection = one stream): it sends ``start``,
-waits for ``ready`` (or ``error`` with code ``refused``, which ends it with a
-reason, not an exception), receives every chunk as one binary message
+server's ``/ws`` endpoint (one connection = one stream): it sends ``start``
+(or, with ``ClientConfig.watch``, ``watch``: the viewer watches an open stream
+by its id and steers nothing), waits for ``ready`` (or ``error`` with a code of
+``protocol.START_REFUSALS``, which ends it with a reason, not an exception),
+receives every chunk as one binary message
 (``protocol.unpack_chunk``), decodes its access units with
 ``streamsvc.encode.StreamDecoder`` and pushes the frames into a
 ``client.playback.PlaybackBuffer`` under the chunk's prompt version. The
@@ -18,6 +20,14 @@ While a stream plays, three tasks run on the event loop:
   real buffer. One goes out right after a chunk arrives (at most one per
   ``stats_every_s``), when no other chunk can be in flight; a fallback sends
   one when none went out for ``2 * stats_every_s`` (stalled or paused).
+
+A watcher is measured exactly like a steerer (TTFF counts from its own
+connect). Both keep the latest ``audience`` message (their role can change:
+a handover, a take) and the ``recording`` one; an ``error`` with code
+``not_steerer`` (a watcher asked for what only the steerer may do) is counted
+and recorded, and the stream goes on. A server message the client does not use
+(a valid one, or one of a type newer than this client) is counted in
+``ignored_messages`` and never ends the session.
 
 Every loop is bounded: by the connection's life, by ``max_session_s`` and by a
 count derived from it. Network failures, refusals and server errors end up in
@@ -67,10 +77,13 @@ class ClientState(enum.Enum):
 
 @dataclass(frozen=True)
 class ClientConfig:
-    prompt: str  # the stream's opening prompt
-    seed: int | None = None  # noise seed; None lets the server pick
-    fps: int | None = None  # requested frame rate; None takes the server's
-    token: str | None = None  # access token, for a server that requires one (sent in `start`)
+    prompt: str = ""  # the stream's opening prompt (a steerer's; a watcher gives none)
+    seed: int | None = None  # noise seed; None lets the server pick (a steerer's only)
+    fps: int | None = None  # requested frame rate; None takes the server's (a steerer's only)
+    token: str | None = None  # access token, for a server that requires one (sent in `start` / `watch`)
+    # watch this open stream (its id, from its steerer's `ready`) instead of starting one: the first message is
+    # `watch`, not `start`; the viewer receives the stream's chunks from a keyframe on and may not steer it
+    watch: str | None = None
     stats_every_s: float = 0.5  # least time between `stats` messages (0: never send any); see _on_chunk
     decode: DecodeMode = DecodeMode.INLINE  # where access units are decoded
     open_timeout_s: float = 10.0  # connect + handshake + `ready`/`refused`, in all
@@ -84,7 +97,12 @@ class ClientConfig:
     verify_pixels: bool = False
 
     def __post_init__(self) -> None:
-        self.start_message()  # the protocol's own checks, with its messages
+        if self.watch is not None and (self.prompt or self.seed is not None or self.fps is not None):
+            raise ValueError(f"watch={self.watch!r} joins a stream someone else started: give no prompt, seed or fps "
+                             f"(got prompt={self.prompt!r}, seed={self.seed}, fps={self.fps})")
+        if self.watch is None and not self.prompt:
+            raise ValueError("give a prompt (to start a stream) or watch=STREAM_ID (to watch an open one)")
+        self.first_message()  # the protocol's own checks, with its messages
         for name in ("open_timeout_s", "close_timeout_s", "max_session_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
@@ -96,6 +114,12 @@ class ClientConfig:
     def start_message(self, transport: str | None = None) -> P.Start:
         """The ``start`` message that opens this viewer's stream."""
         return P.Start(prompt=self.prompt, seed=self.seed, fps=self.fps, transport=transport, token=self.token)
+
+    def first_message(self, transport: str | None = None) -> P.Start | P.Watch:
+        """What the viewer sends first: ``watch`` of ``self.watch``, or the ``start`` of its own stream."""
+        if self.watch is not None:
+            return P.Watch(stream_id=self.watch, transport=transport, token=self.token)
+        return self.start_message(transport)
 
 
 @dataclass(frozen=True)
@@ -130,6 +154,13 @@ class StreamResult:
     pixels: PixelStats | None = None  # pixel-verified prompt latency (ClientConfig.verify_pixels), else None
     worker_lost: int = 0  # retryable errors (`worker_lost`): the worker running the stream was lost
     reconnects: int = 0  # times the viewer connected again after one and was admitted
+    role: str | None = None  # "steer" or "watch": the latest audience message's role, else ready's; None if not admitted
+    viewer_id: str | None = None  # this viewer's id on the stream, from `ready`
+    watched: str | None = None  # the stream id this viewer asked to watch (ClientConfig.watch); None for a steerer
+    audience_max: int = 0  # the most watchers any `audience` message announced
+    not_steerer: int = 0  # `not_steerer` errors: requests only the steerer may make (the stream went on)
+    recording_url: str | None = None  # where the stream's recording is, from a `recording` message
+    ignored_messages: int = 0  # server messages this client does not use (newer types included); none was fatal
 
 
 class ViewerClient:
@@ -172,6 +203,12 @@ class ViewerClient:
         self.reconnects = 0  # reconnections after one that were admitted
         self._retry = False  # the stream ended with a retryable error: run() connects again
         self.pixels: PixelLatency | None = None  # with verify_pixels: times prompts on the played frames' pixels
+        self.audience: P.Audience | None = None  # the latest audience message
+        self.audience_max = 0  # the most watchers any audience message announced
+        self.recording: P.Recording | None = None  # the latest recording message
+        self.not_steerer = 0  # not_steerer errors received
+        self.ignored_messages = 0  # server messages not used (see the module docstring)
+        self._opened = asyncio.Event()  # ready came, or the opening failed (see wait_opened)
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -185,6 +222,25 @@ class ViewerClient:
         """Chunk headers received so far."""
         return len(self.headers)
 
+    @property
+    def connected_at(self) -> float | None:
+        """The client's clock when the session connected (its timeline's zero); None before."""
+        return self._connected_at
+
+    @property
+    def role(self) -> str | None:
+        """The viewer's role, "steer" or "watch": the latest audience message's, else ready's; None before ready."""
+        if self.audience is not None:
+            return self.audience.role
+        return self.ready.role if self.ready is not None else None
+
+    async def wait_opened(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until ``ready`` came (True) or the opening failed or was refused (False):
+        what a watcher of this viewer's stream waits for (it needs the stream id)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._opened.wait(), timeout_s)
+        return self.ready is not None
+
     async def _await_ready(self) -> bool:
         """Read messages until ready (True), or refused / closed (False). Bounded by open()'s timeout."""
         async for raw in self._ws:
@@ -194,6 +250,7 @@ class ViewerClient:
             msg = self._parse(raw)
             if isinstance(msg, P.Ready):
                 self.ready = msg
+                self._opened.set()
                 return True
             if isinstance(msg, P.Error):
                 self._on_error(msg)
@@ -205,6 +262,8 @@ class ViewerClient:
                 self.closed_reason = msg.reason
                 self.state = ClientState.CLOSED
                 return False
+            elif msg is not None:
+                self._on_other(msg)
         self._fail("connection closed before ready")
         return False
 
@@ -358,14 +417,35 @@ class ViewerClient:
             pixels=self.pixels.stats() if self.pixels is not None else None,
             worker_lost=self.worker_lost,
             reconnects=self.reconnects,
+            role=self.role,
+            viewer_id=ready.viewer_id if ready else None,
+            watched=self.config.watch,
+            audience_max=self.audience_max,
+            not_steerer=self.not_steerer,
+            recording_url=self.recording.url if self.recording is not None else None,
+            ignored_messages=self.ignored_messages,
         )
 
     def _parse(self, raw: str):
         try:
             return P.parse_server(raw)
         except P.ProtocolError as e:
-            self._fail(f"bad message from the server: {e}")
+            if e.code is P.ErrorCode.UNKNOWN_TYPE:  # a server newer than this client: not ours to judge
+                self.ignored_messages += 1
+            else:
+                self._fail(f"bad message from the server: {e}")
             return None
+
+    def _on_other(self, msg) -> None:
+        """A server message that is neither a chunk, an ack, an error nor closed: keep what a viewer shows
+        (its role and audience, the recording); count anything else as ignored."""
+        if isinstance(msg, P.Audience):
+            self.audience = msg
+            self.audience_max = max(self.audience_max, msg.watchers)
+        elif isinstance(msg, P.Recording):
+            self.recording = msg
+        else:
+            self.ignored_messages += 1
 
     def _on_ack(self, msg: P.Ack) -> None:
         self.acks.append(msg)
@@ -377,6 +457,8 @@ class ViewerClient:
     def _on_error(self, msg: P.Error) -> None:
         self.server_errors.append(msg)
         self.errors.append(f"{msg.code.value}: {msg.message}")
+        if msg.code is P.ErrorCode.NOT_STEERER:
+            self.not_steerer += 1  # the stream goes on; a set_prompt refused so is forgotten below
         if msg.code in P.RETRYABLE:
             self.worker_lost += 1
             self._retry = self.reconnects < self.config.max_reconnects
@@ -384,7 +466,8 @@ class ViewerClient:
         # (acks and errors keep the order of the requests); forget it so later acks pair up.
         if msg.request == "set_prompt" and self._unacked_prompts > 0:
             self._unacked_prompts -= 1
-            self._buffer.prompt_rejected()
+            if self._buffer is not None:
+                self._buffer.prompt_rejected()
 
     def _fail(self, text: str) -> None:
         self.errors.append(text)
@@ -418,11 +501,14 @@ class StreamClient(ViewerClient):
         if self.state is not ClientState.NEW:
             raise RuntimeError(f"cannot open: client is {self.state.value}")
         self._connected_at = self.clock()
-        if not await self._connect():
-            return False
-        self._buffer = self._new_buffer()
-        self._begin()
-        return True
+        try:
+            if not await self._connect():
+                return False
+            self._buffer = self._new_buffer()
+            self._begin()
+            return True
+        finally:
+            self._opened.set()
 
     async def _connect(self) -> bool:
         """Connect, send ``start``, wait for ``ready``: True when admitted (then PLAYING); else the socket
@@ -433,7 +519,7 @@ class StreamClient(ViewerClient):
             async with asyncio.timeout(cfg.open_timeout_s):
                 self._ws = await connect(self.url, compression=None, max_size=P.MAX_CHUNK_BYTES,
                                          open_timeout=cfg.open_timeout_s, close_timeout=cfg.close_timeout_s)
-                await self._ws.send(P.encode(cfg.start_message()))
+                await self._ws.send(P.encode(cfg.first_message()))
                 admitted = await self._await_ready()
         except TimeoutError:
             self._fail(f"timeout: no ready or refusal within {cfg.open_timeout_s:g} s")
@@ -645,7 +731,8 @@ class StreamClient(ViewerClient):
             self._ended.set()
         elif isinstance(msg, P.Ready):
             self._fail("a second ready arrived")
-        # Answer (WebRTC signaling) never comes on a ws-transport stream; ignore it.
+        else:  # audience, recording; an answer (WebRTC signaling) never comes on a ws-transport stream
+            self._on_other(msg)
 
     def _lost(self, exc: ConnectionClosed | None) -> None:
         """The connection ended. Without a `closed` message first, that is an error."""
