@@ -13,7 +13,18 @@ concurrent futures; finished chunks come back through `on_chunk` (from the outpu
 errors through `on_error(stream_id, message, code)`, both of which the server wraps in
 `loop.call_soon_threadsafe`. The code is "internal" for a failure, "overloaded" for the last
 resort: the newest stream ended because degradation could no longer keep every stream from
-stalling (Scheduler.overloaded).
+stalling (Scheduler.overloaded), "park_expired" for a paused stream parked longer than
+`park_timeout_s`.
+
+Pause and resume (issue 27). `pause` holds the stream (the scheduler starts no new chunk for it; the
+chunk in progress is committed, so nothing is redone and the stream goes on exactly where it was), then
+parks it between launches: its whole state (KV cache, text K/V, decoder state, clean latents) is
+copied to pinned host memory on a side CUDA stream after the work already queued, and once the copy's
+event has passed its device memory goes back to the pool and the future resolves. Parked streams share
+`park_budget_bytes` of host memory (a pause beyond it is refused) and end after `park_timeout_s`.
+`resume` re-checks admission (KV room, the device's load, ...; refused, the stream stays parked),
+allocates a fresh cache from the pool and copies everything back; the device's next work waits for the
+copies, so the stream is scheduled again at once.
 
 Before serving, the engine captures every CUDA graph serving replays (models/graphs.py) and runs
 a throwaway stream through a full window, every ring phase and prompt switches, timing each kind
@@ -36,15 +47,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvcache import CachePool
-from models import ChunkGenerator, GeneratorConfig, StreamState, Work, build_generator, fidelity
+from kvcache import CachePool, ParkBudget
+from models import ChunkGenerator, GeneratorConfig, ParkedStream, StreamState, Work, build_generator, fidelity
 from streamsvc.encode import EncoderSpec, StreamEncoder
 from streamsvc.output import ChunkOut, OutputStage, StreamOutput
 from streamsvc.scheduler import Admission, Plan, Scheduler, SchedulerConfig, SchedulerStats, Stage, StreamRequest, WorkKind
 
 log = logging.getLogger("streamsvc.engine")
 
-__all__ = ["ChunkOut", "Engine", "EngineConfig", "EngineError"]
+__all__ = ["ChunkOut", "Engine", "EngineConfig", "EngineError", "ParkResult"]
 
 CHEAP_ENCODE_GAIN = 0.9  # the cheaper encode degrades a late chunk only when the warm-up timed it under this share
 _KIND = {Work.RECACHE: WorkKind.RECACHE, Work.DENOISE: WorkKind.DENOISE, Work.COMMIT: WorkKind.COMMIT}  # generator -> scheduler
@@ -98,6 +109,38 @@ class EngineConfig:
     # x264 in a child process per output worker, out of the server's GIL; None: on CPU hosts (on a GPU host the
     # engine thread only launches, and a 480x832 chunk's frames would cross a pipe)
     output_processes: bool | None = None
+    # Host memory all paused (parked) streams may hold: their KV caches and decoder states, pinned on a GPU host
+    # (a wan2.1-1.3b stream at sink 3 + window 9: 3.2 GiB of KV); a pause beyond it is refused. 0: no pausing.
+    park_budget_bytes: int = 8 * 2**30
+    park_timeout_s: float = 300.0  # a stream parked longer is ended ("park_expired")
+
+    def __post_init__(self) -> None:
+        if self.park_budget_bytes < 0:
+            raise ValueError(f"park_budget_bytes={self.park_budget_bytes}: must be >= 0 (0 refuses every pause)")
+        if not self.park_timeout_s > 0:
+            raise ValueError(f"park_timeout_s={self.park_timeout_s}: must be > 0 s (e.g. 300)")
+
+
+@dataclass(frozen=True)
+class ParkResult:
+    """What a pause (the stream parked) or a resume (it came back) moved."""
+
+    stream_id: str
+    nbytes: int  # bytes copied: the stream's KV cache, text K/V, decoder state and latents (what it holds parked)
+    seconds: float  # the copies' time (CUDA events on the copy stream; CPU: wall time)
+    device_bytes: int  # the KV pool's bytes given back (pause) or taken again (resume), the decoder's included
+
+
+@dataclass
+class _Park:
+    """A stream being paused, paused, or coming back."""
+
+    paused: Future  # resolves to ParkResult once the stream is parked (the copies to the host done)
+    reserved: int  # bytes of the park budget it holds
+    parked: ParkedStream | None = None  # set when its copies to the host were launched (between chunks)
+    parked_at: float | None = None  # engine clock when they were done (the park timeout counts from here)
+    resumed: Future | None = None  # resume(): resolves to ParkResult once the copies back are done
+    device_bytes: int = 0  # pool bytes given back
 
 
 @dataclass
@@ -109,6 +152,7 @@ class _Stream:
     chunk_started_at: float = 0.0  # launch of the chunk in progress's first forward
     recached: bool = False  # a recache launched the chunk about to start (its time counts from there)
     keyframe: bool = True  # next chunk starts with an IDR (a viewer joined)
+    park: _Park | None = None  # pause(): being parked, parked, or (until its copies are done) coming back
 
 
 @dataclass
@@ -116,6 +160,7 @@ class _Command:
     fn: Callable  # run in the engine thread
     args: tuple
     future: Future = field(default_factory=Future)
+    later: bool = False  # fn(future, *args) resolves the future itself, maybe later (fn's errors still do)
 
 
 @dataclass
@@ -156,6 +201,13 @@ class Engine:
         self.gpu_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # device time (CUDA events; CPU: wall)
         self.decoder_bytes = 0  # device memory of one stream's decoder state, counted with its KV cache
         self.degraded_chunks = 0  # chunks made with fewer denoising steps than the schedule's (instead of a stall)
+        self.park_budget = ParkBudget(config.park_budget_bytes)  # host memory of parked streams (engine thread)
+        self.parked_streams = 0  # streams parked now (their copies to the host launched, not resumed)
+        self.parked_bytes = 0  # host memory they hold (what the park budget counts)
+        self.parks = 0  # pauses done (streams parked)
+        self.restores = 0  # resumes done (streams back on the device)
+        self.park_seconds = 0.0  # total time of the parks' copies to the host
+        self.restore_seconds = 0.0  # total time of the resumes' copies back
         self._cheap_encode = False  # the warm-up measured the cheaper encode cheaper: a late chunk's encode degrades
         self.heartbeat_at: float | None = None  # engine clock at the loop's latest turn (None: not serving yet)
         self.gen: ChunkGenerator | None = None
@@ -213,11 +265,18 @@ class Engine:
         return self._submit(self._set_prompt, stream_id, prompt)
 
     def pause(self, stream_id: str) -> Future:
-        """The viewer stopped playing: generation stops once its buffer is full."""
-        return self._submit(self._pause, stream_id, True)
+        """Future[ParkResult]: the stream's chunk in progress is committed, then its state is parked in host
+        memory and its device memory goes back to the pool; resolves once parked. Fails (EngineError) for a
+        stream not open or already paused, or when the park budget has no room for it."""
+        return self._submit_later(self._pause, stream_id)
 
     def resume(self, stream_id: str) -> Future:
-        return self._submit(self._pause, stream_id, False)
+        """Future[ParkResult]: the paused stream back on the device, going on where it stopped; resolves once
+        its copies back are done. Fails (EngineError, the reason with the numbers; the stream stays paused)
+        when admission refuses it now (no KV room, the device's load, ...), or for a stream not paused. A
+        stream still finishing its chunk before its park goes on at once (ParkResult of 0 bytes) and its
+        pause fails."""
+        return self._submit_later(self._resume, stream_id)
 
     def observe_buffer(self, stream_id: str, buffered_frames: float, at_most: bool = False) -> Future:
         """The viewer's buffer (Scheduler.observe_buffer; `at_most` for a report that crossed the network)."""
@@ -242,8 +301,11 @@ class Engine:
         """Future[bool]: frees the stream's KV cache at once; False if it was not open."""
         return self._submit(self._close, stream_id)
 
-    def _submit(self, fn, *args) -> Future:
-        cmd = _Command(fn, args)
+    def _submit_later(self, fn, *args) -> Future:
+        return self._submit(fn, *args, later=True)
+
+    def _submit(self, fn, *args, later: bool = False) -> Future:
+        cmd = _Command(fn, args, later=later)
         if self._stopping:
             cmd.future.set_exception(EngineError("engine is stopping"))
         else:
@@ -407,9 +469,13 @@ class Engine:
 
     def _apply(self, cmd: _Command) -> None:
         try:
-            cmd.future.set_result(cmd.fn(*cmd.args))
+            if cmd.later:
+                cmd.fn(cmd.future, *cmd.args)
+            else:
+                cmd.future.set_result(cmd.fn(*cmd.args))
         except Exception as e:  # noqa: BLE001 - the caller gets the error through the future
-            cmd.future.set_exception(e)
+            if not cmd.future.done():
+                cmd.future.set_exception(e)
 
     def _loop(self) -> None:
         while not self._stopping:
@@ -418,6 +484,7 @@ class Engine:
                 self._apply(cmd)
             self._retire(wait=False)
             now = self.clock()
+            self._tend_parks(now)
             self._end_overloaded(now)
             plan = self.sched.next(now)
             if plan is not None:
@@ -431,6 +498,8 @@ class Engine:
                 continue
             wake = self.sched.wake_at(now)
             timeout = 0.5 if wake is None else min(0.5, max(0.0, wake - now))
+            if any(st.park is not None and (st.park.parked_at is None or st.park.resumed) for st in self._streams.values()):
+                timeout = min(timeout, 0.002)  # copies to poll, or a stream to park once its chunk is committed
             try:
                 cmd = self._commands.get(timeout=timeout)
             except queue.Empty:
@@ -601,9 +670,96 @@ class Engine:
             del st.prompts[old]
         return version
 
-    def _pause(self, stream_id: str, paused: bool) -> None:
-        self._get(stream_id)
-        (self.sched.pause if paused else self.sched.resume)(stream_id, self.clock())
+    def _pause(self, future: Future, stream_id: str) -> None:
+        st = self._get(stream_id)
+        if st.park is not None:
+            raise EngineError(f"stream {stream_id!r} is already {'paused' if st.park.parked else 'being paused'}")
+        need = self.gen.park_bytes(st.state)
+        why = self.park_budget.reserve(stream_id, need)
+        if why is not None:
+            raise EngineError(f"cannot pause stream {stream_id!r}: {why}")
+        self.sched.hold(stream_id)
+        st.park = _Park(future, need)
+        self._tend_parks(self.clock())
+
+    def _resume(self, future: Future, stream_id: str) -> None:
+        st = self._get(stream_id)
+        park = st.park
+        if park is None or park.resumed is not None:
+            raise EngineError(f"stream {stream_id!r} is not paused")
+        if park.parked is None:  # still committing its chunk: it just goes on
+            self.sched.hold(stream_id, False)
+            self.park_budget.release(stream_id)
+            st.park = None
+            park.paused.set_exception(EngineError(f"stream {stream_id!r} was resumed before it was parked"))
+            future.set_result(ParkResult(stream_id, 0, 0.0, 0))
+            return
+        if park.parked_at is None:  # its copies to the host are still running: they finish first
+            park.parked.cache.moved.wait()
+            park.parked.moved.wait()
+            self._parked(st, self.clock())
+        spec = self.gen.cache_spec()
+        now = self.clock()
+        admission = self.sched.unpark(stream_id, now, kv_refusal=self.pool.refusal(spec, self.decoder_bytes))
+        if not admission.accepted:
+            raise EngineError(f"cannot resume stream {stream_id!r} now: {admission.reason}")
+        try:
+            cache = self.pool.allocate_or_raise(stream_id, spec, self.decoder_bytes)
+            self.gen.restore(park.parked, cache)
+        except Exception:
+            self.pool.release(stream_id)
+            self.sched.hold(stream_id)
+            self.sched.park(stream_id, now)  # it stays parked
+            raise
+        self.kv_used_bytes = self.pool.used_bytes
+        self.park_budget.release(stream_id)
+        self.parked_streams -= 1
+        self.parked_bytes = self.park_budget.used_bytes
+        park.resumed = future
+        self._tend_parks(now)
+
+    def _tend_parks(self, now: float) -> None:
+        """Between launches: park the held streams that reached a chunk boundary, finish the parks and resumes
+        whose copies are done, and end the streams parked longer than park_timeout_s."""
+        for stream_id, st in list(self._streams.items()):
+            park = st.park
+            if park is None:
+                continue
+            if park.parked is None:
+                if self.sched.parkable(stream_id):
+                    park.parked = self.gen.park(st.state)  # copies launched after the chunk's commit
+                    self.sched.park(stream_id, now)
+                    self.parked_streams += 1
+            elif park.resumed is not None:
+                if park.parked.done():
+                    st.park = None
+                    self.restores += 1
+                    self.restore_seconds += park.parked.seconds
+                    park.resumed.set_result(ParkResult(stream_id, park.parked.nbytes, park.parked.seconds,
+                                                       park.device_bytes))
+                continue
+            if park.parked is not None and park.parked_at is None and park.parked.done():
+                self._parked(st, now)
+            elif park.parked_at is not None and now - park.parked_at >= self.config.park_timeout_s:
+                self._close(stream_id)
+                log.info("stream %s parked for %.0f s: ended (--park-timeout)", stream_id, now - park.parked_at)
+                self._on_error(stream_id, f"the stream was paused for more than {self.config.park_timeout_s:g} s "
+                                          "(--park-timeout) and has ended; open a new stream", "park_expired")
+
+    def _parked(self, st: _Stream, now: float) -> None:
+        """The stream's copies to the host are done: its device memory goes back to the pool (its cache's
+        last reference is dropped with the copies' sources), the park budget holds what it really took."""
+        park, stream_id = st.park, st.state.stream_id
+        park.parked_at = now
+        park.device_bytes = self.pool.release(stream_id)
+        self.kv_used_bytes = self.pool.used_bytes
+        self.park_budget.release(stream_id)
+        self.park_budget.reserve(stream_id, park.parked.nbytes)  # what it holds (at most what it reserved)
+        park.reserved = park.parked.nbytes
+        self.parked_bytes = self.park_budget.used_bytes
+        self.parks += 1
+        self.park_seconds += park.parked.seconds
+        park.paused.set_result(ParkResult(stream_id, park.parked.nbytes, park.parked.seconds, park.device_bytes))
 
     def _observe(self, stream_id: str, buffered_frames: float, at_most: bool) -> None:
         self._get(stream_id)
@@ -615,7 +771,19 @@ class Engine:
     def _close(self, stream_id: str) -> bool:
         st = self._streams.pop(stream_id, None)
         self.sched.remove(stream_id)
-        if st is not None:
+        if st is not None and st.park is not None:  # its host memory goes (with the parked copies)
+            park = st.park
+            if park.parked is not None and park.parked_at is None:  # copies still writing its host memory
+                park.parked.cache.moved.wait()
+                park.parked.moved.wait()
+            if park.parked is not None and park.resumed is None:
+                self.parked_streams -= 1
+            self.park_budget.release(stream_id)
+            self.parked_bytes = self.park_budget.used_bytes
+            for fut in (park.paused, park.resumed):
+                if fut is not None and not fut.done():
+                    fut.set_exception(EngineError(f"stream {stream_id!r} was closed"))
+        if st is not None and st.state.cache is not None:
             self.gen.close_stream(st.state)
         self.pool.release(stream_id)  # launched forwards that write it run first on the device's one queue
         self.kv_used_bytes = self.pool.used_bytes

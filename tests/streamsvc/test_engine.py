@@ -129,3 +129,156 @@ def test_keep_freed_memory_serves_large_cpu_tensors_from_the_heap():
     blocks = [torch.empty(1 << 20) for _ in range(4)]  # 4 MB each, above malloc's default mmap threshold
     assert mallinfo2().hblks == before  # from the heap, not four new mappings
     del blocks
+
+
+# ----- pause and resume: a paused stream's state parked in host memory -----------------------------
+
+
+def _engine(**cfg):
+    got = Collector()
+    clock_offset = [0.0]
+    defaults = dict(preset="tiny", device="cpu", degrade=False, warmup_chunks=5,
+                    scheduler=SchedulerConfig(buffer_cap_s=2.0, max_batch=1))
+    eng = Engine(EngineConfig(**{**defaults, **cfg}), got.on_chunk, got.on_error,
+                 clock=lambda: time.monotonic() + clock_offset[0])
+    eng.start().result(timeout=60)
+    return eng, got, clock_offset
+
+
+def _record_commits(eng):
+    """Every committed chunk's latents and frames, by stream (wrapping the generator's commit)."""
+    made: dict[str, list] = {}
+    commit = eng.gen.commit
+
+    def recorded(states):
+        chunks = commit(states)
+        for s, c in zip(states, chunks):
+            made.setdefault(s.stream_id, []).append((c.index, c.prompt_version, c.latents.clone(), c.frames.clone()))
+        return chunks
+
+    eng.gen.commit = recorded
+    return made
+
+
+def test_a_paused_stream_parks_in_host_memory_and_resumes_exactly_where_it_was():
+    eng, got, _ = _engine()
+    made = _record_commits(eng)
+    try:
+        prompts = ["a cat", "a red boat", "a blue train"]
+        for sid in ("a", "b"):
+            assert eng.open_stream(sid, prompts[0], seed=5, fps=16).result(timeout=10).accepted
+        got.wait(lambda g: len(g.chunks.get("a", [])) >= 2)
+        assert eng.set_prompt("a", prompts[1]).result(timeout=10) == 1
+        used = eng.kv_used_bytes
+        reservation = eng.gen.cache_spec().stream_bytes() + eng.decoder_bytes
+        paused = eng.pause("a").result(timeout=20)
+        # the stream's device memory is back in the pool, its state in host memory
+        assert paused.stream_id == "a" and paused.device_bytes == reservation and paused.seconds >= 0
+        assert paused.nbytes > eng.gen.cache_spec().stream_bytes()
+        assert eng.kv_used_bytes == eng.pool.used_bytes == used - reservation
+        assert (eng.parked_streams, eng.parked_bytes, eng.parks, eng.restores) == (1, paused.nbytes, 1, 0)
+        assert eng.sched.is_parked("a") and eng.park_seconds == paused.seconds
+        with pytest.raises(EngineError, match="'a' is already paused"):
+            eng.pause("a").result(timeout=10)
+        n = len(made["a"])
+        time.sleep(0.5)
+        assert len(made["a"]) == n  # no chunk while parked (b goes on)
+        assert eng.set_prompt("a", prompts[2]).result(timeout=10) == 2  # steered while parked
+        resumed = eng.resume("a").result(timeout=20)
+        assert (resumed.nbytes, resumed.device_bytes) == (paused.nbytes, reservation)
+        assert eng.kv_used_bytes == used and (eng.parked_streams, eng.parked_bytes, eng.restores) == (0, 0, 1)
+        with pytest.raises(EngineError, match="'a' is not paused"):
+            eng.resume("a").result(timeout=10)
+        got.wait(lambda g: len(g.chunks.get("a", [])) >= n + 3)
+        assert not got.errors
+    finally:
+        eng.stop()
+    chunks = made["a"]
+    assert [c[0] for c in chunks] == list(range(len(chunks)))
+    assert chunks[n][1] == 2  # the first chunk after resume runs under the prompt set while parked
+    # the same stream uninterrupted: a fresh stream of the engine's generator, each prompt from the chunk its
+    # version first came with
+    first = {}
+    for index, version, _, _ in chunks:
+        first.setdefault(version, index)
+    prompt_at = {index: prompts[version] for version, index in first.items() if version}
+    gen = eng.gen
+    gen.commit = type(gen).commit.__get__(gen)
+    it = gen.stream(gen.open_stream("ref", prompts[0], seed=5), prompt_at)
+    for index, _, latents, frames in chunks:
+        ref = next(it)
+        assert torch.equal(ref.latents, latents) and torch.equal(ref.frames, frames), f"chunk {index}"
+
+
+def test_pause_beyond_the_park_budget_is_refused_and_the_stream_goes_on():
+    eng, got, _ = _engine(park_budget_bytes=1000)  # a tiny stream parks about 0.5 MB
+    try:
+        assert eng.open_stream("a", "x", seed=0, fps=16).result(timeout=10).accepted
+        got.wait(lambda g: len(g.chunks.get("a", [])) >= 1)
+        with pytest.raises(EngineError, match=r"cannot pause stream 'a': parking needs .* GiB of host memory but the "
+                                              r"park budget has 0.00 GiB free of 0.00 GiB \(0 streams parked\)"):
+            eng.pause("a").result(timeout=10)
+        n = len(got.chunks["a"])
+        got.wait(lambda g: len(g.chunks["a"]) >= n + 2)
+        assert eng.parked_streams == 0 and eng.park_budget.used_bytes == 0
+    finally:
+        eng.stop()
+
+
+def test_a_stream_parked_past_the_timeout_is_ended_and_its_memory_freed():
+    eng, got, offset = _engine(park_timeout_s=60.0)
+    try:
+        assert eng.open_stream("a", "x", seed=0, fps=16).result(timeout=10).accepted
+        got.wait(lambda g: len(g.chunks.get("a", [])) >= 1)
+        eng.pause("a").result(timeout=20)
+        time.sleep(0.3)
+        assert not got.errors and eng.parked_streams == 1
+        offset[0] += 61.0  # a minute later
+        got.wait(lambda g: g.errors)
+        assert got.errors == [("a", got.errors[0][1], "park_expired")] and "--park-timeout" in got.errors[0][1]
+        assert (eng.parked_streams, eng.parked_bytes, eng.park_budget.used_bytes, eng.kv_used_bytes) == (0, 0, 0, 0)
+        assert "a" not in eng.sched
+        with pytest.raises(EngineError, match="not open"):
+            eng.resume("a").result(timeout=10)
+    finally:
+        eng.stop()
+
+
+def test_resume_is_refused_without_kv_room_and_the_stream_stays_parked():
+    from tests.conftest import tiny_generator
+
+    gen = tiny_generator()
+    room = gen.cache_spec().stream_bytes() + gen.decoder_state_bytes()
+    eng, got, _ = _engine(kv_budget_bytes=room + 100)  # room for one stream
+    try:
+        assert eng.open_stream("a", "x", seed=0, fps=16).result(timeout=10).accepted
+        assert not eng.open_stream("b", "y", seed=0, fps=16).result(timeout=10).accepted
+        got.wait(lambda g: len(g.chunks.get("a", [])) >= 1)
+        eng.pause("a").result(timeout=20)
+        assert eng.open_stream("b", "y", seed=0, fps=16).result(timeout=10).accepted  # a's room, freed
+        with pytest.raises(EngineError, match=r"cannot resume stream 'a' now: kv cache: KV cache needs .* but the "
+                                              r"pool has 0.0 MiB free"):
+            eng.resume("a").result(timeout=10)
+        assert eng.parked_streams == 1 and eng.sched.is_parked("a")
+        with pytest.raises(EngineError, match="'zz' is not open"):
+            eng.resume("zz").result(timeout=10)
+        assert eng.close_stream("b").result(timeout=10)
+        eng.resume("a").result(timeout=20)
+        n = len(got.chunks["a"])
+        got.wait(lambda g: len(g.chunks["a"]) >= n + 2)
+        assert eng.close_stream("a").result(timeout=10) and eng.kv_used_bytes == 0
+    finally:
+        eng.stop()
+
+
+def test_closing_a_paused_stream_frees_its_host_memory():
+    eng, got, _ = _engine()
+    try:
+        assert eng.open_stream("a", "x", seed=0, fps=16).result(timeout=10).accepted
+        got.wait(lambda g: len(g.chunks.get("a", [])) >= 1)
+        eng.pause("a").result(timeout=20)
+        assert eng.parked_bytes > 0
+        assert eng.close_stream("a").result(timeout=10) is True
+        assert (eng.parked_streams, eng.parked_bytes, eng.kv_used_bytes) == (0, 0, 0) and "a" not in eng.sched
+    finally:
+        eng.stop()
