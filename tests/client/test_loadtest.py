@@ -165,3 +165,60 @@ def test_verify_pixels_times_every_prompt_on_the_played_frames(tmp_path, capsys,
     assert px["frames_read"] > 0 and px["read_ms_per_frame"] > 0
     assert "pixel-verified latency p50 / p95 / max" in capsys.readouterr().out
     assert loadtest.run(parse("--streams", "1", "--verify-pixels", "--decode", "none")) == 2
+
+
+def test_watchers_are_reported_apart_and_the_top_level_stays_the_steerers():
+    # 3 streams with 2 watchers each asked for: s1 refused, so its 2 watchers never started; s0's watchers joined,
+    # s2 got one (its second was refused by the server's --max-watchers)
+    steerers = [
+        result(playback(ttff_s=0.25), stream_id="s0", audience_max=2),
+        result(refused="compute: busy", errors=["refused: compute: busy"]),
+        result(playback(ttff_s=0.75), stream_id="s2", audience_max=1),
+    ]
+    watchers = [
+        result(playback(ttff_s=0.5, stalls=1, stall_s=0.2, play_s=9.8, delivered_fps=15.0, freezes=1, freeze_s=0.3),
+               stream_id="s0", role="watch", watched="s0", viewer_id="v1", chunks=12),
+        result(playback(ttff_s=1.5), stream_id="s0", role="watch", watched="s0", viewer_id="v2", chunks=11),
+        result(playback(ttff_s=1.0), stream_id="s2", role="watch", watched="s2", viewer_id="v4", chunks=12),
+        result(refused="stream s2 has 1 watchers, its limit (--max-watchers)", watched="s2",
+               errors=["refused: stream s2 has 1 watchers, its limit (--max-watchers)"]),
+    ]
+    r = loadtest.summarize(steerers, duration_s=10.0, watchers=watchers, watchers_per_stream=2,
+                           watchers_not_started=2)
+    # the top level is the steerers' alone, as without watchers
+    alone = loadtest.summarize(steerers, duration_s=10.0)
+    assert {k: v for k, v in r.items() if k != "watchers"} == alone and "watchers" not in alone
+    w = r["watchers"]
+    assert (w["per_stream"], w["count"], w["admitted"], w["not_started"], w["failed"]) == (2, 6, 3, 2, 0)
+    assert w["refused"] == {"count": 1, "reasons": {"stream s2 has 1 watchers, its limit (--max-watchers)": 1}}
+    assert w["ttff_s"] == {"n": 3, "p50": 1.0, "p95": 1.45, "p99": 1.49, "max": 1.5}  # from each watcher's join
+    assert w["stalls"] == {"count": 1, "total_s": 0.2, "ratio": round(0.2 / 30.0, 6), "streams_with_stalls": 1}
+    assert w["freezes"] == {"count": 1, "total_s": 0.3}
+    assert w["delivered_fps"] == {"mean": round(47.0 / 3, 3), "min": 15.0}
+    assert w["chunks"] == 35 and w["roles"] == {"watch": 3} and w["audience_max"] == {"min": 1, "max": 2}
+    assert w["errors"] == {"count": 0, "messages": {}}  # a refusal is not an error
+    assert [v["viewer_id"] for v in w["per_viewer"]] == ["v1", "v2", "v4"]
+    assert [v["stream_id"] for v in w["per_viewer"]] == ["s0", "s0", "s2"]
+    json.dumps(r)
+    table = loadtest.format_table(r)
+    assert "6 (2 a stream: 3 admitted, 1 refused, 2 not started (stream refused), 0 failed)" in table
+    assert re.search(r"watchers' TTFF from join p50 / p95 / max +1\.000 / 1\.450 / 1\.500 s\n", table)
+    assert re.search(r"watchers' stalls +1 \(0\.200 s, ratio 0\.00667, 1 watchers\)\n", table)
+    assert "watcher refused x1: stream s2 has 1 watchers" in table
+
+
+def test_watchers_that_saw_nothing_summarize_without_dividing_by_zero():
+    r = loadtest.summarize([result(refused="full")], duration_s=5.0, watchers=[], watchers_per_stream=4,
+                           watchers_not_started=4)
+    w = r["watchers"]
+    assert (w["count"], w["admitted"], w["not_started"]) == (4, 0, 4)
+    assert w["ttff_s"]["p50"] is None and w["stalls"]["ratio"] == 0.0 and w["delivered_fps"]["mean"] is None
+    assert w["audience_max"] == {"min": None, "max": None}
+    assert re.search(r"watchers' TTFF from join p50 / p95 / max +- / - / - s\n", loadtest.format_table(r))
+
+
+def test_watchers_per_stream_is_an_option_and_negative_is_refused(capsys):
+    assert parse().watchers_per_stream == 0
+    assert parse("--watchers-per-stream", "24").watchers_per_stream == 24
+    assert loadtest.run(parse("--streams", "1", "--watchers-per-stream", "-1")) == 2
+    assert "--watchers-per-stream >= 0" in capsys.readouterr().err
