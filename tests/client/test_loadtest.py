@@ -70,6 +70,46 @@ def test_summary_counts_admitted_refused_stalls_and_latencies():
     assert re.search(r"degraded chunks \(fewer steps, cheaper encode\) +3 of 28\n", loadtest.format_table(r))
 
 
+def test_watchers_are_summarized_apart_and_the_top_level_stays_the_steerers():
+    steerers = [result(playback(ttff_s=0.25, control_latencies_s=(0.5,)), audience_max=2, prompts_sent=1),
+                result(refused="compute: busy", errors=["refused: compute: busy"])]
+    w = dict(role="watch", watched="s0", stream_id="s0", viewer_id="v1", prompts_sent=0)
+    watchers = [
+        result(playback(ttff_s=0.5), **w),
+        result(playback(ttff_s=1.0, stalls=1, stall_s=0.5, play_s=9.5, freezes=2, freeze_s=0.75, delivered_fps=15.0),
+               stall_events=((4.0, 0.5),), **w),
+        result(refused="stream s0 has 2 watchers, its limit", errors=["refused: stream s0 has 2 watchers, its limit"]),
+        result(None, admitted=False, errors=["connect: OSError: refused"]),
+    ]
+    r = loadtest.summarize(steerers, duration_s=10.0, watchers=watchers, watchers_per_stream=3,
+                           watchers_not_started=3)
+    assert (r["streams"], r["admitted"], r["ttff_s"]["n"], r["stalls"]["count"]) == (2, 1, 1, 0)  # the steerers'
+    assert r["control_latency_s"]["sent"] == 1 and len(r["per_stream"]) == 1
+    wt = r["watchers"]
+    assert (wt["per_stream"], wt["count"], wt["admitted"], wt["not_started"], wt["failed"]) == (3, 7, 2, 3, 1)
+    assert wt["refused"] == {"count": 1, "reasons": {"stream s0 has 2 watchers, its limit": 1}}
+    assert wt["ttff_s"] == {"n": 2, "p50": 0.75, "p95": 0.975, "p99": 0.995, "max": 1.0}
+    assert wt["stalls"] == {"count": 1, "total_s": 0.5, "ratio": 0.025, "streams_with_stalls": 1}  # 0.5 / 20
+    assert wt["freezes"] == {"count": 2, "total_s": 0.75} and wt["delivered_fps"] == {"mean": 15.5, "min": 15.0}
+    assert wt["viewer_time_lost"] == round((0.5 + 1.0 + 0.5) / 21.0, 6)
+    assert wt["roles"] == {"watch": 2} and wt["audience_max"] == {"min": 2, "max": 2} and wt["chunks"] == 28
+    assert wt["errors"] == {"count": 1, "messages": {"connect: OSError: refused": 1}}
+    assert [(v["viewer_id"], v["stalls"], v["stall_events"]) for v in wt["per_viewer"]] == \
+        [("v1", 0, []), ("v1", 1, [[4.0, 0.5]])]
+    json.dumps(r)
+    text = loadtest.format_table(r)
+    assert "watchers  " in text and "7 (3 a stream: 2 admitted, 1 refused, 3 not started (stream refused), 1 failed)" in text
+    assert re.search(r"watchers' TTFF from join p50 / p95 / max +0.750 / 0.975 / 1.000 s\n", text)
+    assert re.search(r"watchers' stalls +1 \(0.500 s, ratio 0.02500, 1 watchers\)\n", text)
+    assert "watcher error x1: connect: OSError: refused" in text
+    assert "watchers" not in loadtest.summarize(steerers, duration_s=10.0)  # none asked for: no section
+
+
+def test_watchers_per_stream_defaults_to_zero_and_refuses_a_negative():
+    assert parse().watchers_per_stream == 0 and parse("--watchers-per-stream", "24").watchers_per_stream == 24
+    assert loadtest.run(parse("--watchers-per-stream", "-1")) == 2
+
+
 def test_an_empty_run_summarizes_without_dividing_by_zero():
     r = loadtest.summarize([result(refused="full")], duration_s=5.0)
     assert r["admitted"] == 0 and r["ttff_s"]["p95"] is None and r["stalls"]["ratio"] == 0.0
