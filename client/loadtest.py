@@ -491,7 +491,9 @@ def format_table(report: dict) -> str:
         ("freezes (W3C)", f"{fz['count']} ({f(fz['total_s'], 3)} s)"),
         *([("stalls during the viewers' own pauses", f"{st['during_own_pauses']} (the load test's event loop paused "
             f"{report['client_loop']['pauses_over_50ms']} times over 50 ms, longest "
-            f"{f(report['client_loop']['pause_max_s'], 3)} s)")] if "client_loop" in report else []),
+            f"{f(report['client_loop']['pause_max_s'], 3)} s; {f(report['client_loop']['paused_s'], 2)} s paused, "
+            f"{f(report['client_loop'].get('busy_in_pauses_s'), 2)} s of it the loop's own work)")]
+          if "client_loop" in report else []),
         ("degraded chunks (fewer steps, cheaper encode)", f"{report['degraded_chunks']} of {report['chunks']}"),
         ("control latency p50 / p95 / max", " / ".join(f(cl[k], 3) for k in ("p50", "p95", "max"))
          + f" s (n={cl['n']}, pending {cl['pending']})"),
@@ -644,16 +646,22 @@ class LoopPauses:
     """Pauses of the viewers' own event loop: a ticker that sleeps `period_s` records every wake-up later than
     `min_pause_s` as (when the pause began, its length) on the monotonic clock. All viewers share one process
     and one loop; a viewer whose loop is held up past its buffer stalls however fast the server is, so the
-    report counts the stalls that overlap such a pause apart (see `own_stalls`)."""
+    report counts the stalls that overlap such a pause apart (see `own_stalls`).
+
+    Whose fault a pause is: `busy` holds the loop thread's own CPU time in each pause. A pause the loop spent
+    working (busy close to its length) is the viewers' own cost (decoding, parsing, many viewers served in one
+    turn); one it spent waiting (busy far below its length) is a CPU taken by other processes: the server's
+    threads on a host of few cores."""
 
     def __init__(self, period_s: float = 0.01, min_pause_s: float = 0.05) -> None:
         self.period_s, self.min_pause_s = period_s, min_pause_s
         self.pauses: list[tuple[float, float]] = []
+        self.busy: list[float] = []  # the loop thread's CPU seconds in each of `pauses`
         self.max_s = 0.0
 
     async def run(self, until: float) -> None:
         for _ in range(_max_count(max(0.0, until - time.monotonic()), self.period_s)):
-            t = time.monotonic()
+            t, cpu = time.monotonic(), time.thread_time()
             if t >= until:
                 return
             await asyncio.sleep(self.period_s)
@@ -661,6 +669,13 @@ class LoopPauses:
             self.max_s = max(self.max_s, late)
             if late >= self.min_pause_s:
                 self.pauses.append((t + self.period_s, late))
+                self.busy.append(time.thread_time() - cpu)
+
+    def figures(self) -> dict:
+        """The report's ``client_loop`` section."""
+        return {"pause_max_s": round(self.max_s, 4), "pauses_over_50ms": len(self.pauses),
+                "paused_s": round(sum(lag for _, lag in self.pauses), 3),
+                "busy_in_pauses_s": round(sum(self.busy), 3)}  # the loop's own CPU time in them (see the class)
 
 
 def own_stalls(results: Sequence[StreamResult], pauses: Sequence[tuple[float, float]]) -> int:
@@ -748,8 +763,7 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     else:
         report = summarize(results, duration_s=args.duration)
     report["stalls"]["during_own_pauses"] = own_stalls(results, pauses.pauses)
-    report["client_loop"] = {"pause_max_s": round(pauses.max_s, 4), "pauses_over_50ms": len(pauses.pauses),
-                             "paused_s": round(sum(lag for _, lag in pauses.pauses), 3)}
+    report["client_loop"] = pauses.figures()
     report["server"] = server_figures(first, last, wall, run.peak_metrics)
     return report
 

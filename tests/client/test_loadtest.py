@@ -105,11 +105,6 @@ def test_watchers_are_summarized_apart_and_the_top_level_stays_the_steerers():
     assert "watchers" not in loadtest.summarize(steerers, duration_s=10.0)  # none asked for: no section
 
 
-def test_watchers_per_stream_defaults_to_zero_and_refuses_a_negative():
-    assert parse().watchers_per_stream == 0 and parse("--watchers-per-stream", "24").watchers_per_stream == 24
-    assert loadtest.run(parse("--watchers-per-stream", "-1")) == 2
-
-
 def test_an_empty_run_summarizes_without_dividing_by_zero():
     r = loadtest.summarize([result(refused="full")], duration_s=5.0)
     assert r["admitted"] == 0 and r["ttff_s"]["p95"] is None and r["stalls"]["ratio"] == 0.0
@@ -187,6 +182,17 @@ async def test_loop_pauses_records_a_blocked_loop():
     await asyncio.sleep(0.05)
     task.cancel()
     assert len(pauses.pauses) == 1 and 0.15 <= pauses.pauses[0][1] < 1.0 and pauses.max_s >= 0.15
+    assert pauses.busy == [0.0] or pauses.busy[0] < 0.1  # time.sleep blocks without working: not the loop's own
+    spin = loadtest.LoopPauses(period_s=0.01, min_pause_s=0.05)
+    task = asyncio.create_task(spin.run(time.monotonic() + 2.0))
+    await asyncio.sleep(0.05)
+    t = time.monotonic()
+    while time.monotonic() - t < 0.2:  # the loop busy with work of its own
+        pass
+    await asyncio.sleep(0.05)
+    task.cancel()
+    assert len(spin.busy) == 1 and spin.busy[0] >= 0.1
+    assert spin.figures()["pauses_over_50ms"] == 1 and spin.figures()["busy_in_pauses_s"] >= 0.1
 
 
 @pytest.mark.slow
