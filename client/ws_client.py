@@ -7,7 +7,8 @@ by its id and steers nothing), waits for ``ready`` (or ``error`` with a code of
 ``protocol.START_REFUSALS``, which ends it with a reason, not an exception),
 receives every chunk as one binary message
 (``protocol.unpack_chunk``), decodes its access units with
-``streamsvc.encode.StreamDecoder`` and pushes the frames into a
+``client.decode.FrameDecoder`` from the first keyframe chunk on and pushes
+the frames into a
 ``client.playback.PlaybackBuffer`` under the chunk's prompt version. The
 buffer does all the measuring (DESIGN.md "Measuring a stream"); this module
 only feeds it with what arrives and when.
@@ -34,8 +35,8 @@ count derived from it. Network failures, refusals and server errors end up in
 ``StreamResult.errors`` / ``refused_reason``; nothing but programming errors
 (and cancellation) escapes ``run()``.
 
-Imports from ``streamsvc``: the protocol and the decoder only (DESIGN.md's
-dependency rule: the client never sees the engine or the server).
+Imports from ``streamsvc``: the protocol only (DESIGN.md's dependency rule:
+the client never sees the engine, the encoder or the server).
 """
 
 from __future__ import annotations
@@ -50,13 +51,14 @@ from dataclasses import dataclass
 
 import av
 import numpy as np
+from av.video.reformatter import VideoReformatter
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from client.playback import PlaybackBuffer, PlaybackState, PlaybackStats
 from client.verify import PixelLatency, PixelStats
+from client.decode import FrameDecoder
 from streamsvc import protocol as P
-from streamsvc.encode import StreamDecoder
 
 WS_PATH = "/ws"
 
@@ -488,7 +490,9 @@ class StreamClient(ViewerClient):
     def __init__(self, url: str, config: ClientConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(url, config, clock)
         self._last_report = float("-inf")  # when the last stats message went out
-        self._decoder: StreamDecoder | None = None
+        self._decoder: FrameDecoder | None = None
+        self._keyframe_seen = False  # a keyframe chunk came on this connection: it and every later chunk play
+        self._before_keyframe = 0  # chunks that came before it (not played)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -504,7 +508,8 @@ class StreamClient(ViewerClient):
         try:
             if not await self._connect():
                 return False
-            self._buffer = self._new_buffer()
+            rgb = VideoReformatter()  # one swscale context for the frames whose pixels are read, lazily
+            self._buffer = self._new_buffer(to_rgb=lambda frame: rgb.reformat(frame, format="rgb24").to_ndarray())
             self._begin()
             return True
         finally:
@@ -541,7 +546,8 @@ class StreamClient(ViewerClient):
         """The admitted stream's tasks: receiver, playback clock, reporter."""
         cfg = self.config
         if cfg.decode is not DecodeMode.NONE:
-            self._decoder = StreamDecoder()
+            self._decoder = FrameDecoder()
+        self._keyframe_seen, self._before_keyframe = False, 0
         self._tasks = [
             asyncio.create_task(self._receive(), name=f"recv-{self.ready.stream_id}"),
             asyncio.create_task(self._play_clock(), name=f"clock-{self.ready.stream_id}"),
@@ -663,8 +669,14 @@ class StreamClient(ViewerClient):
             self._fail(f"bad chunk from the server: {e}")
             return
         self.headers.append(header)
+        self._keyframe_seen = self._keyframe_seen or header.keyframe
+        if not self._keyframe_seen:  # nothing before an IDR decodes; a server sends no such chunk (protocol.py)
+            self._before_keyframe += 1
+            if self._before_keyframe == 1:
+                self._fail(f"chunk {header.index} came before any keyframe chunk: it and any more such are not played")
+            return
         t0 = time.perf_counter()
-        kept: list[np.ndarray] | None = [] if self.pixels is not None else None  # the frames, for their pixels
+        kept: list[av.VideoFrame] | None = [] if self.pixels is not None else None  # the frames, for their pixels
         if self.config.decode is DecodeMode.NONE:
             frames = header.frames
         elif self.config.decode is DecodeMode.THREAD:
@@ -697,11 +709,11 @@ class StreamClient(ViewerClient):
         if self.config.stats_every_s > 0 and now - self._last_report >= self.config.stats_every_s:
             await self._send_stats()
 
-    def _decode(self, units: list[bytes], kept: list[np.ndarray] | None = None) -> int:
+    def _decode(self, units: list[bytes], kept: list[av.VideoFrame] | None = None) -> int:
         """Decode a chunk's access units; returns the frames out (wrong-sized ones are counted as bad), which
-        go to `kept` too when given."""
+        go to `kept` too when given (still YUV: only those whose pixels are read are converted to RGB)."""
         n = 0
-        want = (self.ready.height, self.ready.width, 3)
+        want = (self.ready.height, self.ready.width)
         for au in units:
             try:
                 frames = self._decoder.decode(au)
@@ -710,7 +722,7 @@ class StreamClient(ViewerClient):
                 continue
             for f in frames:
                 n += 1
-                if f.shape != want:
+                if (f.height, f.width) != want:
                     self.bad_frames += 1
                 if kept is not None:
                     kept.append(f)

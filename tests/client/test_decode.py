@@ -1,0 +1,80 @@
+"""The WebSocket client's decoding: its own H.264 decoder (client/decode.py) and the rule that playback starts at
+the first keyframe chunk, fed through the client's chunk handler (no server: a real encoder makes the chunks)."""
+
+import av
+import pytest
+
+from client.decode import FrameDecoder
+from client.ws_client import ClientConfig, DecodeMode, StreamClient
+from streamsvc import protocol as P
+from streamsvc.encode import StreamEncoder
+from tests.streamsvc.test_encode import FPS, H, W, encode_chunks
+
+
+@pytest.fixture(scope="module")
+def chunks() -> list[tuple[P.Chunk, list[bytes]]]:
+    """Three chunks of 12 frames: a keyframe chunk, one mid-GOP, and one that starts with a requested IDR."""
+    enc = StreamEncoder(W, H, FPS)
+    packets = encode_chunks(enc, [12, 12])
+    enc.request_keyframe()
+    packets += encode_chunks(enc, [12], start=24)
+    enc.close()
+    out = []
+    for i, chunk in enumerate(packets):
+        units = [bytes(p) for p in chunk]
+        out.append((P.Chunk.describe(units, index=i, pts=12 * i, prompt_version=0, steps=4,
+                                     keyframe=chunk[0].is_keyframe), units))
+    assert [h.keyframe for h, _ in out] == [True, False, True]
+    return out
+
+
+def test_the_decoder_gives_each_access_unit_its_frame_at_once_without_converting_it(chunks):
+    dec = FrameDecoder()
+    for header, units in chunks:
+        for au in units:
+            frames = dec.decode(au)
+            assert len(frames) == 1 and isinstance(frames[0], av.VideoFrame)
+            assert (frames[0].width, frames[0].height, frames[0].format.name) == (W, H, "yuv420p")
+    dec.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        dec.decode(chunks[0][1][0])
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def watcher(decode: DecodeMode, width: int = W) -> StreamClient:
+    """A watcher's client as open() leaves it after `ready` (no socket: the chunk handler is fed directly)."""
+    clock = _Clock()
+    c = StreamClient("ws://127.0.0.1:1/ws", ClientConfig(watch="s3", stats_every_s=0, decode=decode), clock=clock)
+    c.ready = P.Ready(stream_id="s3", fps=FPS, width=width, height=H, first_chunk_frames=12, chunk_frames=12,
+                      prompt_version=0, steps=4, role="watch", viewer_id="v1")
+    c._connected_at = clock()
+    c._buffer = c._new_buffer()
+    if decode is not DecodeMode.NONE:
+        c._decoder = FrameDecoder()
+    return c
+
+
+@pytest.mark.parametrize("decode", [DecodeMode.INLINE, DecodeMode.NONE])
+async def test_chunks_before_the_first_keyframe_chunk_are_not_played(chunks, decode):
+    c = watcher(decode)
+    mid_gop = chunks[1]
+    await c._on_chunk(P.pack_chunk(*mid_gop))
+    await c._on_chunk(P.pack_chunk(*mid_gop))
+    assert c.frames_decoded == 0 and c.stats().ttff_s is None and c.chunks == 2
+    assert c.errors == ["chunk 1 came before any keyframe chunk: it and any more such are not played"]  # once
+    c.clock.t += 0.5
+    await c._on_chunk(P.pack_chunk(*chunks[2]))  # the keyframe it waited for
+    assert c.frames_decoded == 12 and c.bad_frames == 0 and c.stats().ttff_s == 0.5 and len(c.errors) == 1
+
+
+async def test_frames_of_another_size_than_ready_said_are_counted_bad(chunks):
+    c = watcher(DecodeMode.INLINE, width=W + 16)
+    await c._on_chunk(P.pack_chunk(*chunks[0]))
+    assert c.frames_decoded == 12 and c.bad_frames == 12
