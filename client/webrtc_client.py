@@ -66,7 +66,6 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from client.playback import PlaybackState
 from client.ws_client import ClientConfig, ClientState, ViewerClient
 from streamsvc import protocol as P
-from streamsvc.encode import RTP_CLOCK_HZ
 from streamsvc.rtc import (
     CONTROL_CHANNEL,
     IceServer,
@@ -75,6 +74,8 @@ from streamsvc.rtc import (
     rtc_configuration,
 )
 
+RTP_CLOCK_HZ = 90_000
+"""The RTP clock of video (RFC 6184 for H.264): a frame's timestamp counts 1/90000 s (protocol.py's limits)."""
 PLAYOUT_DELAY_S = 0.15
 """Default jitter-buffer delay: playback starts this long after the first frame arrives."""
 HEADER_WAIT_S = 1.0
