@@ -1,15 +1,21 @@
 """Recording a stream: its encoded packets muxed into MP4 as they are sent, a chapter per prompt.
 
 No re-encode: the access units the viewers get (H.264 Annex-B, SPS/PPS before each IDR) go into
-the MP4 as they are; the muxer turns them into length-prefixed samples and takes the SPS/PPS of
-the first keyframe as the track's configuration (avcC). A recording starts at a keyframe chunk
-(the server asks the encoder for one when recording starts) and its clock starts there at 0.
+the MP4 as they are. The track is a mux-only stream (no codec context: an encoder opened for it
+would write its own SPS/PPS as the track's configuration, e.g. High profile for a Constrained
+Baseline stream); with no extradata given, FFmpeg's MP4 muxer takes the first packet, the IDR
+with its SPS/PPS, as the track's configuration (avcC), and turns every access unit into
+length-prefixed samples. A recording starts at a keyframe chunk (the server asks the encoder for
+one when recording starts) and its clock starts there at 0. Every IDR (at a chunk's start or in
+its middle) is a sync sample, so a player seeks to it.
 Each prompt is a chapter, written into the MP4 and into a WebVTT chapters file beside it
 (``ID.vtt``), which a page lists with ``<track kind="chapters">``. The MP4 is finished when
-the recording closes (the stream ended, or the disk budget ran out): its index goes at the front
-(faststart), so a browser plays it as it downloads.
+the recording closes (the stream ended, or the disk budget ran out, which closes it at once):
+its index goes at the front (faststart), so a browser plays it as it downloads. Until then the
+file has no index and does not play.
 
 `RecordingStore` owns the directory and the disk budget; `Recorder` is one stream's recording.
+Neither is thread-safe: one thread (the server's event loop) uses them.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ log = logging.getLogger("streamsvc.record")
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]+\.(mp4|vtt)$")  # what GET /recordings/NAME may name
 _START_CODE = re.compile(b"\x00\x00\x01")
-_SPS, _PPS = 7, 8  # H.264 NAL unit types
+_IDR, _SPS, _PPS = 5, 7, 8  # H.264 NAL unit types
+_STREAM_ID = re.compile(r"[A-Za-z0-9_-]+")  # what a recording id is made of (the stream id, a time stamp)
 
 
 class RecordingRefused(Exception):
@@ -66,18 +73,19 @@ class Recorder:
         keyframe chunk are skipped. False when the recording has stopped (closed, or the budget is reached)."""
         if self._closed or self.stopped_reason is not None:
             return False
-        if self._container is None:
-            if not header.keyframe:
-                return True  # waits for a keyframe to start at
-            self._open(access_units[0], header.pts)
+        if self._container is None and not header.keyframe:
+            return True  # waits for a keyframe to start at
         size = sum(len(au) for au in access_units)
         if not self.store.reserve(size):
             self.stopped_reason = (
                 f"recording {self.recording_id} stopped at {self.frames / self.fps:.1f} s: the recordings use "
-                f"{self.store.used_bytes / 2**30:.2f} GiB of their {self.store.max_bytes / 2**30:g} GiB "
-                "(--record-max-gib); delete old recordings or raise the limit")
+                f"{_size(self.store.used_bytes)} of their {_size(self.store.max_bytes)} (--record-max-gib); "
+                "delete old recordings or raise the limit")
             log.warning(self.stopped_reason)
+            self.close()  # what was written plays from now on
             return False
+        if self._container is None:
+            self._open(access_units[0], header.pts)
         first = header.pts - self._first_pts
         if not self.chapters or self.chapters[-1].title != prompt:
             self.chapters.append(_Chapter(first, first, prompt))
@@ -87,7 +95,7 @@ class Recorder:
             packet.pts = packet.dts = first + i
             packet.duration = 1
             packet.time_base = Fraction(1, self.fps)  # the muxer rescales to its own (it picks the timescale)
-            packet.is_keyframe = i == 0 and header.keyframe
+            packet.is_keyframe = _IDR in _nal_types(au)  # a sync sample (stss) wherever the encoder put an IDR
             packet.stream = self._stream
             self._container.mux(packet)
         self.bytes_written += size
@@ -100,7 +108,8 @@ class Recorder:
         if self._closed:
             return
         self._closed = True
-        if self._container is None:
+        if self._container is None:  # never started (no keyframe came, or its first chunk did not fit): no file
+            self.store.finished(self)
             return
         try:
             self._container.set_chapters([
@@ -110,20 +119,20 @@ class Recorder:
             ])
             self._write_chapters()
         finally:
-            self._container.close()
-            self.store.finished(self)
+            try:
+                self._container.close()  # the trailer: chapters, the index moved to the front
+            finally:
+                self.store.finished(self)  # counted from the disk from now on, even if the trailer failed
         log.info("recording %s: %d frames (%.1f s), %d chapters, %.1f MB", self.recording_id, self.frames,
                  self.frames / self.fps, len(self.chapters), self.path.stat().st_size / 1e6)
 
     def _open(self, idr: bytes, pts: int) -> None:
-        params = [nal for nal in _nal_units(idr) if nal and nal[0] & 0x1F in (_SPS, _PPS)]
-        if not params:
+        if not {_SPS, _PPS} <= set(_nal_types(idr)):
             raise ValueError(f"recording {self.recording_id}: the keyframe chunk's first access unit has no SPS/PPS")
         container = av.open(str(self.path), "w", format="mp4", options={"movflags": "+faststart"})
-        stream = container.add_stream("h264", rate=self.fps)
-        stream.width, stream.height, stream.pix_fmt = self.width, self.height, "yuv420p"
-        stream.time_base = Fraction(1, self.fps)
-        stream.codec_context.extradata = b"".join(b"\x00\x00\x00\x01" + nal for nal in params)
+        # no codec context, no extradata: the muxer makes the avcC of this first packet's SPS/PPS (module docstring)
+        stream = container.add_mux_stream("h264", rate=self.fps, width=self.width, height=self.height,
+                                          time_base=Fraction(1, self.fps))
         self._container, self._stream, self._first_pts = container, stream, pts
 
     def _write_chapters(self) -> None:
@@ -144,24 +153,26 @@ class RecordingStore:
             raise ValueError(f"max_bytes={max_bytes}: recordings need a disk budget > 0")
         self.directory = Path(directory)
         self.max_bytes = max_bytes
-        self._known: set[str] = set()  # names of recordings made by this store or found in the directory
-        self._stored = 0  # bytes of finished recordings
-        self._active: dict[str, Recorder] = {}
-        self._scanned = False
+        self._known: set[str] = set()  # ids of recordings made by this store or found in the directory
+        self._stored = 0  # bytes of the finished recordings' files, as of the last scan (or finished() since)
+        self._active: dict[str, Recorder] = {}  # recordings being written, by id (counted by bytes_written)
 
     @property
     def used_bytes(self) -> int:
-        """Disk the recordings use: those finished (from earlier runs too) and those being written."""
+        """Disk the recordings use: those finished (from earlier runs too, as the directory holds them now: deleting
+        old ones frees their share) and those being written."""
         self._scan()
-        return self._stored + sum(r.bytes_written for r in self._active.values())
+        return self._active_bytes()
 
     def open(self, stream_id: str, fps: int, width: int, height: int) -> Recorder:
         """A new recording of `stream_id`; raises RecordingRefused when the recordings fill their budget."""
+        if not _STREAM_ID.fullmatch(stream_id):
+            raise ValueError(f"stream id {stream_id!r}: a recording's id is made of letters, digits, '-' and '_'")
         used = self.used_bytes
         if used >= self.max_bytes:
             raise RecordingRefused(
-                f"cannot record: the recordings use {used / 2**30:.2f} GiB of their {self.max_bytes / 2**30:g} GiB "
-                "(--record-max-gib); delete old recordings or raise the limit")
+                f"cannot record: the recordings use {_size(used)} of their {_size(self.max_bytes)} (--record-max-gib); "
+                "delete old recordings or raise the limit")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -178,8 +189,9 @@ class RecordingStore:
         return recorder
 
     def reserve(self, size: int) -> bool:
-        """Whether `size` more bytes fit the budget (the caller writes them if so)."""
-        return self.used_bytes + size <= self.max_bytes
+        """Whether `size` more bytes fit the budget (the caller writes them if so). Uses the last scan of the
+        directory (at open, or a read of used_bytes): it is asked at every chunk."""
+        return self._active_bytes() + size <= self.max_bytes
 
     def finished(self, recorder: Recorder) -> None:
         self._active.pop(recorder.recording_id, None)
@@ -189,7 +201,7 @@ class RecordingStore:
 
     def path(self, name: str) -> Path | None:
         """The file a request names (``ID.mp4`` or ``ID.vtt`` of a recording here), or None."""
-        if not _NAME.match(name):
+        if not _NAME.fullmatch(name):
             return None
         self._scan()
         if name.rsplit(".", 1)[0] not in self._known:
@@ -197,17 +209,26 @@ class RecordingStore:
         target = self.directory / name
         return target if target.is_file() else None
 
+    def _active_bytes(self) -> int:
+        return self._stored + sum(r.bytes_written for r in self._active.values())
+
     def _scan(self) -> None:
-        """Count the recordings already in the directory (earlier runs), once."""
-        if self._scanned:
-            return
-        self._scanned = True
-        if not self.directory.is_dir():
-            return
-        for path in self.directory.iterdir():
-            if path.suffix in (".mp4", ".vtt") and _NAME.match(path.name) and path.is_file():
-                self._known.add(path.stem)
-                self._stored += path.stat().st_size
+        """Count the finished recordings in the directory (earlier runs' too) as it is now."""
+        stored = 0
+        try:
+            entries = list(self.directory.iterdir())
+        except OSError:  # no directory yet (made at the first recording), or unreadable
+            entries = []
+        for path in entries:
+            if path.suffix in (".mp4", ".vtt") and _NAME.fullmatch(path.name) and path.stem not in self._active:
+                try:
+                    size = path.stat().st_size if path.is_file() else None
+                except OSError:  # deleted meanwhile
+                    size = None
+                if size is not None:
+                    self._known.add(path.stem)
+                    stored += size
+        self._stored = stored
 
 
 def _nal_units(access_unit: bytes) -> list[bytes]:
@@ -218,6 +239,15 @@ def _nal_units(access_unit: bytes) -> list[bytes]:
         end = starts[i + 1] - 3 if i + 1 < len(starts) else len(access_unit)
         units.append(access_unit[start:end].rstrip(b"\x00") if i + 1 < len(starts) else access_unit[start:end])
     return units
+
+
+def _nal_types(access_unit: bytes) -> list[int]:
+    return [nal[0] & 0x1F for nal in _nal_units(access_unit) if nal]
+
+
+def _size(n: int) -> str:
+    """Bytes for a message: GiB as --record-max-gib takes them, MiB below a hundredth of one."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 / 100 else f"{n / 2**20:.2f} MiB"
 
 
 def _vtt_time(seconds: float) -> str:

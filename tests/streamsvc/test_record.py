@@ -4,7 +4,7 @@ import av
 import numpy as np
 import pytest
 
-from streamsvc.encode import StreamEncoder
+from streamsvc.encode import StreamDecoder, StreamEncoder, is_idr
 from streamsvc.protocol import Chunk
 from streamsvc.record import RecordingRefused, RecordingStore
 
@@ -106,3 +106,113 @@ def test_recordings_are_found_by_exact_name_only(tmp_path):
     assert second.recording_id != rec.recording_id and second.recording_id.startswith("s0-")
     second.close()  # never started (no keyframe came): no file
     assert store.path(second.recording_id + ".mp4") is None
+
+
+def encoded(sizes: list[int], keyframe_interval: int, fast_at: tuple[int, ...] = ()) -> list[tuple[Chunk, list[bytes]]]:
+    """Chunks of `sizes` frames as the output stage makes them: IDRs at the encoder's interval (mid-chunk too) and
+    `fast_at` chunks through the fast context (its own PPS), the header's keyframe flag from the first packet."""
+    enc = StreamEncoder(W, H, FPS, keyframe_interval=keyframe_interval)
+    out, pts = [], 0
+    for i, n in enumerate(sizes):
+        video = np.zeros((n, H, W, 3), np.uint8)
+        for f in range(n):
+            video[f, ..., 1] = 3 * (pts + f) % 256
+            video[f, 10:18, (pts + f) % (W - 8):(pts + f) % (W - 8) + 8] = (200, 40, 40)
+        packets = enc.encode(video, start_index=pts, fast=i in fast_at)
+        aus = [bytes(p) for p in packets]
+        out.append((Chunk.describe(aus, index=i, pts=pts, prompt_version=0, steps=4, keyframe=packets[0].is_keyframe,
+                                   fast=i in fast_at), aus))
+        pts += n
+    enc.close()
+    return out
+
+
+def nal_units(annexb: bytes) -> list[bytes]:
+    return [n.rstrip(b"\x00") for n in annexb.replace(b"\x00\x00\x00\x01", b"\x00\x00\x01").split(b"\x00\x00\x01") if n]
+
+
+def test_the_tracks_avcc_holds_the_first_keyframes_own_sps_and_pps(tmp_path):
+    store = RecordingStore(tmp_path, 1 << 30)
+    rec = store.open("s1", FPS, W, H)
+    sent = encoded([9, 12], keyframe_interval=32)
+    for header, aus in sent:
+        rec.add(header, aus, "p")
+    rec.close()
+    sps, pps = [n for n in nal_units(sent[0][1][0]) if n[0] & 0x1F in (7, 8)]
+    with av.open(str(rec.path)) as c:
+        avcc = c.streams.video[0].codec_context.extradata
+    # ISO/IEC 14496-15 AVCDecoderConfigurationRecord: version 1, the SPS's profile, compatibility and level, 4-byte
+    # lengths, one SPS, one PPS. (An encoder opened for the track would put its own here: High profile, not ours.)
+    assert avcc[0] == 1 and avcc[1:4] == sps[1:4] and avcc[4] == 0xFF and avcc[5] == 0xE1
+    n = int.from_bytes(avcc[6:8], "big")
+    assert avcc[8:8 + n] == sps and avcc[8 + n] == 1
+    m = int.from_bytes(avcc[9 + n:11 + n], "big")
+    assert avcc[11 + n:11 + n + m] == pps
+
+
+def test_every_idr_is_a_sync_sample_and_the_recording_decodes_to_what_the_viewers_decoded(tmp_path):
+    # IDRs every 20 frames fall mid-chunk; chunk 3 is a fast one (its own x264 context, another PPS, an IDR first)
+    sent = encoded([12] * 8, keyframe_interval=20, fast_at=(3,))
+    store = RecordingStore(tmp_path, 1 << 30)
+    rec = store.open("s1", FPS, W, H)
+    for (header, aus), prompt in zip(sent, ["a"] * 3 + ["b"] * 5):
+        assert rec.add(header, aus, prompt)
+    rec.close()
+    aus = [au for _, chunk in sent for au in chunk]
+    assert len({nal_units(au)[1] for au in aus if is_idr(au)}) == 2  # two PPS: the normal and the fast context's
+    viewer = StreamDecoder()
+    watched = [frame for au in aus for frame in viewer.decode(au)]
+    with av.open(str(rec.path)) as c:
+        keyframes = [p.is_keyframe for p in c.demux(video=0) if p.size]
+    with av.open(str(rec.path)) as c:
+        recorded = [frame.to_ndarray(format="rgb24") for frame in c.decode(video=0)]
+    assert keyframes == [is_idr(au) for au in aus] and sum(keyframes) == 6
+    assert len(recorded) == len(watched) == 96
+    assert all(np.array_equal(a, b) for a, b in zip(recorded, watched))  # the same pictures: nothing re-encoded
+
+
+def test_a_recording_stopped_by_the_budget_is_finished_at_once_and_leaves_the_store_consistent(tmp_path):
+    sent = chunks(6)
+    store = RecordingStore(tmp_path, sum(len(au) for au in sent[0][1]) + sum(len(au) for au in sent[1][1]))
+    rec = store.open("s1", FPS, W, H)
+    assert [rec.add(header, aus, "p") for header, aus in sent[:3]] == [True, True, False]
+    with av.open(str(rec.path)) as c:  # playable before the stream ends and close() comes
+        assert len(list(c.decode(video=0))) == 24
+    rec.close()  # the server's, at the stream's end: nothing more happens
+    assert store.used_bytes == rec.path.stat().st_size + rec.chapters_path.stat().st_size
+    # a recording whose first chunk does not fit makes no file and holds nothing
+    small = RecordingStore(tmp_path / "small", 100)
+    late = small.open("s2", FPS, W, H)
+    assert late.add(*sent[0], "p") is False and "stopped at 0.0 s" in late.stopped_reason
+    assert not late.path.exists() and not late.chapters_path.exists() and small.used_bytes == 0
+    assert small.open("s3", FPS, W, H)  # nothing was counted: the next one may start
+
+
+def test_deleting_old_recordings_frees_the_budget_of_the_running_store(tmp_path):
+    sent = chunks(2)
+    store = RecordingStore(tmp_path, sum(len(au) for au in sent[0][1]) + 1)  # one chunk fits, with no room for its index
+    old = store.open("s1", FPS, W, H)
+    assert [old.add(header, aus, "p") for header, aus in sent] == [True, False]
+    used = store.used_bytes
+    assert used > store.max_bytes
+    with pytest.raises(RecordingRefused, match=rf"recordings use {used / 2**20:.2f} MiB of their "
+                                               rf"{store.max_bytes / 2**20:.2f} MiB \(--record-max-gib\); delete old"):
+        store.open("s2", FPS, W, H)
+    old.path.unlink()
+    old.chapters_path.unlink()  # what the refusal tells the operator to do; no restart
+    assert store.used_bytes == 0
+    assert store.open("s2", FPS, W, H).recording_id.startswith("s2-")
+    assert store.path(old.path.name) is None
+
+
+def test_names_and_ids_are_checked_exactly(tmp_path):
+    store = RecordingStore(tmp_path, 1 << 30)
+    rec = store.open("s0", FPS, W, H)
+    rec.add(*chunks(1)[0], "p")
+    rec.close()
+    assert store.path(rec.path.name) == rec.path
+    assert store.path(rec.path.name + "\n") is None and store.path(" " + rec.path.name) is None
+    with pytest.raises(ValueError, match="letters, digits"):
+        store.open("../s0", FPS, W, H)
+    with pytest.raises(ValueError, match="budget > 0"):
+        RecordingStore(tmp_path, 0)
