@@ -4,7 +4,8 @@
 server's ``/ws`` endpoint (one connection = one stream): it sends ``start``
 (or, with ``ClientConfig.watch``, ``watch``: the viewer watches an open stream
 by its id and steers nothing), waits for ``ready`` (or ``error`` with a code of
-``protocol.START_REFUSALS``, which ends it with a reason, not an exception),
+``protocol.START_REFUSALS``, or any error that answers the ``start`` or
+``watch`` itself, which ends it with a reason, not an exception),
 receives every chunk as one binary message
 (``protocol.unpack_chunk``), decodes its access units with
 ``client.decode.FrameDecoder`` from the first keyframe chunk on and pushes
@@ -256,7 +257,9 @@ class ViewerClient:
                 return True
             if isinstance(msg, P.Error):
                 self._on_error(msg)
-                if msg.code in P.START_REFUSALS:
+                # no stream follows a refusal, nor any other error that answers the start or watch itself (a
+                # cluster gateway answers watch with `unavailable` and keeps the socket: do not wait out the timeout)
+                if msg.code in P.START_REFUSALS or msg.request == self.config.first_message().type:
                     self.refused_reason = msg.message
                     self.state = ClientState.REFUSED
                     return False

@@ -1,11 +1,14 @@
-"""The WebSocket client's decoding: its own H.264 decoder (client/decode.py) and the rule that playback starts at
-the first keyframe chunk, fed through the client's chunk handler (no server: a real encoder makes the chunks)."""
+"""The WebSocket client without a server: its own H.264 decoder (client/decode.py), the rule that playback starts
+at the first keyframe chunk (fed through the client's chunk handler; a real encoder makes the chunks), and how the
+opening ends on an error that answers the client's watch."""
+
+import asyncio
 
 import av
 import pytest
 
 from client.decode import FrameDecoder
-from client.ws_client import ClientConfig, DecodeMode, StreamClient
+from client.ws_client import ClientConfig, ClientState, DecodeMode, StreamClient
 from streamsvc import protocol as P
 from streamsvc.encode import StreamEncoder
 from tests.streamsvc.test_encode import FPS, H, W, encode_chunks
@@ -78,3 +81,34 @@ async def test_frames_of_another_size_than_ready_said_are_counted_bad(chunks):
     c = watcher(DecodeMode.INLINE, width=W + 16)
     await c._on_chunk(P.pack_chunk(*chunks[0]))
     assert c.frames_decoded == 12 and c.bad_frames == 12
+
+
+class _Socket:
+    """What `_await_ready` reads: the server's messages, then the end of the connection after a long wait."""
+
+    def __init__(self, *messages) -> None:
+        self.messages = [P.encode(m) for m in messages]
+
+    async def __aiter__(self):
+        for m in self.messages:
+            yield m
+        await asyncio.sleep(30)  # a server that keeps the socket open: the client must not wait for it
+
+
+@pytest.mark.parametrize("error, refused", [
+    (P.Error(code=P.ErrorCode.UNAVAILABLE, request="watch", message="no watching through the cluster gateway yet"),
+     True),
+    (P.Error(code=P.ErrorCode.NOT_FOUND, request="watch", message="no open stream 's3' here"), True),
+    (P.Error(code=P.ErrorCode.RATE_LIMITED, request="set_prompt", message="an error about something else"), False),
+])
+async def test_an_error_that_answers_the_watch_ends_the_opening(error, refused):
+    c = StreamClient("ws://127.0.0.1:1/ws", ClientConfig(watch="s3"))
+    c._ws = _Socket(error)
+    if refused:
+        assert await asyncio.wait_for(c._await_ready(), 1.0) is False
+        assert c.state is ClientState.REFUSED and c.refused_reason == error.message
+    else:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(c._await_ready(), 0.2)
+        assert c.refused_reason is None
+    assert c.server_errors == [error]
