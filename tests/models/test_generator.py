@@ -284,24 +284,28 @@ def test_the_prompt_cache_keeps_the_most_recent_prompts_within_its_bytes(monkeyp
     assert list(gen._prompts) == ["g"]  # the newest always stays
 
 
-@pytest.mark.parametrize("at_step, quant", [(0, "none"), (2, "none"), (0, "int4")])
-def test_parked_and_restored_stream_continues_exactly(at_step, quant):
+@pytest.mark.parametrize("at_step, quant, parked_after",
+                         [(0, "none", 3), (2, "none", 3), (0, "int4", 3), (0, "none", 4), (0, "int4", 4)])
+def test_parked_and_restored_stream_continues_exactly(at_step, quant, parked_after):
     # the stream's whole state goes to host memory and back into a fresh cache, between chunks or in the
     # middle of one (x, x0 and the step travel too), quantized storage with its slot maps: the chunks after
-    # it equal an uninterrupted run's
-    prompts = {2: "a red boat", 5: "a blue train"}
+    # it equal an uninterrupted run's. Parked after 4 chunks, the ring has turned (head 3 of the window's 6
+    # slots), and the prompt switch at chunk 4 recaches from the restored clean latents and ring
+    prompts = {2: "a red boat", 4: "a blue train"}
     gen = tiny_generator(sink_frames=3, window_frames=6, kv_quant=quant)
     want = run_chunks(gen, gen.open_stream("ref", "a cat", seed=7), 8, dict(prompts))
     gen = tiny_generator(sink_frames=3, window_frames=6, kv_quant=quant)
     other = gen.open_stream("other", "a dog", seed=3)  # takes the workspace while the stream is parked
     state = gen.open_stream("s", "a cat", seed=7)
     it = gen.stream(state, dict(prompts))
-    got = [next(it) for _ in range(3)]
+    got = [next(it) for _ in range(parked_after)]
     for _ in range(at_step):
         gen.run(Work.DENOISE, [state])
+    head = state.cache.head
     parked = _parked_and_back_after(gen, state, lambda: run_chunks(gen, other, 2))
+    assert state.cache.head == head == (3 if parked_after == 4 else 0)
     assert parked.nbytes >= gen.cache_spec().stream_bytes() + state.clean.numel() * 4
-    got += [next(it) for _ in range(5)]
+    got += [next(it) for _ in range(8 - parked_after)]
     assert [c.index for c in got] == list(range(8))
     for a, b in zip(want, got):
         assert a.prompt_version == b.prompt_version
