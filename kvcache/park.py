@@ -168,12 +168,14 @@ class ParkBudget:
             "raise --park-budget-gib"
         )
 
-    def reserve(self, stream_id: str, nbytes: int) -> str | None:
-        """Hold `nbytes` for `stream_id`; returns the refusal instead when they do not fit."""
+    def reserve(self, stream_id: str, nbytes: int, force: bool = False) -> str | None:
+        """Hold `nbytes` for `stream_id`; returns the refusal instead when they do not fit. `force` holds them
+        even beyond the budget (bytes already copied to the host: the accounting stays exact, and free_bytes
+        goes below 0 until they are released) and returns the refusal it overrode."""
         if stream_id in self._held:
             raise ValueError(f"stream {stream_id!r} already holds parked memory")
         why = self.refusal(nbytes)
-        if why is None:
+        if why is None or force:
             self._held[stream_id] = int(nbytes)
         return why
 

@@ -208,6 +208,8 @@ class Engine:
         self.restores = 0  # resumes done (streams back on the device)
         self.park_seconds = 0.0  # total time of the parks' copies to the host
         self.restore_seconds = 0.0  # total time of the resumes' copies back
+        self.last_park_seconds: float | None = None  # the latest park's copy time (None: none yet)
+        self.last_restore_seconds: float | None = None  # the latest resume's copy time (None: none yet)
         self._cheap_encode = False  # the warm-up measured the cheaper encode cheaper: a late chunk's encode degrades
         self.heartbeat_at: float | None = None  # engine clock at the loop's latest turn (None: not serving yet)
         self.gen: ChunkGenerator | None = None
@@ -735,6 +737,7 @@ class Engine:
                     st.park = None
                     self.restores += 1
                     self.restore_seconds += park.parked.seconds
+                    self.last_restore_seconds = park.parked.seconds
                     park.resumed.set_result(ParkResult(stream_id, park.parked.nbytes, park.parked.seconds,
                                                        park.device_bytes))
                 continue
@@ -754,11 +757,17 @@ class Engine:
         park.device_bytes = self.pool.release(stream_id)
         self.kv_used_bytes = self.pool.used_bytes
         self.park_budget.release(stream_id)
-        self.park_budget.reserve(stream_id, park.parked.nbytes)  # what it holds (at most what it reserved)
+        # what it holds, which may exceed what pause() reserved: a decoder whose state the chunk committed
+        # meanwhile created (a first chunk) or grew. The copies are made: held anyway, the next pause refused
+        over = self.park_budget.reserve(stream_id, park.parked.nbytes, force=True)
+        if over is not None:
+            log.warning("stream %s parked %d bytes, %d more than pause() reserved: over the park budget (%s)",
+                        stream_id, park.parked.nbytes, park.parked.nbytes - park.reserved, over)
         park.reserved = park.parked.nbytes
         self.parked_bytes = self.park_budget.used_bytes
         self.parks += 1
         self.park_seconds += park.parked.seconds
+        self.last_park_seconds = park.parked.seconds
         park.paused.set_result(ParkResult(stream_id, park.parked.nbytes, park.parked.seconds, park.device_bytes))
 
     def _observe(self, stream_id: str, buffered_frames: float, at_most: bool) -> None:

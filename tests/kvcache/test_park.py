@@ -57,3 +57,14 @@ def test_park_budget_accounting_and_refusal_with_the_numbers():
     with pytest.raises(ValueError):
         ParkBudget(-1)
     assert ParkBudget(0).refusal(1) is not None and ParkBudget(0).refusal(0) is None
+
+
+def test_a_forced_reservation_is_held_beyond_the_budget_and_says_what_it_overrode():
+    budget = ParkBudget(1000)
+    assert budget.reserve("a", 600) is None
+    refusal = budget.refusal(700)
+    assert refusal is not None
+    assert budget.reserve("b", 700, force=True) == refusal  # bytes already copied to the host: counted anyway
+    assert (budget.used_bytes, budget.free_bytes, budget.num_streams) == (1300, -300, 2)
+    assert budget.reserve("c", 1) is not None and not budget.holds("c")
+    assert budget.release("b") == 700 and budget.free_bytes == 400

@@ -177,7 +177,8 @@ def test_a_paused_stream_parks_in_host_memory_and_resumes_exactly_where_it_was()
         assert paused.nbytes > eng.gen.cache_spec().stream_bytes()
         assert eng.kv_used_bytes == eng.pool.used_bytes == used - reservation
         assert (eng.parked_streams, eng.parked_bytes, eng.parks, eng.restores) == (1, paused.nbytes, 1, 0)
-        assert eng.sched.is_parked("a") and eng.park_seconds == paused.seconds
+        assert eng.sched.is_parked("a") and eng.park_seconds == eng.last_park_seconds == paused.seconds
+        assert eng.last_restore_seconds is None
         with pytest.raises(EngineError, match="'a' is already paused"):
             eng.pause("a").result(timeout=10)
         n = len(made["a"])
@@ -187,6 +188,7 @@ def test_a_paused_stream_parks_in_host_memory_and_resumes_exactly_where_it_was()
         resumed = eng.resume("a").result(timeout=20)
         assert (resumed.nbytes, resumed.device_bytes) == (paused.nbytes, reservation)
         assert eng.kv_used_bytes == used and (eng.parked_streams, eng.parked_bytes, eng.restores) == (0, 0, 1)
+        assert eng.restore_seconds == eng.last_restore_seconds == resumed.seconds
         with pytest.raises(EngineError, match="'a' is not paused"):
             eng.resume("a").result(timeout=10)
         got.wait(lambda g: len(g.chunks.get("a", [])) >= n + 3)
@@ -221,6 +223,26 @@ def test_pause_beyond_the_park_budget_is_refused_and_the_stream_goes_on():
         n = len(got.chunks["a"])
         got.wait(lambda g: len(g.chunks["a"]) >= n + 2)
         assert eng.parked_streams == 0 and eng.park_budget.used_bytes == 0
+    finally:
+        eng.stop()
+
+
+def test_a_park_larger_than_its_reservation_is_counted_whole_and_refuses_the_next_pause():
+    # pause() reserves the stream's size at that moment; its chunk is committed before the copies, and a decoder
+    # whose state that commit creates (a first chunk) or grows parks more than was reserved
+    eng, got, _ = _engine(park_budget_bytes=1000)
+    try:
+        for sid in ("a", "b"):
+            assert eng.open_stream(sid, "x", seed=0, fps=16).result(timeout=10).accepted
+        got.wait(lambda g: len(g.chunks.get("a", [])) >= 1 and len(g.chunks.get("b", [])) >= 1)
+        eng.gen.park_bytes = lambda state: 1  # what pause() reserves: far less than what the park copies
+        paused = eng.pause("a").result(timeout=20)
+        assert paused.nbytes > 1000
+        assert eng.parked_bytes == eng.park_budget.used_bytes == paused.nbytes  # the host memory it really holds
+        assert eng.park_budget.free_bytes == 1000 - paused.nbytes < 0
+        with pytest.raises(EngineError, match="cannot pause stream 'b': parking needs"):
+            eng.pause("b").result(timeout=10)
+        assert eng.close_stream("a").result(timeout=10) and eng.park_budget.used_bytes == eng.parked_bytes == 0
     finally:
         eng.stop()
 
