@@ -127,7 +127,9 @@ async def test_a_30_s_steered_recording_plays_in_chromium_with_a_chapter_per_pro
                         await new Promise((done, fail) => { el.addEventListener('load', done, {once: true});
                                                             el.addEventListener('error', fail, {once: true}); });
                     }
-                    if (v.readyState < 1) await new Promise((done) => v.addEventListener('loadedmetadata', done, {once: true}));
+                    if (v.readyState < 1) {
+                        await new Promise((done) => v.addEventListener('loadedmetadata', done, {once: true}));
+                    }
                     const canPlay = v.canPlayType('video/mp4; codecs="avc1.42C01E"');
                     v.playbackRate = 16;
                     const started = performance.now();

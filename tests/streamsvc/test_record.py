@@ -190,7 +190,7 @@ def test_a_recording_stopped_by_the_budget_is_finished_at_once_and_leaves_the_st
 
 def test_deleting_old_recordings_frees_the_budget_of_the_running_store(tmp_path):
     sent = chunks(2)
-    store = RecordingStore(tmp_path, sum(len(au) for au in sent[0][1]) + 1)  # one chunk fits, with no room for its index
+    store = RecordingStore(tmp_path, sum(len(au) for au in sent[0][1]) + 1)  # one chunk fits, not with its index
     old = store.open("s1", FPS, W, H)
     assert [old.add(header, aus, "p") for header, aus in sent] == [True, False]
     used = store.used_bytes
