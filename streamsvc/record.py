@@ -209,6 +209,10 @@ class RecordingStore:
         target = self.directory / name
         return target if target.is_file() else None
 
+    def in_progress(self, name: str) -> bool:
+        """Whether the recording a request names (``ID.mp4`` or ``ID.vtt``) is still being written."""
+        return name.rsplit(".", 1)[0] in self._active
+
     def _active_bytes(self) -> int:
         return self._stored + sum(r.bytes_written for r in self._active.values())
 

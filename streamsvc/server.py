@@ -38,7 +38,7 @@ from websockets.http11 import Request, Response
 from streamsvc import protocol as P
 from streamsvc.access import AccessConfig, Refusal, StreamLimits, TokenBucket, bearer_token, client_address, \
     exposure_warning, find_token, origin_allowed
-from streamsvc.engine import ChunkOut, Engine, EngineConfig
+from streamsvc.engine import ChunkOut, Engine, EngineConfig, EngineError
 from streamsvc.record import RecordingRefused, RecordingStore
 from streamsvc.session import Role, Session, SessionState, Viewer
 from streamsvc.rtc import SignalingError, WebRtcConfig, server_ice_addresses
@@ -124,6 +124,14 @@ class Metrics:
         self.chunks_encoded = Gauge("streamsvc_chunks_encoded", "Chunks through the output stage", registry=r)
         self.chunk_latency_max = Gauge("streamsvc_chunk_latency_max_seconds",
                                        "Slowest chunk so far: its first forward's launch to its hand-over", registry=r)
+        self.parked = Gauge("streamsvc_parked_streams", "Paused streams whose state is parked in host memory",
+                            registry=r)
+        self.parked_bytes = Gauge("streamsvc_parked_bytes", "Host memory the parked streams hold", registry=r)
+        self.park_budget = Gauge("streamsvc_park_budget_bytes", "Host memory parked streams may hold", registry=r)
+        self.parks = Gauge("streamsvc_parks", "Streams parked (pauses) and brought back (resumes)", ["op"],
+                           registry=r)
+        self.park_s = Gauge("streamsvc_park_seconds", "Time of the parks' and resumes' copies, in total", ["op"],
+                            registry=r)
         self.errors = Counter("streamsvc_protocol_errors", "Bad client messages answered with an error", registry=r)
         self.refusals = Counter("streamsvc_refusals", "Requests refused, by reason", ["reason"], registry=r)
         for reason in Refusal:
@@ -289,18 +297,23 @@ class Server:
                 self.metrics.refusals.labels(Refusal.UNAUTHORIZED.value).inc()
                 return self._respond(http.HTTPStatus.UNAUTHORIZED, b"this server needs an access token: add "
                                      b"?token=... to the address or send an Authorization: Bearer header\n", "text/plain")
+        if self.recordings.in_progress(name):  # its index (the moov box) and chapters are written when it ends
+            return self._respond(http.HTTPStatus.CONFLICT, b"recording in progress: it can be fetched once its "
+                                 b"stream ends or its steerer stops recording\n", "text/plain")
         target = self.recordings.path(name)
         if target is None:
             return self._respond(http.HTTPStatus.NOT_FOUND, b"no such recording\n", "text/plain")
-        body = target.read_bytes()
         ctype = "video/mp4" if target.suffix == ".mp4" else "text/vtt; charset=utf-8"
-        span = _byte_range(request.headers.get("Range"), len(body))
-        if span is None:
-            response = self._respond(http.HTTPStatus.OK, body, ctype)
-        else:
-            start, end = span
-            response = self._respond(http.HTTPStatus.PARTIAL_CONTENT, body[start:end + 1], ctype)
-            response.headers["Content-Range"] = f"bytes {start}-{end}/{len(body)}"
+        size = target.stat().st_size
+        span = _byte_range(request.headers.get("Range"), size)
+        with target.open("rb") as f:  # a seek reads only the part asked for
+            if span is None:
+                response = self._respond(http.HTTPStatus.OK, f.read(), ctype)
+            else:
+                start, end = span
+                f.seek(start)
+                response = self._respond(http.HTTPStatus.PARTIAL_CONTENT, f.read(end + 1 - start), ctype)
+                response.headers["Content-Range"] = f"bytes {start}-{end}/{size}"
         response.headers["Accept-Ranges"] = "bytes"
         return response
 
@@ -347,6 +360,13 @@ class Server:
         m.encode_s.set(self.engine.encode_seconds)
         m.chunks_encoded.set(self.engine.chunks_encoded)
         m.chunk_latency_max.set(self.engine.chunk_latency_max_s)
+        m.parked.set(self.engine.parked_streams)
+        m.parked_bytes.set(self.engine.parked_bytes)
+        m.park_budget.set(self.engine.config.park_budget_bytes)
+        for op, n, seconds in (("park", self.engine.parks, self.engine.park_seconds),
+                               ("restore", self.engine.restores, self.engine.restore_seconds)):
+            m.parks.labels(op).set(n)
+            m.park_s.labels(op).set(seconds)
         m.degraded.labels("device").set(self.engine.degraded_chunks)
         m.degraded.labels("encode").set(self.engine.fast_encodes)
         if snap is not None:
@@ -581,14 +601,8 @@ class Server:
             viewer.send(refusal)
             return
         try:
-            if isinstance(msg, P.Pause):
-                await asyncio.wrap_future(self.engine.pause(sid))
-                session.pause()
-                viewer.send(P.Ack(request="pause"))
-            elif isinstance(msg, P.Resume):
-                await asyncio.wrap_future(self.engine.resume(sid))
-                session.resume()
-                viewer.send(P.Ack(request="resume"))
+            if isinstance(msg, (P.Pause, P.Resume)):
+                await self._pause_or_resume(viewer, isinstance(msg, P.Pause))
             elif isinstance(msg, P.Stats):
                 if msg.stalls > viewer.client_stalls:
                     self.metrics.client_stalls.inc(msg.stalls - viewer.client_stalls)
@@ -623,6 +637,23 @@ class Server:
             if viewer.closed:
                 return
             viewer.send(_failed(msg.type, e))
+
+    async def _pause_or_resume(self, viewer: Viewer, pause: bool) -> None:
+        """Park the stream's state in host memory, or bring it back. Both are idempotent: a repeat is
+        acknowledged and does nothing. A refusal (no park budget, no room on the device to resume) is
+        `unavailable` with the engine's reason; the stream stays as it was."""
+        session, request = viewer.session, "pause" if pause else "resume"
+        if pause is not (session.state is SessionState.PAUSED):
+            try:
+                await asyncio.wrap_future((self.engine.pause if pause else self.engine.resume)(session.stream_id))
+            except EngineError as e:
+                viewer.send(P.Error(code=P.ErrorCode.UNAVAILABLE, request=request, message=str(e)[: P.MAX_TEXT_CHARS]))
+                return
+            if pause:
+                session.pause()
+            else:
+                session.resume()
+        viewer.send(P.Ack(request=request))
 
     def _handover(self, viewer: Viewer, to: str) -> None:
         session = viewer.session

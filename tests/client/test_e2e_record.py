@@ -38,6 +38,8 @@ async def test_a_steered_recording_has_a_chapter_per_prompt_and_is_served_after_
         seen = len(steerer.payloads)
         await steerer.until(lambda: len(steerer.payloads) >= seen + 2, "two more chunks")
         base = f"http://127.0.0.1:{server.port}"
+        status, _, text = await asyncio.to_thread(get, base + rec.url)  # unindexed until the stream ends
+        assert status == 409 and b"in progress" in text
         await steerer.send({"type": "close"})
         await steerer.until(lambda: steerer.of(P.Closed), "closed")
         server._refresh_metrics()

@@ -199,19 +199,44 @@ async def test_every_chunk_header_says_its_denoising_steps(server):
 
 
 async def test_pause_and_resume_are_acknowledged_and_generation_waits_while_paused(server):
+    def metric(name: str, **labels) -> float:
+        server._refresh_metrics()
+        return server.metrics.registry.get_sample_value(name, labels)
+
     async with viewer(server) as c:
         assert await c.wait_until(lambda: c.chunks >= 2, T)
+        await c.resume()  # not paused: acknowledged, nothing happens
+        assert await c.wait_until(lambda: [a.request for a in c.acks] == ["resume"], T)
+        assert metric("streamsvc_parks", op="restore") == 0
         await c.pause()
-        assert await c.wait_until(lambda: [a.request for a in c.acks] == ["pause"], T)
+        await c.pause()  # a repeat is acknowledged too
+        assert await c.wait_until(lambda: [a.request for a in c.acks] == ["resume", "pause", "pause"], T)
+        assert metric("streamsvc_parked_streams") == 1 and metric("streamsvc_parks", op="park") == 1
+        assert metric("streamsvc_parked_bytes") > 0
         await asyncio.sleep(0.5)  # the buffer reaches the cap, then nothing more comes
         n = c.chunks
         await asyncio.sleep(1.0)
         assert c.chunks <= n + 1
         await c.resume()
-        assert await c.wait_until(lambda: [a.request for a in c.acks] == ["pause", "resume"], T)
+        assert await c.wait_until(lambda: [a.request for a in c.acks][3:] == ["resume"], T)
         assert await c.wait_until(lambda: c.chunks >= n + 3, T)
         assert c.stats().paused_s >= 1.4
+        assert metric("streamsvc_parked_streams") == 0 and metric("streamsvc_parked_bytes") == 0
+        assert metric("streamsvc_parks", op="restore") == 1 and metric("streamsvc_park_seconds", op="restore") > 0
     assert c.result().errors == ()
+
+
+async def test_a_pause_without_park_budget_is_unavailable_with_the_reason_and_the_stream_goes_on():
+    async with running(engine_config(park_budget_bytes=0)) as server:
+        async with viewer(server) as c:
+            assert await c.wait_until(lambda: c.chunks >= 1, T)
+            await c.pause()
+            assert await c.wait_until(lambda: c.server_errors, T)
+            error = c.server_errors[0]
+            assert error.code == P.ErrorCode.UNAVAILABLE and error.request == "pause" and "budget" in error.message
+            n = c.chunks
+            assert await c.wait_until(lambda: c.chunks >= n + 2, T)  # it was never paused
+            assert c.acks == [] and server.engine.parked_streams == 0
 
 
 async def test_graceful_stop_sends_closed_to_every_connected_client():
