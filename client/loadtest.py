@@ -297,7 +297,8 @@ def server_figures(first: dict | None, last: dict | None, wall_s: float, peak: d
     return {
         "admitted": delta("streamsvc_streams_admitted_total"),
         "refused": delta("streamsvc_streams_refused_total"),
-        "chunks": delta("streamsvc_chunks_total"),
+        "chunks": delta("streamsvc_chunks_total"),  # sent: a chunk fanned out to watchers counts once per viewer
+        "chunks_encoded": encoded_n,  # generated: once per stream however many watch it
         "forward_ms": {k: round(1e3 * seconds[k] / forwards[k], 3) if forwards[k] else None for k in kinds},
         "gpu_ms": {k: round(1e3 * gpu_seconds[k] / forwards[k], 3) if forwards[k] else None for k in kinds},
         "encode_ms_per_chunk": round(1e3 * delta("streamsvc_encode_seconds") / encoded_n, 3) if encoded_n else None,
@@ -317,6 +318,9 @@ def server_figures(first: dict | None, last: dict | None, wall_s: float, peak: d
         "modelled_stalls_peak": None if peak is None else peak.get("streamsvc_modelled_stalls"),
         "scheduler_load_peak": None if peak is None else peak.get("streamsvc_scheduler_load"),
         "kv_bytes_peak": None if peak is None else peak.get("streamsvc_kv_bytes"),
+        "open_streams_peak": None if peak is None else sum(
+            v for k, v in peak.items() if k.startswith("streamsvc_streams{") and k != "streamsvc_streams{state=closed}"),
+        "watchers_peak": None if peak is None else peak.get("streamsvc_watchers"),
         "kv_budget_bytes": last.get("streamsvc_kv_budget_bytes"),
     }
 

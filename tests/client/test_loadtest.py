@@ -105,6 +105,20 @@ def test_watchers_are_summarized_apart_and_the_top_level_stays_the_steerers():
     assert "watchers" not in loadtest.summarize(steerers, duration_s=10.0)  # none asked for: no section
 
 
+def test_server_figures_are_the_deltas_over_the_run_and_the_peak_scrape_counts_streams_and_watchers():
+    first = {"streamsvc_forwards{kind=denoise}": 10.0, "streamsvc_forward_seconds{kind=denoise}": 0.1,
+             "streamsvc_chunks_total": 5.0, "streamsvc_chunks_encoded": 5.0, "streamsvc_encode_seconds": 0.1}
+    last = {"streamsvc_forwards{kind=denoise}": 30.0, "streamsvc_forward_seconds{kind=denoise}": 0.5,
+            "streamsvc_chunks_total": 105.0, "streamsvc_chunks_encoded": 9.0, "streamsvc_encode_seconds": 0.3}
+    peak = {"streamsvc_streams{state=playing}": 3.0, "streamsvc_streams{state=paused}": 1.0,
+            "streamsvc_streams{state=closed}": 7.0, "streamsvc_watchers": 96.0}
+    figures = loadtest.server_figures(first, last, 10.0, peak)
+    assert figures["forwards"]["denoise"] == 20 and figures["forward_ms"]["denoise"] == 20.0
+    assert figures["chunks"] == 100 and figures["chunks_encoded"] == 4 and figures["encode_ms_per_chunk"] == 50.0
+    assert figures["open_streams_peak"] == 4 and figures["watchers_peak"] == 96
+    assert loadtest.server_figures(first, None, 10.0, peak) is None
+
+
 def test_an_empty_run_summarizes_without_dividing_by_zero():
     r = loadtest.summarize([result(refused="full")], duration_s=5.0)
     assert r["admitted"] == 0 and r["ttff_s"]["p95"] is None and r["stalls"]["ratio"] == 0.0
