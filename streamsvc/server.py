@@ -662,9 +662,7 @@ class Server:
             viewer.send(P.Error(code=P.ErrorCode.INVALID_FIELD, request="handover", message=(
                 f"no watcher {to!r} on stream {session.stream_id}: hand over to the viewer_id of one of its watchers")))
             return
-        session.give_token(target)
-        viewer.send(P.Ack(request="handover"))
-        self._audience_changed(session, now=True)
+        self._give_token(viewer, target, "handover")
 
     def _take(self, viewer: Viewer) -> None:
         session = viewer.session
@@ -673,9 +671,12 @@ class Server:
             viewer.send(P.Error(code=P.ErrorCode.NOT_STEERER, request="take", message=(
                 f"the steer token of stream {session.stream_id} is taken ({holder}); its steerer can hand it over")))
             return
-        session.give_token(viewer)
-        viewer.send(P.Ack(request="take"))
-        self._audience_changed(session, now=True)
+        self._give_token(viewer, viewer, "take")
+
+    def _give_token(self, asked: Viewer, to: Viewer, request: str) -> None:
+        asked.session.give_token(to)
+        asked.send(P.Ack(request=request))
+        self._audience_changed(asked.session, now=True)
 
     def _audience_changed(self, session: Session, now: bool = False) -> None:
         """Every viewer gets `audience` soon (joins in a burst make one message each), or `now` (a role changed)."""

@@ -8,6 +8,7 @@ Saves a screenshot of the player playing, to docs/player.png when STREAMSVC_SCRE
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -49,132 +50,120 @@ async def _state(page) -> dict:
     )
 
 
-async def test_player_plays_steers_and_reports(tmp_path):
-    server = Server(EngineConfig(), ServerConfig(port=0, static_dir=str(STATIC), max_streams=1,
-                                                 webrtc=WebRtcConfig(ice_addresses=("127.0.0.1",))))
+@contextlib.asynccontextmanager
+async def serving(**config):
+    """(server, its base URL): the tiny model on the CPU with the player's pages, WebRTC on loopback; stopped on the
+    way out (a second stop after a test's own does nothing)."""
+    server = Server(EngineConfig(), ServerConfig(port=0, static_dir=str(STATIC),
+                                                 webrtc=WebRtcConfig(ice_addresses=("127.0.0.1",)), **config))
     await server.start()
-    base = f"http://127.0.0.1:{server.port}"
     try:
-        async with playwright_api.async_playwright() as pw:
-            browser = await pw.chromium.launch_persistent_context(
-                str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=FLAGS,
-                viewport={"width": 760, "height": 840},
-            )
-            try:
-                page = await browser.new_page()
-                await page.goto(f"{base}/?prompt=a%20lighthouse%20in%20a%20storm", timeout=15_000)
-                await page.wait_for_function("player.framesPresented > 0", timeout=20_000)
-                first = await _state(page)
-                assert first["phase"] == "playing" and first["ttff"] is not None, first
-
-                await asyncio.sleep(PLAY_S)
-                played = await _state(page)
-                assert played["shown"] >= 0.6 * 16 * PLAY_S, played  # frames were decoded and shown at about 16 fps
-                await page.wait_for_function("player.framesDecoded > 0", timeout=5_000)  # getStats agrees
-                assert played["version"] == 0 and played["chunks"] >= 5, played
-
-                # a second viewer is refused (cap of 1 stream) and told why
-                other = await browser.new_page()
-                await other.goto(base + "/", timeout=15_000)
-                await other.wait_for_function("player.phase === 'refused'", timeout=15_000)
-                banner = await other.inner_text("#banner-text")
-                assert "refused" in banner and "cap of 1" in banner, banner
-                await other.close()
-
-                # steer: type a new prompt into the page
-                await page.fill("#prompt", "a red fox running through snow")
-                await page.press("#prompt", "Enter")
-                await page.wait_for_function("player.versionOnScreen >= 1", timeout=15_000)
-                steered = await _state(page)
-                assert steered["acked"] == 1 and steered["steer"], steered  # the ack came and frames under v1 showed
-                await page.wait_for_function(  # the overlay shows it (it redraws every 250 ms)
-                    "Number(document.getElementById('o-version').textContent.slice(1)) >= 1", timeout=2_000)
-
-                await page.wait_for_timeout(1500)  # a getStats poll after the steer
-                final = await _state(page)
-                assert isinstance(final["freezes"], int) and final["freezes"] >= 0, final
-                print(f"browser: ttff {final['ttff']:.0f} ms, {final['shown']} frames shown, {final['decoded']} decoded, "
-                      f"freezeCount {final['freezes']} ({final['freeze_s']:.2f} s), steer {final['steer'][0]:.0f} ms")
-                shot = DOCS_SCREENSHOT if os.environ.get("STREAMSVC_SCREENSHOT") == "1" else tmp_path / "player.png"
-                shot.parent.mkdir(parents=True, exist_ok=True)
-                await page.screenshot(path=str(shot))
-                assert shot.stat().st_size > 1000
-
-                # the server goes away: the page says so
-                await asyncio.wait_for(server.stop(), 30)
-                await page.wait_for_function("player.phase === 'closed' || player.phase === 'failed'", timeout=10_000)
-                assert "server shutting down" in await page.inner_text("#banner-text")
-                assert server.engine.kv_used_bytes == 0
-            finally:
-                await browser.close()
+        yield server, f"http://127.0.0.1:{server.port}"
     finally:
         await asyncio.wait_for(server.stop(), 30)
+
+
+@contextlib.asynccontextmanager
+async def chromium(tmp_path: Path, **options):
+    """Debian's Chromium, headless, with a fresh profile; closed on the way out."""
+    async with playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=FLAGS, **options)
+        try:
+            yield browser
+        finally:
+            await browser.close()
+
+
+async def test_player_plays_steers_and_reports(tmp_path):
+    viewport = {"width": 760, "height": 840}
+    async with serving(max_streams=1) as (server, base), chromium(tmp_path, viewport=viewport) as browser:
+        page = await browser.new_page()
+        await page.goto(f"{base}/?prompt=a%20lighthouse%20in%20a%20storm", timeout=15_000)
+        await page.wait_for_function("player.framesPresented > 0", timeout=20_000)
+        first = await _state(page)
+        assert first["phase"] == "playing" and first["ttff"] is not None, first
+
+        await asyncio.sleep(PLAY_S)
+        played = await _state(page)
+        assert played["shown"] >= 0.6 * 16 * PLAY_S, played  # frames were decoded and shown at about 16 fps
+        await page.wait_for_function("player.framesDecoded > 0", timeout=5_000)  # getStats agrees
+        assert played["version"] == 0 and played["chunks"] >= 5, played
+
+        # a second viewer is refused (cap of 1 stream) and told why
+        other = await browser.new_page()
+        await other.goto(base + "/", timeout=15_000)
+        await other.wait_for_function("player.phase === 'refused'", timeout=15_000)
+        banner = await other.inner_text("#banner-text")
+        assert "refused" in banner and "cap of 1" in banner, banner
+        await other.close()
+
+        # steer: type a new prompt into the page
+        await page.fill("#prompt", "a red fox running through snow")
+        await page.press("#prompt", "Enter")
+        await page.wait_for_function("player.versionOnScreen >= 1", timeout=15_000)
+        steered = await _state(page)
+        assert steered["acked"] == 1 and steered["steer"], steered  # the ack came and frames under v1 showed
+        await page.wait_for_function(  # the overlay shows it (it redraws every 250 ms)
+            "Number(document.getElementById('o-version').textContent.slice(1)) >= 1", timeout=2_000)
+
+        await page.wait_for_timeout(1500)  # a getStats poll after the steer
+        final = await _state(page)
+        assert isinstance(final["freezes"], int) and final["freezes"] >= 0, final
+        print(f"browser: ttff {final['ttff']:.0f} ms, {final['shown']} frames shown, {final['decoded']} decoded, "
+              f"freezeCount {final['freezes']} ({final['freeze_s']:.2f} s), steer {final['steer'][0]:.0f} ms")
+        shot = DOCS_SCREENSHOT if os.environ.get("STREAMSVC_SCREENSHOT") == "1" else tmp_path / "player.png"
+        shot.parent.mkdir(parents=True, exist_ok=True)
+        await page.screenshot(path=str(shot))
+        assert shot.stat().st_size > 1000
+
+        # the server goes away: the page says so
+        await asyncio.wait_for(server.stop(), 30)
+        await page.wait_for_function("player.phase === 'closed' || player.phase === 'failed'", timeout=10_000)
+        assert "server shutting down" in await page.inner_text("#banner-text")
+        assert server.engine.kv_used_bytes == 0
 
 
 async def test_player_takes_its_token_from_the_page_fragment(tmp_path):
     """A server with a token: the page with #token=... plays (its upgrade comes from the server's own origin);
     the page without one is refused with the reason."""
-    server = Server(EngineConfig(), ServerConfig(port=0, static_dir=str(STATIC),
-                                                 webrtc=WebRtcConfig(ice_addresses=("127.0.0.1",)),
-                                                 access=AccessConfig(tokens={"s3cret-token": None})))
-    await server.start()
-    base = f"http://127.0.0.1:{server.port}"
-    try:
-        async with playwright_api.async_playwright() as pw:
-            browser = await pw.chromium.launch_persistent_context(
-                str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=FLAGS)
-            try:
-                page = await browser.new_page()
-                await page.goto(f"{base}/?prompt=a%20koi%20pond#token=s3cret-token", timeout=15_000)
-                await page.wait_for_function("player.framesPresented > 0", timeout=20_000)
-                assert (await _state(page))["phase"] == "playing"
+    access = AccessConfig(tokens={"s3cret-token": None})
+    async with serving(access=access) as (server, base), chromium(tmp_path) as browser:
+        page = await browser.new_page()
+        await page.goto(f"{base}/?prompt=a%20koi%20pond#token=s3cret-token", timeout=15_000)
+        await page.wait_for_function("player.framesPresented > 0", timeout=20_000)
+        assert (await _state(page))["phase"] == "playing"
 
-                other = await browser.new_page()
-                await other.goto(base + "/", timeout=15_000)
-                await other.wait_for_function("player.phase === 'refused'", timeout=15_000)
-                assert "access token" in await other.inner_text("#banner-text")
-            finally:
-                await browser.close()
-    finally:
-        await asyncio.wait_for(server.stop(), 30)
+        other = await browser.new_page()
+        await other.goto(base + "/", timeout=15_000)
+        await other.wait_for_function("player.phase === 'refused'", timeout=15_000)
+        assert "access token" in await other.inner_text("#banner-text")
 
 
 async def test_a_second_page_opens_the_watch_link_and_plays_the_same_stream(tmp_path):
     """The steering page shows a watch link; a second page opening it plays the same stream (from a keyframe), says
     it watches, has no prompt box, and both pages count one watcher."""
-    server = Server(EngineConfig(), ServerConfig(port=0, static_dir=str(STATIC),
-                                                 webrtc=WebRtcConfig(ice_addresses=("127.0.0.1",))))
-    await server.start()
-    base = f"http://127.0.0.1:{server.port}"
-    try:
-        async with playwright_api.async_playwright() as pw:
-            browser = await pw.chromium.launch_persistent_context(
-                str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=FLAGS)
-            try:
-                page = await browser.new_page()
-                await page.goto(f"{base}/?prompt=a%20blue%20square%20falling", timeout=15_000)
-                await page.wait_for_function("player.framesPresented > 0", timeout=20_000)
-                link = await page.get_attribute("#watch-link", "href")
-                stream_id = await page.evaluate("player.streamId")
-                assert link.endswith(f"/#watch={stream_id}") and await page.inner_text("#role") == "steering"
+    async with serving() as (server, base), chromium(tmp_path) as browser:
+        page = await browser.new_page()
+        await page.goto(f"{base}/?prompt=a%20blue%20square%20falling", timeout=15_000)
+        await page.wait_for_function("player.framesPresented > 0", timeout=20_000)
+        link = await page.get_attribute("#watch-link", "href")
+        stream_id = await page.evaluate("player.streamId")
+        assert link.endswith(f"/#watch={stream_id}") and await page.inner_text("#role") == "steering"
 
-                watcher = await browser.new_page()
-                await watcher.goto(link, timeout=15_000)
-                await watcher.wait_for_function("player.framesPresented >= 16", timeout=20_000)
-                state = await watcher.evaluate("({role: player.role, id: player.streamId, phase: player.phase})")
-                assert state == {"role": "watch", "id": stream_id, "phase": "playing"}, state
-                assert await watcher.inner_text("#role") == "watching"
-                assert await watcher.is_disabled("#prompt")
-                await page.wait_for_function("player.watchers === 1", timeout=5_000)
-                await page.wait_for_function(
-                    "document.getElementById('watchers').textContent === '1 watching'", timeout=2_000)
-                assert len(server.sessions) == 1  # one stream generated for both pages
-                await watcher.close()
-                await page.wait_for_function("player.watchers === 0", timeout=5_000)
-            finally:
-                await browser.close()
-    finally:
-        await asyncio.wait_for(server.stop(), 30)
+        watcher = await browser.new_page()
+        await watcher.goto(link, timeout=15_000)
+        await watcher.wait_for_function("player.framesPresented >= 16", timeout=20_000)
+        state = await watcher.evaluate("({role: player.role, id: player.streamId, phase: player.phase})")
+        assert state == {"role": "watch", "id": stream_id, "phase": "playing"}, state
+        assert await watcher.inner_text("#role") == "watching"
+        assert await watcher.is_disabled("#prompt")
+        await page.wait_for_function("player.watchers === 1", timeout=5_000)
+        await page.wait_for_function(
+            "document.getElementById('watchers').textContent === '1 watching'", timeout=2_000)
+        assert len(server.sessions) == 1  # one stream generated for both pages
+        await watcher.close()
+        await page.wait_for_function("player.watchers === 0", timeout=5_000)
 
 
 async def test_a_recording_of_a_steered_stream_plays_in_chromium_with_its_prompts_listed(tmp_path):
@@ -185,10 +174,7 @@ async def test_a_recording_of_a_steered_stream_plays_in_chromium_with_its_prompt
 
     seconds = float(os.environ.get("STREAMSVC_RECORD_S", "6"))
     prompts = ["a red ball moving right", "a blue square falling", "a green triangle rising", "a yellow ball still"]
-    server = Server(EngineConfig(), ServerConfig(port=0, static_dir=str(STATIC), recordings_dir=str(tmp_path / "rec")))
-    await server.start()
-    base = f"http://127.0.0.1:{server.port}"
-    try:
+    async with serving(recordings_dir=str(tmp_path / "rec")) as (server, base):
         steerer = await Peer.open(server, {"type": "start", "prompt": prompts[0], "seed": 5})
         await steerer.send({"type": "record"})
         await steerer.until(lambda: steerer.of(P.Recording), "recording")
@@ -202,25 +188,20 @@ async def test_a_recording_of_a_steered_stream_plays_in_chromium_with_its_prompt
         await steerer.close()
         rid = steerer.of(P.Recording)[0].url.rsplit("/", 1)[1].removesuffix(".mp4")
         versions = sorted({h.prompt_version for h in steerer.headers})
-        async with playwright_api.async_playwright() as pw:
-            browser = await pw.chromium.launch_persistent_context(
-                str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=FLAGS)
-            try:
-                page = await browser.new_page()
-                await page.goto(f"{base}/recording.html#id={rid}", timeout=15_000)
-                await page.wait_for_function("document.getElementById('video').readyState >= 1", timeout=15_000)
-                await page.wait_for_function("recording.chapters.length > 0", timeout=10_000)
-                info = await page.evaluate("""async () => {
-                    const v = document.getElementById('video');
-                    v.playbackRate = 8;
-                    await v.play();
-                    await new Promise((done) => v.addEventListener('ended', done, {once: true}));
-                    return {duration: v.duration, width: v.videoWidth, time: v.currentTime, error: recording.error,
-                            frames: v.getVideoPlaybackQuality().totalVideoFrames, chapters: recording.chapters,
-                            listed: [...document.querySelectorAll('#chapters li')].map((li) => li.textContent)};
-                }""")
-            finally:
-                await browser.close()
+        async with chromium(tmp_path) as browser:
+            page = await browser.new_page()
+            await page.goto(f"{base}/recording.html#id={rid}", timeout=15_000)
+            await page.wait_for_function("document.getElementById('video').readyState >= 1", timeout=15_000)
+            await page.wait_for_function("recording.chapters.length > 0", timeout=10_000)
+            info = await page.evaluate("""async () => {
+                const v = document.getElementById('video');
+                v.playbackRate = 8;
+                await v.play();
+                await new Promise((done) => v.addEventListener('ended', done, {once: true}));
+                return {duration: v.duration, width: v.videoWidth, time: v.currentTime, error: recording.error,
+                        frames: v.getVideoPlaybackQuality().totalVideoFrames, chapters: recording.chapters,
+                        listed: [...document.querySelectorAll('#chapters li')].map((li) => li.textContent)};
+            }""")
         recorded_s = info["duration"]
         print(f"recording {rid}: {recorded_s:.2f} s in Chromium, {info['frames']} frames decoded, "
               f"{len(info['chapters'])} chapters: {[c['text'] for c in info['chapters']]}")
@@ -230,5 +211,3 @@ async def test_a_recording_of_a_steered_stream_plays_in_chromium_with_its_prompt
         assert [c["text"] for c in info["chapters"]][0] == prompts[0]
         assert len(info["chapters"]) >= len(versions) - 1 and len(info["listed"]) == len(info["chapters"])
         assert [c["start"] for c in info["chapters"]] == sorted(c["start"] for c in info["chapters"])
-    finally:
-        await asyncio.wait_for(server.stop(), 30)
