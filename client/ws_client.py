@@ -258,7 +258,7 @@ class ViewerClient:
             if isinstance(msg, P.Error):
                 self._on_error(msg)
                 # no stream follows a refusal, nor any other error that answers the start or watch itself (a
-                # cluster gateway answers watch with `unavailable` and keeps the socket: do not wait out the timeout)
+                # server may keep the socket open after it: do not wait out the timeout)
                 if msg.code in P.START_REFUSALS or msg.request == self.config.first_message().type:
                     self.refused_reason = msg.message
                     self.state = ClientState.REFUSED

@@ -22,6 +22,7 @@ import itertools
 import logging
 import mimetypes
 import random
+import re
 import signal
 import time
 from collections.abc import Callable, Coroutine
@@ -66,8 +67,13 @@ class ServerConfig:
     recordings_dir: str = "recordings"  # where recordings go (`record` messages, --record) and are served from
     record_all: bool = False  # record every stream (--record DIR)
     record_max_bytes: int = 4 << 30  # disk the recordings may use; a recording past it stops, a new one is refused
+    # what this server's stream ids begin with: a cluster replica's own ("<replica>-"), so that a watch link names
+    # the replica that runs its stream
+    stream_prefix: str = ""
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_-]*", self.stream_prefix):
+            raise ValueError(f"stream_prefix={self.stream_prefix!r}: letters, digits, '_' and '-' only")
         if self.max_watchers < 0:
             raise ValueError(f"max_watchers={self.max_watchers}: give 0 (no watchers) or more")
         if not self.orphan_timeout_s >= 0:
@@ -466,7 +472,7 @@ class Server:
         if client is None:
             return None
         token, address = client
-        stream_id = f"s{next(self._ids)}"
+        stream_id = f"{self.config.stream_prefix}s{next(self._ids)}"
         fps = msg.fps or 16
         seed = msg.seed if msg.seed is not None else random.randrange(2**31)
         session = Session(stream_id, fps, msg.prompt, token=token, address=address)

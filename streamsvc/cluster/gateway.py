@@ -16,6 +16,10 @@ code), then hands each stream to an engine replica (streamsvc/cluster/replica.py
   placed again, on another replica; the stream starts over) and its socket closes. A call that fails
   before its placement is retried on another replica, unseen by the viewer.
 
+A `watch` goes to the replica that runs its stream, which its id names (a replica's stream ids are
+`<replica>-s<n>`): the replica's server admits the watcher as its own (streamsvc/server.py), and the
+relay is the same as a stream's. Watchers do not count against the gateway's stream caps.
+
 WebRTC: signaling rides the relayed WebSocket; the answer comes from the replica's own peer
 connection with its host's candidates, so media flows between the browser and the replica directly.
 """
@@ -40,8 +44,9 @@ from websockets.http11 import Request, Response
 from streamsvc import protocol as P
 from streamsvc.access import Refusal, StreamLimits, exposure_warning
 from streamsvc.cluster.placement import ReplicaStats
+from streamsvc.cluster.replica import stream_prefix
 from streamsvc.cluster.router import Board, board
-from streamsvc.server import WS_PATH, Metrics, Server, ServerConfig
+from streamsvc.server import RECORDINGS_PATH, WS_PATH, Metrics, Server, ServerConfig
 
 log = logging.getLogger("streamsvc.cluster.gateway")
 
@@ -60,6 +65,7 @@ class _Relay:
     conn_id: str
     replica: str | None = None  # where its session runs, once placed
     lost: bool = False  # its replica died under it
+    watch: bool = False  # a watcher's (of a stream on `replica`), not a stream's
 
 
 class Gateway(Server):
@@ -75,6 +81,7 @@ class Gateway(Server):
         self.limits = StreamLimits(config.access)
         self.metrics = Metrics()
         self.sessions: dict[str, _Relay] = {}  # conn id -> relay (counted against the server cap)
+        self.watchers: dict[str, _Relay] = {}  # conn id -> a watcher's relay (not counted against it)
         self.handle = handle
         self.board: Board = board(handle.deployment_name)
         self.gateway_id = uuid.uuid4().hex[:12]
@@ -126,6 +133,9 @@ class Gateway(Server):
                                  "text/plain")
         if path == "/metrics":
             return self._respond(http.HTTPStatus.OK, self.metrics_text().encode(), "text/plain; version=0.0.4")
+        if path.startswith(RECORDINGS_PATH):
+            return self._respond(http.HTTPStatus.NOT_FOUND, b"recordings stay on the machine of the worker that ran "
+                                 b"the stream (its --recordings-dir); this gateway does not serve them\n", "text/plain")
         if path == "/replicas":  # what placement sees: each replica's routing stats, without its metrics
             rows = [{**s.to_dict(), "metrics": None} for s in self.board.stats()]
             return self._respond(http.HTTPStatus.OK, json.dumps(rows).encode(), "application/json")
@@ -146,6 +156,7 @@ class Gateway(Server):
                 samples.setdefault(name, []).append(_sample(name, smp.labels, smp.value))
         own = {
             "streamsvc_gateway_sessions": [({}, len(self.sessions))],
+            "streamsvc_gateway_watchers": [({}, len(self.watchers))],
             "streamsvc_gateway_worker_lost_total": [({}, self.worker_lost)],
             "streamsvc_gateway_replicas": [({"state": "ready"}, sum(s.ready and not s.draining for s in stats)),
                                            ({"state": "draining"}, sum(s.draining for s in stats)),
@@ -158,10 +169,13 @@ class Gateway(Server):
     # -- WebSocket --------------------------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
-        start = await self._await_start(ws)
-        if start is None:
+        first = await self._await_start(ws)
+        if first is None:
             return
-        raw, msg = start
+        raw, msg = first
+        if isinstance(msg, P.Watch):
+            await self._handle_watch(ws, raw, msg)
+            return
         client = await self._let_in(ws, msg)
         if client is None:
             return
@@ -174,8 +188,28 @@ class Gateway(Server):
             self.sessions.pop(relay.conn_id, None)
             self.limits.release(token, address)
 
-    async def _await_start(self, ws: ServerConnection) -> tuple[str, P.Start] | None:
-        """The viewer's start (raw and parsed); what comes before it is answered as the server does."""
+    async def _handle_watch(self, ws: ServerConnection, raw: str, msg: P.Watch) -> None:
+        """A watcher goes to the replica its stream runs on, named by the stream id's prefix (a replica's stream
+        ids are `<replica>-s<n>`): the replica's server admits it as it admits a watcher of its own. Watchers do
+        not count against the streams' caps; their relays keep their lease like a stream's."""
+        allowed, _ = await self._authorize(ws, msg)
+        if not allowed:
+            return
+        prefix = msg.stream_id.partition("-")[0] + "-"
+        uid = next((u for u in self.board.replicas if stream_prefix(u) == prefix and u not in self.board.lost), None)
+        if uid is None:
+            await self._refuse(ws, Refusal.NO_STREAM, f"no open stream {msg.stream_id!r} here: it ended, its worker "
+                                                      "is gone, or the watch link is from another server", "watch")
+            return
+        relay = _Relay(f"{self.gateway_id}-{next(self._ids)}", watch=True)
+        self.watchers[relay.conn_id] = relay
+        try:
+            await self._relay(ws, relay, raw, self._address(ws), replica=uid)
+        finally:
+            self.watchers.pop(relay.conn_id, None)
+
+    async def _await_start(self, ws: ServerConnection) -> tuple[str, P.Start | P.Watch] | None:
+        """The viewer's start or watch (raw and parsed); what comes before it is answered as the server does."""
         try:
             async for raw in ws:
                 try:
@@ -184,21 +218,18 @@ class Gateway(Server):
                     self.metrics.errors.inc()
                     await ws.send(P.encode(e.to_message()))
                     continue
-                if isinstance(msg, P.Start):
+                if isinstance(msg, (P.Start, P.Watch)):
                     return raw, msg
-                if isinstance(msg, P.Watch):  # its stream may run on any replica: not routed yet
-                    await ws.send(P.encode(P.Error(code=P.ErrorCode.UNAVAILABLE, request="watch", message=(
-                        "watching a stream is not supported through the cluster gateway yet; serve without "
-                        "--cluster to use watch links"))))
-                    continue
                 await ws.send(P.encode(P.Error(code=P.ErrorCode.NOT_STARTED,
-                                               message=f"send 'start' before '{msg.type}'")))
+                                               message=f"send 'start' or 'watch' before '{msg.type}'")))
         except ConnectionClosed:
             pass
         return None
 
-    async def _relay(self, ws: ServerConnection, relay: _Relay, start: str, address: str) -> None:
-        gen = await self._place(ws, relay, start, address)
+    async def _relay(self, ws: ServerConnection, relay: _Relay, start: str, address: str,
+                     replica: str | None = None) -> None:
+        gen = await (self._place(ws, relay, start, address) if replica is None else
+                     self._place_on(ws, relay, start, address, replica))
         if gen is None:
             return
         upstream = asyncio.create_task(self._upstream(ws, relay), name=f"up-{relay.conn_id}")
@@ -249,6 +280,22 @@ class Gateway(Server):
         await self._refuse(ws, Refusal.ADMISSION, f"the stream could not be placed on a worker: {error}")
         return None
 
+    async def _place_on(self, ws: ServerConnection, relay: _Relay, first: str, address: str, uid: str):
+        """Open a watcher's call on the replica `uid` (no other will do): the call, or None after the viewer was
+        told why not."""
+        gen = self.handle.options(stream=True, method_name="session").remote(
+            relay.conn_id, first, [], address, self.gateway_id, new_session=False, replica=uid)
+        try:
+            async with asyncio.timeout(self.gateway.call_timeout_s):
+                relay.replica = (await gen.__anext__())["placed"]
+        except Exception as e:  # noqa: BLE001 - the replica is gone or does not answer: its streams with it
+            gen.cancel()
+            log.warning("watch %s on %s failed (%s: %s)", relay.conn_id, uid, type(e).__name__, e)
+            await self._refuse(ws, Refusal.NO_STREAM, f"the worker of this stream does not answer "
+                                                      f"({type(e).__name__}); the stream may be gone", "watch")
+            return None
+        return gen
+
     async def _upstream(self, ws: ServerConnection, relay: _Relay) -> None:
         """The viewer's messages to its replica, in order; when the viewer leaves, the replica is told."""
         try:
@@ -271,8 +318,8 @@ class Gateway(Server):
             self.board.mark_lost(relay.replica)
             log.warning("session %s: its replica %s was lost (%s)", relay.conn_id, relay.replica, type(e).__name__)
             error = P.Error(code=P.ErrorCode.WORKER_LOST, message=(
-                f"the worker running this stream was lost ({type(e).__name__}); the stream is gone: connect "
-                "again to be placed on another worker"))
+                f"the worker running this stream was lost ({type(e).__name__}); the stream is gone" + (
+                    "" if relay.watch else ": connect again to be placed on another worker")))
             reason = "worker lost"
         else:
             log.error("session %s on %s failed: %s: %s", relay.conn_id, relay.replica, type(e).__name__, e)
@@ -298,7 +345,8 @@ class Gateway(Server):
         """Every second, each replica holding sessions of this gateway hears that it is alive."""
         while True:
             await asyncio.sleep(self.gateway.renew_every_s)
-            replicas = {r.replica for r in self.sessions.values() if r.replica is not None and not r.lost}
+            relays = [*self.sessions.values(), *self.watchers.values()]
+            replicas = {r.replica for r in relays if r.replica is not None and not r.lost}
             results = await asyncio.gather(*(self._call("renew", self.gateway_id, replica=uid) for uid in replicas),
                                            return_exceptions=True)
             for uid, result in zip(replicas, results):

@@ -121,6 +121,11 @@ def _threads_and_children() -> list[int]:
     return ids
 
 
+def stream_prefix(replica_uid: str) -> str:
+    """The prefix of a replica's stream ids: its id's letters and digits and a '-' (`s3` there is `<uid>-s3`)."""
+    return "".join(c for c in replica_uid if c.isascii() and c.isalnum()) + "-"
+
+
 @dataclass(frozen=True)
 class _Request:
     headers: Headers
@@ -143,6 +148,7 @@ class EngineReplica:
         server_cfg = config.server
         if not server_cfg.webrtc.ice_addresses:  # offer this node's address (and loopback on a loopback host)
             server_cfg = replace(server_cfg, host=self.host)
+        server_cfg = replace(server_cfg, stream_prefix=stream_prefix(self.uid))  # watch links name this replica
         self.server = Server(engine, server_cfg)
         self.draining = False
         self.stream_kv_bytes = 0
@@ -159,10 +165,13 @@ class EngineReplica:
     # -- sessions ----------------------------------------------------------------------------
 
     async def session(self, conn_id: str, start: str, headers: list[tuple[str, str]], address: str,
-                      gateway: str, new_session: bool = True, exclude: tuple[str, ...] = ()):
-        """One viewer's stream: its placement, then everything the server sends it (see the module's doc)."""
+                      gateway: str, new_session: bool = True, exclude: tuple[str, ...] = (),
+                      replica: str | None = None):
+        """One viewer's connection: its placement, then everything the server sends it (see the module's doc).
+        `start` is the viewer's first message: a `start` (a new session, placed by the router) or a `watch` of a
+        stream here (`replica` pins the call to this replica; a draining one still takes watchers)."""
         yield {"placed": self.uid, "host": self.host}
-        if self.draining:
+        if self.draining and new_session:
             yield P.encode(P.Error(code=P.ErrorCode.REFUSED, request="start",
                                    message=f"worker {self.uid} is draining and takes no new streams"))
             return

@@ -96,7 +96,7 @@ class _Socket:
 
 
 @pytest.mark.parametrize("error, refused", [
-    (P.Error(code=P.ErrorCode.UNAVAILABLE, request="watch", message="no watching through the cluster gateway yet"),
+    (P.Error(code=P.ErrorCode.UNAVAILABLE, request="watch", message="no watching here now"),
      True),
     (P.Error(code=P.ErrorCode.NOT_FOUND, request="watch", message="no open stream 's3' here"), True),
     (P.Error(code=P.ErrorCode.RATE_LIMITED, request="set_prompt", message="an error about something else"), False),

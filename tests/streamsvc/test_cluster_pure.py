@@ -107,40 +107,51 @@ class _Call:
 
 
 class _LocalHandle:
-    """The engine deployment's handle, its one replica in this process."""
+    """The engine deployment's handle, its replicas in this process: a call pinned with ``replica=`` goes to that
+    one (as EngineRouter routes it), a new session to the first that is not draining."""
 
     deployment_name = "relay-test"
 
-    def __init__(self, replica) -> None:
-        self.replica = replica
+    def __init__(self, replicas: dict) -> None:
+        self.replicas = replicas
         self._method = ""
 
     def options(self, method_name: str, stream: bool = False) -> "_LocalHandle":
-        h = _LocalHandle(self.replica)
+        h = _LocalHandle(self.replicas)
         h._method = method_name
         return h
 
     def remote(self, *args, **kwargs) -> _Call:
-        return _Call(getattr(EngineReplica, self._method)(self.replica, *args, **kwargs))
+        pinned = kwargs.get("replica")
+        replica = self.replicas[pinned] if pinned else next(
+            (r for r in self.replicas.values() if not r.draining), next(iter(self.replicas.values())))
+        return _Call(getattr(EngineReplica, self._method)(replica, *args, **kwargs))
 
 
 @contextlib.asynccontextmanager
-async def relayed():
-    """A gateway on a free port whose one replica runs the tiny preset on CPU in this process: (gateway, replica)."""
+async def relayed(uids: tuple[str, ...] = ("r1",)):
+    """A gateway on a free port whose replicas run the tiny preset on CPU in this process: (gateway, replicas)."""
     pytest.importorskip("ray.serve")  # the gateway's router module imports Ray (no instance is started)
     from streamsvc.cluster.gateway import Gateway, GatewayConfig
+    from streamsvc.cluster.replica import stream_prefix
 
-    server = Server(EngineConfig(), ServerConfig(port=0))
-    await asyncio.wait_for(server.start(listen=False), 60)
-    replica = SimpleNamespace(server=server, draining=False, uid="r1", host="127.0.0.1", conns={}, owner={},
-                              leases={})
-    g = Gateway(_LocalHandle(replica), ServerConfig(port=0), GatewayConfig(call_timeout_s=5, place_timeout_s=T))
-    await asyncio.wait_for(g.start(), T)
+    replicas = {}
     try:
-        yield g, replica
+        for uid in uids:
+            server = Server(EngineConfig(), ServerConfig(port=0, stream_prefix=stream_prefix(uid)))
+            await asyncio.wait_for(server.start(listen=False), 60)
+            replicas[uid] = SimpleNamespace(server=server, draining=False, uid=uid, host="127.0.0.1", conns={},
+                                            owner={}, leases={})
+        g = Gateway(_LocalHandle(replicas), ServerConfig(port=0), GatewayConfig(call_timeout_s=5, place_timeout_s=T))
+        g.board.replicas = dict.fromkeys(uids)  # what the router would have learnt
+        await asyncio.wait_for(g.start(), T)
+        try:
+            yield g, list(replicas.values())
+        finally:
+            await g.stop()
     finally:
-        await g.stop()
-        await asyncio.wait_for(server.stop(), 30)
+        for r in replicas.values():
+            await asyncio.wait_for(r.server.stop(), 30)
 
 
 async def _until_closed(ws) -> list:
@@ -153,19 +164,21 @@ async def _until_closed(ws) -> list:
     return seen
 
 
-async def _started(g) -> object:
+async def _started(g, first: P.Start | P.Watch = P.Start(prompt="a red fox", seed=1)) -> tuple[object, P.Ready]:
+    """A viewer's socket through the gateway once its first chunk came, and its `ready`."""
     ws = await connect(f"ws://127.0.0.1:{g.port}/ws", compression=None, max_size=P.MAX_CHUNK_BYTES)
-    await ws.send(P.encode(P.Start(prompt="a red fox", seed=1)))
+    await ws.send(P.encode(first))
     async with asyncio.timeout(T):
-        assert isinstance(P.parse_server(await ws.recv()), P.Ready)
+        ready = P.parse_server(await ws.recv())
+        assert isinstance(ready, P.Ready), ready
         while not isinstance(await ws.recv(), bytes):  # a chunk: the stream plays
             pass
-    return ws
+    return ws, ready
 
 
 async def test_a_viewer_that_sends_close_through_the_gateway_gets_closed_before_the_socket_closes():
-    async with relayed() as (g, replica):
-        ws = await _started(g)
+    async with relayed() as (g, (replica,)):
+        ws, _ = await _started(g)
         await ws.send(P.encode(P.Close()))
         seen = await _until_closed(ws)
         texts = [m for m in seen if m != "chunk"]
@@ -177,14 +190,46 @@ async def test_a_viewer_that_sends_close_through_the_gateway_gets_closed_before_
 async def test_a_session_the_replica_ends_on_its_own_still_tells_its_viewer_closed():
     """The lease reaper ends a session by ending its viewer's input (as the viewer's leaving does): a viewer
     still there (its gateway's renewals came late) gets `closed` before its socket closes, not a bare close."""
-    async with relayed() as (g, replica):
-        ws = await _started(g)
+    async with relayed() as (g, (replica,)):
+        ws, _ = await _started(g)
         (conn,) = replica.conns.values()
         conn.inbox.put_nowait(None)  # what EngineReplica._reap does
         seen = await _until_closed(ws)
         texts = [m for m in seen if m != "chunk"]
         assert texts and isinstance(texts[-1], P.Closed), seen
         assert await _wait(lambda: not replica.conns and not g.sessions and not replica.server.sessions)
+
+
+async def _answer(g, first: P.Watch) -> P.ServerMessage:
+    """The gateway's first answer to a viewer's first message."""
+    async with connect(f"ws://127.0.0.1:{g.port}/ws", compression=None) as ws:
+        await ws.send(P.encode(first))
+        async with asyncio.timeout(T):
+            return P.parse_server(await ws.recv())
+
+
+async def test_a_watch_link_through_the_gateway_reaches_the_replica_that_runs_the_stream():
+    async with relayed(("r1", "r2")) as (g, (r1, r2)):
+        r1.draining = True  # new streams go to r2; r1 still answers watches (it runs none here)
+        steerer, ready = await _started(g)
+        assert ready.stream_id.startswith("r2-") and list(r2.server.sessions) == [ready.stream_id]
+        watcher, seen = await _started(g, P.Watch(stream_id=ready.stream_id))
+        assert seen.role == "watch" and seen.stream_id == ready.stream_id
+        assert r2.server.sessions[ready.stream_id].watchers == 1 and len(g.watchers) == 1 and len(g.sessions) == 1
+        await watcher.send(P.encode(P.SetPrompt(prompt="a blue whale")))  # relayed; the replica refuses it
+        async with asyncio.timeout(T):
+            errors = []
+            while not errors:
+                raw = await watcher.recv()
+                errors = [m for m in [P.parse_server(raw)] if isinstance(m, P.Error)] if isinstance(raw, str) else []
+        assert errors[0].code == P.ErrorCode.NOT_STEERER
+        for other in ("r1-s0", "r9-s0", "s0"):  # r1 runs no such stream; r9 is no replica; no replica named
+            answer = await _answer(g, P.Watch(stream_id=other))
+            assert isinstance(answer, P.Error) and answer.code == P.ErrorCode.NOT_FOUND, (other, answer)
+        await watcher.close()
+        assert await _wait(lambda: not g.watchers and r2.server.sessions[ready.stream_id].watchers == 0)
+        await steerer.close()
+        assert await _wait(lambda: not g.sessions and not r2.server.sessions and not r2.conns)
 
 
 async def _wait(predicate, timeout_s: float = T) -> bool:
