@@ -13,10 +13,11 @@ starts with an IDR, as does the next normal chunk (the two contexts share no ref
 
 Settings are for live streaming: libx264, preset ultrafast, tune zerolatency,
 no B-frames, no lookahead, so each frame's packet comes out as soon as the
-frame goes in; an IDR every ``keyframe_interval`` frames (2 s by default) and
-on demand (``request_keyframe()``, when a viewer joins); SPS/PPS repeated
-before every IDR so that a viewer can start decoding at any keyframe; scene
-cut detection off, so keyframes come only at the interval or on demand;
+frame goes in. Keyframes come only at a chunk's first frame (an ``encode`` call's):
+at the first chunk that starts ``keyframe_interval`` frames (2 s by default) or more
+after the last IDR, and on demand (``request_keyframe()``, ``keyframe=True``); so a
+viewer who joins a stream can start at any chunk flagged keyframe, a whole chunk. SPS/PPS
+are repeated before every IDR; x264's own keyframe placement and scene cut detection are off;
 Annex-B byte stream (start codes, no global extradata); yuv420p, BT.601
 limited range, signalled in the VUI.
 
@@ -120,7 +121,8 @@ class StreamEncoder:
         threads: int = 1,
         options: Mapping[str, str] | None = None,
     ) -> None:
-        """``keyframe_interval`` in frames (default ``2 * fps``); ``crf`` is x264's quality (lower is better);
+        """``keyframe_interval`` in frames (default ``2 * fps``): the least distance between interval keyframes,
+        which come at a chunk's start; ``crf`` is x264's quality (lower is better);
         ``threads`` per encoder (1 suits many streams per machine); ``options`` are extra libavcodec/libx264
         options that override the defaults (for tuning; B-frames stay off whatever they say)."""
         if width <= 0 or height <= 0 or width % 2 or height % 2:
@@ -146,6 +148,7 @@ class StreamEncoder:
         self._next_index = 0  # the lowest stream index the next frame may have
         self._keyframe_lock = threading.Lock()
         self._keyframe_requested = False
+        self._last_idr: int | None = None  # stream index of the last IDR (None: none yet)
         self._warned_buffering = False
 
     @property
@@ -177,8 +180,9 @@ class StreamEncoder:
             return []
         if start_index < self._next_index:
             raise ValueError(f"start_index {start_index} goes back: frames up to {self._next_index - 1} are encoded")
+        due = self._last_idr is None or start_index - self._last_idr >= self.keyframe_interval
         with self._keyframe_lock:
-            force_idr = keyframe or self._keyframe_requested or fast != self._last_fast
+            force_idr = keyframe or due or self._keyframe_requested or fast != self._last_fast
             self._keyframe_requested = False
         if fast and self._fast_ctx is None:
             self._fast_ctx = self._open(self._fast_crf)
@@ -203,6 +207,8 @@ class StreamEncoder:
             )
         self._next_index = start_index + len(frames)
         for packet in packets:
+            if packet.is_keyframe:
+                self._last_idr = packet.pts
             self._stamp(packet)
         return packets
 
@@ -223,16 +229,15 @@ class StreamEncoder:
         ctx.pix_fmt = "yuv420p"
         ctx.framerate = Fraction(self.fps)
         ctx.time_base = Fraction(1, self.fps)  # pts in frames while encoding
-        ctx.gop_size = self.keyframe_interval
+        ctx.gop_size = 0  # keyframes only where encode() forces them (x264-params below say so too)
         ctx.max_b_frames = 0
         ctx.thread_count = self._threads
         x264_params = ":".join(
             [
                 "repeat-headers=1",  # SPS/PPS before every IDR
                 "annexb=1",
-                "scenecut=0",  # keyframes only at the interval or on demand
-                f"keyint={self.keyframe_interval}",
-                f"min-keyint={self.keyframe_interval}",
+                "scenecut=0",  # keyframes only where encode() forces them: at chunk starts
+                "keyint=infinite",
                 "rc-lookahead=0",
                 "sync-lookahead=0",
                 "bframes=0",

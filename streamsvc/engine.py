@@ -288,8 +288,9 @@ class Engine:
         return self._submit(self._keyframe, stream_id)
 
     def admit_viewer(self, stream_id: str) -> Future:
-        """Future[Admission]: one more viewer (a watcher) of the stream's chunks, if the send has room."""
-        return self._submit(lambda: self.sched.admit_viewer(self._get(stream_id).state.stream_id))
+        """Future[Admission]: one more viewer (a watcher) of the stream's chunks, if the send has room; an
+        accepted one carries the stream's modelled buffer (`buffered_s`)."""
+        return self._submit(lambda: self.sched.admit_viewer(self._get(stream_id).state.stream_id, self.clock()))
 
     def viewer_left(self, stream_id: str) -> Future:
         """A viewer of the stream left (the stream goes on)."""

@@ -313,6 +313,8 @@ class Admission:
     accepted: bool  # whether the stream was added
     reason: str | None  # why it was refused, with the numbers; None when accepted
     predicted_load: float  # busy fraction of the device the admitted streams need, the new one included if accepted
+    # admit_viewer: the stream's modelled buffer when the viewer was admitted (its viewer with the least), seconds
+    buffered_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -1119,9 +1121,11 @@ class Scheduler:
         rate = s.request.fps / s.request.chunk_frames
         return rate * s.viewers if stage is Stage.SEND else rate
 
-    def admit_viewer(self, stream_id: str) -> Admission:
+    def admit_viewer(self, stream_id: str, now: float | None = None) -> Admission:
         """One more viewer of `stream_id`'s chunks (a watcher: no generation, one more send of each chunk), if the
-        event loop's send stays under its target with it; the device and the output stage do not change."""
+        event loop's send stays under its target with it; the device and the output stage do not change. With
+        `now`, an accepted one tells the stream's modelled buffer then (where the newcomer should start playing
+        so as not to be ahead of every viewer: the stream would run ahead for it)."""
         s = self._get(stream_id)
         cost_s = self._stage_chunk_s(Stage.SEND, len(self._streams))
         load = self.stage_load(Stage.SEND) + s.request.fps / s.request.chunk_frames * cost_s
@@ -1132,7 +1136,8 @@ class Scheduler:
                 f"({cost_s * 1e3:.2f} ms per chunk sent) > target {self.config.send_target:.2f}; try again when a "
                 "viewer leaves"))
         s.viewers += 1
-        return Admission(accepted=True, reason=None, predicted_load=self.predicted_load())
+        buffered_s = None if now is None else s.playback.seconds(now)
+        return Admission(accepted=True, reason=None, predicted_load=self.predicted_load(), buffered_s=buffered_s)
 
     def viewer_left(self, stream_id: str) -> None:
         """A viewer of `stream_id` (its steerer or a watcher) left; the stream itself goes on (or stays parked)."""

@@ -559,7 +559,9 @@ class Server:
         viewer = self._new_viewer(ws, session, Role.WATCH, token)
         await ws.send(P.encode(self._ready(viewer)))
         self._connect(viewer, msg.transport)
-        if not session.join(viewer):  # too long since the last keyframe: the next chunk starts with one
+        # from a keyframe that does not put it ahead of the stream's other viewers (see streamsvc/session.py)
+        buffered = None if admission.buffered_s is None else admission.buffered_s * session.fps
+        if not session.join(viewer, buffered):  # too long since the last keyframe: the next chunk starts with one
             self.engine.request_keyframe(session.stream_id)
         if session.recorder is not None:
             viewer.send(self._recording_message(session))
@@ -615,7 +617,7 @@ class Server:
                     viewer.client_stalls = msg.stalls
                 # it left the viewer a while ago (more so on a busy host): it may lower the model, never raise it;
                 # the stream's model follows its viewer with the least buffered, a watcher's as much as its steerer's
-                await asyncio.wrap_future(self.engine.observe_buffer(sid, msg.buffered_s * session.fps, at_most=True))
+                await asyncio.wrap_future(self.engine.observe_buffer(sid, viewer.buffered_frames(msg), at_most=True))
                 if viewer is session.steerer:
                     session.buffer_report(msg.buffered_s)
             elif isinstance(msg, P.Close):

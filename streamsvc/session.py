@@ -2,9 +2,13 @@
 
 A stream has viewers (`Viewer`): the one that started it steers (holds its steer token), the
 others watch. Each viewer has its own outbox and transport; each chunk is encoded once and put in
-every viewer's outbox. A watcher that joins mid-stream starts at a keyframe: the chunks since the
-stream's last keyframe (`Session.gop`, a few at most) at once, or else the next keyframe chunk,
-asked of the encoder when it joins.
+every viewer's outbox. A watcher that joins mid-stream starts at a keyframe chunk (the encoder makes
+one every 2 s or so, at a chunk's start): it gets the chunks from there on at once (`Session.gop`
+keeps the last two keyframe intervals). Of those keyframes it starts at the latest one that does not
+put it ahead of the viewer that plays furthest ahead: a newcomer ahead of every viewer would have less
+buffered than all of them, and the stream would run ahead for it, deepening every other viewer's buffer
+(and its steerer's prompt-to-screen latency) by the difference. When none is kept (a stream without
+one lately), it waits for the next keyframe chunk, asked of the encoder when it joins.
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ class PromptGate:
         return [reply if r is None else r for r in held]
 
 
-GOP_CHUNKS = 4  # chunks since the last keyframe a stream keeps for watchers who join (beyond: they wait for the next)
+GOP_CHUNKS = 8  # chunks a stream keeps for watchers who join: from its second-last keyframe chunk, or its last
 
 
 class Role(enum.StrEnum):
@@ -108,6 +112,8 @@ class Viewer:
     chunks_sent: int = 0
     client_stalls: int = 0  # stalls it has reported (stats messages)
     keyframe_wanted: bool = False  # joined mid-stream: chunks before the next keyframe chunk are not sent to it
+    first_pts: int | None = None  # stream index of the first frame queued for it (it plays from there)
+    queued_end: int = 0  # stream index after the last frame queued for it
     left: bool = False  # its connection is gone (or it closed): nothing more is put in its outbox
     rtc: object | None = None  # its WebRTC transport (streamsvc.transport.webrtc.WebRtcTransport), if any
     # messages for the transport, in order: a ChunkOut, a protocol model, or None (end)
@@ -143,8 +149,22 @@ class Viewer:
         if self.left or self.keyframe_wanted and not chunk.header.keyframe:
             return False
         self.keyframe_wanted = False
+        if self.first_pts is None:
+            self.first_pts = chunk.header.pts
+        self.queued_end = chunk.header.pts + chunk.header.frames
         self.outbox.put_nowait(chunk)
         return True
+
+    def buffered_frames(self, stats: P.Stats) -> float:
+        """Its buffer as the stream's model counts it, from its `stats`: what it reports it holds, and the frames
+        queued for it that have not reached it yet (the model counts a chunk once it is handed to the viewers,
+        and the event loop sends it to one viewer after another: with many viewers a report often comes before
+        the newest chunk has reached its viewer, and would lower the model by that chunk). Over WebRTC the track
+        paces the frames and reports its own queue: there the viewer's report is taken as it is."""
+        reported = stats.buffered_s * self.fps
+        if self.rtc is not None or self.first_pts is None:
+            return reported
+        return max(reported, self.queued_end - self.first_pts - stats.frames_played)
 
     def delivered(self, now: float) -> float | None:
         """A chunk went to its transport; the viewer's TTFF (join to first chunk) when it was its first."""
@@ -175,7 +195,7 @@ class Session:
     viewers: dict[str, Viewer] = field(default_factory=dict)  # by viewer id: the steerer and the watchers
     steerer: Viewer | None = None  # who holds the steer token; None: it left, any watcher may take it
     orphaned_at: float | None = None  # when the steerer left (the orphan timeout runs from here)
-    gop: list = field(default_factory=list)  # ChunkOuts since the last keyframe chunk (at most GOP_CHUNKS)
+    gop: list = field(default_factory=list)  # ChunkOuts from a keyframe chunk on, for newcomers (see _keep)
     recorder: object | None = None  # its recording (streamsvc.record.Recorder), if one runs
     token: str | None = None  # the access token it was opened with (it counts against the token's limit)
     address: str = ""  # the client address that opened it (it counts against the address's limit)
@@ -195,12 +215,7 @@ class Session:
     def fan_out(self, chunk) -> list[Viewer]:
         """Queue a chunk for every viewer that may take it and keep it for watchers to come; the viewers that
         waited for a keyframe and took this one (their first)."""
-        if chunk.header.keyframe:
-            self.gop = [chunk]
-        elif self.gop and len(self.gop) < GOP_CHUNKS:
-            self.gop.append(chunk)
-        else:
-            self.gop = []  # too long since the keyframe: a newcomer waits for the next one
+        self._keep(chunk)
         firsts = []
         for viewer in list(self.viewers.values()):
             waited = viewer.keyframe_wanted
@@ -208,13 +223,35 @@ class Session:
                 firsts.append(viewer)
         return firsts
 
-    def join(self, viewer: Viewer) -> bool:
-        """Add a viewer; it gets the chunks since the last keyframe at once. False: it waits for a keyframe."""
+    def _keep(self, chunk) -> None:
+        """Keep the chunks from the second-last keyframe chunk on (from the last when that is GOP_CHUNKS or more
+        back; none when the last is too)."""
+        self.gop.append(chunk)
+        keys = [i for i, c in enumerate(self.gop) if c.header.keyframe]
+        fits = [i for i in keys[-2:] if len(self.gop) - i <= GOP_CHUNKS]
+        if fits:
+            del self.gop[:fits[0]]
+        else:
+            self.gop.clear()  # too long since a keyframe: a newcomer waits for the next one
+
+    def join(self, viewer: Viewer, buffered_frames: float | None = None) -> bool:
+        """Add a viewer; it gets the kept chunks from a keyframe on at once: the latest keyframe that gives it
+        at least `buffered_frames` (the stream's modelled buffer) and one chunk more, or else the earliest kept;
+        without `buffered_frames`, the latest. False: none kept, it waits for one. (The model is a lower bound:
+        a viewer's report lowers it, never raises it, and a chunk still on its way to a viewer is not in its
+        report; the viewers' real buffers run up to a chunk above it.)"""
         self.viewers[viewer.viewer_id] = viewer
         if viewer.role is Role.STEER:
             self.steerer, self.orphaned_at = viewer, None
         if self.gop:
-            for chunk in self.gop:
+            starts = [i for i, c in enumerate(self.gop) if c.header.keyframe]
+            first = starts[-1]
+            if buffered_frames is not None:
+                newest = self.gop[-1].header
+                end = newest.pts + newest.frames  # the frames sent so far
+                behind = [i for i in starts if end - self.gop[i].header.pts >= buffered_frames + newest.frames]
+                first = behind[-1] if behind else starts[0]
+            for chunk in self.gop[first:]:
                 viewer.take_chunk(chunk)
             return True
         viewer.keyframe_wanted = self.chunks_sent > 0

@@ -78,21 +78,21 @@ def test_keyframe_on_request_carries_sps_pps(encoder):
     assert [p.is_keyframe for p in forced] == [True, False, False]
 
 
-def test_keyframes_at_the_interval_counted_from_the_last_keyframe():
+def test_keyframes_come_at_the_first_chunk_start_an_interval_after_the_last_keyframe():
     enc = StreamEncoder(W, H, FPS, keyframe_interval=8)
     assert StreamEncoder(W, H, FPS).keyframe_interval == 2 * FPS  # 2 s by default
-    first = [p.is_keyframe for chunk in encode_chunks(enc, [6, 6, 6]) for p in chunk]
-    assert [i for i, k in enumerate(first) if k] == [0, 8, 16]
-    enc.request_keyframe()  # at frame 18
-    later = [p.is_keyframe for chunk in encode_chunks(enc, [6, 6, 6], start=18) for p in chunk]
-    assert [18 + i for i, k in enumerate(later) if k] == [18, 26, 34]
+    first = [p.is_keyframe for chunk in encode_chunks(enc, [6, 6, 6, 6]) for p in chunk]
+    assert [i for i, k in enumerate(first) if k] == [0, 12]  # never mid-chunk: 8 and 20 are not chunk starts
+    enc.request_keyframe()  # at frame 24
+    later = [p.is_keyframe for chunk in encode_chunks(enc, [6, 6, 6], start=24) for p in chunk]
+    assert [24 + i for i, k in enumerate(later) if k] == [24, 36]
     enc.close()
 
 
 def test_every_keyframe_repeats_sps_pps():
     enc = StreamEncoder(W, H, FPS, keyframe_interval=5)
-    keyframes = [bytes(p) for chunk in encode_chunks(enc, [12, 12]) for p in chunk if p.is_keyframe]
-    assert len(keyframes) == 5
+    keyframes = [bytes(p) for chunk in encode_chunks(enc, [3, 3, 3, 3]) for p in chunk if p.is_keyframe]
+    assert len(keyframes) == 2  # frames 0 and 6
     assert all(nal_unit_types(k)[:2] == [NAL_SPS, NAL_PPS] and is_idr(k) for k in keyframes)
 
 

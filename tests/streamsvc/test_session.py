@@ -1,10 +1,13 @@
-"""PromptGate: prompts coalesced per chunk, replies in the order of the requests."""
+"""PromptGate: prompts coalesced per chunk, replies in the order of the requests; the chunks a stream keeps for
+watchers who join, and where a newcomer starts."""
+
+from types import SimpleNamespace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamsvc import protocol as P
-from streamsvc.session import PromptGate
+from streamsvc.session import GOP_CHUNKS, PromptGate, Role, Session, Viewer
 
 
 def limited(n: int) -> P.Error:
@@ -76,3 +79,64 @@ def test_one_prompt_per_chunk_reaches_the_engine_and_every_request_is_answered_i
     assert answered == sorted(answered) and len(set(answered)) == len(answered)
     owed = [n for n, e in enumerate(events) if e != "chunk" and n not in set(answered)]
     assert owed == [] or (gate.waiting is not None and min(owed) > max(answered, default=-1))
+
+
+# ---------------------------------------------------------------- watchers join at a kept keyframe
+
+
+def chunk(index: int, keyframe: bool, frames: int = 12) -> SimpleNamespace:
+    """A ChunkOut as fan_out sees it: its header."""
+    return SimpleNamespace(header=SimpleNamespace(index=index, pts=index * frames, frames=frames, keyframe=keyframe))
+
+
+def fed(keyframes: list[int], n: int) -> Session:
+    """A session that fanned out chunks 0..n-1, `keyframes` among them."""
+    session = Session("s0", 16, "a red ball")
+    for i in range(n):
+        session.fan_out(chunk(i, i in keyframes))
+    session.chunks_sent = n
+    return session
+
+
+def joined(session: Session, buffered_frames: float | None) -> list[int]:
+    viewer = Viewer("v1", session, Role.WATCH)
+    assert session.join(viewer, buffered_frames)
+    return [viewer.outbox.get_nowait().header.index for _ in range(viewer.outbox.qsize())]
+
+
+def test_the_stream_keeps_its_last_two_keyframe_intervals_for_newcomers():
+    assert [c.header.index for c in fed([0, 3, 6], 8).gop] == [3, 4, 5, 6, 7]
+    assert [c.header.index for c in fed([0, 3], 5).gop] == [0, 1, 2, 3, 4]
+    assert [c.header.index for c in fed([0, 7], GOP_CHUNKS + 3).gop] == [7, 8, 9, 10]  # 0 is too far back
+    assert fed([0], GOP_CHUNKS + 1).gop == []  # no keyframe within reach: a newcomer waits for one
+
+
+def test_a_newcomer_starts_at_the_latest_keyframe_that_does_not_put_it_ahead_of_the_stream_s_viewers():
+    session = fed([0, 3, 6], 8)  # 96 frames sent in chunks of 12; keyframe chunks start at frames 36 and 72
+    assert joined(session, 12) == [6, 7]  # 12 frames buffered and a chunk more: chunk 6 (72) gives it exactly 24
+    assert joined(session, 13) == [3, 4, 5, 6, 7]  # chunk 6 would give 24 < 25: it starts at 3 (60 frames)
+    assert joined(session, 90) == [3, 4, 5, 6, 7]  # none far enough back: the earliest kept
+    assert joined(session, None) == [6, 7]  # without the stream's buffer: the latest
+
+
+def test_a_newcomer_with_no_keyframe_kept_waits_for_the_next_keyframe_chunk():
+    session = fed([0], GOP_CHUNKS + 1)
+    viewer = Viewer("v1", session, Role.WATCH)
+    assert not session.join(viewer, 12.0) and viewer.keyframe_wanted
+    session.fan_out(chunk(GOP_CHUNKS + 1, False))
+    assert viewer.outbox.empty()
+    assert session.fan_out(chunk(GOP_CHUNKS + 2, True)) == [viewer]  # its first
+
+
+def test_a_viewer_s_report_counts_the_frames_queued_for_it_that_have_not_reached_it():
+    session = fed([0, 3], 5)  # 60 frames sent
+    viewer = Viewer("v1", session, Role.WATCH)
+    session.join(viewer, None)  # from chunk 3: frames 36..59 queued for it
+    assert (viewer.first_pts, viewer.queued_end) == (36, 60)
+    # it played 6 and holds 6: the second chunk is still on its way, and the model counts it
+    assert viewer.buffered_frames(P.Stats(buffered_s=6 / 16, frames_played=6)) == 18
+    # all of it arrived: its report as it is (never less)
+    assert viewer.buffered_frames(P.Stats(buffered_s=18 / 16, frames_played=6)) == 18
+    viewer.rtc = object()  # over WebRTC the track's own queue is reported apart: the report as it is
+    assert viewer.buffered_frames(P.Stats(buffered_s=6 / 16, frames_played=6)) == 6
+    assert Viewer("v2", session, Role.WATCH).buffered_frames(P.Stats(buffered_s=0.5, frames_played=0)) == 8
