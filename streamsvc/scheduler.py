@@ -764,7 +764,12 @@ class Scheduler:
         if buffered_frames < 0:
             raise ValueError(f"stream {stream_id!r}: buffered_frames={buffered_frames} must be >= 0")
         s = self._get(stream_id)
-        if at_most and s.playback.started and not s.playback.paused:
+        if at_most and not s.playback.started:
+            # nothing delivered in the model yet: the report can only hold frames it is about to be told of (the
+            # viewer may hear of the first chunk before the scheduler does); taken as it was, the first chunk
+            # counted twice and the stream's second chunk came late
+            return
+        if at_most and not s.playback.paused:
             s.playback.advance(now)
             buffered_frames = min(buffered_frames, s.playback.seconds(now) * s.request.fps)
         stalls = s.playback.stalls

@@ -1192,6 +1192,18 @@ def test_a_report_from_across_the_network_lowers_the_model_but_never_raises_it()
     assert sched.stream_stats("a", now + 0.5).buffered_s == 0.5625
 
 
+def test_a_report_of_the_first_chunk_that_comes_before_the_scheduler_hears_of_it_does_not_count_it_twice():
+    sched = make()
+    admit(sched, "a")
+    clock = Clock(sched)
+    clock.launch(5)  # the first chunk's forwards: its 9 frames in flight
+    now = clock.now + 0.01
+    sched.observe_buffer("a", 9, now, at_most=True)  # the viewer got it before the engine told the scheduler
+    assert sched.stream_stats("a", now).buffered_s == 0  # nothing delivered in the model yet: the report waits
+    sched.delivered("a", now)
+    assert sched.stream_stats("a", now).buffered_s == 0.5625  # the chunk once, not 18 frames
+
+
 def test_a_stall_widens_every_lead_by_the_late_margin_for_the_hold():
     sched = make(late_margin_s=0.25, late_margin_hold_s=10.0)
     admit(sched, "a", "b")
