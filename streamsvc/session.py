@@ -224,8 +224,8 @@ class Session:
         return firsts
 
     def _keep(self, chunk) -> None:
-        """Keep the chunks from the second-last keyframe chunk on (from the last when that is GOP_CHUNKS or more
-        back; none when the last is too)."""
+        """Keep the chunks from the second-last keyframe chunk on, at most GOP_CHUNKS of them (else from the last
+        keyframe chunk; none when that one is too far back as well)."""
         self.gop.append(chunk)
         keys = [i for i, c in enumerate(self.gop) if c.header.keyframe]
         fits = [i for i in keys[-2:] if len(self.gop) - i <= GOP_CHUNKS]
