@@ -280,9 +280,11 @@ class Engine:
         pause fails."""
         return self._submit_later(self._resume, stream_id)
 
-    def observe_buffer(self, stream_id: str, buffered_frames: float, at_most: bool = False) -> Future:
-        """The viewer's buffer (Scheduler.observe_buffer; `at_most` for a report that crossed the network)."""
-        return self._submit(self._observe, stream_id, buffered_frames, at_most)
+    def observe_buffer(self, stream_id: str, buffered_frames: float, at_most: bool = False,
+                       grace_s: float = 0.0) -> Future:
+        """The viewer's buffer (Scheduler.observe_buffer: `at_most` for a report that crossed the network,
+        `grace_s` for what the viewer holds beyond it)."""
+        return self._submit(self._observe, stream_id, buffered_frames, at_most, grace_s)
 
     def request_keyframe(self, stream_id: str) -> Future:
         return self._submit(self._keyframe, stream_id)
@@ -771,9 +773,9 @@ class Engine:
         self.last_park_seconds = park.parked.seconds
         park.paused.set_result(ParkResult(stream_id, park.parked.nbytes, park.parked.seconds, park.device_bytes))
 
-    def _observe(self, stream_id: str, buffered_frames: float, at_most: bool) -> None:
+    def _observe(self, stream_id: str, buffered_frames: float, at_most: bool, grace_s: float) -> None:
         self._get(stream_id)
-        self.sched.observe_buffer(stream_id, buffered_frames, self.clock(), at_most=at_most)
+        self.sched.observe_buffer(stream_id, buffered_frames, self.clock(), at_most=at_most, grace_s=grace_s)
 
     def _keyframe(self, stream_id: str) -> None:
         self._get(stream_id).keyframe = True

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import contextvars
 import ipaddress
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -69,6 +70,10 @@ class WebRtcConfig:
     connect_timeout_s: float = 20.0  # answer sent -> connected, else the stream ends
     channel_wait_s: float = 2.0  # the track holds its first frame this long at most for the control channel
     max_frame_wait_s: float = 3600.0  # a track waiting this long for a frame (stalled or paused) ends
+    # What a viewer's jitter buffer holds beyond the track's queue: a track that runs dry for less than this
+    # (past the frame on the wire) is not counted as a stall (browsers hold 50-200 ms; a W3C freeze is a gap of
+    # 150 ms over the frame interval). The scheduler still plans on the queue alone.
+    viewer_jitter_s: float = 0.1
 
     def __post_init__(self) -> None:
         if self.ice_addresses is not None:
@@ -84,6 +89,8 @@ class WebRtcConfig:
         for name in ("gather_timeout_s", "connect_timeout_s", "channel_wait_s", "max_frame_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
+        if not (self.viewer_jitter_s >= 0 and math.isfinite(self.viewer_jitter_s)):
+            raise ValueError(f"viewer_jitter_s={self.viewer_jitter_s}: must be a finite number of seconds >= 0")
 
 
 def rtc_configuration(ice_servers: Sequence[IceServer] = ()) -> RTCConfiguration:

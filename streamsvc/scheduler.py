@@ -373,8 +373,10 @@ class PlaybackModel:
     """One viewer's playback buffer, as a fluid of frames (exact for chunks that arrive whole).
 
     Playback starts when the first frames arrive, consumes `fps` frames per second
-    unless paused, and stalls while empty; the time between running dry and the
-    next arrival is a stall.
+    unless paused, and runs dry while empty. A dry spell is a stall once it has lasted
+    `grace_s`: what the viewer holds beyond the frames the model counts (0 for a
+    viewer's own report; a WebRTC receiver's jitter buffer and the frame on the wire
+    for a track's queue). Planning sees the dry spell at once either way.
     """
 
     fps: float  # consumption rate while playing
@@ -382,23 +384,24 @@ class PlaybackModel:
     updated_at: float = 0.0  # time `buffered_frames` refers to
     started: bool = False  # the first frames have arrived
     paused: bool = False  # the viewer paused: nothing is consumed and nothing stalls
-    dry_since: float | None = None  # start of the stall in progress, None when not stalled
+    dry_since: float | None = None  # start of the dry spell in progress, None when not dry
+    grace_s: float = 0.0  # a dry spell becomes a stall once it has lasted this long (set by each report)
+    dry_counted: bool = False  # the dry spell in progress has lasted grace_s: it is counted in `stalls`
     stalls: int = 0  # stalls begun so far
-    closed_stall_s: float = 0.0  # duration of the stalls that have ended
+    closed_stall_s: float = 0.0  # duration of the stalls that have ended (past their grace)
 
     def advance(self, now: float) -> None:
         """Consume frames up to `now` (times before `updated_at` are ignored)."""
-        if now <= self.updated_at:
-            return
-        if self.started and not self.paused and self.dry_since is None:
-            drained = (now - self.updated_at) * self.fps
-            if drained > self.buffered_frames:
-                self.dry_since = self.updated_at + self.buffered_frames / self.fps
-                self.stalls += 1
-                self.buffered_frames = 0.0
-            else:
-                self.buffered_frames -= drained
-        self.updated_at = now
+        if now > self.updated_at:
+            if self.started and not self.paused and self.dry_since is None:
+                drained = (now - self.updated_at) * self.fps
+                if drained > self.buffered_frames:
+                    self.dry_since = self.updated_at + self.buffered_frames / self.fps
+                    self.buffered_frames = 0.0
+                else:
+                    self.buffered_frames -= drained
+            self.updated_at = now
+        self._count_dry(now)
 
     def deliver(self, frames: int, now: float) -> None:
         self.advance(now)
@@ -415,7 +418,7 @@ class PlaybackModel:
             self._end_stall(now)
         elif self.started and not self.paused and self.dry_since is None:
             self.dry_since = now
-            self.stalls += 1
+            self._count_dry(now)
 
     def pause(self, now: float) -> None:
         self.advance(now)
@@ -444,19 +447,27 @@ class PlaybackModel:
     def stall_count(self, now: float) -> int:
         """Stalls begun by `now`, one in progress included (pure)."""
         dry_at = self.dry_at()
-        starting = self.dry_since is None and dry_at is not None and now > dry_at
+        starting = not self.dry_counted and dry_at is not None and now > dry_at and now - dry_at >= self.grace_s
         return self.stalls + (1 if starting else 0)
 
     def stall_seconds(self, now: float) -> float:
-        """Stall time by `now`, one in progress included (pure)."""
+        """Stall time by `now`, one in progress included, each past its grace (pure)."""
         dry_at = self.dry_at()
-        ongoing = 0.0 if dry_at is None else max(0.0, now - dry_at)
+        ongoing = 0.0 if dry_at is None else max(0.0, now - dry_at - self.grace_s)
         return self.closed_stall_s + ongoing
+
+    def _count_dry(self, now: float) -> None:
+        """The dry spell in progress becomes a stall once it has lasted grace_s."""
+        if self.dry_since is not None and not self.dry_counted and now - self.dry_since >= self.grace_s:
+            self.dry_counted = True
+            self.stalls += 1
 
     def _end_stall(self, now: float) -> None:
         if self.dry_since is not None:
-            self.closed_stall_s += max(0.0, now - self.dry_since)
-            self.dry_since = None
+            self._count_dry(now)
+            if self.dry_counted:
+                self.closed_stall_s += max(0.0, now - self.dry_since - self.grace_s)
+            self.dry_since, self.dry_counted = None, False
 
 
 class CostModel:
@@ -756,14 +767,21 @@ class Scheduler:
     def resume(self, stream_id: str, now: float) -> None:
         self._get(stream_id).playback.resume(now)
 
-    def observe_buffer(self, stream_id: str, buffered_frames: float, now: float, *, at_most: bool = False) -> None:
+    def observe_buffer(self, stream_id: str, buffered_frames: float, now: float, *, at_most: bool = False,
+                       grace_s: float = 0.0) -> None:
         """An exact report of the viewer's buffer (delivered frames only, not those in flight);
         replaces the model's figure from `now` on. `at_most`: a report that crossed the network (a viewer's
         stats), which may have been sent a while before `now`: it lowers the model (a viewer behind it:
-        decoding, rebuffering) but never raises it (a late report would credit frames already played)."""
+        decoding, rebuffering) but never raises it (a late report would credit frames already played).
+        `grace_s`: what the viewer holds beyond the reported frames (a WebRTC track's queue: the frame on the
+        wire and the receiver's jitter buffer). The model plans on the report, but a dry spell counts as a
+        stall (the closed loop, the late margin, the last resort) only once it has lasted that long."""
         if buffered_frames < 0:
             raise ValueError(f"stream {stream_id!r}: buffered_frames={buffered_frames} must be >= 0")
+        if not (grace_s >= 0 and math.isfinite(grace_s)):
+            raise ValueError(f"stream {stream_id!r}: grace_s={grace_s} must be a finite number of seconds >= 0")
         s = self._get(stream_id)
+        s.playback.grace_s = grace_s
         if at_most and not s.playback.started:
             # nothing delivered in the model yet: the report can only hold frames it is about to be told of (the
             # viewer may hear of the first chunk before the scheduler does); taken as it was, the first chunk
@@ -1080,7 +1098,7 @@ class Scheduler:
     def _credit(self, s: _Stream, chunk: _InFlight, now: float) -> float:
         """The viewer gets `chunk` at `now`; returns its latency, recorded if the chunk started due."""
         s.playback.advance(now)
-        if s.playback.dry_since is not None:
+        if s.playback.dry_counted:
             self._stalled(s, now, f"chunk {s.chunks_done - len(s.in_flight) - 1} reached its viewer "
                                   f"{now - s.playback.dry_since:.2f} s after the buffer ran dry")
         s.playback.deliver(chunk.frames, now)

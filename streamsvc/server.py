@@ -851,10 +851,10 @@ class _TrackReports:
     def __init__(self, engine: Engine, viewer: Viewer) -> None:
         self.engine, self.viewer = engine, viewer
 
-    def observe_buffer(self, stream_id: str, buffered_frames: float) -> None:
+    def observe_buffer(self, stream_id: str, buffered_frames: float, grace_s: float = 0.0) -> None:
         queues = self.viewer.session.track_queues
         queues[self.viewer.viewer_id] = buffered_frames
-        self.engine.observe_buffer(stream_id, min(queues.values()))
+        self.engine.observe_buffer(stream_id, min(queues.values()), grace_s=grace_s)
 
     def request_keyframe(self, stream_id: str) -> None:
         self.engine.request_keyframe(stream_id)

@@ -29,11 +29,15 @@ The viewer's buffer, as the scheduler sees it: the frames queued in the track
 and not yet sent. The viewer stalls exactly when that queue is empty at a
 frame's due time (its jitter buffer is a few frames at most), so every time
 the track takes or gets frames it reports the queue with
-``engine.observe_buffer(stream_id, frames_queued)``. (The frame on screen is
+``engine.observe_buffer(stream_id, frames_queued, grace_s=...)``. (The frame on screen is
 counted as played: one frame of margin for the network and the decoder. With
 it counted too, the slack scheduler ran chunks to within milliseconds of
 their due time and a busy 2-core machine saw stalls of a few ms.) A WebRTC viewer therefore
-needs to send no ``stats``. A picture loss (RTCP PLI or FIR) from the viewer
+needs to send no ``stats``. The scheduler plans on the queue alone, but counts a dry
+queue as a stall (closing admission, raising every stream's lead, the last resort's
+evidence) only once it has stayed dry past the frame sent last and the viewer's
+jitter buffer (``WebRtcConfig.viewer_jitter_s``). Counted at once, a busy host's
+short dry spells ended streams (``overloaded``) whose viewers never stalled. A picture loss (RTCP PLI or FIR) from the viewer
 becomes ``engine.request_keyframe(stream_id)``: the next chunk starts with an
 IDR.
 
@@ -335,7 +339,9 @@ class WebRtcTransport:
 
     def _observe(self, buffered: float) -> None:
         if not self._closed:
-            self.engine.observe_buffer(self.stream_id, buffered)
+            # the viewer holds the frame sent last and its jitter buffer beyond the queue: a stall only past those
+            grace_s = 1.0 / self.track.fps + self.config.viewer_jitter_s
+            self.engine.observe_buffer(self.stream_id, buffered, grace_s=grace_s)
 
     def _stalled(self) -> None:
         if self._closed or self.session.closed:  # the stream is ending: no more frames is no stall

@@ -995,6 +995,48 @@ def test_playback_model_counts_stalls_exactly():
     assert (pb.stall_count(11.0), pb.stall_seconds(11.0)) == (2, 1.6875)
 
 
+def test_a_dry_spell_shorter_than_the_grace_is_no_stall():
+    pb = PlaybackModel(fps=FPS, grace_s=0.2)  # the viewer holds 0.2 s beyond the model (a WebRTC track's queue)
+    pb.deliver(9, 1.0)  # dry at 1.5625
+    pb.advance(1.7)
+    assert (pb.dry_since, pb.seconds(1.7), pb.stalls, pb.stall_count(1.7)) == (1.5625, 0.0, 0, 0)  # planning sees it
+    pb.deliver(12, 1.75)  # 0.1875 s dry: within the grace
+    assert (pb.stalls, pb.closed_stall_s, pb.dry_since) == (0, 0.0, None)
+    pb.observe(0, 2.0)  # the track's queue is empty
+    assert (pb.stalls, pb.stall_count(2.1), pb.stall_count(2.2)) == (0, 0, 1)
+    pb.advance(2.25)  # past the grace: a stall, counted once
+    pb.advance(2.5)
+    assert (pb.stalls, pb.stall_seconds(2.5)) == (1, 0.3)
+    pb.deliver(12, 2.75)
+    assert (pb.stalls, pb.closed_stall_s) == (1, 0.55)  # the stall's time past its grace
+
+
+def test_a_report_with_a_grace_counts_as_a_stall_only_once_the_dry_spell_outlasts_it():
+    sched = make(late_hold_s=1.0, confirm_chunks=0, late_margin_s=0.25, utilization_target=0.9)
+    admit(sched, "a")
+    now = first_chunk(sched)
+    lead = sched.lead_s("a")
+    sched.observe_buffer("a", 0, now, grace_s=0.15)  # a WebRTC track sent its last frame
+    assert sched.admit(StreamRequest("b", FPS), now).accepted  # no stall yet: admission stays open
+    sched.remove("b")
+    assert sched.stream_stats("a", now).slack_s < 0  # but the stream plans as dry
+    clock = Clock(sched, now)
+    clock.run(5)  # its next chunk arrives 0.3125 s later: past the grace
+    assert sched.stats(clock.now).stalls == 1
+    assert "reached its viewer 0.31 s after the buffer ran dry" in sched.admit(StreamRequest("c", FPS), clock.now).reason
+    sched.cancel(sched.next(clock.now))  # the margin in force is decided when the scheduler plans
+    assert sched.lead_s("a") == lead + 0.25
+    quick = make(late_hold_s=1.0, confirm_chunks=0, utilization_target=0.9)
+    admit(quick, "a")
+    now = first_chunk(quick)
+    quick.observe_buffer("a", 0, now, grace_s=0.5)
+    Clock(quick, now).run(5)  # within the grace: the viewer never saw it
+    assert quick.stats(now + 0.3125).stalls == 0
+    assert quick.admit(StreamRequest("c", FPS), now + 0.3125).accepted
+    with pytest.raises(ValueError, match="grace_s"):
+        quick.observe_buffer("a", 0, now, grace_s=-1.0)
+
+
 # ----- admission by the whole pipeline, the closed loop, tranches, the last resort -------------------
 
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import re
 from fractions import Fraction
+from types import SimpleNamespace
 
 import av
 import pytest
@@ -21,7 +22,8 @@ from streamsvc import protocol as P
 from streamsvc.engine import EngineConfig
 from streamsvc.server import Server, ServerConfig
 from streamsvc.rtc import IceServer, WebRtcConfig, complete_local_description, gather_on, h264_preferences
-from streamsvc.transport.webrtc import PacketTrack
+from streamsvc.session import SessionState
+from streamsvc.transport.webrtc import PacketTrack, WebRtcTransport
 
 LOOPBACK = ("127.0.0.1",)
 CANDIDATE = re.compile(r"^a=candidate:\S+ \d+ \S+ \d+ (\S+) \d+ typ (\S+)", re.M)
@@ -152,6 +154,29 @@ async def test_track_paces_reports_and_stalls():
     track.stop()
     with pytest.raises(Exception):
         await track.recv()
+
+
+async def test_the_track_reports_its_queue_with_the_viewers_grace():
+    """The scheduler plans on the track's queue; a dry queue is a stall only past the frame on the wire and the
+    viewer's jitter buffer (WebRtcConfig.viewer_jitter_s)."""
+    reports = []
+
+    class Engine:
+        def observe_buffer(self, stream_id, frames, grace_s=0.0):
+            reports.append((stream_id, frames, grace_s))
+
+    session = SimpleNamespace(stream_id="s1", fps=16, state=SessionState.PLAYING, outbox=asyncio.Queue())
+    config = WebRtcConfig(ice_addresses=LOOPBACK, channel_wait_s=0.01, viewer_jitter_s=0.08)
+    transport = WebRtcTransport(session, Engine(), config, on_control=lambda m: None, on_lost=lambda r: None)
+    transport.track.push(_packets(2, 0, 16), _header(0, 0, 2))
+    await transport.track.recv()
+    await transport.track.recv()
+    assert [(sid, frames) for sid, frames, _ in reports] == [("s1", 2.0), ("s1", 1.0), ("s1", 0.0)]
+    assert all(grace == pytest.approx(1 / 16 + 0.08) for _, _, grace in reports)
+    assert (await session.outbox.get()).index == 0  # no data channel: the chunk's header went on the WebSocket
+    await transport.close()
+    with pytest.raises(ValueError, match="viewer_jitter_s"):
+        WebRtcConfig(viewer_jitter_s=-0.1)
 
 
 async def test_track_holds_frames_while_paused():
