@@ -93,8 +93,9 @@ of `degrade_steps` that leave the margin, else the fewest; a chunk in progress c
 down to the steps it has run (its COMMIT is next). A stream with slack to spare, one not
 yet playing (nothing can stall) or a paused one never degrades. For `pressure_hold_s`
 after a degraded chunk the device is known to be short: streams steering to a new prompt
-wait for their lead instead of running ahead (and their RECACHE with them), so the
-device's time goes to streams near stalling. Plan.steps carries the choice; the engine
+wait for their lead instead of running ahead, so the device's time goes to streams near
+stalling; their RECACHE may start only its own cost plus the headroom before the lead
+(at the lead it would not fit, and the prompt would wait a whole chunk). Plan.steps carries the choice; the engine
 tags the chunk with it.
 
 Costs (`CostModel`): the warm-up's median of each forward kind until `cost_min_samples`
@@ -1267,8 +1268,12 @@ class Scheduler:
         cap_s = self.config.buffer_cap_s - self._next_chunk_s(s)
         if step > 0:  # a chunk in progress goes on
             return cap_s
-        if now < self._pressure_until:  # the device is short (a chunk was degraded): no steering ahead of the lead
-            return min(cap_s, self._lead_s(s))
+        if now < self._pressure_until:  # the device is short (a chunk was degraded): no steering ahead of the lead,
+            lead = self._lead_s(s)
+            if kind is WorkKind.RECACHE:  # but a prompt's RECACHE goes early enough to leave the chunk its lead (held
+                # to the lead itself it no longer fits there, and the prompt waits a whole chunk)
+                lead += self.costs.estimate(WorkKind.RECACHE) + self._recache_headroom_s()
+            return min(cap_s, lead)
         if kind is WorkKind.RECACHE:  # it adds no video
             return math.inf
         return cap_s if self._steering(s) else min(cap_s, self._lead_s(s))  # steering runs ahead to the cap

@@ -873,20 +873,24 @@ def test_no_degrading_when_off_or_for_a_stream_that_cannot_stall():
     assert paused.next(now + 0.3).steps == (4,)
 
 
-def test_under_pressure_a_steering_stream_waits_for_its_lead():
-    sched = make(**DEGRADE, pressure_hold_s=2.0)
+def test_under_pressure_a_steering_stream_waits_for_its_lead_and_its_recache_only_for_that_recache():
+    sched = make(**DEGRADE, pressure_hold_s=2.0, buffer_cap_s=3.0)
     admit(sched, "a", "b")
     clock = Clock(sched)
     clock.run(10)  # both first chunks: a's delivered at 0.3125 (0.25 s left now), b's at 0.625
-    sched.observe_buffer("b", 17, clock.now)  # b has 1.0625 s: above its lead, under the cap's 1.25
+    sched.observe_buffer("b", 24, clock.now)  # b has 1.5 s: above its lead, under the cap's 2.25
     sched.set_prompt("b", clock.now)  # b steers: it may run ahead of its lead to the cap
     assert sched.stream_stats("b", clock.now).runnable and not sched.stats(clock.now).pressure
     plan = sched.next(clock.now)  # a is about to stall: the fewest steps
     assert (plan.stream_ids, plan.steps) == (("a",), (2,))
     sched.complete(plan, clock.now + COST, COST)
-    stats = sched.stream_stats("b", clock.now + COST)
-    assert sched.stats(clock.now + COST).pressure and not stats.runnable  # b waits for its lead now
-    assert stats.buffered_s > stats.lead_s
+    now = clock.now + COST
+    stats = sched.stream_stats("b", now)
+    assert sched.stats(now).pressure and not stats.runnable  # b waits
+    assert stats.lead_s == 0.9375 and stats.buffered_s == 1.4375
+    # its RECACHE may go its own cost and the headroom (the margin) before the lead: at 0.9375 + 0.0625 + 0.25 s
+    assert not sched.stream_stats("b", now + 0.1875 - 0.0625).runnable
+    assert sched.stream_stats("b", now + 0.1875).runnable
     assert not sched.stats(clock.now + 2.1).pressure
 
 
