@@ -95,8 +95,8 @@ yet playing (nothing can stall) or a paused one never degrades. For `pressure_ho
 after a degraded chunk the device is known to be short: streams steering to a new prompt
 wait for their lead instead of running ahead, so the device's time goes to streams near
 stalling; their RECACHE may start only its own cost plus the headroom before the lead
-(at the lead it would not fit, and the prompt would wait a whole chunk). Plan.steps carries the choice; the engine
-tags the chunk with it.
+(at the lead it would not fit, and the prompt would wait a whole chunk). Plan.steps
+carries the choice; the engine tags the chunk with it.
 
 Costs (`CostModel`): the warm-up's median of each forward kind until `cost_min_samples`
 are measured while serving, then the `cost_percentile` of the last `cost_window`.
@@ -464,8 +464,8 @@ class PlaybackModel:
             self.stalls += 1
 
     def _end_stall(self, now: float) -> None:
+        """The dry spell in progress ends at `now` (the caller has advanced to `now`, which counted it if due)."""
         if self.dry_since is not None:
-            self._count_dry(now)
             if self.dry_counted:
                 self.closed_stall_s += max(0.0, now - self.dry_since - self.grace_s)
             self.dry_since, self.dry_counted = None, False

@@ -37,9 +37,10 @@ needs to send no ``stats``. The scheduler plans on the queue alone, but counts a
 queue as a stall (closing admission, raising every stream's lead, the last resort's
 evidence) only once it has stayed dry past the frame sent last and the viewer's
 jitter buffer (``WebRtcConfig.viewer_jitter_s``). Counted at once, a busy host's
-short dry spells ended streams (``overloaded``) whose viewers never stalled. A picture loss (RTCP PLI or FIR) from the viewer
-becomes ``engine.request_keyframe(stream_id)``: the next chunk starts with an
-IDR.
+short dry spells ended streams (``overloaded``) whose viewers never stalled.
+
+A picture loss (RTCP PLI or FIR) from the viewer becomes
+``engine.request_keyframe(stream_id)``: the next chunk starts with an IDR.
 
 ICE: no STUN/TURN unless configured (``RTCConfiguration(iceServers=[])``; with
 ``None`` aiortc would ask a public STUN server). aioice gathers host
@@ -233,6 +234,8 @@ class WebRtcTransport:
         self._closed = False
         self._last_keyframe_request = float("-inf")
         self.keyframe_requests = 0
+        # the viewer holds the frame sent last and its jitter buffer beyond the queue: a stall only past those
+        self._grace_s = 1.0 / session.fps + config.viewer_jitter_s
         self.track = PacketTrack(
             session.fps,
             on_frame=self._frame_sent,
@@ -339,9 +342,7 @@ class WebRtcTransport:
 
     def _observe(self, buffered: float) -> None:
         if not self._closed:
-            # the viewer holds the frame sent last and its jitter buffer beyond the queue: a stall only past those
-            grace_s = 1.0 / self.track.fps + self.config.viewer_jitter_s
-            self.engine.observe_buffer(self.stream_id, buffered, grace_s=grace_s)
+            self.engine.observe_buffer(self.stream_id, buffered, grace_s=self._grace_s)
 
     def _stalled(self) -> None:
         if self._closed or self.session.closed:  # the stream is ending: no more frames is no stall
