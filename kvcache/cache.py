@@ -6,10 +6,14 @@ from collections.abc import Sequence
 
 import torch
 
+from kvcache.quant import QuantStorage
 from kvcache.spec import CacheSpec
-from kvcache.storage import KVStorage, make_storage
+from kvcache.storage import DenseStorage, KVStorage
 
 
+def make_storage(spec: CacheSpec, device: torch.device | str) -> KVStorage:
+    """A new storage of the kind `spec.quant` names: dense for "none", quantized for int4 / int2."""
+    return (DenseStorage if spec.quant == "none" else QuantStorage)(spec, device)
 
 
 class StreamCache:
@@ -147,4 +151,3 @@ class StreamCache:
             self.frame_ids[slot] = fid
         self.touch()
         return slots
-

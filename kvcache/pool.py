@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.cache import StreamCache
+from kvcache.cache import StreamCache, make_storage
 from kvcache.spec import CacheSpec
-from kvcache.storage import make_storage, storage_bytes
 
 
 class PoolFull(RuntimeError):
@@ -48,12 +47,12 @@ class CachePool:
         return len(self._held)
 
     def fits(self, spec: CacheSpec, extra_bytes: int = 0) -> bool:
-        return storage_bytes(spec) + extra_bytes <= self.free_bytes
+        return spec.stream_bytes() + extra_bytes <= self.free_bytes
 
     def refusal(self, spec: CacheSpec, extra_bytes: int = 0) -> str | None:
         """Why a cache of `spec` (plus `extra_bytes` of other per-stream state, e.g. the decoder's)
         would be refused now, or None if it fits."""
-        need = storage_bytes(spec) + extra_bytes
+        need = spec.stream_bytes() + extra_bytes
         if need <= self.free_bytes:
             return None
         extra = f" (decoder state {_mib(extra_bytes)} included)" if extra_bytes else ""
@@ -68,7 +67,7 @@ class CachePool:
         elsewhere, counted against the same budget) do not fit."""
         if stream_id in self._held:
             raise ValueError(f"stream {stream_id!r} already holds a cache")
-        need = storage_bytes(spec)
+        need = spec.stream_bytes()
         if need + extra_bytes > self.free_bytes:
             return None
         storage = make_storage(spec, self.device)

@@ -28,14 +28,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from kvcache.spec import CacheSpec
-from kvcache.storage import STORAGE_CLASSES, KVStorage
-
-BITS = {"int4": 4, "int2": 2}
+from kvcache.spec import QUANT_BITS, CacheSpec, QuantLayout
+from kvcache.spec import quant_frame_bytes  # noqa: F401  bytes of the layout described above; the spec counts all bytes
+from kvcache.storage import KVStorage
 
 # Where a slot's frame lives (first column of `QuantStorage.loc`).
 EMPTY, DENSE, QUANT = -1, 0, 1
@@ -116,50 +114,12 @@ def dequantize_values(codes, scale, zero, head_dim: int, bits: int, dtype: torch
     return (c * scale.float()[..., None] + zero[..., None]).to(dtype)
 
 
-# -- layout and bytes --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class QuantLayout:
-    """How many dense and quantized frame buffers a stream's storage holds, per layer."""
-
-    bits: int  # 4 or 2
-    dense_sinks: int  # sink slots stored densely (slot s -> dense buffer s)
-    residual: int  # dense buffers for the newest window frames
-    quant_frames: int  # quantized frame buffers (the older window frames, and the sinks if quantized)
-
-    @classmethod
-    def of(cls, spec: CacheSpec) -> QuantLayout:
-        residual = min(spec.residual_frames, spec.window_frames)
-        dense_sinks = 0 if spec.quantize_sinks else spec.sink_frames
-        quant = spec.window_frames - residual + (spec.sink_frames if spec.quantize_sinks else 0)
-        return cls(BITS[spec.quant], dense_sinks, residual, quant)
-
-    @property
-    def dense_frames(self) -> int:
-        return self.dense_sinks + self.residual
-
-
-def quant_frame_bytes(spec: CacheSpec, bits: int | None = None) -> int:
-    """Bytes of one quantized latent frame, K and V of all layers: codes, scales and zero points."""
-    bits = BITS[spec.quant] if bits is None else bits
-    t, c, h = spec.tokens_per_frame, spec.num_heads * spec.head_dim, spec.num_heads
-    codes = t * c * bits // 8
-    key_meta = (t // spec.group_size) * c * (2 + 4)  # bf16 scale + fp32 zero
-    value_meta = t * h * (2 + 4)
-    return spec.num_layers * (2 * codes + key_meta + value_meta)
+# -- the read scratch --------------------------------------------------------------------------
 
 
 def scratch_bytes(spec: CacheSpec) -> int:
     """Bytes of the read scratch a device holds once for all quantized streams of this shape."""
-    return 2 * spec.capacity_frames * spec.tokens_per_frame * spec.num_heads * spec.head_dim * _elem(spec.torch_dtype)
-
-
-def _elem(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-# -- the read scratch --------------------------------------------------------------------------
+    return 2 * spec.capacity_frames * spec.tokens_per_frame * spec.num_heads * spec.head_dim * spec.torch_dtype.itemsize
 
 
 class ReadScratch:
@@ -269,7 +229,7 @@ class QuantStorage(KVStorage):
         scratch: ReadScratch | None = None,
     ) -> None:
         super().__init__(spec, device)
-        if spec.quant not in BITS:
+        if spec.quant not in QUANT_BITS:
             raise ValueError(f"QuantStorage stores int4 or int2, got quant={spec.quant!r}")
         self.layout = lay = QuantLayout.of(spec)
         self.bits = lay.bits
@@ -341,13 +301,6 @@ class QuantStorage(KVStorage):
 
     def load_host_state(self, state: list[SlotMap]) -> None:
         self.maps = state
-
-    @classmethod
-    def bytes_for(cls, spec: CacheSpec) -> int:
-        lay = QuantLayout.of(spec)
-        dense = 2 * lay.dense_frames * spec.tokens_per_frame * spec.num_heads * spec.head_dim * _elem(spec.torch_dtype)
-        loc = spec.capacity_frames * 2 * 4
-        return spec.num_layers * (dense + loc) + lay.quant_frames * quant_frame_bytes(spec)
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -423,7 +376,3 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
         if device.type not in ("cuda", "cpu", "meta"):
             raise ValueError(f"Triton kernels run on CUDA (or interpreted on CPU), not on {device}")
     return backend
-
-
-STORAGE_CLASSES["int4"] = QuantStorage
-STORAGE_CLASSES["int2"] = QuantStorage

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 QUANT_MODES = ("none", "int4", "int2")
+QUANT_BITS = {"int4": 4, "int2": 2}  # bits per code of each quantized mode
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -69,7 +70,7 @@ class CacheSpec:
                 )
             if self.residual_frames < 0:
                 raise ValueError(f"residual_frames must be >= 0, got {self.residual_frames}")
-            per_byte = 8 // int(self.quant[3:])
+            per_byte = 8 // QUANT_BITS[self.quant]
             if self.head_dim % per_byte:
                 raise ValueError(
                     f"{self.quant} packs {per_byte} codes per byte within a head: head_dim {self.head_dim} "
@@ -87,11 +88,49 @@ class CacheSpec:
     @property
     def dense_frame_bytes(self) -> int:
         """Bytes of K plus V of one frame, all layers, stored densely in `dtype`."""
-        elem = torch.empty((), dtype=self.torch_dtype).element_size()
-        return 2 * self.num_layers * self.tokens_per_frame * self.num_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.tokens_per_frame * self.num_heads * self.head_dim * self.torch_dtype.itemsize
 
     def stream_bytes(self) -> int:
-        """Exact bytes one stream's cache allocates (storage tensors and their metadata)."""
-        from kvcache.storage import storage_bytes  # local: storage depends on spec
+        """Exact bytes one stream's storage allocates (its tensors, metadata included), computed
+        without allocating. It mirrors the allocations of `DenseStorage` (kvcache/storage.py) and
+        `QuantStorage` (kvcache/quant.py); `CachePool` checks the two agree on every allocation."""
+        if self.quant == "none":
+            s = self.staging_frames
+            staged = s + (s + self.capacity_frames if s else 0)  # values' staging; rotated keys of staging and slots
+            return self.dense_frame_bytes * self.capacity_frames + self.dense_frame_bytes // 2 * staged
+        lay = QuantLayout.of(self)
+        loc = self.capacity_frames * 2 * 4  # (kind, buffer) int32 of every slot
+        dense = self.dense_frame_bytes * lay.dense_frames + self.num_layers * loc
+        return dense + lay.quant_frames * quant_frame_bytes(self)
 
-        return storage_bytes(self)
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """How many dense and quantized frame buffers a stream's quantized storage holds, per layer."""
+
+    bits: int  # 4 or 2
+    dense_sinks: int  # sink slots stored densely (slot s -> dense buffer s)
+    residual: int  # dense buffers for the newest window frames
+    quant_frames: int  # quantized frame buffers (the older window frames, and the sinks if quantized)
+
+    @classmethod
+    def of(cls, spec: CacheSpec) -> QuantLayout:
+        residual = min(spec.residual_frames, spec.window_frames)
+        dense_sinks = 0 if spec.quantize_sinks else spec.sink_frames
+        quant = spec.window_frames - residual + (spec.sink_frames if spec.quantize_sinks else 0)
+        return cls(QUANT_BITS[spec.quant], dense_sinks, residual, quant)
+
+    @property
+    def dense_frames(self) -> int:
+        return self.dense_sinks + self.residual
+
+
+def quant_frame_bytes(spec: CacheSpec, bits: int | None = None) -> int:
+    """Bytes of one quantized latent frame, K and V of all layers: codes, scales and zero points
+    (layout: kvcache/quant.py)."""
+    bits = QUANT_BITS[spec.quant] if bits is None else bits
+    t, c, h = spec.tokens_per_frame, spec.num_heads * spec.head_dim, spec.num_heads
+    codes = t * c * bits // 8
+    key_meta = (t // spec.group_size) * c * (2 + 4)  # bf16 scale + fp32 zero
+    value_meta = t * h * (2 + 4)
+    return spec.num_layers * (2 * codes + key_meta + value_meta)

@@ -1,4 +1,5 @@
-"""Where a stream's K/V frames live. Dense storage here; quantized storage implements the same interface."""
+"""Where a stream's K/V frames live. Dense storage here; quantized storage (kvcache/quant.py)
+implements the same interface, and `make_storage` (kvcache/cache.py) picks one by `CacheSpec.quant`."""
 
 from __future__ import annotations
 
@@ -61,9 +62,9 @@ class KVStorage(ABC):
         """Take `host_state()` of a parked storage of the same spec."""
 
     @classmethod
-    @abstractmethod
     def bytes_for(cls, spec: CacheSpec) -> int:
-        """Bytes `tensors()` will hold for `spec`, computed without allocating."""
+        """Bytes `tensors()` will hold for `spec`, computed without allocating (the spec counts them)."""
+        return spec.stream_bytes()
 
     @property
     def nbytes(self) -> int:
@@ -116,28 +117,3 @@ class DenseStorage(KVStorage):
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self._staged_v] + ([self.rotated_k] if self.rotated_k is not None else [])
-
-    @classmethod
-    def bytes_for(cls, spec: CacheSpec) -> int:
-        s = spec.staging_frames
-        staged = s + (s + spec.capacity_frames if s else 0)  # values' staging; rotated keys of staging and slots
-        return spec.dense_frame_bytes * spec.capacity_frames + spec.dense_frame_bytes // 2 * staged
-
-
-# quant mode -> storage class. Quantized storage registers itself here (kvcache.quant).
-STORAGE_CLASSES: dict[str, type[KVStorage]] = {"none": DenseStorage}
-
-
-def storage_class(spec: CacheSpec) -> type[KVStorage]:
-    if spec.quant not in STORAGE_CLASSES:
-        import kvcache.quant  # noqa: F401  registers int4 / int2
-
-    return STORAGE_CLASSES[spec.quant]
-
-
-def make_storage(spec: CacheSpec, device: torch.device | str) -> KVStorage:
-    return storage_class(spec)(spec, device)
-
-
-def storage_bytes(spec: CacheSpec) -> int:
-    return storage_class(spec).bytes_for(spec)
