@@ -1,0 +1,125 @@
+"""The Prometheus metrics of one server (`Metrics`: its own registry, no globals) and how they are read off the
+engine and the open streams when /metrics is asked for (`Metrics.refresh`).
+
+Counters and histograms move as things happen (a stream admitted, a chunk sent, a refusal); the gauges are set
+from the engine's counters and the streams' states at each refresh. The cluster's gateway keeps one too, for what
+it refuses at its own front.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from streamsvc.access import Refusal
+from streamsvc.session import Session, SessionState
+
+if TYPE_CHECKING:
+    from streamsvc.engine import Engine
+
+
+class Metrics:
+    """Prometheus metrics of one server (its own registry, no globals)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.streams = Gauge("streamsvc_streams", "Open streams by state", ["state"], registry=r)
+        self.admitted = Counter("streamsvc_streams_admitted", "Streams admitted", registry=r)
+        self.refused = Counter("streamsvc_streams_refused", "Streams refused at admission", registry=r)
+        self.stalls = Gauge("streamsvc_modelled_stalls", "Stalls of open streams in the scheduler's playback model", registry=r)
+        self.client_stalls = Counter("streamsvc_client_stalls", "Stalls reported by clients (stats messages)", registry=r)
+        self.track_stalls = Counter("streamsvc_webrtc_track_stalls",
+                                    "WebRTC: times a track had no frame at its due time (stalls the server caused)",
+                                    registry=r)
+        self.ttff = Histogram("streamsvc_ttff_seconds", "Admission to first chunk sent", registry=r,
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
+        self.watcher_ttff = Histogram("streamsvc_watcher_ttff_seconds", "A watcher's join to its first chunk sent",
+                                      registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
+        self.watchers = Gauge("streamsvc_watchers", "Viewers watching open streams (steerers not counted)", registry=r)
+        self.watchers_admitted = Counter("streamsvc_watchers_admitted", "Watchers admitted", registry=r)
+        self.orphans = Gauge("streamsvc_orphaned_streams", "Open streams whose steerer left (watchers remain)",
+                             registry=r)
+        self.recordings = Gauge("streamsvc_recordings", "Streams being recorded", registry=r)
+        self.recording_bytes = Gauge("streamsvc_recordings_bytes", "Disk the recordings use", registry=r)
+        self.chunk_latency = Histogram("streamsvc_chunk_latency_seconds", "First denoising step to chunk ready",
+                                       registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
+        self.chunks = Counter("streamsvc_chunks", "Chunks sent", registry=r)
+        self.degraded = Gauge("streamsvc_degraded_chunks", "Chunks degraded instead of a stall, by the stage that "
+                              "was late (device: fewer denoising steps; encode: a cheaper x264 encode)", ["stage"],
+                              registry=r)
+        self.overloaded = Counter("streamsvc_streams_overloaded", "Streams ended as the last resort (error 'overloaded'): "
+                                  "degradation could no longer keep every stream from stalling", registry=r)
+        self.stage_load = Gauge("streamsvc_stage_load", "Predicted busy fraction of each stage a chunk passes "
+                                "(what admission checks against its target)", ["stage"], registry=r)
+        self.admission_closed = Gauge("streamsvc_admission_closed",
+                                      "1 while a stream was late lately: no stream is admitted (the closed loop)", registry=r)
+        self.pressure = Gauge("streamsvc_scheduler_pressure",
+                              "1 while a chunk was degraded lately (no stream steers ahead of its lead)", registry=r)
+        self.queue = Gauge("streamsvc_scheduler_queue", "Streams that want a forward now", registry=r)
+        self.load = Gauge("streamsvc_scheduler_load", "Predicted busy fraction of the engine", registry=r)
+        self.kv_bytes = Gauge("streamsvc_kv_bytes", "KV cache bytes held by open streams", registry=r)
+        self.kv_budget = Gauge("streamsvc_kv_budget_bytes", "KV pool budget", registry=r)
+        self.forwards = Gauge("streamsvc_forwards", "Forwards run, by kind", ["kind"], registry=r)
+        self.forward_s = Gauge("streamsvc_forward_seconds", "Time spent in forwards, by kind", ["kind"], registry=r)
+        self.forward_gpu_s = Gauge("streamsvc_forward_gpu_seconds",
+                                   "Device time of forwards by CUDA events (CPU: wall time), by kind", ["kind"], registry=r)
+        self.encode_s = Gauge("streamsvc_encode_seconds", "Output stage time: frames to host, x264 and packing",
+                              registry=r)
+        self.chunks_encoded = Gauge("streamsvc_chunks_encoded", "Chunks through the output stage", registry=r)
+        self.chunk_latency_max = Gauge("streamsvc_chunk_latency_max_seconds",
+                                       "Slowest chunk so far: its first forward's launch to its hand-over", registry=r)
+        self.parked = Gauge("streamsvc_parked_streams", "Paused streams whose state is parked in host memory",
+                            registry=r)
+        self.parked_bytes = Gauge("streamsvc_parked_bytes", "Host memory the parked streams hold", registry=r)
+        self.park_budget = Gauge("streamsvc_park_budget_bytes", "Host memory parked streams may hold", registry=r)
+        self.parks = Gauge("streamsvc_parks", "Streams parked (pauses) and brought back (resumes)", ["op"],
+                           registry=r)
+        self.park_s = Gauge("streamsvc_park_seconds", "Time of the parks' and resumes' copies, in total", ["op"],
+                            registry=r)
+        self.errors = Counter("streamsvc_protocol_errors", "Bad client messages answered with an error", registry=r)
+        self.refusals = Counter("streamsvc_refusals", "Requests refused, by reason", ["reason"], registry=r)
+        for reason in Refusal:
+            self.refusals.labels(reason.value)  # every reason shows, at 0 until it happens
+
+    def refresh(self, engine: Engine, sessions: Collection[Session], recording_bytes: int) -> None:
+        """Set the gauges from the engine's counters and its latest snapshot, the open streams (`sessions`) and the
+        disk the recordings use."""
+        m, snap = self, engine.snapshot
+        for state in SessionState:
+            m.streams.labels(state.value).set(sum(1 for s in sessions if s.state is state))
+        m.kv_bytes.set(engine.kv_used_bytes)
+        m.watchers.set(sum(s.watchers for s in sessions))
+        m.orphans.set(sum(1 for s in sessions if s.steerer is None))
+        m.recordings.set(sum(1 for s in sessions if s.recorder is not None))
+        m.recording_bytes.set(recording_bytes)
+        m.kv_budget.set(engine.kv_budget_bytes)
+        for kind, n in engine.forwards.items():
+            m.forwards.labels(kind).set(n)
+            m.forward_s.labels(kind).set(engine.forward_seconds[kind])
+            m.forward_gpu_s.labels(kind).set(engine.gpu_seconds[kind])
+        m.encode_s.set(engine.encode_seconds)
+        m.chunks_encoded.set(engine.chunks_encoded)
+        m.chunk_latency_max.set(engine.chunk_latency_max_s)
+        m.parked.set(engine.parked_streams)
+        m.parked_bytes.set(engine.parked_bytes)
+        m.park_budget.set(engine.config.park_budget_bytes)
+        for op, n, seconds in (("park", engine.parks, engine.park_seconds),
+                               ("restore", engine.restores, engine.restore_seconds)):
+            m.parks.labels(op).set(n)
+            m.park_s.labels(op).set(seconds)
+        m.degraded.labels("device").set(engine.degraded_chunks)
+        m.degraded.labels("encode").set(engine.fast_encodes)
+        if snap is not None:
+            for stage, load in snap.stage_load.items():
+                m.stage_load.labels(stage.value).set(load)
+            m.admission_closed.set(int(snap.late))
+            m.pressure.set(int(snap.pressure))
+            m.queue.set(snap.queue_length)
+            m.load.set(snap.predicted_load)
+            m.stalls.set(snap.stalls)
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' text format (the body of GET /metrics)."""
+        return generate_latest(self.registry)

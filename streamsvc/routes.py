@@ -1,0 +1,168 @@
+"""The HTTP routes of `streamsvc serve`, apart from the front that receives the requests.
+
+A front (today websockets' `process_request`, in streamsvc/server.py) turns each request into an `HttpRequest`,
+calls `Routes.handle` and sends the `HttpReply` it gets back; None means the request is the WebSocket upgrade at
+WS_PATH, from an allowed origin, and the handshake goes on. The routes:
+
+- WS_PATH: the origin check of a browser's upgrade (403 from a page of another site; see access.origin_allowed);
+- /healthz: 200 once the engine has started, 503 before;
+- /metrics: the server's Prometheus metrics (streamsvc/metrics.py), refreshed at each request;
+- RECORDINGS_PATH + ID.mp4 / ID.vtt: a finished recording and its chapters, behind the access token when the
+  server has tokens; a Range request gets its part (seeking in a <video>);
+- anything else: the browser player's static files (404 when the server has none).
+
+A reply's body is bytes, or a file (or a byte range of one) that a front may stream instead of reading it whole.
+Nothing here knows the front: no sockets, no websockets or aiohttp types.
+"""
+
+from __future__ import annotations
+
+import http
+import mimetypes
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+from streamsvc.access import AccessConfig, Refusal, bearer_token, find_token, origin_allowed
+from streamsvc.metrics import Metrics
+from streamsvc.record import RecordingStore
+
+WS_PATH = "/ws"
+RECORDINGS_PATH = "/recordings/"  # GET /recordings/ID.mp4 (and ID.vtt, its chapters)
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    """A request as the routes see it, whichever front received it."""
+
+    method: str  # "GET", "POST", ... (the routes answer every method as GET today)
+    target: str  # the request line's target: the path and its query, "/recordings/s0.mp4?token=..."
+    headers: Mapping[str, str]  # looked up case-insensitively: the front's own header map (websockets' Headers...)
+    remote: str | None = None  # the peer's address, as the front's socket has it; None when unknown
+
+    @property
+    def path(self) -> str:
+        """The target without its query: "/recordings/s0.mp4"."""
+        return self.target.split("?", 1)[0]
+
+    @property
+    def query(self) -> dict[str, list[str]]:
+        """The target's query, parsed: {"token": ["..."]}."""
+        return parse_qs(urlsplit(self.target).query)
+
+
+@dataclass(frozen=True)
+class HttpReply:
+    """An answer: its status and headers, and its body as bytes or as a file (a byte range of one) to send."""
+
+    status: http.HTTPStatus
+    headers: tuple[tuple[str, str], ...]  # in the order they go out; Content-Length is the body's (or span's) length
+    body: bytes = b""  # the body, when `file` is None
+    file: Path | None = None  # the body is this file's bytes instead (a front may stream them)
+    span: tuple[int, int] | None = None  # the inclusive byte offsets of `file` that make the body; None: all of it
+
+
+def reply(status: http.HTTPStatus, body: bytes, ctype: str) -> HttpReply:
+    """A reply with `body` of content type `ctype`, never cached."""
+    return HttpReply(status, _headers(ctype, len(body)), body)
+
+
+def _headers(ctype: str, length: int) -> tuple[tuple[str, str], ...]:
+    return ("Content-Type", ctype), ("Content-Length", str(length)), ("Cache-Control", "no-store")
+
+
+def check_origin(request: HttpRequest, access: AccessConfig, metrics: Metrics) -> HttpReply | None:
+    """Refuses (403) a browser's upgrade from a page of another site; see access.origin_allowed. None: allowed."""
+    origin, host = request.headers.get("Origin"), request.headers.get("Host")
+    if origin_allowed(origin, host, access.allowed_origins):
+        return None
+    metrics.refusals.labels(Refusal.ORIGIN.value).inc()
+    text = (f"origin {origin[:200]!r} may not open streams here: only pages of this server (Host {host!r}) "
+            "and origins given with --allow-origin may\n")
+    return reply(http.HTTPStatus.FORBIDDEN, text.encode(), "text/plain")
+
+
+def static_file(root: str | None, path: str) -> HttpReply:
+    """The player's file at `path` under `root` ("/" is its index.html); 404 outside `root` or with no player."""
+    if root is None:
+        return reply(http.HTTPStatus.NOT_FOUND, b"no player here; connect a client to /ws\n", "text/plain")
+    base = Path(root).resolve()
+    target = (base / (path.lstrip("/") or "index.html")).resolve()
+    if base not in target.parents and target != base or not target.is_file():
+        return reply(http.HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
+    ctype = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
+    return HttpReply(http.HTTPStatus.OK, _headers(ctype, target.stat().st_size), file=target)
+
+
+def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """The first range of an HTTP Range header ("bytes=START-END", "bytes=START-", "bytes=-SUFFIX") as inclusive
+    offsets within `size` bytes; None for no header, one we do not parse, or one that does not fit (the whole body)."""
+    if not header or not header.startswith("bytes=") or size == 0:
+        return None
+    first = header.removeprefix("bytes=").split(",", 1)[0].strip()
+    start_text, _, end_text = first.partition("-")
+    try:
+        if start_text:
+            start = int(start_text)
+            end = min(int(end_text), size - 1) if end_text else size - 1
+        else:
+            start, end = max(0, size - int(end_text)), size - 1
+    except ValueError:
+        return None
+    return (start, end) if 0 <= start <= end else None
+
+
+class Routes:
+    """The routes of one server (see the module's doc); a front calls `handle` for each request."""
+
+    def __init__(self, access: AccessConfig, static_dir: str | None, recordings: RecordingStore, metrics: Metrics,
+                 ready: Callable[[], bool], refresh_metrics: Callable[[], None]) -> None:
+        self.access = access  # tokens (recordings) and allowed origins (the upgrade)
+        self.static_dir = static_dir  # the browser player's files, served at / (None: no player)
+        self.recordings = recordings
+        self.metrics = metrics  # served at /metrics; refusals are counted in it by reason
+        self.ready = ready  # whether the engine takes streams (/healthz)
+        self.refresh_metrics = refresh_metrics  # brings the gauges up to date before /metrics is served
+
+    def handle(self, request: HttpRequest) -> HttpReply | None:
+        """The reply to `request`; None for the WebSocket upgrade at WS_PATH from an allowed origin (the
+        handshake goes on)."""
+        path = request.path
+        if path == WS_PATH:
+            return check_origin(request, self.access, self.metrics)
+        if path == "/healthz":
+            ok = self.ready()
+            return reply(http.HTTPStatus.OK if ok else http.HTTPStatus.SERVICE_UNAVAILABLE,
+                         b"ok\n" if ok else b"starting\n", "text/plain")
+        if path == "/metrics":
+            self.refresh_metrics()
+            return reply(http.HTTPStatus.OK, self.metrics.exposition(), "text/plain; version=0.0.4")
+        if path.startswith(RECORDINGS_PATH):
+            return self._recording(request, path.removeprefix(RECORDINGS_PATH))
+        return static_file(self.static_dir, path)
+
+    def _recording(self, request: HttpRequest, name: str) -> HttpReply:
+        """A recording (ID.mp4) or its chapters (ID.vtt), behind the access token when the server has tokens (as
+        `?token=` for a page's <video>, or an Authorization header); a Range request gets its part (seeking)."""
+        if self.access.auth:
+            given = (request.query.get("token") or [None])[0] or bearer_token(request.headers.get("Authorization"))
+            if find_token(self.access.tokens, given) is None:
+                self.metrics.refusals.labels(Refusal.UNAUTHORIZED.value).inc()
+                return reply(http.HTTPStatus.UNAUTHORIZED, b"this server needs an access token: add ?token=... to "
+                             b"the address or send an Authorization: Bearer header\n", "text/plain")
+        if self.recordings.in_progress(name):  # its index (the moov box) and chapters are written when it ends
+            return reply(http.HTTPStatus.CONFLICT, b"recording in progress: it can be fetched once its stream ends "
+                         b"or its steerer stops recording\n", "text/plain")
+        target = self.recordings.path(name)
+        if target is None:
+            return reply(http.HTTPStatus.NOT_FOUND, b"no such recording\n", "text/plain")
+        ctype = "video/mp4" if target.suffix == ".mp4" else "text/vtt; charset=utf-8"
+        size = target.stat().st_size
+        span = byte_range(request.headers.get("Range"), size)
+        if span is None:
+            return HttpReply(http.HTTPStatus.OK, _headers(ctype, size) + (("Accept-Ranges", "bytes"),), file=target)
+        start, end = span
+        headers = _headers(ctype, end + 1 - start) + (("Content-Range", f"bytes {start}-{end}/{size}"),
+                                                      ("Accept-Ranges", "bytes"))
+        return HttpReply(http.HTTPStatus.PARTIAL_CONTENT, headers, file=target, span=span)
