@@ -54,7 +54,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from streamsvc.scheduler import POLICIES, Plan, Scheduler, SchedulerConfig, StreamRequest, WorkKind
+from streamsvc.scheduling import POLICIES, Plan, Scheduler, SchedulerConfig, StreamRequest, WorkKind
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,7 @@ def _check_weights(args) -> None:
 def _engine_config(args):
     from streamsvc.engine import EngineConfig
     from streamsvc.offline import default_device
-    from streamsvc.scheduler import SchedulerConfig
+    from streamsvc.scheduling import SchedulerConfig
 
     gen = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant)
     device = default_device(args.device)
@@ -174,7 +174,7 @@ def _park(args) -> dict:
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    from streamsvc.scheduler import POLICIES
+    from streamsvc.scheduling import POLICIES
 
     p.add_argument("--policy", default="slack", choices=POLICIES, help="which stream runs next (default: slack = least slack first)")
     p.add_argument("--buffer-cap", type=float, default=2.0,

@@ -9,7 +9,7 @@ import torch
 
 from streamsvc.encode import StreamDecoder
 from streamsvc.engine import Engine, EngineConfig, EngineError
-from streamsvc.scheduler import SchedulerConfig, WorkKind
+from streamsvc.scheduling import SchedulerConfig, WorkKind
 
 
 class Collector:

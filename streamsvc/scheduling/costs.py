@@ -1,0 +1,136 @@
+"""Cost estimation: what one forward, one chunk and one stream cost on each stage.
+
+Costs (`CostModel`): the warm-up's median of each forward kind until `cost_min_samples`
+are measured while serving, then the `cost_percentile` of the last `cost_window`.
+
+Each stage's cost per chunk (`Stage`: the device's forwards, the output stage's frames
+to the host, x264 and packing on `output_capacity` workers, the transports' send on the
+event loop) is seeded by the warm-up (`seed_stage`) and then follows the
+`cost_percentile` of what serving measures (`observe_stage`). The device's load counts
+the streams' prompt switches as measured: the recaches of the last RECACHE_WINDOW_S, at
+a recache's cost.
+
+`CostEstimates` holds the figures and adds them up (a chunk's forwards at a batch size,
+one stream's share, what a chunk may wait for); admission and the planner read them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Collection, Hashable
+
+from .config import SchedulerConfig
+from .types import Stage, StreamRequest, WorkKind
+
+RECACHE_WINDOW_S = 10.0  # admission counts the recaches of this many past seconds as the streams' steering load
+
+
+def percentile(samples: Collection[float], q: float) -> float | None:
+    """Nearest-rank `q` percentile (q in (0, 1]; None for no samples)."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return ordered[math.ceil(q * len(ordered)) - 1]
+
+
+class CostModel:
+    """The cost of one forward per (kind, batch size): a high percentile of what serving measures.
+
+    A prior (the warm-up's median through `seed`, else the first measurement) stands until `min_samples`
+    forwards of that kind and size are measured; from then on the estimate is the `percentile` of the
+    last `window` of them. So it follows what forwards cost under load (a throttled device, a noisy
+    neighbour, an encoder competing for the CPU) and comes back down when that passes, and a run of
+    fast samples cannot talk it down the way it could a moving average.
+    """
+
+    def __init__(self, initial_forward_s: float, percentile: float = 0.9, window: int = 64,
+                 min_samples: int = 8) -> None:
+        self.initial_forward_s = initial_forward_s
+        self.percentile, self.min_samples = percentile, min_samples
+        self._samples: dict[tuple[Hashable, int], deque[float]] = {}
+        self._window = window
+        self._estimate: dict[tuple[Hashable, int], float] = {}  # kept current by seed and observe
+
+    def estimate(self, kind: Hashable, batch: int = 1) -> float:
+        """The (kind, batch) cost. A batch size not measured yet costs what its streams cost one by one
+        (batch x the batch-1 cost, else the initial guess): no gain is counted before it is seen."""
+        if (kind, batch) in self._estimate:
+            return self._estimate[(kind, batch)]
+        return batch * self._estimate.get((kind, 1), self.initial_forward_s)
+
+    def seed(self, kind: Hashable, batch: int, seconds: float) -> None:
+        """A prior for (kind, batch), e.g. the warm-up's median; measurements replace it once there are enough."""
+        key = (kind, batch)
+        self._samples.pop(key, None)
+        self._estimate[key] = seconds
+
+    def observe(self, kind: Hashable, batch: int, elapsed_s: float) -> None:
+        """One measured (kind, batch) cost."""
+        key = (kind, batch)
+        samples = self._samples.setdefault(key, deque(maxlen=self._window))
+        samples.append(elapsed_s)
+        if len(samples) >= self.min_samples:
+            self._estimate[key] = percentile(samples, self.percentile)
+        else:
+            self._estimate.setdefault(key, elapsed_s)
+
+
+class CostEstimates:
+    """The scheduler's cost figures and their sums.
+
+    `forward`: one forward's cost by (WorkKind, batch). `stage`: one chunk's cost on the output
+    stage and the send, by (Stage, 1). And the recaches of the last RECACHE_WINDOW_S, which
+    the device's load counts as the streams' steering.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        cfg = self.config = config
+        self.forward = CostModel(cfg.initial_forward_s, cfg.cost_percentile, cfg.cost_window, cfg.cost_min_samples)
+        # cost of one chunk on the output stage and the send (per stream; the device's is `forward`)
+        self.stage = CostModel(0.001, cfg.cost_percentile, cfg.cost_window, cfg.cost_min_samples)
+        self._recaches: deque[float] = deque()  # times of recaches (one per stream) within RECACHE_WINDOW_S
+
+    def recache_s(self) -> float:
+        """Estimated time of one stream's RECACHE forward."""
+        return self.forward.estimate(WorkKind.RECACHE)
+
+    def chunk_s(self, batch: int = 1, steps: int | None = None) -> float:
+        """Estimated time of one chunk's forwards at `batch` streams (no recache): `steps` denoising
+        forwards (default: all of them) and the commit."""
+        steps = self.config.denoise_steps if steps is None else steps
+        return steps * self.forward.estimate(WorkKind.DENOISE, batch) + self.forward.estimate(WorkKind.COMMIT, batch)
+
+    def stream_chunk_s(self, streams: int) -> float:
+        """One stream's share of a chunk's forwards when `streams` streams batch up to max_batch together."""
+        batch = max(1, min(streams, self.config.max_batch))
+        return self.chunk_s(batch) / batch
+
+    def queue_work_s(self, streams: int) -> float:
+        """One chunk of each of `streams` streams, in batches of up to max_batch: what a chunk may wait for."""
+        batch = max(1, min(streams, self.config.max_batch))
+        return math.ceil(streams / batch) * self.chunk_s(batch)
+
+    def stream_load(self, req: StreamRequest, streams: int = 1) -> float:
+        """Busy fraction of the device one stream needs in steady state among `streams` streams (chunks/s x
+        its share of a chunk's forwards at the batch size that many streams run at)."""
+        return req.fps / req.chunk_frames * self.stream_chunk_s(streams)
+
+    def stage_chunk_s(self, stage: Stage, streams: int) -> float:
+        """One stream's chunk on `stage`, as a share of the stage's time (the device's batched at `streams`)."""
+        if stage is Stage.DEVICE:
+            return self.stream_chunk_s(streams)
+        capacity = self.config.output_capacity if stage is Stage.OUTPUT else 1.0
+        return self.stage.estimate(stage) / capacity
+
+    def recached(self, now: float) -> None:
+        """A stream's RECACHE ran at `now`: it counts toward the device's load for RECACHE_WINDOW_S."""
+        self._recaches.append(now)
+
+    def recache_load(self, now: float | None = None) -> float:
+        """Busy fraction of the device the streams' recaches took lately (measured, not predicted); with `now`,
+        recaches older than RECACHE_WINDOW_S are forgotten first."""
+        if now is not None:
+            while self._recaches and self._recaches[0] < now - RECACHE_WINDOW_S:
+                self._recaches.popleft()
+        return len(self._recaches) / RECACHE_WINDOW_S * self.recache_s()

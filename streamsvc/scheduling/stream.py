@@ -1,0 +1,115 @@
+"""The per-stream state the scheduler keeps, and the view of a stream's next forward.
+
+`_Stream` is one admitted stream: its request, its viewer's buffer (`PlaybackModel`),
+its chunk in progress, its prompt versions, its chunks in flight and its recent chunk
+latencies. The registry (`Scheduler`) owns the streams; the planner advances them;
+admission sees each through `load`. `_Work` is what the planner would run next for a
+stream and how urgent it is; the ranking sorts on it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .playback import PlaybackModel
+from .types import StreamLoad, StreamRequest, WorkKind
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A committed chunk on its way to the viewer (the transports have not had it yet)."""
+
+    frames: int  # frames the chunk holds
+    due_at: float  # when the chunk became due (its latency runs from here to its delivery)
+    sampled: bool  # its latency is a sample of the start rule (it started due, not running ahead)
+
+
+@dataclass
+class _Stream:
+    """One admitted stream's state (parked or not)."""
+
+    request: StreamRequest  # what was admitted
+    order: int  # admission sequence number (fifo and round robin order)
+    admitted_at: float  # time of admission
+    playback: PlaybackModel  # the viewer's buffer
+    latencies: deque[float]  # the most recent chunk latencies (due -> delivered), at most latency_window
+    step: int = 0  # next denoise step of the chunk in progress; 0: none in progress; denoise_steps: COMMIT is next
+    chunks_done: int = 0  # chunks committed (delivered or in flight)
+    prompt_seq: int = 0  # latest prompt version (number of set_prompt calls)
+    cache_seq: int = 0  # prompt version the KV cache was last computed under
+    chunk_seq: int = 0  # prompt version the chunk in progress (or, between chunks, the last one) runs under
+    deferred_seq: int = 0  # newest prompt version a chunk was already made without (a prompt waits one chunk at most)
+    first_delivered_at: float | None = None  # time the first chunk was delivered
+    in_flight: deque[_InFlight] = field(default_factory=deque)  # committed, not yet delivered, oldest first
+    chunk_due_at: float | None = None  # when the chunk being made became due; None until its first forward completes
+    chunk_sampled: bool = True  # the chunk being made started due (at or under the lead), so its latency is a sample
+    last_commit_at: float = 0.0  # time of the last COMMIT (admission before the first): no chunk is due before it
+    fresh_samples: int = 0  # latency samples taken since the last admission (of any stream)
+    prompt_at: float = 0.0  # time of the latest set_prompt
+    steps: int = 0  # denoising steps of the chunk in progress (set by each of its DENOISE forwards: it may be cut)
+    degraded: int = 0  # chunks committed with fewer steps than the schedule's
+    viewers: int = 1  # connections each of its chunks is sent to (its steerer and its watchers): the send's load
+    parking: bool = False  # held for parking: no new chunk starts, the one in progress is committed (see `hold`)
+
+    @property
+    def stream_id(self) -> str:
+        """The stream's id (its request's)."""
+        return self.request.stream_id
+
+    @property
+    def chunks_delivered(self) -> int:
+        """Chunks committed and delivered to the viewer (those in flight not counted)."""
+        return self.chunks_done - len(self.in_flight)
+
+    @property
+    def load(self) -> StreamLoad:
+        """What admission knows of the stream."""
+        return StreamLoad(self.request, self.viewers, self.chunks_delivered, self.admitted_at)
+
+    def next_chunk_s(self) -> float:
+        """Video its next chunk holds, in seconds (the first chunk is shorter)."""
+        frames = self.request.first_chunk_frames if self.chunks_done == 0 else self.request.chunk_frames
+        return frames / self.request.fps
+
+    def in_flight_s(self) -> float:
+        """Video committed but not yet delivered, in seconds."""
+        return sum(c.frames for c in self.in_flight) / self.request.fps
+
+    def prompt_pending(self) -> bool:
+        """A newer prompt than the one its cache or its chunk in progress was computed under."""
+        if self.step > 0:
+            return self.prompt_seq > self.chunk_seq
+        return self.chunks_done > 0 and self.prompt_seq > self.cache_seq
+
+    def recache_pending(self) -> bool:
+        """Its cache holds committed frames computed under an older prompt: its next fresh chunk needs a RECACHE."""
+        return self.chunks_done > 0 and self.prompt_seq > self.cache_seq
+
+    def steering(self) -> bool:
+        """No chunk started yet under the newest prompt (a stream with committed frames)."""
+        return self.chunks_done > 0 and self.prompt_seq > self.chunk_seq
+
+    def dry_at(self) -> float | None:
+        """When its viewer runs dry unless its newest chunk in flight arrives: its buffer plus the chunks in
+        flight before that one; None while it is not playing (not started or paused)."""
+        dry_at = self.playback.dry_at()
+        if dry_at is None:
+            return None
+        return dry_at + sum(c.frames for c in list(self.in_flight)[:-1]) / self.request.fps
+
+
+@dataclass(frozen=True)
+class _Work:
+    """What a stream would run next, how urgent it is, and whether it may start now (see planner)."""
+
+    kind: WorkKind  # the stream's next forward
+    step: int  # Plan.step of that forward
+    restart: bool  # it abandons a partial chunk
+    prompt_seq: int  # prompt version it runs under
+    remaining_s: float  # estimated time of the forwards left until its next chunk is committed, this one included
+    chunk_forwards_left: int  # DENOISE + COMMIT forwards left of that chunk (a RECACHE not counted)
+    slack_s: float  # time until its buffer (in flight included) runs dry (as the policy counts it) minus remaining_s
+    runnable: bool  # the start rule and the cap allow it (a RECACHE adds no video and is always runnable)
+    due: bool  # buffered + in flight is at or under the stream's lead: needed work, not work ahead
+    steps: int  # denoising steps of its chunk (fewer than denoise_steps: degraded)

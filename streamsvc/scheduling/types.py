@@ -1,0 +1,130 @@
+"""The scheduling package's shared types: its errors, stages, work kinds, requests, plans and answers.
+
+Plans and answers are frozen dataclasses with a comment on every field: the engine runs
+a plan, it does not decide. Nothing here depends on another module of the package.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+RECACHE_STAGE = -1  # Plan.step of a RECACHE forward: it comes before a chunk's step 0
+EPS_S = 1e-9  # tolerance on time comparisons, so a wake-up at exactly the computed time is runnable
+
+
+class SchedulerError(RuntimeError):
+    """The scheduler was used against its contract (unknown stream, plan not outstanding, ...)."""
+
+
+class Stage(enum.Enum):
+    """The stages a chunk passes, each with its own cost per chunk and capacity (admission checks them all)."""
+
+    DEVICE = "device"  # the forwards (the scheduler's CostModel by kind and batch)
+    OUTPUT = "output"  # frames to the host, x264 and packing, on the output workers
+    SEND = "send"  # the transports' send, on the event loop
+
+
+class WorkKind(enum.Enum):
+    """The unit of work: one forward of one stream (or a batch of them), of one of these kinds."""
+
+    RECACHE = "recache"  # recompute the window's K/V under a new prompt (one forward, no frames)
+    DENOISE = "denoise"  # one denoising step of the chunk in progress
+    COMMIT = "commit"  # write the clean chunk's K/V, decode and deliver its frames
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    stream_id: str  # unique among the scheduler's streams
+    fps: float  # playback rate of the stream's video
+    first_chunk_frames: int = 9  # frames the first chunk delivers (a causal VAE decodes its first latent frame to 1)
+    chunk_frames: int = 12  # frames every later chunk delivers
+
+    def __post_init__(self) -> None:
+        if not (self.fps > 0 and math.isfinite(self.fps)):
+            raise ValueError(f"stream {self.stream_id!r}: fps={self.fps} must be a finite rate > 0")
+        if self.first_chunk_frames < 1 or self.chunk_frames < 1:
+            raise ValueError(
+                f"stream {self.stream_id!r}: first_chunk_frames={self.first_chunk_frames} and "
+                f"chunk_frames={self.chunk_frames} must both be >= 1"
+            )
+
+
+@dataclass(frozen=True)
+class Admission:
+    accepted: bool  # whether the stream was added
+    reason: str | None  # why it was refused, with the numbers; None when accepted
+    predicted_load: float  # busy fraction of the device the admitted streams need, the new one included if accepted
+    # admit_viewer: the stream's modelled buffer when the viewer was admitted (its viewer with the least), seconds
+    buffered_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: WorkKind  # the forward to run
+    stream_ids: tuple[str, ...]  # 1..max_batch streams, all at the same kind and step, most urgent first
+    # DENOISE: step index 0..denoise_steps-1 (0 starts a fresh chunk, discarding any partial one);
+    # COMMIT: denoise_steps; RECACHE: -1 (RECACHE_STAGE).
+    step: int
+    restart: tuple[bool, ...]  # per stream: True when this plan abandons the stream's partial chunk for its new prompt
+    # Per stream: the prompt version the forward runs under (0 = the opening prompt, n = the n-th set_prompt).
+    prompt_seqs: tuple[int, ...]
+    chunk_index: tuple[int, ...]  # per stream: index of the chunk this forward belongs to (0 = the first chunk)
+    # Per stream: the denoising steps its chunk runs with (denoise_steps, fewer when degraded; RECACHE: those
+    # the chunk after it would run with now). A COMMIT's `step` is denoise_steps whatever a degraded chunk's count.
+    steps: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    stream_id: str  # the stream
+    buffered_s: float  # modelled (or last observed, then drained) video in the viewer's buffer
+    slack_s: float  # what the ranking uses: time until the buffer runs dry - estimated work its next chunk needs
+    runnable: bool  # whether it wants a forward now (False above its lead or at the cap)
+    paused: bool  # the viewer paused: nothing is consumed
+    chunks_delivered: int  # chunks committed and delivered
+    stalls: int  # stalls modelled (count of times the buffer ran dry while playing)
+    stall_s: float  # modelled stall time, an ongoing stall included
+    ttff_s: float | None  # admission -> first chunk delivered; None until then
+    prompt_pending: bool  # a newer prompt than the one its cache or its next chunk was computed under
+    in_flight_s: float  # video committed but not yet delivered (counts toward the start rule and the cap)
+    lead_s: float  # a fresh chunk starts when buffered + in flight falls to this (the start rule)
+    latency_p95_s: float | None  # p95 of its recent chunk latencies; None before the first delivery
+    degraded_chunks: int = 0  # chunks committed with fewer denoising steps than the schedule's
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    streams: int  # admitted streams
+    queue_length: int  # streams that want a forward now
+    predicted_load: float  # busy fraction of the device the admitted streams need (what admission checks)
+    stalls: int  # modelled stalls, summed over streams
+    stall_s: float  # modelled stall time, summed over streams
+    forward_cost_s: dict[WorkKind, float]  # current cost estimate of one batch-1 forward, per kind
+    per_stream: tuple[StreamStats, ...]  # in admission order
+    degraded_chunks: int = 0  # summed over the admitted streams
+    pressure: bool = False  # a chunk was degraded within pressure_hold_s: no stream steers ahead of its lead
+    # predicted busy fraction of each stage (the device's is predicted_load), what admission checks
+    stage_load: dict[Stage, float] = field(default_factory=dict)
+    late: bool = False  # a stream was late within late_hold_s: admission is closed (the closed loop)
+    parked: int = 0  # streams parked (not counted in `streams`)
+
+
+class Late(NamedTuple):
+    """A stream that was late (a stall, a degraded chunk, a cheaper encode): what closes admission for a while."""
+
+    at: float  # when
+    stream_id: str  # which stream
+    what: str  # what happened, for the refusal's text
+
+
+@dataclass(frozen=True)
+class StreamLoad:
+    """What admission knows of one admitted stream: the load it puts on each stage, and whether it is starting."""
+
+    request: StreamRequest  # its rate and chunk sizes
+    viewers: int = 1  # connections each of its chunks is sent to (its steerer and its watchers)
+    chunks_delivered: int = 0  # chunks that reached its viewer (fewer than confirm_chunks: it is still starting)
+    admitted_at: float = 0.0  # when it was admitted
