@@ -16,28 +16,20 @@ resort: the newest stream ended because degradation could no longer keep every s
 stalling (Scheduler.overloaded), "park_expired" for a paused stream parked longer than
 `park_timeout_s`.
 
-Pause and resume (issue 27). `pause` holds the stream (the scheduler starts no new chunk for it; the
-chunk in progress is committed, so nothing is redone and the stream goes on exactly where it was), then
-parks it between launches: its whole state (KV cache, text K/V, decoder state, clean latents) is
-copied to pinned host memory on a side CUDA stream after the work already queued, and once the copy's
-event has passed its device memory goes back to the pool and the future resolves. Parked streams share
-`park_budget_bytes` of host memory (a pause beyond it is refused) and end after `park_timeout_s`.
-`resume` re-checks admission (KV room, the device's load, ...; refused, the stream stays parked),
-allocates a fresh cache from the pool and copies everything back; the device's next work waits for the
-copies, so the stream is scheduled again at once.
+Pause and resume (issue 27) park a stream's whole state in host memory between launches and bring it
+back; the engine's `Parking` (streamsvc/parking.py) keeps that bookkeeping and says how it goes.
 
 Before serving, the engine captures every CUDA graph serving replays (models/graphs.py) and runs
 a throwaway stream through a full window, every ring phase and prompt switches, timing each kind
-of forward at least five times; the scheduler starts from the medians.
+of forward at least five times; the scheduler starts from the medians (streamsvc/warmup.py). Launched
+forwards are timed by CUDA events (streamsvc/timing.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import queue
-import statistics
 import threading
 import time
 from collections import deque
@@ -48,99 +40,20 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvcache import CachePool, ParkBudget
-from models import ChunkGenerator, GeneratorConfig, ParkedStream, StreamState, Work, build_generator, fidelity
-from streamsvc.encode import EncoderSpec, StreamEncoder
+from models import ChunkGenerator, StreamState, build_generator, fidelity
+from streamsvc.encode import EncoderSpec
+from streamsvc.engine_config import EngineConfig
+from streamsvc.errors import EngineError
 from streamsvc.output import ChunkOut, OutputStage, StreamOutput
-from streamsvc.scheduler import Admission, Plan, Scheduler, SchedulerConfig, SchedulerStats, Stage, StreamRequest, WorkKind
+from streamsvc.parking import ParkResult, Parking
+from streamsvc.scheduling import Admission, Plan, Scheduler, SchedulerStats, Stage, StreamRequest, WorkKind
+from streamsvc.timing import InFlight, Timer
+from streamsvc.warmup import keep_freed_memory, log_attention, warm_up
 
 log = logging.getLogger("streamsvc.engine")
 
-__all__ = ["ChunkOut", "Engine", "EngineConfig", "EngineError", "ParkResult"]
-
-CHEAP_ENCODE_GAIN = 0.9  # the cheaper encode degrades a late chunk only when the warm-up timed it under this share
-_KIND = {Work.RECACHE: WorkKind.RECACHE, Work.DENOISE: WorkKind.DENOISE, Work.COMMIT: WorkKind.COMMIT}  # generator -> scheduler
-
-
-def keep_freed_memory(limit: int = 1 << 30) -> bool:
-    """Make glibc's malloc keep what CPU tensors free for the next ones, instead of mapping every large
-    block afresh and unmapping it when freed: each new mapping is paid again in page faults on first
-    touch (a chunk's decode writes some 2 MB tensors a frame batch). Large blocks (up to its 32 MiB
-    maximum) come from the heap, and the heap is not trimmed below `limit`. On the tiny preset this
-    cuts a commit of 4 streams from 41-53 to 24-31 ms on a 2-core CPU. False where malloc is not glibc's."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, limit))
-
-
-class EngineError(RuntimeError):
-    """The engine was used against its contract (unknown stream, not running, ...)."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything the engine builds: the model on its device, the KV pool, the scheduler."""
-
-    preset: str = "tiny"  # model preset (models.PRESETS)
-    device: str = "cpu"  # torch device of the model and the KV pool
-    checkpoint: str | None = None  # local DiT weights (file or Wan folder); None: wan_dir's, else random
-    weights_seed: int = 0
-    wan_dir: str | None = None  # Wan2.1 folder (either layout): umT5, the VAE, the base DiT
-    lora: str | None = None  # a LoRA merged into the checkpoint (LongLive)
-    lora_alpha: float | None = None  # None: the LoRA's rank (scale 1)
-    wrapper: str = "auto"  # which state dict of a training checkpoint: auto | generator | generator_ema
-    decoder: str = "auto"  # tiny | wan-vae | taehv | auto (wan-vae with wan_dir, else tiny)
-    taehv: str | None = None  # TAEHV's taew2_1.pth, for decoder taehv
-    # a whole model file (DiT, decoder, text vectors): "builtin" (the tiny preset's, shipped), a path, "auto" (builtin
-    # for the tiny preset without checkpoint or wan_dir); None / "random": the fields above (models.weights.resolve_weights)
-    weights: str | None = None
-    generator: GeneratorConfig = GeneratorConfig()
-    scheduler: SchedulerConfig = SchedulerConfig()
-    kv_budget_bytes: int | None = None  # KV pool budget; None: 4 GiB on CPU, 85% of free memory on a GPU
-    cpu_threads: int = 1  # torch intra-op threads on CPU (the event loop and encoders need the other cores)
-    compile: bool | None = None  # torch.compile the DiT's elementwise helpers; None: on CUDA only
-    warmup_chunks: int = 6  # chunks the warm-up stream runs once its window is full (>= 5 samples per kind)
-    # A chunk about to be late runs fewer denoising steps (GeneratorConfig.degraded_steps) instead of stalling.
-    degrade: bool = True
-    output_workers: int | None = None  # encoder threads; None: a quarter of the cores, 1 to 4
-    # x264 in a child process per output worker, out of the server's GIL; None: on CPU hosts (on a GPU host the
-    # engine thread only launches, and a 480x832 chunk's frames would cross a pipe)
-    output_processes: bool | None = None
-    # Host memory all paused (parked) streams may hold: their KV caches and decoder states, pinned on a GPU host
-    # (a wan2.1-1.3b stream at sink 3 + window 9: 3.2 GiB of KV); a pause beyond it is refused. 0: no pausing.
-    park_budget_bytes: int = 8 * 2**30
-    park_timeout_s: float = 300.0  # a stream parked longer is ended ("park_expired")
-
-    def __post_init__(self) -> None:
-        if self.park_budget_bytes < 0:
-            raise ValueError(f"park_budget_bytes={self.park_budget_bytes}: must be >= 0 (0 refuses every pause)")
-        if not self.park_timeout_s > 0:
-            raise ValueError(f"park_timeout_s={self.park_timeout_s}: must be > 0 s (e.g. 300)")
-
-
-@dataclass(frozen=True)
-class ParkResult:
-    """What a pause (the stream parked) or a resume (it came back) moved."""
-
-    stream_id: str
-    nbytes: int  # bytes copied: the stream's KV cache, text K/V, decoder state and latents (what it holds parked)
-    seconds: float  # the copies' time (CUDA events on the copy stream; CPU: wall time)
-    device_bytes: int  # the KV pool's bytes given back (pause) or taken again (resume), the decoder's included
-
-
-@dataclass
-class _Park:
-    """A stream being paused, paused, or coming back."""
-
-    paused: Future  # resolves to ParkResult once the stream is parked (the copies to the host done)
-    reserved: int  # bytes of the park budget it holds
-    parked: ParkedStream | None = None  # set when its copies to the host were launched (between chunks)
-    parked_at: float | None = None  # engine clock when they were done (the park timeout counts from here)
-    resumed: Future | None = None  # resume(): resolves to ParkResult once the copies back are done
-    device_bytes: int = 0  # pool bytes given back
+# EngineConfig, EngineError, ParkResult, keep_freed_memory and log_attention are re-exported: import them from here
+__all__ = ["ChunkOut", "Engine", "EngineConfig", "EngineError", "ParkResult", "keep_freed_memory", "log_attention"]
 
 
 @dataclass
@@ -152,7 +65,6 @@ class _Stream:
     chunk_started_at: float = 0.0  # launch of the chunk in progress's first forward
     recached: bool = False  # a recache launched the chunk about to start (its time counts from there)
     keyframe: bool = True  # next chunk starts with an IDR (a viewer joined)
-    park: _Park | None = None  # pause(): being parked, parked, or (until its copies are done) coming back
 
 
 @dataclass
@@ -161,18 +73,6 @@ class _Command:
     args: tuple
     future: Future = field(default_factory=Future)
     later: bool = False  # fn(future, *args) resolves the future itself, maybe later (fn's errors still do)
-
-
-@dataclass
-class _InFlight:
-    """A launched plan whose forward the device may still be running."""
-
-    kind: WorkKind
-    batch: int  # streams in the forward
-    launched_at: float  # engine clock at launch
-    start: torch.cuda.Event | None  # recorded before its forward (None on CPU: it ran at launch)
-    end: torch.cuda.Event | None
-    elapsed_s: float = 0.0  # CPU: the forward's wall time
 
 
 class Engine:
@@ -188,7 +88,7 @@ class Engine:
         self.clock = clock
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
-        self._in_flight: deque[_InFlight] = deque()
+        self._in_flight: deque[InFlight] = deque()
         self._thread = threading.Thread(target=self._main, name=f"engine-{config.device}", daemon=True)
         self._ready = Future()
         self._stopping = False
@@ -202,19 +102,12 @@ class Engine:
         self.decoder_bytes = 0  # device memory of one stream's decoder state, counted with its KV cache
         self.degraded_chunks = 0  # chunks made with fewer denoising steps than the schedule's (instead of a stall)
         self.park_budget = ParkBudget(config.park_budget_bytes)  # host memory of parked streams (engine thread)
-        self.parked_streams = 0  # streams parked now (their copies to the host launched, not resumed)
-        self.parked_bytes = 0  # host memory they hold (what the park budget counts)
-        self.parks = 0  # pauses done (streams parked)
-        self.restores = 0  # resumes done (streams back on the device)
-        self.park_seconds = 0.0  # total time of the parks' copies to the host
-        self.restore_seconds = 0.0  # total time of the resumes' copies back
-        self.last_park_seconds: float | None = None  # the latest park's copy time (None: none yet)
-        self.last_restore_seconds: float | None = None  # the latest resume's copy time (None: none yet)
         self._cheap_encode = False  # the warm-up measured the cheaper encode cheaper: a late chunk's encode degrades
         self.heartbeat_at: float | None = None  # engine clock at the loop's latest turn (None: not serving yet)
         self.gen: ChunkGenerator | None = None
         self.sched: Scheduler | None = None
         self.output: OutputStage | None = None
+        self.parking: Parking | None = None  # paused streams (streamsvc/parking.py)
 
     # output-stage figures, read by the event loop (metrics)
     @property
@@ -233,6 +126,39 @@ class Engine:
     @property
     def chunk_latency_max_s(self) -> float:
         return self.output.latency_max_s if self.output else 0.0
+
+    # paused streams' figures (Parking's), read by the event loop (metrics)
+    @property
+    def parked_streams(self) -> int:
+        return self.parking.parked_streams if self.parking else 0
+
+    @property
+    def parked_bytes(self) -> int:
+        return self.parking.parked_bytes if self.parking else 0
+
+    @property
+    def parks(self) -> int:
+        return self.parking.parks if self.parking else 0
+
+    @property
+    def restores(self) -> int:
+        return self.parking.restores if self.parking else 0
+
+    @property
+    def park_seconds(self) -> float:
+        return self.parking.park_seconds if self.parking else 0.0
+
+    @property
+    def restore_seconds(self) -> float:
+        return self.parking.restore_seconds if self.parking else 0.0
+
+    @property
+    def last_park_seconds(self) -> float | None:
+        return self.parking.last_park_seconds if self.parking else None
+
+    @property
+    def last_restore_seconds(self) -> float | None:
+        return self.parking.last_restore_seconds if self.parking else None
 
     def stalled_for(self) -> float | None:
         """Seconds since the engine thread's loop last turned (a turn waits 0.5 s at most when idle, one
@@ -373,92 +299,17 @@ class Engine:
         log.info("%s", fidelity.describe(gen.cfg, bool(degrade)))  # which speed options run (models/fidelity.py)
         processes = cfg.output_processes if cfg.output_processes is not None else device.type == "cpu"
         self.output = OutputStage(device, workers, self._handed_over, self._output_failed, self.clock, processes)
+        self.parking = Parking(gen, self.sched, self.pool, self.park_budget, extra_bytes=self.decoder_bytes,
+                               timeout_s=cfg.park_timeout_s, clock=self.clock, on_pool_change=self._kv_changed,
+                               on_expired=self._park_expired)
         log.info("model ready in %.1f s", time.monotonic() - t0)
         if device.type == "cuda":
             log.info("capturing CUDA graphs (compiles kernels on first sight; takes a while the first time)")
             t0 = time.monotonic()
             n = gen.capture_graphs()
             log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
-        self._warm_up()
+        self._cheap_encode = warm_up(gen, self.sched, cfg.warmup_chunks, self.clock)
         self.snapshot = self.sched.stats(self.clock())
-
-    def _warm_up(self) -> None:
-        """Time what serving runs: a throwaway stream fills its window, turns the ring and switches
-        prompts (a recache each time, as the speed options shape it); at least 5 samples of each kind of forward once
-        the window is full, the median of each goes to the scheduler."""
-        gen, cfg = self.gen, self.config
-        state = gen.open_stream("warmup", "warm up", seed=0)
-        enc = StreamEncoder(gen.model_cfg.width, gen.model_cfg.height, 16)
-        costs: dict[WorkKind, list[float]] = {k: [] for k in WorkKind}
-        encodes: dict[bool, list[float]] = {False: [], True: []}  # x264 per chunk: normal, fast (steady, no switch)
-        capacity = gen.cache_spec().capacity_frames
-        full_chunks, index = 0, 0
-        try:
-            while full_chunks < max(5, cfg.warmup_chunks):
-                full = state.cache.num_frames == capacity
-                if full:
-                    gen.set_prompt(state, f"warm up {full_chunks}")
-                    full_chunks += 1
-                frames = self._run_chunk([state], costs if full else None)[0].frames.cpu().numpy()
-                for fast in (False, False, True, True) if full else (False,):  # each pair's first one switches
-                    t0 = time.perf_counter()
-                    enc.encode(frames, start_index=index, fast=fast)
-                    encodes[fast].append(time.perf_counter() - t0)
-                    index += len(frames)
-        finally:
-            gen.close_stream(state)
-            enc.close()
-        medians = self._seed_costs(costs, 1)
-        pairs = {fast: [a + b for a, b in zip(t[-2 * full_chunks::2], t[-2 * full_chunks + 1::2])]
-                 for fast, t in encodes.items()}  # two chunks in a mode, the switch into it included
-        normal_s, fast_s = (statistics.median(pairs[fast]) / 2 for fast in (False, True))
-        self.sched.seed_stage(Stage.OUTPUT, statistics.median(encodes[False][-2 * full_chunks + 1::2]))
-        # the cheaper encode is a degradation only where it is cheaper, switches included (at 128x128 x264 is a
-        # fifth of a chunk's encode, and a switch costs an IDR and, the first time, an encoder)
-        self._cheap_encode = fast_s < CHEAP_ENCODE_GAIN * normal_s
-        log.info("warm-up: forward costs at a full cache, median of %s runs (ms): %s; x264 %.2f ms a chunk, %.2f ms "
-                 "encoded cheaper (%s)", "/".join(str(len(costs[k])) for k in medians),
-                 {k.value: round(1e3 * v, 2) for k, v in medians.items()}, 1e3 * normal_s, 1e3 * fast_s,
-                 "a late chunk's degradation" if self._cheap_encode else "no gain: late chunks keep the normal encode")
-        if self.sched.config.max_batch > 1:
-            self._warm_up_batched(self.sched.config.max_batch)
-
-    def _warm_up_batched(self, batch: int) -> None:
-        """Time a full batch too (max_batch throwaway streams in step, at a full cache): without it admission
-        counts a batch as its streams one by one until serving has measured one, and a burst of newcomers
-        (all arriving before any batch ran) is refused below what the device carries."""
-        gen = self.gen
-        states = [gen.open_stream(f"warmup-{i}", "warm up", seed=i) for i in range(batch)]
-        costs: dict[WorkKind, list[float]] = {k: [] for k in WorkKind}
-        capacity = gen.cache_spec().capacity_frames
-        try:
-            for _ in range(capacity // gen.cfg.frames_per_chunk + 3):  # fill the caches, then 3 chunks timed
-                self._run_chunk(states, costs if states[0].cache.num_frames == capacity else None)
-        finally:
-            for state in states:
-                gen.close_stream(state)
-        medians = self._seed_costs(costs, batch)
-        log.info("warm-up: batches of %d at a full cache (ms): %s", batch, {k.value: round(1e3 * v, 2) for k, v in medians.items()})
-
-    def _run_chunk(self, states: list[StreamState], costs: dict[WorkKind, list[float]] | None) -> list:
-        """One chunk of `states` (in step, batched), forward by forward, each forward's time into
-        costs[kind] when costs is given; returns the chunks."""
-        gen = self.gen
-        while True:
-            work = gen.next_work(states[0])
-            timer = _Timer(gen.device, self.clock)
-            out = gen.run(work, states)
-            if costs is not None:
-                costs[_KIND[work]].append(timer.seconds())
-            if out[0] is not None:
-                return out
-
-    def _seed_costs(self, costs: dict[WorkKind, list[float]], batch: int) -> dict[WorkKind, float]:
-        """The median of each kind's times, seeded into the scheduler's costs at `batch`."""
-        medians = {kind: statistics.median(times) for kind, times in costs.items() if times}
-        for kind, seconds in medians.items():
-            self.sched.seed_cost(kind, batch, seconds)
-        return medians
 
     # -- engine thread: the loop ------------------------------------------------------------------
 
@@ -489,7 +340,7 @@ class Engine:
                 self._apply(cmd)
             self._retire(wait=False)
             now = self.clock()
-            self._tend_parks(now)
+            self.parking.tend(now)
             self._end_overloaded(now)
             plan = self.sched.next(now)
             if plan is not None:
@@ -503,7 +354,7 @@ class Engine:
                 continue
             wake = self.sched.wake_at(now)
             timeout = 0.5 if wake is None else min(0.5, max(0.0, wake - now))
-            if any(st.park is not None and (st.park.parked_at is None or st.park.resumed) for st in self._streams.values()):
+            if self.parking.pending():
                 timeout = min(timeout, 0.002)  # copies to poll, or a stream to park once its chunk is committed
             try:
                 cmd = self._commands.get(timeout=timeout)
@@ -517,7 +368,7 @@ class Engine:
         host) and count it done in the scheduler; its cost is read from its events later."""
         streams = [self._streams[sid] for sid in plan.stream_ids]
         now = self.clock()
-        timer = _Timer(self.gen.device, self.clock)
+        timer = Timer(self.gen.device, self.clock)
         try:
             chunks = self._run(plan, streams, now)
         except Exception as e:  # noqa: BLE001 - one plan's failure ends its streams, not the engine
@@ -676,102 +527,22 @@ class Engine:
         return version
 
     def _pause(self, future: Future, stream_id: str) -> None:
-        st = self._get(stream_id)
-        if st.park is not None:
-            raise EngineError(f"stream {stream_id!r} is already {'paused' if st.park.parked else 'being paused'}")
-        need = self.gen.park_bytes(st.state)
-        why = self.park_budget.reserve(stream_id, need)
-        if why is not None:
-            raise EngineError(f"cannot pause stream {stream_id!r}: {why}")
-        self.sched.hold(stream_id)
-        st.park = _Park(future, need)
-        self._tend_parks(self.clock())
+        self.parking.pause(future, self._get(stream_id).state)
 
     def _resume(self, future: Future, stream_id: str) -> None:
-        st = self._get(stream_id)
-        park = st.park
-        if park is None or park.resumed is not None:
-            raise EngineError(f"stream {stream_id!r} is not paused")
-        if park.parked is None:  # still committing its chunk: it just goes on
-            self.sched.hold(stream_id, False)
-            self.park_budget.release(stream_id)
-            st.park = None
-            park.paused.set_exception(EngineError(f"stream {stream_id!r} was resumed before it was parked"))
-            future.set_result(ParkResult(stream_id, 0, 0.0, 0))
-            return
-        if park.parked_at is None:  # its copies to the host are still running: they finish first
-            park.parked.cache.moved.wait()
-            park.parked.moved.wait()
-            self._parked(st, self.clock())
-        spec = self.gen.cache_spec()
-        now = self.clock()
-        admission = self.sched.unpark(stream_id, now, kv_refusal=self.pool.refusal(spec, self.decoder_bytes))
-        if not admission.accepted:
-            raise EngineError(f"cannot resume stream {stream_id!r} now: {admission.reason}")
-        try:
-            cache = self.pool.allocate_or_raise(stream_id, spec, self.decoder_bytes)
-            self.gen.restore(park.parked, cache)
-        except Exception:
-            self.pool.release(stream_id)
-            self.sched.hold(stream_id)
-            self.sched.park(stream_id, now)  # it stays parked
-            raise
-        self.kv_used_bytes = self.pool.used_bytes
-        self.park_budget.release(stream_id)
-        self.parked_streams -= 1
-        self.parked_bytes = self.park_budget.used_bytes
-        park.resumed = future
-        self._tend_parks(now)
+        self._get(stream_id)
+        self.parking.resume(future, stream_id)
 
-    def _tend_parks(self, now: float) -> None:
-        """Between launches: park the held streams that reached a chunk boundary, finish the parks and resumes
-        whose copies are done, and end the streams parked longer than park_timeout_s."""
-        for stream_id, st in list(self._streams.items()):
-            park = st.park
-            if park is None:
-                continue
-            if park.parked is None:
-                if self.sched.parkable(stream_id):
-                    park.parked = self.gen.park(st.state)  # copies launched after the chunk's commit
-                    self.sched.park(stream_id, now)
-                    self.parked_streams += 1
-            elif park.resumed is not None:
-                if park.parked.done():
-                    st.park = None
-                    self.restores += 1
-                    self.restore_seconds += park.parked.seconds
-                    self.last_restore_seconds = park.parked.seconds
-                    park.resumed.set_result(ParkResult(stream_id, park.parked.nbytes, park.parked.seconds,
-                                                       park.device_bytes))
-                continue
-            if park.parked is not None and park.parked_at is None and park.parked.done():
-                self._parked(st, now)
-            elif park.parked_at is not None and now - park.parked_at >= self.config.park_timeout_s:
-                self._close(stream_id)
-                log.info("stream %s parked for %.0f s: ended (--park-timeout)", stream_id, now - park.parked_at)
-                self._on_error(stream_id, f"the stream was paused for more than {self.config.park_timeout_s:g} s "
-                                          "(--park-timeout) and has ended; open a new stream", "park_expired")
+    def _park_expired(self, stream_id: str, parked_s: float) -> None:
+        """A paused stream parked longer than park_timeout_s (the parking's tend): ended."""
+        self._close(stream_id)
+        log.info("stream %s parked for %.0f s: ended (--park-timeout)", stream_id, parked_s)
+        self._on_error(stream_id, f"the stream was paused for more than {self.config.park_timeout_s:g} s "
+                                  "(--park-timeout) and has ended; open a new stream", "park_expired")
 
-    def _parked(self, st: _Stream, now: float) -> None:
-        """The stream's copies to the host are done: its device memory goes back to the pool (its cache's
-        last reference is dropped with the copies' sources), the park budget holds what it really took."""
-        park, stream_id = st.park, st.state.stream_id
-        park.parked_at = now
-        park.device_bytes = self.pool.release(stream_id)
+    def _kv_changed(self) -> None:
+        """The parking gave a stream's device memory back to the pool or took it again."""
         self.kv_used_bytes = self.pool.used_bytes
-        self.park_budget.release(stream_id)
-        # what it holds, which may exceed what pause() reserved: a decoder whose state the chunk committed
-        # meanwhile created (a first chunk) or grew. The copies are made: held anyway, the next pause refused
-        over = self.park_budget.reserve(stream_id, park.parked.nbytes, force=True)
-        if over is not None:
-            log.warning("stream %s parked %d bytes, %d more than pause() reserved: over the park budget (%s)",
-                        stream_id, park.parked.nbytes, park.parked.nbytes - park.reserved, over)
-        park.reserved = park.parked.nbytes
-        self.parked_bytes = self.park_budget.used_bytes
-        self.parks += 1
-        self.park_seconds += park.parked.seconds
-        self.last_park_seconds = park.parked.seconds
-        park.paused.set_result(ParkResult(stream_id, park.parked.nbytes, park.parked.seconds, park.device_bytes))
 
     def _observe(self, stream_id: str, buffered_frames: float, at_most: bool, grace_s: float) -> None:
         self._get(stream_id)
@@ -783,18 +554,7 @@ class Engine:
     def _close(self, stream_id: str) -> bool:
         st = self._streams.pop(stream_id, None)
         self.sched.remove(stream_id)
-        if st is not None and st.park is not None:  # its host memory goes (with the parked copies)
-            park = st.park
-            if park.parked is not None and park.parked_at is None:  # copies still writing its host memory
-                park.parked.cache.moved.wait()
-                park.parked.moved.wait()
-            if park.parked is not None and park.resumed is None:
-                self.parked_streams -= 1
-            self.park_budget.release(stream_id)
-            self.parked_bytes = self.park_budget.used_bytes
-            for fut in (park.paused, park.resumed):
-                if fut is not None and not fut.done():
-                    fut.set_exception(EngineError(f"stream {stream_id!r} was closed"))
+        self.parking.drop(stream_id)  # a paused stream's host memory goes (with the parked copies)
         if st is not None and st.state.cache is not None:
             self.gen.close_stream(st.state)
         self.pool.release(stream_id)  # launched forwards that write it run first on the device's one queue
@@ -803,44 +563,3 @@ class Engine:
             return False
         self.output.close(st.output)
         return True
-
-
-class _Timer:
-    """CUDA events around launched work (read later), or the wall time of work that ran at once."""
-
-    def __init__(self, device: torch.device, clock: Callable[[], float]) -> None:
-        self.clock = clock
-        self.start = None
-        self.t0 = clock()
-        if device.type == "cuda":
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-
-    def launched(self, kind: WorkKind, batch: int, now: float) -> _InFlight:
-        end = None
-        if self.start is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-        return _InFlight(kind, batch, now, self.start, end, self.clock() - self.t0)
-
-    def seconds(self) -> float:
-        """Wait for the work and return its time (warm-up)."""
-        if self.start is None:
-            return self.clock() - self.t0
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        end.synchronize()
-        return self.start.elapsed_time(end) / 1e3
-
-
-def log_attention(device: torch.device) -> None:
-    """Say which self-attention kernel runs on `device`, and how to get the fast one when it is missing."""
-    from models import flash
-
-    if device.type != "cuda":
-        return
-    why_not = flash.status(device)
-    if why_not is None:
-        log.info("attention: FlashAttention-4 for the self-attention, cuDNN SDPA for the cross-attention")
-    else:
-        log.warning("attention: SDPA (cuDNN) for all attention; FlashAttention-4 is not in use: %s", why_not)

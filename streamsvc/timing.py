@@ -1,0 +1,54 @@
+"""How the engine times the device's work without waiting for it: a `Timer` records CUDA events around a
+forward as it is launched (on CPU the forward ran at launch: its wall time), and the `InFlight` it hands back is
+read once its end event has passed. The warm-up waits for each forward instead (`Timer.seconds`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from streamsvc.scheduling import WorkKind
+
+__all__ = ["InFlight", "Timer"]
+
+
+@dataclass
+class InFlight:
+    """A launched plan whose forward the device may still be running."""
+
+    kind: WorkKind
+    batch: int  # streams in the forward
+    launched_at: float  # engine clock at launch
+    start: torch.cuda.Event | None  # recorded before its forward (None on CPU: it ran at launch)
+    end: torch.cuda.Event | None
+    elapsed_s: float = 0.0  # CPU: the forward's wall time
+
+
+class Timer:
+    """CUDA events around launched work (read later), or the wall time of work that ran at once."""
+
+    def __init__(self, device: torch.device, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.start = None
+        self.t0 = clock()
+        if device.type == "cuda":
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def launched(self, kind: WorkKind, batch: int, now: float) -> InFlight:
+        end = None
+        if self.start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        return InFlight(kind, batch, now, self.start, end, self.clock() - self.t0)
+
+    def seconds(self) -> float:
+        """Wait for the work and return its time (warm-up)."""
+        if self.start is None:
+            return self.clock() - self.t0
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return self.start.elapsed_time(end) / 1e3
