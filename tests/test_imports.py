@@ -206,10 +206,6 @@ def test_wire_modules_import_nothing_else_of_ours(graph):
     assert not wrong, "the wire modules must stay free of the rest of the tree:\n" + "\n".join(wrong)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 32: streamsvc/scheduler.py, engine.py and server.py are being split; drop this mark when they land",
-)
 def test_service_modules_stay_small():
     sizes = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in sorted((ROOT / "streamsvc").rglob("*.py"))}
     over = {str(p): n for p, n in sizes.items() if n > MAX_SERVICE_MODULE_LINES}
