@@ -7,7 +7,10 @@ loopback hands GPU time to whoever connects, so it checks
 - the ``Origin`` of a browser's WebSocket upgrade: any page on any site could otherwise
   start streams from its visitors' browsers (programs send no Origin and are unaffected);
 - streams per token and per client address;
-- control messages per second per stream, as a token bucket with a burst.
+- control messages per second per stream, as a token bucket with a burst;
+- what one address may hold and cost without a stream: its connections (and all clients' together, below the
+  process's file descriptor limit), its HTTP requests, WebSocket upgrades and messages before ``start`` or
+  ``watch`` per second (token buckets in a table of bounded size), and a connection's protocol errors.
 
 Every refusal has a ``Refusal`` reason: the wire error says it, /metrics counts it.
 """
@@ -18,7 +21,7 @@ import enum
 import hmac
 import ipaddress
 import math
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -39,6 +42,13 @@ class Refusal(enum.StrEnum):
     WATCHERS = "watchers"  # watch: the stream has --max-watchers watchers already
     RATE_LIMITED = "rate_limited"  # a control message over the stream's rate
     STATS_RATE_LIMITED = "stats_rate_limited"  # a stats message over its own, lower rate
+    CONNECTIONS = "connections"  # the server holds --max-connections connections (HTTP 503)
+    CLIENT_CONNECTIONS = "client_connections"  # the address holds --max-connections-per-client (HTTP 429)
+    HTTP_RATE = "http_rate"  # an HTTP request over the address's --http-rate (HTTP 429)
+    CONNECT_RATE = "connect_rate"  # a WebSocket upgrade over the address's --connect-rate (HTTP 429)
+    MESSAGE_RATE = "message_rate"  # messages before start or watch over the address's --connect-rate (closed)
+    START_TIMEOUT = "start_timeout"  # no start or watch within --start-timeout (closed)
+    PROTOCOL_ERRORS = "protocol_errors"  # --max-protocol-errors bad messages within PROTOCOL_ERROR_WINDOW_S (closed)
 
 
 @dataclass(frozen=True)
@@ -62,8 +72,24 @@ class AccessConfig:
     trust_proxy: bool = False  # take the client address from X-Forwarded-For (only behind a proxy that sets it)
     control_rate: Rate = Rate(5.0, 10)  # set_prompt, pause, resume, offer: per stream
     stats_rate: Rate = Rate(4.0, 4)  # stats messages, apart from the control rate (clients send about 2 a second)
+    # connections (HTTP and WebSocket) one address may hold at once; the CPU load tests open about 100 from one
+    max_connections_per_client: int = 256
+    max_connections: int | None = None  # all addresses together; None: from the fd limit (default_max_connections)
+    start_timeout_s: float = 10.0  # a WebSocket without start or watch this long is closed
+    http_rate: Rate = Rate(20.0, 50)  # per address: HTTP requests other than the upgrade (/metrics, /healthz, files)
+    # per address: WebSocket upgrades, and (a bucket of the same shape) messages on connections without a stream;
+    # the burst lets an address open all its connections at once and send each its start or watch
+    connect_rate: Rate = Rate(20.0, 256)
+    max_protocol_errors: int = 10  # bad messages within PROTOCOL_ERROR_WINDOW_S that close a connection
 
     def __post_init__(self) -> None:
+        if self.max_connections_per_client < 1 or (self.max_connections is not None and self.max_connections < 1):
+            raise ValueError(f"max_connections_per_client={self.max_connections_per_client}, max_connections="
+                             f"{self.max_connections}: give at least 1")
+        if not (self.start_timeout_s > 0 and math.isfinite(self.start_timeout_s)):
+            raise ValueError(f"start_timeout_s={self.start_timeout_s}: give a finite number of seconds > 0")
+        if self.max_protocol_errors < 1:
+            raise ValueError(f"max_protocol_errors={self.max_protocol_errors}: give at least 1")
         for token, limit in self.tokens.items():
             check_token(token)
             if limit is not None and limit < 1:
@@ -212,6 +238,14 @@ class TokenBucket:
         self._level -= 1.0
         return True
 
+    def wait_s(self) -> float:
+        """Seconds until the bucket holds a message again, as of the last `take` (0 if it holds one now)."""
+        return max(0.0, 1.0 - self._level) / self.rate.per_s
+
+    def full(self, now: float) -> bool:
+        """Whether the bucket has refilled to its burst by `now`: it is then the same as a new one."""
+        return self._level + max(0.0, now - self._at) * self.rate.per_s >= self.rate.burst
+
 
 class StreamLimits:
     """Open streams per token and per client address, against the configured limits."""
@@ -248,3 +282,176 @@ class StreamLimits:
         self._by_address[address] -= 1
         if self._by_address[address] <= 0:
             del self._by_address[address]
+
+
+# ---------------------------------------------------------------- what one address may hold and cost
+
+FD_RESERVE = 128  # file descriptors kept for the engine, its encoders, recordings, logs and the listening socket
+# file descriptors one connection may need: its socket, and a WebRTC viewer's ICE sockets (one UDP socket per
+# gathered address, usually one or two) or its stream's recording
+FDS_PER_CONNECTION = 3
+MAX_CONNECTIONS_CEILING = 16384  # beyond what one event loop serves: 256 streams of 64 watchers, with room
+PROTOCOL_ERROR_WINDOW_S = 10.0  # the window --max-protocol-errors counts in
+RATE_TABLE_SIZE = 8192  # addresses (times kinds of work) whose rates are tracked at once; the idlest go first
+
+
+def default_max_connections(fd_limit: int) -> int:
+    """The total connection cap for a soft RLIMIT_NOFILE of `fd_limit` (negative: unlimited): room for
+    FD_RESERVE descriptors of the process's own and FDS_PER_CONNECTION for each connection, at most
+    MAX_CONNECTIONS_CEILING, at least 1."""
+    if fd_limit < 0:
+        return MAX_CONNECTIONS_CEILING
+    return max(1, min(MAX_CONNECTIONS_CEILING, (fd_limit - FD_RESERVE) // FDS_PER_CONNECTION))
+
+
+def address_key(address: str) -> str:
+    """What an address's limits count against: an IPv4 address itself (also IPv4-mapped IPv6), an IPv6 address's
+    /64 (one host usually holds a whole /64, so one address each would let it multiply its limits by 2^64), and
+    anything else (an unparsed X-Forwarded-For) cut to 64 characters."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address[:64]
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+class ConnectionLimits:
+    """Open connections per client address and in total, against their caps. Memory is one entry per address
+    that holds a connection (an entry goes when its count returns to 0), so it is bounded by the total cap."""
+
+    def __init__(self, per_client: int, total: int) -> None:
+        if per_client < 1 or total < 1:
+            raise ValueError(f"connection caps {per_client} per client, {total} in total: give at least 1 each")
+        self.per_client = per_client
+        self.total = total
+        self._by_address: Counter[str] = Counter()
+        self._held = 0
+
+    def acquire(self, address: str) -> tuple[Refusal, str] | None:
+        """Count a new connection from `address`, or say why it may not stay (reason, message for the client)."""
+        if self._held >= self.total:
+            return Refusal.CONNECTIONS, (f"the server holds {self.total} connections, its cap (--max-connections); "
+                                         "try again shortly")
+        key = address_key(address)
+        if self._by_address[key] >= self.per_client:  # (a Counter's lookup adds no entry)
+            return Refusal.CLIENT_CONNECTIONS, (f"this address holds {self.per_client} connections, its cap "
+                                                "(--max-connections-per-client); close one first")
+        self._by_address[key] += 1
+        self._held += 1
+        return None
+
+    def release(self, address: str) -> None:
+        """A connection counted by `acquire` closed."""
+        key = address_key(address)
+        if self._by_address[key] <= 0:
+            raise ValueError(f"release of a connection from {address} that was not acquired")
+        self._by_address[key] -= 1
+        self._held -= 1
+        if self._by_address[key] == 0:
+            del self._by_address[key]
+
+    def held(self, address: str | None = None) -> int:
+        """Connections counted now: from `address`, or from all."""
+        return self._held if address is None else self._by_address.get(address_key(address), 0)
+
+    def addresses(self) -> int:
+        """Addresses holding a connection now (the entries kept)."""
+        return len(self._by_address)
+
+
+class Work(enum.StrEnum):
+    """What a client without a stream makes the server do, each kind with its own rate per address."""
+
+    HTTP = "http"  # an HTTP request other than the upgrade: /metrics, /healthz, the player's files, recordings
+    UPGRADE = "upgrade"  # a WebSocket upgrade
+    MESSAGE = "message"  # a message on a connection with no stream yet: start, watch, or anything else
+
+
+class RequestRates:
+    """Per-address token buckets for each kind of Work, in a table of at most `size` entries.
+
+    An attacker with many addresses cannot grow the table past `size`: a new entry evicts the least recently
+    used one. Evicting loses nothing the attacker lacks anyway (a new address gets a full bucket too), and entries
+    that have refilled to their burst, the same as absent ones, are dropped first by `prune`.
+    """
+
+    REFUSALS = {Work.HTTP: Refusal.HTTP_RATE, Work.UPGRADE: Refusal.CONNECT_RATE, Work.MESSAGE: Refusal.MESSAGE_RATE}
+
+    def __init__(self, rates: dict[Work, Rate], size: int = RATE_TABLE_SIZE) -> None:
+        if size < 1:
+            raise ValueError(f"a rate table of {size} entries: give at least 1")
+        self.rates = dict(rates)
+        self.size = size
+        self._buckets: OrderedDict[tuple[Work, str], TokenBucket] = OrderedDict()
+
+    @classmethod
+    def from_config(cls, config: AccessConfig, size: int = RATE_TABLE_SIZE) -> RequestRates:
+        return cls({Work.HTTP: config.http_rate, Work.UPGRADE: config.connect_rate,
+                    Work.MESSAGE: config.connect_rate}, size)
+
+    def take(self, work: Work, address: str, now: float) -> float | None:
+        """Spend one of the address's `work`: None if it may go on, else the seconds until it may (Retry-After)."""
+        key = (work, address_key(address))
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            if len(self._buckets) >= self.size:
+                self.prune(now)
+            while len(self._buckets) >= self.size:
+                self._buckets.popitem(last=False)
+            bucket = self._buckets[key] = TokenBucket(self.rates[work], now)
+        else:
+            self._buckets.move_to_end(key)
+        return None if bucket.take(now) else bucket.wait_s()
+
+    def prune(self, now: float) -> None:
+        """Drop the entries whose buckets have refilled by `now` (they hold nothing a new entry would not)."""
+        for key in [k for k, bucket in self._buckets.items() if bucket.full(now)]:
+            del self._buckets[key]
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+class ProtocolErrors:
+    """A connection's bad messages: the `limit`-th within `window_s` seconds means the peer is not a client
+    that made a mistake but a program sending junk, and the connection closes. Holds at most `limit` times."""
+
+    def __init__(self, limit: int, window_s: float = PROTOCOL_ERROR_WINDOW_S) -> None:
+        if limit < 1 or not window_s > 0:
+            raise ValueError(f"{limit} protocol errors within {window_s} s: give a limit >= 1 and a window > 0")
+        self.limit = limit
+        self.window_s = window_s
+        self._times: deque[float] = deque(maxlen=limit)
+        self.count = 0  # every error counted, for the log
+
+    def add(self, now: float) -> bool:
+        """Count an error at `now`; True when it is the `limit`-th within the window (close the connection)."""
+        self.count += 1
+        self._times.append(now)
+        return len(self._times) == self.limit and now - self._times[0] <= self.window_s
+
+
+class LogGate:
+    """Log lines that clients can cause, at most one per key every `period_s`, so that a flood of them costs
+    neither the disk nor the event loop. `allow` says whether to log now and how many lines were held back."""
+
+    def __init__(self, period_s: float = 10.0, size: int = 256) -> None:
+        self.period_s = period_s
+        self.size = size  # keys tracked at most (the idlest go first); keys should be kinds, not addresses
+        self._keys: OrderedDict[str, tuple[float, int]] = OrderedDict()  # key -> (last line's time, held back since)
+
+    def allow(self, key: str, now: float) -> int | None:
+        """None: do not log this one (it is counted). Else log it, with the returned number of lines held back."""
+        last = self._keys.get(key)
+        if last is not None and now - last[0] < self.period_s:
+            self._keys[key] = (last[0], last[1] + 1)
+            return None
+        self._keys[key] = (now, 0)
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.size:
+            self._keys.popitem(last=False)
+        return 0 if last is None else last[1]

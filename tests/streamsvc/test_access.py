@@ -5,8 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamsvc.access import (
-    AccessConfig, Rate, Refusal, StreamLimits, TokenBucket, bearer_token, client_address, exposure_warning,
-    find_token, normalize_origin, origin_allowed, parse_auth_file,
+    FD_RESERVE, MAX_CONNECTIONS_CEILING, AccessConfig, ConnectionLimits, LogGate, ProtocolErrors, Rate, Refusal,
+    RequestRates, StreamLimits, TokenBucket, Work, address_key, bearer_token, client_address,
+    default_max_connections, exposure_warning, find_token, normalize_origin, origin_allowed, parse_auth_file,
 )
 
 tokens_alphabet = st.characters(min_codepoint=0x21, max_codepoint=0x7E)
@@ -157,7 +158,123 @@ def test_without_limits_any_number_of_streams_opens():
     assert all(limits.acquire(None, "127.0.0.1") is None for _ in range(100))
 
 
-@pytest.mark.parametrize("kwargs", [{"tokens": {"a b": None}}, {"tokens": {"a": 0}}, {"max_streams_per_client": 0}])
+@pytest.mark.parametrize("kwargs", [
+    {"tokens": {"a b": None}}, {"tokens": {"a": 0}}, {"max_streams_per_client": 0},
+    {"max_connections_per_client": 0}, {"max_connections": 0}, {"start_timeout_s": 0}, {"start_timeout_s": float("inf")},
+    {"max_protocol_errors": 0},
+])
 def test_access_config_checks_its_values(kwargs):
     with pytest.raises(ValueError):
         AccessConfig(**kwargs)
+
+
+# ---------------------------------------------------------------- what one address may hold and cost
+
+
+def test_token_bucket_says_how_long_until_its_next_message():
+    bucket = TokenBucket(Rate(per_s=4.0, burst=2), now=0.0)
+    assert bucket.take(0.0) and bucket.wait_s() == 0.0
+    assert bucket.take(0.0) and bucket.wait_s() == pytest.approx(0.25)
+    assert not bucket.take(0.1) and bucket.wait_s() == pytest.approx(0.15)
+    assert not bucket.full(0.4) and bucket.full(0.5)
+
+
+def test_connection_limits_per_address_and_in_total_release_and_drop_entries():
+    limits = ConnectionLimits(per_client=2, total=3)
+    assert limits.acquire("10.0.0.1") is None and limits.acquire("10.0.0.1") is None
+    reason, message = limits.acquire("10.0.0.1")
+    assert reason is Refusal.CLIENT_CONNECTIONS and "2 connections" in message and "--max-connections-per-client" in message
+    assert limits.acquire("10.0.0.2") is None
+    reason, message = limits.acquire("10.0.0.3")  # the total first, whoever asks
+    assert reason is Refusal.CONNECTIONS and "3 connections" in message and "--max-connections" in message
+    assert (limits.held(), limits.held("10.0.0.1"), limits.held("10.0.0.3"), limits.addresses()) == (3, 2, 0, 2)
+    limits.release("10.0.0.1")
+    assert limits.acquire("10.0.0.3") is None  # a slot came free
+    for address in ("10.0.0.1", "10.0.0.2", "10.0.0.3"):
+        limits.release(address)
+    assert (limits.held(), limits.addresses()) == (0, 0)  # nothing kept for addresses that hold nothing
+    with pytest.raises(ValueError, match="not acquired"):
+        limits.release("10.0.0.1")
+
+
+def test_refused_connections_leave_no_entry():
+    limits = ConnectionLimits(per_client=1, total=1)
+    assert limits.acquire("10.0.0.1") is None
+    for i in range(1000):
+        assert limits.acquire(f"10.1.{i // 256}.{i % 256}") is not None
+    assert limits.addresses() == 1
+
+
+def test_an_ipv6_host_counts_as_its_slash_64():
+    assert address_key("2001:db8::1") == address_key("2001:db8::ffff:1") == "2001:db8::/64"
+    assert address_key("2001:db8:0:1::1") != address_key("2001:db8::1")
+    assert address_key("::ffff:10.0.0.1") == "10.0.0.1" and address_key("127.0.0.2") == "127.0.0.2"
+    assert address_key("x" * 1000) == "x" * 64 and address_key("unknown") == "unknown"
+    limits = ConnectionLimits(per_client=1, total=10)
+    assert limits.acquire("2001:db8::1") is None
+    assert limits.acquire("2001:db8::2")[0] is Refusal.CLIENT_CONNECTIONS
+
+
+@pytest.mark.parametrize("fd_limit, cap", [
+    (1024, (1024 - FD_RESERVE) // 3), (256, (256 - FD_RESERVE) // 3), (100, 1), (1 << 20, MAX_CONNECTIONS_CEILING),
+    (-1, MAX_CONNECTIONS_CEILING),
+])
+def test_default_max_connections_leaves_room_below_the_fd_limit(fd_limit, cap):
+    assert default_max_connections(fd_limit) == cap
+
+
+def test_default_caps_let_one_address_open_the_load_tests_connections_and_leave_room_under_1024_fds():
+    config = AccessConfig()
+    assert config.max_connections_per_client >= 100 and config.connect_rate.burst >= 100
+    assert default_max_connections(1024) > config.max_connections_per_client  # another address still gets in
+
+
+def test_request_rates_per_address_and_kind():
+    rates = RequestRates({Work.HTTP: Rate(2.0, 3), Work.UPGRADE: Rate(1.0, 1), Work.MESSAGE: Rate(1.0, 1)})
+    assert [rates.take(Work.HTTP, "10.0.0.1", 0.0) for _ in range(4)] == [None, None, None, pytest.approx(0.5)]
+    assert rates.take(Work.HTTP, "10.0.0.2", 0.0) is None  # another address has its own bucket
+    assert rates.take(Work.UPGRADE, "10.0.0.1", 0.0) is None  # and another kind
+    assert rates.take(Work.HTTP, "10.0.0.1", 0.5) is None
+    assert RequestRates.REFUSALS[Work.HTTP] is Refusal.HTTP_RATE
+
+
+def test_request_rates_table_stays_bounded_under_many_addresses():
+    rates = RequestRates({w: Rate(1.0, 2) for w in Work}, size=100)
+    for i in range(10_000):
+        rates.take(Work.HTTP, f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", now=i * 1e-3)
+    assert len(rates) == 100
+
+
+def test_request_rates_evict_the_idlest_address_and_keep_a_busy_one():
+    rates = RequestRates({w: Rate(0.001, 2) for w in Work}, size=3)
+    assert rates.take(Work.HTTP, "busy", 0.0) is None and rates.take(Work.HTTP, "busy", 0.0) is None
+    for i in range(10):  # new addresses come and go; the busy one keeps coming back
+        rates.take(Work.HTTP, f"new{i}", 1.0 + i)
+        assert rates.take(Work.HTTP, "busy", 1.0 + i) is not None  # its bucket, still empty, was kept
+
+
+def test_prune_drops_refilled_buckets_only():
+    rates = RequestRates({w: Rate(1.0, 2) for w in Work}, size=10)
+    rates.take(Work.HTTP, "a", 0.0)
+    rates.take(Work.HTTP, "b", 0.0)
+    rates.take(Work.HTTP, "b", 0.9)
+    rates.prune(1.0)  # a has refilled to 2; b holds 1.0 (0.9 left at 0.9 s, plus 0.1)
+    assert len(rates) == 1
+
+
+def test_protocol_errors_close_at_the_limit_within_the_window():
+    errors = ProtocolErrors(limit=3, window_s=10.0)
+    assert [errors.add(t) for t in (0.0, 5.0)] == [False, False]
+    assert errors.add(10.0) is True  # 3 within 10 s
+    spread = ProtocolErrors(limit=3, window_s=10.0)
+    assert not any(spread.add(t) for t in (0.0, 6.0, 12.0, 18.0, 24.0))  # a slow trickle of mistakes stays open
+    assert spread.count == 5
+
+
+def test_log_gate_lets_one_line_a_period_through_and_counts_the_rest():
+    gate = LogGate(period_s=10.0)
+    assert gate.allow("junk", 0.0) == 0
+    assert [gate.allow("junk", t) for t in (1.0, 2.0, 9.9)] == [None, None, None]
+    assert gate.allow("other", 1.0) == 0  # its own key
+    assert gate.allow("junk", 10.0) == 3  # logged, with the three held back
+    assert gate.allow("junk", 10.5) is None
