@@ -317,6 +317,29 @@ def _access_args(p: argparse.ArgumentParser) -> None:
                    help="control messages a stream may send at once before --control-rate applies (default 10)")
     g.add_argument("--stats-rate", type=float, default=4.0, metavar="PER_S",
                    help="stats messages a stream may send a second, counted apart (default 4, burst as many)")
+    g.add_argument("--max-connections-per-client", type=int, default=256, metavar="N",
+                   help="WebSockets one remote address may hold at once; past it an upgrade gets HTTP 429, and "
+                        "sockets of any kind past twice it are dropped as they come (default 256: the load tests "
+                        "open about 100 from one address)")
+    g.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="WebSockets all clients may hold at once; past it an upgrade gets HTTP 503, and sockets "
+                        "past half again as many are dropped as they come (default: from the file descriptor limit, "
+                        "which serve raises to its hard limit: (limit - 128) / 3, at most 16384, leaving room for "
+                        "the engine, recordings and WebRTC viewers' UDP sockets)")
+    g.add_argument("--start-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds a WebSocket may stay open without 'start' or 'watch' before it is closed (default 10)")
+    g.add_argument("--http-rate", type=float, default=20.0, metavar="PER_S",
+                   help="HTTP requests (/metrics, /healthz, the player's files, recordings) one address may make a "
+                        "second; more get HTTP 429 with Retry-After (default 20)")
+    g.add_argument("--http-burst", type=int, default=50, metavar="N",
+                   help="HTTP requests one address may make at once before --http-rate applies (default 50)")
+    g.add_argument("--connect-rate", type=float, default=20.0, metavar="PER_S",
+                   help="WebSocket upgrades one address may make a second (more get HTTP 429), and messages its "
+                        "connections may send before 'start' or 'watch' (more close the connection); each with a "
+                        "burst of --max-connections-per-client (default 20)")
+    g.add_argument("--max-protocol-errors", type=int, default=10, metavar="N",
+                   help="bad messages (unparseable, invalid, out of turn) within 10 s that close a connection "
+                        "(default 10)")
 
 
 def _audience_args(p: argparse.ArgumentParser) -> None:
@@ -348,13 +371,20 @@ def _audience_config(args) -> dict:
 def _access_config(args):
     from streamsvc.access import AccessConfig, Rate, check_token, parse_auth_file
 
+    if args.max_connections_per_client < 1:
+        raise ValueError(f"--max-connections-per-client {args.max_connections_per_client}: give at least 1")
     tokens = {check_token(t): None for t in args.auth_token}
     if args.auth_file:
         tokens |= parse_auth_file(Path(args.auth_file).read_text(), source=args.auth_file)
     return AccessConfig(tokens=tokens, allowed_origins=tuple(args.allow_origin),
                         max_streams_per_client=args.max_streams_per_client, trust_proxy=args.trust_proxy,
                         control_rate=Rate(args.control_rate, args.control_burst),
-                        stats_rate=Rate(args.stats_rate, max(1, round(args.stats_rate))))
+                        stats_rate=Rate(args.stats_rate, max(1, round(args.stats_rate))),
+                        max_connections_per_client=args.max_connections_per_client,
+                        max_connections=args.max_connections, start_timeout_s=args.start_timeout,
+                        http_rate=Rate(args.http_rate, args.http_burst),
+                        connect_rate=Rate(args.connect_rate, args.max_connections_per_client),
+                        max_protocol_errors=args.max_protocol_errors)
 
 
 def build_parser() -> argparse.ArgumentParser:
