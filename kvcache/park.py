@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache.cache import StreamCache
+from kvcache.units import format_bytes
 
 
 class Transfer:
@@ -163,9 +164,9 @@ class ParkBudget:
         if nbytes <= self.free_bytes:
             return None
         return (
-            f"parking needs {_gib(nbytes)} of host memory but the park budget has {_gib(self.free_bytes)} free of "
-            f"{_gib(self.budget_bytes)} ({self.num_streams} streams parked); resume or close a parked stream, or "
-            "raise --park-budget-gib"
+            f"parking needs {format_bytes(nbytes)} of host memory but the park budget has "
+            f"{format_bytes(self.free_bytes)} free of {format_bytes(self.budget_bytes)} ({self.num_streams} streams "
+            "parked); resume or close a parked stream, or raise --park-budget-gib"
         )
 
     def reserve(self, stream_id: str, nbytes: int, force: bool = False) -> str | None:
@@ -182,7 +183,3 @@ class ParkBudget:
     def release(self, stream_id: str) -> int:
         """Give `stream_id`'s bytes back; returns them (0 if it held none)."""
         return self._held.pop(stream_id, 0)
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"

@@ -8,6 +8,7 @@ import torch
 
 from kvcache.cache import StreamCache, make_storage
 from kvcache.spec import CacheSpec
+from kvcache.units import format_bytes
 
 
 class PoolFull(RuntimeError):
@@ -55,11 +56,11 @@ class CachePool:
         need = spec.stream_bytes() + extra_bytes
         if need <= self.free_bytes:
             return None
-        extra = f" (decoder state {_mib(extra_bytes)} included)" if extra_bytes else ""
+        extra = f" (decoder state {format_bytes(extra_bytes)} included)" if extra_bytes else ""
         return (
-            f"KV cache needs {_mib(need)}{extra} but the pool has {_mib(self.free_bytes)} free of "
-            f"{_mib(self.budget_bytes)} ({self.num_streams} streams open); close a stream, use --kv-quant int2/int4 "
-            "or a smaller window"
+            f"KV cache needs {format_bytes(need)}{extra} but the pool has {format_bytes(self.free_bytes)} free of "
+            f"{format_bytes(self.budget_bytes)} ({self.num_streams} streams open); close a stream, use --kv-quant "
+            "int2/int4 or a smaller window"
         )
 
     def allocate(self, stream_id: str, spec: CacheSpec, extra_bytes: int = 0) -> StreamCache | None:
@@ -90,7 +91,3 @@ class CachePool:
 
     def holds(self, stream_id: str) -> bool:
         return stream_id in self._held
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"

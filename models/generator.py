@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvcache import CacheSpec, HostCopier, ParkedCache, StreamCache, Transfer, Workspace, park_cache, restore_cache
+from kvcache.units import format_bytes
 from models.config import ModelConfig
 from models.decoder import DecoderState, StreamingDecoder, TinyStreamingDecoder, frames_per_chunk
 from models.dit import CacheAccess, CausalWanModel, TextKV, in_place
@@ -799,8 +800,8 @@ def _check_free_memory(what: str, need_bytes: int, device: torch.device) -> None
     free, total = torch.cuda.mem_get_info(device)
     if need_bytes > free:
         raise ValueError(
-            f"{what} needs about {need_bytes / 2**30:.1f} GiB on {device}, which has {free / 2**30:.1f} GiB free of "
-            f"{total / 2**30:.1f}: stop what else runs on that GPU, or use another (--device cuda:N)"
+            f"{what} needs about {format_bytes(need_bytes)} on {device}, which has {format_bytes(free)} free of "
+            f"{format_bytes(total)}: stop what else runs on that GPU, or use another (--device cuda:N)"
         )
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import av
 
+from kvcache.units import format_bytes
 from streamsvc.protocol import Chunk
 
 log = logging.getLogger("streamsvc.record")
@@ -79,8 +80,8 @@ class Recorder:
         if not self.store.reserve(size):
             self.stopped_reason = (
                 f"recording {self.recording_id} stopped at {self.frames / self.fps:.1f} s: the recordings use "
-                f"{_size(self.store.used_bytes)} of their {_size(self.store.max_bytes)} (--record-max-gib); "
-                "delete old recordings or raise the limit")
+                f"{format_bytes(self.store.used_bytes)} of their {format_bytes(self.store.max_bytes)} "
+                "(--record-max-gib); delete old recordings or raise the limit")
             log.warning(self.stopped_reason)
             self.close()  # what was written plays from now on
             return False
@@ -171,8 +172,8 @@ class RecordingStore:
         used = self.used_bytes
         if used >= self.max_bytes:
             raise RecordingRefused(
-                f"cannot record: the recordings use {_size(used)} of their {_size(self.max_bytes)} (--record-max-gib); "
-                "delete old recordings or raise the limit")
+                f"cannot record: the recordings use {format_bytes(used)} of their {format_bytes(self.max_bytes)} "
+                "(--record-max-gib); delete old recordings or raise the limit")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -247,11 +248,6 @@ def _nal_units(access_unit: bytes) -> list[bytes]:
 
 def _nal_types(access_unit: bytes) -> list[int]:
     return [nal[0] & 0x1F for nal in _nal_units(access_unit) if nal]
-
-
-def _size(n: int) -> str:
-    """Bytes for a message: GiB as --record-max-gib takes them, MiB below a hundredth of one."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 / 100 else f"{n / 2**20:.2f} MiB"
 
 
 def _vtt_time(seconds: float) -> str:

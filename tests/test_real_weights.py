@@ -86,7 +86,7 @@ def test_start_up_refuses_what_does_not_fit_the_gpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * 2**30, 80 * 2**30))
     _check_free_memory("umT5", 3 * 2**30, torch.device("cuda"))  # fits: nothing said
-    with pytest.raises(ValueError, match=r"umT5 needs about 11.0 GiB on cuda, which has 4.0 GiB free of 80.0"):
+    with pytest.raises(ValueError, match=r"umT5 needs about 11.0 GiB on cuda, which has 4.00 GiB free of 80.0 GiB"):
         _check_free_memory("umT5", 11 * 2**30, torch.device("cuda"))
     _check_free_memory("umT5", 11 * 2**30, torch.device("cpu"))  # the host: not checked
 

@@ -12,6 +12,7 @@ from websockets.asyncio.client import connect
 
 from client.loadtest import free_port
 from client.ws_client import ClientConfig, ClientState, StreamClient
+from kvcache.units import format_bytes
 from models import GeneratorConfig, build_generator
 from streamsvc import protocol as P
 from streamsvc.engine import EngineConfig
@@ -162,7 +163,8 @@ async def test_refusal_with_the_kv_pools_reason_when_the_server_is_full():
             await second.close()
             r = second.result()
             assert not r.admitted and r.playback is None and second.state is ClientState.REFUSED
-            assert r.refused_reason.startswith("kv cache:") and "MiB" in r.refused_reason
+            assert r.refused_reason.startswith("kv cache: KV cache needs ")  # sizes in the unit they call for:
+            assert f"free of {format_bytes(stream_bytes * 3 // 2)} (1 streams open)" in r.refused_reason  # not 0.3 MiB
             assert [e.code for e in second.server_errors] == [P.ErrorCode.REFUSED]
             assert first.state is ClientState.PLAYING
         assert await wait_for_server(lambda: server.engine.kv_used_bytes == 0)

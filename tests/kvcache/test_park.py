@@ -59,6 +59,17 @@ def test_park_budget_accounting_and_refusal_with_the_numbers():
     assert ParkBudget(0).refusal(1) is not None and ParkBudget(0).refusal(0) is None
 
 
+def test_a_small_park_budget_is_told_in_the_unit_its_size_calls_for():
+    """A budget of a few MiB or bytes read "needs 0.00 GiB ... 0.00 GiB free of 0.00 GiB" (issue 33)."""
+    budget = ParkBudget(96 * 2**20)
+    assert budget.reserve("a", 90 * 2**20) is None
+    assert budget.refusal(int(6.5 * 2**20)) == (
+        "parking needs 6.50 MiB of host memory but the park budget has 6.00 MiB free of 96.0 MiB (1 streams parked); "
+        "resume or close a parked stream, or raise --park-budget-gib")
+    assert ParkBudget(1000).refusal(1001).startswith("parking needs 1001 bytes of host memory but the park budget "
+                                                     "has 1000 bytes free of 1000 bytes")
+
+
 def test_a_forced_reservation_is_held_beyond_the_budget_and_says_what_it_overrode():
     budget = ParkBudget(1000)
     assert budget.reserve("a", 600) is None

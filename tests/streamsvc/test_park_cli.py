@@ -21,3 +21,12 @@ def test_park_flags_default_and_override():
 def test_bad_park_flags_say_which_and_what(flags):
     with pytest.raises(ValueError, match="--park-budget-gib takes a number >= 0 .* and --park-timeout one > 0"):
         engine_config(*flags)
+
+
+def test_a_tiny_park_budget_is_told_in_kib_not_as_0_00_gib():
+    """--park-budget-gib 0.0001 is 105 KiB; the refusal said "needs 0.00 GiB ... 0.00 GiB free of 0.00 GiB" (#33)."""
+    from kvcache import ParkBudget
+
+    budget = ParkBudget(engine_config("--park-budget-gib", "0.0001").park_budget_bytes)
+    assert budget.refusal(520 * 2**10).startswith(
+        "parking needs 520 KiB of host memory but the park budget has 105 KiB free of 105 KiB (0 streams parked)")

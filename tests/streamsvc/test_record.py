@@ -1,9 +1,12 @@
 """Recording: chunks as the viewers get them muxed into MP4 without re-encode, a chapter per prompt, a disk budget."""
 
+import re
+
 import av
 import numpy as np
 import pytest
 
+from kvcache.units import format_bytes
 from streamsvc.encode import StreamDecoder, StreamEncoder, is_idr
 from streamsvc.protocol import Chunk
 from streamsvc.record import RecordingRefused, RecordingStore
@@ -196,8 +199,8 @@ def test_deleting_old_recordings_frees_the_budget_of_the_running_store(tmp_path)
     assert [old.add(header, aus, "p") for header, aus in sent] == [True, False]
     used = store.used_bytes
     assert used > store.max_bytes
-    with pytest.raises(RecordingRefused, match=rf"recordings use {used / 2**20:.2f} MiB of their "
-                                               rf"{store.max_bytes / 2**20:.2f} MiB \(--record-max-gib\); delete old"):
+    refusal = f"recordings use {format_bytes(used)} of their {format_bytes(store.max_bytes)} (--record-max-gib);"
+    with pytest.raises(RecordingRefused, match=re.escape(refusal)):
         store.open("s2", FPS, W, H)
     old.path.unlink()
     old.chapters_path.unlink()  # what the refusal tells the operator to do; no restart
