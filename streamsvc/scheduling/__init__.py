@@ -27,7 +27,8 @@ The package, each module depending only on those above it in this list:
     config     SchedulerConfig (every knob, validated) and POLICIES
     types      the shared types: Plan, StreamRequest, Admission, stats, Stage, WorkKind, ...
     playback   PlaybackModel: one viewer's buffer, and when it stalls
-    costs      CostModel, CostEstimates: forwards', chunks' and stages' costs
+    costs      CostModel, CostEstimates: forwards', chunks' and stages' costs; SendSampler, without_streamless:
+               samples rid of the work of clients without a stream
     stream     _Stream: one stream's state (and _Work, the view of its next forward)
     admission  AdmissionControl: every refusal rule and its reason text
     overload   OverloadMonitor: lateness, stalls, and the last resort (`overloaded`)
@@ -38,7 +39,7 @@ The package, each module depending only on those above it in this list:
 
 from .admission import AdmissionControl
 from .config import POLICIES, SchedulerConfig
-from .costs import RECACHE_WINDOW_S, CostEstimates, CostModel
+from .costs import RECACHE_WINDOW_S, CostEstimates, CostModel, SendSampler, without_streamless
 from .overload import OverloadMonitor
 from .playback import PlaybackModel
 from .scheduler import Scheduler
@@ -72,9 +73,11 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerError",
     "SchedulerStats",
+    "SendSampler",
     "Stage",
     "StreamLoad",
     "StreamRequest",
     "StreamStats",
     "WorkKind",
+    "without_streamless",
 ]

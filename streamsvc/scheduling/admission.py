@@ -15,7 +15,9 @@ Each stage's cost per chunk is seeded by the warm-up (`seed_stage`) and then fol
 while every stage stays under its target. It also listens to what viewers get (the
 closed loop): while any stream was late within `late_hold_s` (a chunk delivered after
 its viewer's buffer ran dry, a viewer reporting an empty buffer, a chunk degraded on the
-device or at the encoder: `mark_late`), nobody is admitted. And a burst is admitted in
+device or at the encoder: `mark_late`), nobody is admitted, while any stream is admitted: the
+loop keeps the admitted streams on time, and with none the load that made one late is gone (a
+server with no streams is refused only by its warm-up's figures, issue 33). And a burst is admitted in
 tranches: streams that have not yet delivered `confirm_chunks` chunks are starting, and
 a newcomer is admitted only while every stage can make the starting streams' first
 `confirm_chunks` chunks within the first chunk's play time with the time the admitted
@@ -180,9 +182,10 @@ class AdmissionControl:
 
     def _loop_refusals(self, req: StreamRequest, streams: Sequence[StreamLoad], now: float,
                        late: Late | None) -> list[str]:
-        """The closed loop (a stream late lately) and the tranche (streams still starting)."""
+        """The closed loop (a stream late lately, while streams are admitted) and the tranche (streams still
+        starting)."""
         cfg = self.config
-        if self.closed(late, now):
+        if streams and self.closed(late, now):
             return [
                 f"closed loop: stream {late.stream_id} was late {now - late.at:.1f} s ago ({late.what}); admission "
                 f"reopens once every stream has been on time for {cfg.late_hold_s:g} s"

@@ -61,6 +61,9 @@ class SchedulerConfig:
     output_capacity: float = 1.0
     output_target: float = 0.7
     send_target: float = 0.5  # busy fraction of the event loop admission keeps the transports' send under
+    # A cost sample (the send's CPU per chunk; a CPU forward's wall time) less the event loop's work for clients
+    # without a stream over the same time; dropped instead where that work was over this share of it (see costs).
+    streamless_max_share: float = 0.1
     # Closed loop: no admission until every stream has been on time for this long (see `mark_late`).
     late_hold_s: float = 2.0
     # After a stall every stream's lead grows by late_margin_s until none has stalled for late_margin_hold_s: a
@@ -122,6 +125,8 @@ class SchedulerConfig:
         for name in ("output_target", "send_target"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 (e.g. 0.7; math.inf turns the check off)")
+        if not 0 < self.streamless_max_share <= 1:
+            raise ValueError(f"streamless_max_share={self.streamless_max_share}: must be in (0, 1] (e.g. 0.1)")
         if not (self.late_margin_s >= 0 and math.isfinite(self.late_margin_s) and self.late_margin_hold_s >= 0):
             raise ValueError(f"late_margin_s={self.late_margin_s}, late_margin_hold_s={self.late_margin_hold_s}: "
                              "must be finite numbers of seconds >= 0 (e.g. 0.25 and 10.0)")

@@ -12,6 +12,21 @@ a recache's cost.
 
 `CostEstimates` holds the figures and adds them up (a chunk's forwards at a batch size,
 one stream's share, what a chunk may wait for); admission and the planner read them.
+
+What clients without a stream cost the server is theirs, not a stage's (issue 33: a flood of
+junk frames or `GET /metrics` on a fresh server once made every start refused, for good).
+The server meters the event loop's CPU spent on them (HTTP requests, messages before
+`start`), and a sample that shares its time with that work is corrected by it
+(`without_streamless`): the event loop's CPU per chunk sent less the stream-less CPU
+(`SendSampler`), and on a CPU device a forward's wall time less the stream-less CPU that ran
+meanwhile (it held the GIL and a core). Where that work was more than `streamless_max_share`
+of the sample, the sample is dropped instead: the meter sees our handlers, not the library's
+parsing of those frames and requests (some 10-20% more: a flood of junk frames cost the loop
+3.37 s of CPU and the meter saw 2.99 s; of /metrics, 2.18 s and 1.81 s), so a sample mostly
+made of such work would keep a guess of the rest, and a dropped sample moves the estimate
+neither way. And an estimate is re-measured rather than believed forever:
+when the server empties no sample can come to bring a wrong one down, so the first admission
+into an empty server starts from the warm-up's figures again (`CostEstimates.restart`).
 """
 
 from __future__ import annotations
@@ -51,6 +66,7 @@ class CostModel:
         self._samples: dict[tuple[Hashable, int], deque[float]] = {}
         self._window = window
         self._estimate: dict[tuple[Hashable, int], float] = {}  # kept current by seed and observe
+        self._seeds: dict[tuple[Hashable, int], float] = {}  # the priors given by `seed`, which `reset` goes back to
 
     def estimate(self, kind: Hashable, batch: int = 1) -> float:
         """The (kind, batch) cost. A batch size not measured yet costs what its streams cost one by one
@@ -63,7 +79,12 @@ class CostModel:
         """A prior for (kind, batch), e.g. the warm-up's median; measurements replace it once there are enough."""
         key = (kind, batch)
         self._samples.pop(key, None)
-        self._estimate[key] = seconds
+        self._estimate[key] = self._seeds[key] = seconds
+
+    def reset(self) -> None:
+        """Forget every measurement: each seeded (kind, batch) costs its seed again, the others the initial guess."""
+        self._samples.clear()
+        self._estimate = dict(self._seeds)
 
     def observe(self, kind: Hashable, batch: int, elapsed_s: float) -> None:
         """One measured (kind, batch) cost."""
@@ -90,6 +111,15 @@ class CostEstimates:
         # cost of one chunk on the output stage and the send (per stream; the device's is `forward`)
         self.stage = CostModel(0.001, cfg.cost_percentile, cfg.cost_window, cfg.cost_min_samples)
         self._recaches: deque[float] = deque()  # times of recaches (one per stream) within RECACHE_WINDOW_S
+
+    def restart(self) -> None:
+        """Back to the warm-up's figures: measured forward and stage costs and the recaches counted lately are
+        forgotten. For an empty server: no sample can come to bring a wrong estimate down (nothing is sent, nothing
+        runs), so one that refused everyone would be believed forever; the warm-up's own figures still refuse what
+        they should (a model too slow for its device)."""
+        self.forward.reset()
+        self.stage.reset()
+        self._recaches.clear()
 
     def recache_s(self) -> float:
         """Estimated time of one stream's RECACHE forward."""
@@ -134,3 +164,48 @@ class CostEstimates:
             while self._recaches and self._recaches[0] < now - RECACHE_WINDOW_S:
                 self._recaches.popleft()
         return len(self._recaches) / RECACHE_WINDOW_S * self.recache_s()
+
+
+def without_streamless(total_s: float, streamless_s: float, max_share: float) -> float | None:
+    """A sample of a stage's work (`total_s`: the event loop's CPU over some chunks, or a CPU forward's wall time)
+    less `streamless_s`, the event loop's CPU on clients without a stream over the same time; None (drop the sample)
+    when that was over `max_share` of `total_s`: the meter sees only the work our code does for those clients, not
+    the library's parsing of their frames and requests, so the remainder of a sample mostly theirs would keep a
+    share of it unseen (and a dropped sample moves the estimate neither way)."""
+    streamless_s = max(0.0, streamless_s)
+    if streamless_s > max_share * total_s:
+        return None
+    return total_s - streamless_s
+
+
+class SendSampler:
+    """The SEND stage's samples: the event loop's own CPU per chunk sent, from cumulative readings taken every period.
+
+    `read(cpu_s, streamless_s, chunks)` takes the loop thread's CPU so far, the part of it the server metered as
+    stream-less work, and the chunks sent so far. Over a window of at least `min_chunks` chunks it gives one
+    sample: the window's CPU less its stream-less CPU (`without_streamless`), per chunk; else None. A period in
+    which no chunk was sent closes the window unsampled: its CPU belonged to no chunk (an idle server, a flood
+    before any stream) and must not be charged to the next ones.
+    """
+
+    def __init__(self, min_chunks: int, max_share: float) -> None:
+        if min_chunks < 1:
+            raise ValueError(f"min_chunks={min_chunks}: a sample needs at least 1 chunk")
+        self.min_chunks, self.max_share = min_chunks, max_share
+        self._start: tuple[float, float, int] | None = None  # the readings where the window opened
+        self._last_chunks: int | None = None  # chunks sent at the previous reading
+
+    def read(self, cpu_s: float, streamless_s: float, chunks: int) -> float | None:
+        """The readings at the end of a period; returns the window's CPU per chunk when it closes with a sample."""
+        reading = (cpu_s, streamless_s, chunks)
+        last, self._last_chunks = self._last_chunks, chunks
+        if self._start is None or chunks == last:  # the first reading, or a period without a chunk
+            self._start = reading
+            return None
+        cpu0, streamless0, chunks0 = self._start
+        sent = chunks - chunks0
+        if sent < self.min_chunks:
+            return None
+        self._start = reading
+        own_s = without_streamless(cpu_s - cpu0, streamless_s - streamless0, self.max_share)
+        return None if own_s is None else own_s / sent

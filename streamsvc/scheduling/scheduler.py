@@ -65,6 +65,7 @@ class Scheduler:
     def admit(self, req: StreamRequest, now: float, kv_refusal: str | None = None) -> Admission:
         """Add `req` if the device can serve it without the others stalling.
 
+        Into an empty server, from the warm-up's cost figures (see `_restart_if_empty`).
         Refused when its KV cache does not fit (`kv_refusal`, the pool's reason,
         computed by the caller), when its chunk is longer than the buffer cap, when
         the predicted load with it would exceed `utilization_target`, or when the
@@ -74,6 +75,7 @@ class Scheduler:
         """
         if req.stream_id in self:
             raise SchedulerError(f"stream {req.stream_id!r} is already admitted")
+        self._restart_if_empty()
         admission = self._admission.admit(req, self._loads(), now, late=self._overload.late, kv_refusal=kv_refusal)
         if not admission.accepted:
             return admission
@@ -135,6 +137,7 @@ class Scheduler:
         s = self._parked.get(stream_id)
         if s is None:
             raise SchedulerError(f"stream {stream_id!r} is not parked (parked: {list(self._parked)})")
+        self._restart_if_empty()
         admission = self._admission.admit(s.request, self._loads(), now, late=self._overload.late,
                                           kv_refusal=kv_refusal, viewers=s.viewers)
         if not admission.accepted:
@@ -350,6 +353,13 @@ class Scheduler:
             raise SchedulerError(f"stream {stream_id!r} is not admitted (admitted: {list(self._streams)}, parked: "
                                  f"{list(self._parked)})")
         return s
+
+    def _restart_if_empty(self) -> None:
+        """With no stream running (none admitted, or all parked), the cost estimates go back to the warm-up's figures
+        (CostEstimates.restart): no sample comes to correct them while nothing runs, and a server with no streams
+        is refused only by what its warm-up measured, never by an estimate that work outside any stream raised."""
+        if not self._streams:
+            self._estimates.restart()
 
     def _loads(self) -> list[StreamLoad]:
         """What admission knows of the admitted streams (parked ones not included), in admission order."""

@@ -255,6 +255,77 @@ def test_admission_counts_the_recaches_of_the_last_seconds_as_the_streams_steeri
     assert sched.predicted_load() == pytest.approx(base * 3 / 2)
 
 
+# ----- issue 33: no estimate raised outside any stream keeps an empty server refusing ---------------
+
+
+def poisoned(**overrides):
+    """A scheduler seeded by a warm-up (a chunk 5/64 s on the device, 1 ms on the output stage and the send) whose
+    one stream "a" had its send and device samples raised by a flood: 656.8 ms a chunk sent, 493 ms a forward."""
+    sched = make(**{"utilization_target": 0.9, "confirm_chunks": 0, "cost_min_samples": 2, **overrides})
+    for kind in (D, C):
+        sched.seed_cost(kind, 1, 1 / 64)
+    for stage in (Stage.OUTPUT, Stage.SEND):
+        sched.seed_stage(stage, 0.001)
+    admit(sched, "a")
+    for _ in range(2):
+        sched.observe_stage(Stage.SEND, 0.6568)
+        sched.observe_cost(D, 1, 0.493)
+    return sched
+
+
+def test_an_empty_server_admits_by_the_warm_ups_figures_whatever_was_measured_before():
+    # The lock-out of issue 33: once its one viewer left, every start was refused with no stream open, for good:
+    # nothing ran, so no sample could bring the estimates down.
+    sched = poisoned()
+    refused = sched.admit(StreamRequest("b", FPS), 1.0)
+    assert "send: the event loop would be 1.75 busy with 2 streams (656.8 ms per chunk) > target 0.50" in refused.reason
+    assert "compute: the device is 2.65 busy with 1 streams" in refused.reason
+    sched.remove("a")
+    sched.observe_stage(Stage.SEND, 0.6568)  # a sample taken as the stream left, after the server emptied
+    sched.observe_cost(D, 1, 0.493)  # its forward in flight, retired after
+    for t in (2.0, 32.0):
+        assert sched.admit(StreamRequest("b", FPS), t).accepted
+        assert (sched.stage_costs.estimate(Stage.SEND), sched.costs.estimate(D)) == (0.001, 1 / 64)
+        sched.remove("b")
+    # with a stream running, the estimates follow what it measures
+    admit(sched, "c", now=40.0)
+    for _ in range(2):
+        sched.observe_stage(Stage.SEND, 0.25)
+    assert sched.stage_costs.estimate(Stage.SEND) == 0.25
+
+
+def test_an_empty_server_admits_though_its_last_stream_was_late_a_moment_ago():
+    # A flood late in a stream's life made it late (a degraded chunk); it left, and the next start on the empty server
+    # was refused by the closed loop for the stream that had gone.
+    sched = make(utilization_target=0.9, confirm_chunks=0, late_hold_s=2.0)
+    admit(sched, "a")
+    sched.mark_late("a", 1.0, "a chunk ran 3 of 4 steps to stay ahead")
+    assert "closed loop: stream a was late 0.3 s ago" in sched.admit(StreamRequest("b", FPS), 1.3).reason
+    sched.remove("a")
+    assert sched.admit(StreamRequest("b", FPS), 1.3).accepted
+    assert "closed loop" in sched.admit(StreamRequest("c", FPS), 1.4).reason  # b is admitted: the loop holds again
+
+
+def test_a_parked_stream_comes_back_to_an_empty_server_by_the_warm_ups_figures():
+    sched = poisoned()
+    sched.hold("a")
+    sched.park("a", 1.0)
+    assert len(sched) == 0
+    assert sched.unpark("a", 2.0).accepted
+    assert sched.stage_costs.estimate(Stage.SEND) == 0.001
+
+
+def test_an_empty_server_still_refuses_what_its_warm_up_measured_too_slow():
+    # A model too slow for its device (a 14B model on one GPU) is rightly refused, by the warm-up's own figures.
+    sched = make(utilization_target=0.9)
+    sched.seed_cost(D, 1, 0.25)
+    refused = sched.admit(StreamRequest("a", FPS), 0.0)
+    assert not refused.accepted and "compute: the device is 0.00 busy with 0 streams and this one needs 1.42" in refused.reason
+    for _ in range(8):  # whatever samples came in with no stream open
+        sched.observe_cost(D, 1, 0.001)
+    assert not sched.admit(StreamRequest("a", FPS), 1.0).accepted
+
+
 # ----- admission alone: loads, costs and the clock in, an Admission out ---------------------------
 
 
@@ -294,13 +365,15 @@ def test_admission_alone_passes_the_kv_pools_reason_through_and_closes_the_loop_
     control = gate()
     req = StreamRequest("b", 12.0, chunk_frames=12)
     late = Late(at=1.0, stream_id="a", what="chunk 3 encoded cheaper to meet its deadline")
-    refused = control.admit(req, [], now=1.5, late=late, kv_refusal="pool full")
+    refused = control.admit(req, loads(1), now=1.5, late=late, kv_refusal="pool full")
     assert refused.reason == (
         "kv cache: pool full; closed loop: stream a was late 0.5 s ago (chunk 3 encoded cheaper to meet its deadline); "
         "admission reopens once every stream has been on time for 2 s"
     )
     assert control.closed(late, 2.9) and not control.closed(late, 3.0)
-    assert control.admit(req, [], now=3.0, late=late).accepted
+    assert control.admit(req, loads(1), now=3.0, late=late).accepted
+    # with no stream admitted the closed loop keeps nobody on time: an empty server admits (issue 33)
+    assert control.admit(req, [], now=1.5, late=late).accepted
 
 
 def test_admission_alone_admits_a_burst_in_tranches_of_what_the_first_chunks_leave_room_for():

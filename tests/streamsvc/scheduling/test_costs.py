@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamsvc.scheduling import CostModel
+from streamsvc.scheduling import CostModel, SchedulerConfig, SendSampler, without_streamless
 from tests.streamsvc.scheduling.helpers import C, CHUNK_WORK, COST, D, admit, make
 
 
@@ -56,3 +56,50 @@ def test_observe_cost_feeds_the_cost_model():
         sched.observe_cost(D, 0, 0.1)
     with pytest.raises(ValueError, match="seconds=0"):
         sched.seed_cost(D, 1, 0.0)
+
+
+# ----- issue 33: what clients without a stream cost is theirs, not a stage's ---------------------
+
+
+def test_reset_goes_back_to_the_seeds_and_forgets_every_measurement():
+    costs = CostModel(initial_forward_s=0.05, percentile=0.9, window=10, min_samples=2)
+    costs.seed(D, 1, 0.1)
+    for _ in range(2):
+        costs.observe(D, 1, 0.5)
+        costs.observe(C, 2, 0.25)
+    assert (costs.estimate(D), costs.estimate(C, 2)) == (0.5, 0.25)
+    costs.reset()
+    assert (costs.estimate(D), costs.estimate(C, 2), costs.estimate(C)) == (0.1, 0.1, 0.05)  # seed, 2 x guess, guess
+    costs.observe(D, 1, 0.5)
+    assert costs.estimate(D) == 0.1  # one sample after the reset: the seed stands until there are min_samples
+
+
+def test_without_streamless_subtracts_a_small_share_and_drops_a_sample_mostly_someone_elses():
+    assert without_streamless(0.5, 0.125, max_share=0.25) == 0.375
+    assert without_streamless(0.5, 0.0, max_share=0.25) == 0.5
+    assert without_streamless(0.5, -1.0, max_share=0.25) == 0.5  # a meter read out of order counts as nothing
+    assert without_streamless(0.5, 0.25, max_share=0.25) is None  # half of it: the rest would be a guess
+    assert without_streamless(0.0, 0.0, max_share=0.25) == 0.0
+
+
+def test_the_sends_samples_leave_out_a_flood_before_the_first_chunk_and_while_chunks_go():
+    # issue 33: a client without a stream flooded a fresh server for 6 s (5.9 s of the loop's CPU, about half of
+    # it in our handlers, the meter's); the first 8 chunks sent were charged all of it: 737 ms a chunk.
+    sampler = SendSampler(min_chunks=8, max_share=0.25)
+    readings = [  # (loop CPU, its stream-less part, chunks sent) at the end of each period
+        ((0.0, 0.0, 0), None),  # the server starts
+        ((5.9, 2.9, 0), None),  # the flood, no chunk: this period is no chunk's
+        ((5.91, 2.9, 2), None), ((5.92, 2.9, 4), None), ((5.93, 2.9, 6), None),  # a viewer plays: 2 chunks a period
+        ((5.94, 2.9, 8), 0.005),  # 8 chunks: 0.04 s of CPU over them
+        ((6.94, 3.9, 16), None),  # a flood while chunks go: all stream-less, the sample is dropped
+        ((7.04, 3.91, 24), (0.1 - 0.01) / 8),  # a trickle of /metrics: subtracted
+        ((8.04, 3.91, 24), None),  # a period with no chunk (the viewer paused): charged to none
+        ((8.05, 3.91, 32), 0.01 / 8),
+    ]
+    for (cpu, streamless, chunks), sample in readings:
+        got = sampler.read(cpu, streamless, chunks)
+        assert got == (None if sample is None else pytest.approx(sample)), (cpu, streamless, chunks)
+    with pytest.raises(ValueError, match="min_chunks=0"):
+        SendSampler(min_chunks=0, max_share=0.25)
+    with pytest.raises(ValueError, match="streamless_max_share=0"):
+        SchedulerConfig(streamless_max_share=0)
