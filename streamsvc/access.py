@@ -8,6 +8,8 @@ loopback hands GPU time to whoever connects, so it checks
   start streams from its visitors' browsers (programs send no Origin and are unaffected);
 - streams per token and per client address;
 - control messages per second per stream, as a token bucket with a burst;
+- the secrets that make links capabilities (a stream's watch and steer secrets, a recording's): SECRET_BYTES
+  random bytes each (128 bits), checked with ``secret_matches`` in constant time;
 - what one address may hold and cost without a stream: its connections (and all clients' together, below the
   process's file descriptor limit), its HTTP requests, WebSocket upgrades and messages before ``start`` or
   ``watch`` per second (token buckets in a table of bounded size), and a connection's protocol errors.
@@ -21,6 +23,7 @@ import enum
 import hmac
 import ipaddress
 import math
+import secrets
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -42,6 +45,9 @@ class Refusal(enum.StrEnum):
     WATCHERS = "watchers"  # watch: the stream has --max-watchers watchers already
     RATE_LIMITED = "rate_limited"  # a control message over the stream's rate
     STATS_RATE_LIMITED = "stats_rate_limited"  # a stats message over its own, lower rate
+    # watch: no open stream has that id and watch secret (one answer whether the id exists or not); take: the steer
+    # secret is missing or wrong
+    SECRET = "secret"
     CONNECTIONS = "connections"  # the server holds --max-connections connections (HTTP 503)
     CLIENT_CONNECTIONS = "client_connections"  # the address holds --max-connections-per-client (HTTP 429)
     HTTP_RATE = "http_rate"  # an HTTP request over the address's --http-rate (HTTP 429)
@@ -146,6 +152,26 @@ def find_token(tokens: dict[str, int | None], given: str | None) -> str | None:
         if hmac.compare_digest(token.encode(), probe):
             match = token
     return match
+
+
+SECRET_BYTES = 16  # random bytes of a watch, steer or recording secret: 128 bits, past guessing
+
+
+def new_secret() -> str:
+    """A fresh secret for a link (a stream's watch or steer secret): SECRET_BYTES random bytes, URL-safe base64."""
+    return secrets.token_urlsafe(SECRET_BYTES)
+
+
+def secret_matches(expected: str | None, given: str | None) -> bool:
+    """Whether ``given`` is the secret ``expected``, compared in constant time (hmac.compare_digest) so that the
+    time taken tells nothing of how much of a guess was right. ``expected`` None (no such stream or recording) is
+    compared against a stand-in of the same length, so that it takes the same time and is never a match."""
+    probe = (given or "").encode("utf-8", "replace")
+    same = hmac.compare_digest((expected or _NO_SECRET).encode(), probe)
+    return same and expected is not None and given is not None
+
+
+_NO_SECRET = "-" * 22  # what a lookup that found nothing compares against (the length of new_secret()'s)
 
 
 def bearer_token(authorization: str | None) -> str | None:

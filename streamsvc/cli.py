@@ -354,7 +354,7 @@ def _audience_args(p: argparse.ArgumentParser) -> None:
                    help="record every stream to DIR as MP4 (no re-encode; a chapter per prompt); without it a "
                         "steerer's 'record' message records its stream to --recordings-dir")
     g.add_argument("--recordings-dir", default="recordings", metavar="DIR",
-                   help="where 'record' messages record to, served at /recordings/ID.mp4 (default ./recordings)")
+                   help="where 'record' messages record to, served at /recordings/ID-SECRET.mp4 (default ./recordings)")
     g.add_argument("--record-max-gib", type=float, default=4.0, metavar="GIB",
                    help="disk the recordings may use; a recording that reaches it stops, a new one is refused "
                         "(default 4)")

@@ -27,7 +27,7 @@ Server -> client::
      "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0, "steps": 4,
      "role": "steer", "viewer_id": "v0"}
     {"type": "audience", "role": "watch", "watchers": 23, "steered": true}
-    {"type": "recording", "url": "/recordings/s3.mp4", "chapters": "/recordings/s3.vtt"}
+    {"type": "recording", "url": "/recordings/s3-20250102T030405-SECRET.mp4", "chapters": "...vtt"}
     {"type": "chunk", "index": 3, "pts": 33, "frames": 12, "prompt_version": 1, "steps": 4,
      "keyframe": false, "sizes": [2311, 187, ...]}
     {"type": "ack", "request": "set_prompt", "prompt_version": 1}

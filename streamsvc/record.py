@@ -9,10 +9,17 @@ length-prefixed samples. A recording starts at a keyframe chunk (the server asks
 one when recording starts) and its clock starts there at 0. Every IDR (at a chunk's start or in
 its middle) is a sync sample, so a player seeks to it.
 Each prompt is a chapter, written into the MP4 and into a WebVTT chapters file beside it
-(``ID.vtt``), which a page lists with ``<track kind="chapters">``. The MP4 is finished when
+(``NAME.vtt``), which a page lists with ``<track kind="chapters">``. The MP4 is finished when
 the recording closes (the stream ended, or the disk budget ran out, which closes it at once):
 its index goes at the front (faststart), so a browser plays it as it downloads. Until then the
 file has no index and does not play.
+
+A recording's link is a capability: its files are named ``ID-SECRET.mp4`` and ``ID-SECRET.vtt`` (the
+recording's NAME), where ID is ``{stream id}-{UTC time}`` and SECRET 128 random bits of its own (32 hex digits,
+apart from the stream's watch and steer secrets), so the name is the link (``<video src>``, ``<track src>``, the
+recording page's ``#id=NAME``) and it outlives a restart. A request is served only with the secret of a known
+recording, compared in constant time; any other name is the same "not found". Files of other names (earlier
+versions' ``ID.mp4``) count against the disk budget and are never served.
 
 `RecordingStore` owns the directory and the disk budget; `Recorder` is one stream's recording.
 Neither is thread-safe: one thread (the server's event loop) uses them.
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -30,11 +38,14 @@ from pathlib import Path
 import av
 
 from kvcache.units import format_bytes
+from streamsvc.access import SECRET_BYTES, secret_matches
 from streamsvc.protocol import Chunk
 
 log = logging.getLogger("streamsvc.record")
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]+\.(mp4|vtt)$")  # what GET /recordings/NAME may name
+_FILE = re.compile(r"^[A-Za-z0-9_-]+\.(mp4|vtt)$")  # a recording's file (counted against the budget)
+# what GET /recordings/NAME.mp4 (.vtt) may name: a recording's id and its secret
+_LINK = re.compile(r"^(?P<id>[A-Za-z0-9_-]+)-(?P<secret>[0-9a-f]{32})\.(mp4|vtt)$")
 _START_CODE = re.compile(b"\x00\x00\x01")
 _IDR, _SPS, _PPS = 5, 7, 8  # H.264 NAL unit types
 _STREAM_ID = re.compile(r"[A-Za-z0-9_-]+")  # what a recording id is made of (the stream id, a time stamp)
@@ -56,10 +67,12 @@ class Recorder:
 
     def __init__(self, store: RecordingStore, recording_id: str, fps: int, width: int, height: int) -> None:
         self.store = store
-        self.recording_id = recording_id
+        self.recording_id = recording_id  # "{stream id}-{UTC time}": what logs and messages name it by
+        self.secret = secrets.token_hex(SECRET_BYTES)  # its link's own secret (32 hex digits: 128 bits)
+        self.name = f"{recording_id}-{self.secret}"  # its files' name and its link's: ID-SECRET.mp4, ID-SECRET.vtt
         self.fps, self.width, self.height = fps, width, height
-        self.path = store.directory / f"{recording_id}.mp4"
-        self.chapters_path = store.directory / f"{recording_id}.vtt"
+        self.path = store.directory / f"{self.name}.mp4"
+        self.chapters_path = store.directory / f"{self.name}.vtt"
         self.bytes_written = 0  # sample bytes muxed so far (what the budget counts; the index adds little)
         self.frames = 0  # frames muxed
         self.stopped_reason: str | None = None  # set when it stopped before its stream ended (the disk budget)
@@ -154,7 +167,7 @@ class RecordingStore:
             raise ValueError(f"max_bytes={max_bytes}: recordings need a disk budget > 0")
         self.directory = Path(directory)
         self.max_bytes = max_bytes
-        self._known: set[str] = set()  # ids of recordings made by this store or found in the directory
+        self._known: dict[str, str] = {}  # recording id -> its secret: those made by this store or in the directory
         self._stored = 0  # bytes of the finished recordings' files, as of the last scan (or finished() since)
         self._active: dict[str, Recorder] = {}  # recordings being written, by id (counted by bytes_written)
 
@@ -181,11 +194,11 @@ class RecordingStore:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         base = recording_id = f"{stream_id}-{stamp}"
         for n in range(2, 1000):
-            if recording_id not in self._known and not (self.directory / f"{recording_id}.mp4").exists():
+            if recording_id not in self._known:  # (the directory was scanned just now, by used_bytes)
                 break
             recording_id = f"{base}-{n}"
         recorder = Recorder(self, recording_id, fps, width, height)
-        self._known.add(recording_id)
+        self._known[recording_id] = recorder.secret
         self._active[recording_id] = recorder
         return recorder
 
@@ -201,18 +214,28 @@ class RecordingStore:
                 self._stored += path.stat().st_size
 
     def path(self, name: str) -> Path | None:
-        """The file a request names (``ID.mp4`` or ``ID.vtt`` of a recording here), or None."""
-        if not _NAME.fullmatch(name):
-            return None
+        """The file a request names (``ID-SECRET.mp4`` or ``.vtt`` of a recording here, with its secret), or None
+        for any other name: no such recording, a wrong secret or none (the caller answers each alike)."""
         self._scan()
-        if name.rsplit(".", 1)[0] not in self._known:
+        recording_id = self._linked(name)
+        if recording_id is None:
             return None
         target = self.directory / name
         return target if target.is_file() else None
 
     def in_progress(self, name: str) -> bool:
-        """Whether the recording a request names (``ID.mp4`` or ``ID.vtt``) is still being written."""
-        return name.rsplit(".", 1)[0] in self._active
+        """Whether the recording a request names (``ID-SECRET.mp4`` or ``.vtt``, with its secret) is still being
+        written; False for a name without the right secret."""
+        recording_id = self._linked(name)
+        return recording_id is not None and recording_id in self._active
+
+    def _linked(self, name: str) -> str | None:
+        """The id of the recording whose link ``name`` is (its secret compared in constant time), or None."""
+        link = _LINK.fullmatch(name)
+        if link is None:
+            return None
+        recording_id = link["id"]
+        return recording_id if secret_matches(self._known.get(recording_id), link["secret"]) else None
 
     def _active_bytes(self) -> int:
         return self._stored + sum(r.bytes_written for r in self._active.values())
@@ -225,13 +248,15 @@ class RecordingStore:
         except OSError:  # no directory yet (made at the first recording), or unreadable
             entries = []
         for path in entries:
-            if path.suffix in (".mp4", ".vtt") and _NAME.fullmatch(path.name) and path.stem not in self._active:
+            link = _LINK.fullmatch(path.name)
+            if _FILE.fullmatch(path.name) and not (link and link["id"] in self._active):
                 try:
                     size = path.stat().st_size if path.is_file() else None
                 except OSError:  # deleted meanwhile
                     size = None
                 if size is not None:
-                    self._known.add(path.stem)
+                    if link is not None:
+                        self._known.setdefault(link["id"], link["secret"])
                     stored += size
         self._stored = stored
 

@@ -7,7 +7,8 @@ WS_PATH, from an allowed origin, and the handshake goes on. The routes:
 - WS_PATH: the origin check of a browser's upgrade (403 from a page of another site; see access.origin_allowed);
 - /healthz: 200 once the engine has started, 503 before;
 - /metrics: the server's Prometheus metrics (streamsvc/metrics.py), refreshed at each request;
-- RECORDINGS_PATH + ID.mp4 / ID.vtt: a finished recording and its chapters, behind the access token when the
+- RECORDINGS_PATH + NAME.mp4 / NAME.vtt: a finished recording and its chapters, NAME its id and its own secret
+  (streamsvc/record.py: a missing or wrong secret is 404, as no recording is), behind the access token when the
   server has tokens; a Range request gets its part (seeking in a <video>);
 - anything else: the browser player's static files (404 when the server has none).
 
@@ -29,7 +30,7 @@ from streamsvc.metrics import Metrics
 from streamsvc.record import RecordingStore
 
 WS_PATH = "/ws"
-RECORDINGS_PATH = "/recordings/"  # GET /recordings/ID.mp4 (and ID.vtt, its chapters)
+RECORDINGS_PATH = "/recordings/"  # GET /recordings/ID-SECRET.mp4 (and .vtt, its chapters)
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class Routes:
         return static_file(self.static_dir, path)
 
     def _recording(self, request: HttpRequest, name: str) -> HttpReply:
-        """A recording (ID.mp4) or its chapters (ID.vtt), behind the access token when the server has tokens (as
+        """A recording (ID-SECRET.mp4) or its chapters (.vtt), behind the access token when the server has tokens (as
         `?token=` for a page's <video>, or an Authorization header); a Range request gets its part (seeking)."""
         if self.access.auth:
             given = (request.query.get("token") or [None])[0] or bearer_token(request.headers.get("Authorization"))
@@ -155,7 +156,8 @@ class Routes:
             return reply(http.HTTPStatus.CONFLICT, b"recording in progress: it can be fetched once its stream ends "
                          b"or its steerer stops recording\n", "text/plain")
         target = self.recordings.path(name)
-        if target is None:
+        if target is None:  # no such recording, or a missing or wrong secret: one answer, never which
+            self.metrics.refusals.labels(Refusal.SECRET.value).inc()
             return reply(http.HTTPStatus.NOT_FOUND, b"no such recording\n", "text/plain")
         ctype = "video/mp4" if target.suffix == ".mp4" else "text/vtt; charset=utf-8"
         size = target.stat().st_size

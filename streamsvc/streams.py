@@ -187,15 +187,16 @@ class Streams:
                 viewer.send(P.Error(code=P.ErrorCode.UNAVAILABLE, request="record", message=str(e)[: P.MAX_TEXT_CHARS]))
                 return
             self.engine.request_keyframe(session.stream_id)
-            log.info("stream %s: recording to %s", session.stream_id, session.recorder.path)
+            log.info("stream %s: recording %s", session.stream_id, session.recorder.recording_id)  # not its secret
         message = self.recording_message(session)
         for v in list(session.viewers.values()) if not quiet else [viewer]:
             v.send(message)
 
     @staticmethod
     def recording_message(session: Session) -> P.Recording:
-        rid = session.recorder.recording_id
-        return P.Recording(url=f"{RECORDINGS_PATH}{rid}.mp4", chapters=f"{RECORDINGS_PATH}{rid}.vtt")
+        """Where the stream's recording is: its links carry the recording's own secret (streamsvc/record.py)."""
+        name = session.recorder.name
+        return P.Recording(url=f"{RECORDINGS_PATH}{name}.mp4", chapters=f"{RECORDINGS_PATH}{name}.vtt")
 
     def _record_chunk(self, session: Session, out: ChunkOut) -> None:
         recorder = session.recorder

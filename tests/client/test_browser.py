@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -186,7 +187,8 @@ async def test_a_recording_of_a_steered_stream_plays_in_chromium_with_its_prompt
         await steerer.send({"type": "close"})
         await steerer.until(lambda: steerer.of(P.Closed), "closed")
         await steerer.close()
-        rid = steerer.of(P.Recording)[0].url.rsplit("/", 1)[1].removesuffix(".mp4")
+        rid = steerer.of(P.Recording)[0].url.rsplit("/", 1)[1].removesuffix(".mp4")  # ID-SECRET: the link
+        assert re.fullmatch(r"s\d+-\d{8}T\d{6}-[0-9a-f]{32}", rid), rid
         versions = sorted({h.prompt_version for h in steerer.headers})
         async with chromium(tmp_path) as browser:
             page = await browser.new_page()
@@ -202,6 +204,9 @@ async def test_a_recording_of_a_steered_stream_plays_in_chromium_with_its_prompt
                         frames: v.getVideoPlaybackQuality().totalVideoFrames, chapters: recording.chapters,
                         listed: [...document.querySelectorAll('#chapters li')].map((li) => li.textContent)};
             }""")
+            blind = await browser.new_page()  # the recording's id without its secret: nothing plays (404)
+            await blind.goto(f"{base}/recording.html#id={rid.rsplit('-', 1)[0]}", timeout=15_000)
+            await blind.wait_for_function("recording.error !== null", timeout=15_000)
         recorded_s = info["duration"]
         print(f"recording {rid}: {recorded_s:.2f} s in Chromium, {info['frames']} frames decoded, "
               f"{len(info['chapters'])} chapters: {[c['text'] for c in info['chapters']]}")

@@ -1,6 +1,8 @@
-"""Recording end to end: a steerer's `record`, prompt changes as chapters, the MP4 served over HTTP after the stream."""
+"""Recording end to end: a steerer's `record`, prompt changes as chapters, the MP4 served over HTTP after the stream,
+at a link that carries the recording's own secret."""
 
 import asyncio
+import re
 import urllib.error
 import urllib.request
 
@@ -40,6 +42,15 @@ async def test_a_steered_recording_has_a_chapter_per_prompt_and_is_served_after_
         base = f"http://127.0.0.1:{server.port}"
         status, _, text = await asyncio.to_thread(get, base + rec.url)  # unindexed until the stream ends
         assert status == 409 and b"in progress" in text
+        # the link is the recording's id and a secret of its own; without it, or with another, nothing tells that
+        # the recording exists, in progress or not
+        link = re.fullmatch(r"/recordings/(s\d+-\d{8}T\d{6})-([0-9a-f]{32})\.mp4", rec.url)
+        assert link and rec.chapters == rec.url.removesuffix(".mp4") + ".vtt", rec
+        rid, secret = link.groups()
+        wrong = ("/recordings/" + rid + ".mp4", "/recordings/" + rid + ".vtt", f"/recordings/{rid}-{'0' * 32}.mp4",
+                 f"/recordings/{rid}-{secret[::-1]}.mp4", f"/recordings/{rid}-{secret[:-1]}.mp4")
+        for path in wrong:
+            assert (await asyncio.to_thread(get, base + path))[:3:2] == (404, b"no such recording\n"), path
         await steerer.send({"type": "close"})
         await steerer.until(lambda: steerer.of(P.Closed), "closed")
         server._refresh_metrics()
@@ -62,6 +73,9 @@ async def test_a_steered_recording_has_a_chapter_per_prompt_and_is_served_after_
         status, headers, part = await asyncio.to_thread(get, base + rec.url, {"Range": "bytes=0-99"})
         assert status == 206 and part == body[:100] and headers["Content-Range"] == f"bytes 0-99/{len(body)}"
         assert (await asyncio.to_thread(get, base + "/recordings/..%2F..%2Fetc%2Fpasswd"))[0] == 404
+        for path in wrong:  # finished: still nothing without the secret
+            assert (await asyncio.to_thread(get, base + path))[:3:2] == (404, b"no such recording\n"), path
+        assert server.metrics.registry.get_sample_value("streamsvc_refusals_total", {"reason": "secret"}) >= 10
         await watcher.close()
         await steerer.close()
 
@@ -81,4 +95,7 @@ async def test_record_all_and_recordings_behind_the_token(tmp_path):
         assert status == 200 and len(body) > 1000
         status, _, _ = await asyncio.to_thread(get, url, {"Authorization": "Bearer tok-1"})
         assert status == 200
+        # the token is needed on top of the secret, and the secret on top of the token
+        no_secret = re.sub(r"-[0-9a-f]{32}\.mp4$", ".mp4", url)
+        assert no_secret != url and (await asyncio.to_thread(get, no_secret + "?token=tok-1"))[0] == 404
         await steerer.close()

@@ -44,7 +44,7 @@ PAGE = """<!doctype html><meta charset="utf-8"><title>recording</title>
 
 def steered_stream(store: RecordingStore) -> tuple[str, list[tuple[int, str]], int]:
     """Records a 30 s stream whose prompt changes every 2 s (at the next chunk, as the server's do); returns the
-    recording id, its chapters as (first frame, prompt) counted from the recording's start, and its frames."""
+    recording's name (ID-SECRET, as its link has it), its chapters as (first frame, prompt) counted from the recording's start, and its frames."""
     enc = StreamEncoder(W, H, FPS)  # IDRs every 2 s, counted from the last one: mid-chunk after the forced one
     rec = store.open("s7", FPS, W, H)
     y, x = np.mgrid[0:H, 0:W]
@@ -74,7 +74,7 @@ def steered_stream(store: RecordingStore) -> tuple[str, list[tuple[int, str]], i
         pts, index = pts + n, index + 1
     rec.close()
     enc.close()
-    return rec.recording_id, prompts, pts - recorded_from
+    return rec.name, prompts, pts - recorded_from  # its files' name, its link: the id and its secret
 
 
 class _Files(http.server.SimpleHTTPRequestHandler):
@@ -104,7 +104,7 @@ _Files.extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map, 
 
 
 async def test_a_30_s_steered_recording_plays_in_chromium_with_a_chapter_per_prompt(tmp_path):
-    store = RecordingStore(tmp_path / "recordings", 1 << 30)  # the layout of the service's /recordings/ID.mp4
+    store = RecordingStore(tmp_path / "recordings", 1 << 30)  # the layout of the service's /recordings/ID-SECRET.mp4
     rid, chapters, frames = steered_stream(store)
     assert frames == SECONDS * FPS and len(chapters) == SECONDS // 2
     (tmp_path / "index.html").write_text(PAGE.format(id=rid), encoding="utf-8")

@@ -220,3 +220,30 @@ def test_names_and_ids_are_checked_exactly(tmp_path):
         store.open("../s0", FPS, W, H)
     with pytest.raises(ValueError, match="budget > 0"):
         RecordingStore(tmp_path, 0)
+
+
+def test_a_recordings_link_carries_a_secret_of_its_own_and_is_found_only_with_it(tmp_path):
+    store = RecordingStore(tmp_path, 1 << 30)
+    rec, other = store.open("s0", FPS, W, H), store.open("s0", FPS, W, H)
+    for r in (rec, other):
+        r.add(*chunks(1)[0], "p")
+    # ID-SECRET: the stream id and a UTC time, then 128 random bits in hex, different for every recording
+    assert re.fullmatch(r"s0-\d{8}T\d{6}-[0-9a-f]{32}", rec.name) and rec.name == f"{rec.recording_id}-{rec.secret}"
+    assert len(rec.secret) * 4 >= 128 and rec.secret != other.secret and rec.path.name == rec.name + ".mp4"
+    assert store.in_progress(rec.name + ".mp4") and store.in_progress(rec.name + ".vtt")
+    rid = rec.recording_id
+    wrong = [rid + ".mp4", f"{rid}-{other.secret}.mp4", f"{rid}-{'0' * 32}.mp4", f"{rid}-{rec.secret.upper()}.mp4",
+             f"{rid}-{rec.secret[:-1]}.mp4", f"{rid}-{rec.secret}0.mp4", f"{rid}-{rec.secret}.vtt.mp4"]
+    for name in wrong:  # not even "in progress": nothing tells that the recording exists
+        assert not store.in_progress(name) and store.path(name) is None, name
+    rec.close()
+    other.close()
+    assert store.path(rec.name + ".mp4") == rec.path and store.path(rec.name + ".vtt") == rec.chapters_path
+    for name in wrong:
+        assert store.path(name) is None, name
+    # a file of an earlier version's naming (ID.mp4, no secret) counts against the budget and is never served
+    legacy = tmp_path / "s9-20250101T000000.mp4"
+    legacy.write_bytes(b"x" * 1000)
+    again = RecordingStore(tmp_path, 1 << 30)  # the next run finds the recordings by their links, from their names
+    assert again.path(legacy.name) is None and again.used_bytes == store.used_bytes >= 1000 + rec.path.stat().st_size
+    assert again.path(rec.name + ".mp4") == rec.path and again.path(f"{rec.recording_id}-{other.secret}.mp4") is None
