@@ -220,6 +220,8 @@ class UMT5TextEncoder:
     prompts are kept in an LRU of `cache_size` entries, each only its own tokens' rows.
     """
 
+    vocabulary: tuple[str, ...] | None = None  # open: its tokenizer spells any word out of subword pieces
+
     def __init__(self, model: nn.Module, tokenizer, text_len: int = TEXT_LEN, cache_size: int = 64) -> None:
         if text_len < 1 or cache_size < 0:
             raise ValueError(f"text_len must be >= 1 and cache_size >= 0, got text_len={text_len}, cache_size={cache_size}")
@@ -250,6 +252,10 @@ class UMT5TextEncoder:
     @property
     def device(self) -> torch.device:
         return self.model.shared.weight.device
+
+    def unknown_words(self, prompt: str) -> list[str]:
+        """Always []: umT5 reads any text (its 256k subword pieces are no list of words to show a viewer)."""
+        return []
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """ids, mask: [B, L] with L <= text_len the longest prompt's tokens (EOS included); cleaned first."""

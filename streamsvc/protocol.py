@@ -23,14 +23,14 @@ Client -> server::
 
 Server -> client::
 
-    {"type": "ready", "stream_id": "...", "fps": 16, "width": 832, "height": 480,
-     "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0, "steps": 4,
+    {"type": "ready", "stream_id": "...", "fps": 16, "width": 832, "height": 480, "vocabulary": ["a", ...],
+     "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0, "steps": 4, "unknown_words": ["fox"],
      "role": "steer", "viewer_id": "v0"}
     {"type": "audience", "role": "watch", "watchers": 23, "steered": true}
     {"type": "recording", "url": "/recordings/s3-20250102T030405-SECRET.mp4", "chapters": "...vtt"}
     {"type": "chunk", "index": 3, "pts": 33, "frames": 12, "prompt_version": 1, "steps": 4,
      "keyframe": false, "sizes": [2311, 187, ...]}
-    {"type": "ack", "request": "set_prompt", "prompt_version": 1}
+    {"type": "ack", "request": "set_prompt", "prompt_version": 1, "unknown_words": []}
     {"type": "error", "code": "invalid_field", "message": "...", "request": "set_prompt"}
     {"type": "closed", "reason": "..."}
     {"type": "answer", "sdp": "v=0..."}
@@ -128,6 +128,8 @@ MAX_STAT = 1e9
 """Upper bound of every number in a ``stats`` message (seconds or counts)."""
 MAX_TOKEN_CHARS = 256
 """Longest access token; tokens are printable ASCII without spaces."""
+MAX_WORD_CHARS, MAX_VOCABULARY, MAX_UNKNOWN_WORDS = 32, 256, 64
+"""Longest word, most words of a model's vocabulary and of a prompt's unknown ones (all: a ready that still fits)."""
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
 """Largest binary chunk message; give it to the WebSocket client as ``max_size``."""
 
@@ -217,6 +219,8 @@ ClientType = Literal["start", "watch", "set_prompt", "handover", "take", "record
 StreamId = Annotated[str, Field(min_length=1, max_length=MAX_STREAM_ID_CHARS, pattern=r"^[A-Za-z0-9_.-]+$",
                                 description=f"1 to {MAX_STREAM_ID_CHARS} letters, digits, '_', '.' or '-'")]
 ViewerId = StreamId
+Word = Annotated[str, Field(min_length=1, max_length=MAX_WORD_CHARS)]
+UnknownWords = Annotated[list[Word], Field(max_length=MAX_UNKNOWN_WORDS)]
 
 
 # Client -> server.
@@ -329,6 +333,8 @@ class Ready(_Message):
     steps: Steps  # denoising steps of a chunk at full quality (a chunk with fewer was degraded)
     role: Literal["steer", "watch"] = "steer"  # this viewer steers the stream, or watches it
     viewer_id: ViewerId | None = None  # this viewer's id on the stream (the ``to`` of a handover)
+    vocabulary: Annotated[list[Word], Field(max_length=MAX_VOCABULARY)] | None = None  # the model's words; None: any
+    unknown_words: UnknownWords = []  # words of the stream's prompt outside ``vocabulary`` (drawn as noise), each once
 
 
 class Audience(_Message):
@@ -365,27 +371,16 @@ class Chunk(_Message):
     @model_validator(mode="after")
     def _one_size_per_frame(self) -> Chunk:
         if len(self.sizes) != self.frames:
-            raise ValueError(
-                f"sizes has {len(self.sizes)} entries but frames is {self.frames}; give one size per frame"
-            )
+            raise ValueError(f"sizes has {len(self.sizes)} entries but frames is {self.frames}; "
+                             "give one size per frame")
         return self
 
     @classmethod
-    def describe(
-        cls, access_units: list[bytes], *, index: int, pts: int, prompt_version: int, steps: int, keyframe: bool,
-        fast: bool = False,
-    ) -> Chunk:
+    def describe(cls, access_units: list[bytes], *, index: int, pts: int, prompt_version: int, steps: int,
+                 keyframe: bool, fast: bool = False) -> Chunk:
         """The header of a chunk made of ``access_units`` (sizes and frame count filled in)."""
-        return cls(
-            index=index,
-            pts=pts,
-            frames=len(access_units),
-            prompt_version=prompt_version,
-            steps=steps,
-            keyframe=keyframe,
-            encode="fast" if fast else "normal",
-            sizes=[len(au) for au in access_units],
-        )
+        return cls(index=index, pts=pts, frames=len(access_units), prompt_version=prompt_version, steps=steps,
+                   keyframe=keyframe, encode="fast" if fast else "normal", sizes=[len(au) for au in access_units])
 
 
 class Ack(_Message):
@@ -394,6 +389,7 @@ class Ack(_Message):
     type: Literal["ack"] = "ack"
     request: ClientType
     prompt_version: Version | None = None
+    unknown_words: UnknownWords = []  # set_prompt: those of the prompt its version runs (not in ready's vocabulary)
 
 
 class Error(_Message):

@@ -48,7 +48,7 @@ from streamsvc.record import RecordingStore
 from streamsvc.routes import RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequest, Routes, check_origin, reply, static_file
 from streamsvc.session import Role, Session, Viewer
 from streamsvc.rtc import WebRtcConfig, server_ice_addresses
-from streamsvc.streams import Streams
+from streamsvc.streams import Streams, unknown_words, vocabulary
 from streamsvc.transport.webrtc import WebRtcTransport
 
 # Metrics and the paths live in streamsvc/metrics.py and streamsvc/routes.py; importable from here as before
@@ -363,7 +363,8 @@ class Server:
             stream_id=viewer.stream_id, fps=viewer.fps, width=gen.model_cfg.width, height=gen.model_cfg.height,
             first_chunk_frames=gen.frames_in_chunk(0), chunk_frames=gen.frames_in_chunk(1),
             prompt_version=viewer.session.prompt_version, steps=len(gen.sigmas), role=viewer.role.value,
-            viewer_id=viewer.viewer_id,
+            viewer_id=viewer.viewer_id, vocabulary=vocabulary(self.engine),
+            unknown_words=unknown_words(self.engine, viewer.session.prompt),
         )
 
     def _connect(self, viewer: Viewer, transport: str | None) -> None:

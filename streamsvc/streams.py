@@ -249,7 +249,7 @@ class Streams:
             return failed("set_prompt", e)
         session.prompt, session.prompt_version = prompt, version
         session.prompt_texts[version] = prompt
-        return P.Ack(request="set_prompt", prompt_version=version)
+        return P.Ack(request="set_prompt", prompt_version=version, unknown_words=unknown_words(self.engine, prompt))
 
     def _spawn(self, coro: Coroutine) -> None:
         task = asyncio.ensure_future(coro)
@@ -305,6 +305,17 @@ class Streams:
 
 
 _STEER_TYPES = (P.SetPrompt, P.Pause, P.Resume, P.Record, P.Handover)  # what only a stream's steerer may send
+
+
+def unknown_words(engine: Engine, prompt: str) -> list[str]:
+    """The words of `prompt` outside the model's vocabulary (drawn as noise), as many as the wire carries."""
+    return [w[: P.MAX_WORD_CHARS] for w in engine.gen.text_encoder.unknown_words(prompt)[: P.MAX_UNKNOWN_WORDS]]
+
+
+def vocabulary(engine: Engine) -> list[str] | None:
+    """The words the model was trained with, as many as the wire carries; None for an open vocabulary."""
+    words = engine.gen.text_encoder.vocabulary
+    return None if words is None else [w for w in words if len(w) <= P.MAX_WORD_CHARS][: P.MAX_VOCABULARY]
 
 
 def failed(request: str, e: Exception) -> P.Error:

@@ -98,6 +98,29 @@ async def test_a_prompt_change_shows_in_the_ack_and_the_chunk_headers(server):
     assert r.playback.prompts_pending == 0
 
 
+async def test_ready_and_the_prompt_ack_name_the_words_the_built_in_model_does_not_know():
+    """The built-in model knows only its caption words and draws noise for others: ready carries its vocabulary and
+    the start prompt's unknown words, a set_prompt's ack those of the new prompt (issue 33)."""
+    from models.scenes import vocabulary
+
+    async with running(engine_config(weights="builtin")) as server:
+        async with viewer(server, "a red fox running through snow, in watercolour") as c:
+            assert c.ready.vocabulary == vocabulary()
+            assert c.ready.unknown_words == ["fox", "running", "through", "snow", "watercolour"]
+            for prompt in ("a blue ball moving left", "a green Koala"):
+                await c.set_prompt(prompt)
+            assert await c.wait_until(lambda: len(c.acks) == 2, T)
+            assert [(a.prompt_version, a.unknown_words) for a in c.acks] == [(1, []), (2, ["koala"])]
+
+
+async def test_a_model_that_reads_any_text_sends_no_vocabulary_and_no_unknown_words(server):
+    async with viewer(server, "a red fox running through snow") as c:  # random weights: the hashing encoder
+        assert c.ready.vocabulary is None and c.ready.unknown_words == []
+        await c.set_prompt("a lighthouse in a storm")
+        assert await c.wait_until(lambda: len(c.acks) == 1, T)
+        assert c.acks[0].unknown_words == []
+
+
 async def test_protocol_errors_get_error_messages_and_the_stream_goes_on(server):
     async with viewer(server) as c:
         assert await c.wait_until(lambda: c.chunks >= 1, T)

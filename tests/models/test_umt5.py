@@ -142,6 +142,7 @@ def test_both_layouts_load_and_agree(dirs, tiny_model):
     a = UMT5TextEncoder.from_wan_dir(wan_dir, "cpu", torch.float32, text_len=TEXT_LEN)
     b = UMT5TextEncoder.from_wan_dir(diffusers_dir, "cpu", torch.float32, text_len=TEXT_LEN)
     assert (a.text_dim, a.text_len) == (TINY["d_model"], TEXT_LEN)
+    assert a.vocabulary is None and a.unknown_words("a red fox running through snow") == []  # open vocabulary
     ea, eb = a.encode(PROMPTS), b.encode(PROMPTS)
     assert ea.shape == (3, TEXT_LEN, TINY["d_model"]) and ea.dtype == torch.float32
     assert ea.abs().sum() > 0

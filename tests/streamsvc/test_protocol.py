@@ -16,6 +16,7 @@ counts = st.integers(0, int(p.MAX_STAT))
 seconds = st.floats(0.0, p.MAX_STAT, allow_nan=False)
 versions = st.integers(0, 2**40)
 fps = st.integers(p.FPS_MIN, p.FPS_MAX)
+words = st.text(min_size=1, max_size=p.MAX_WORD_CHARS)
 
 client_messages = st.one_of(
     st.builds(
@@ -69,10 +70,13 @@ server_messages = st.one_of(
         chunk_frames=st.integers(1, p.MAX_CHUNK_FRAMES),
         prompt_version=versions,
         steps=st.integers(1, p.MAX_STEPS),
+        vocabulary=st.none() | st.lists(words, max_size=20),
+        unknown_words=st.lists(words, max_size=5),
     ),
     chunks().map(lambda hu: hu[0]),
     st.builds(
-        p.Ack, request=st.sampled_from(["set_prompt", "pause", "resume", "close"]), prompt_version=st.none() | versions
+        p.Ack, request=st.sampled_from(["set_prompt", "pause", "resume", "close"]), prompt_version=st.none() | versions,
+        unknown_words=st.lists(words, max_size=5),
     ),
     st.builds(p.Error, code=st.sampled_from(list(ErrorCode)), message=st.text(max_size=100)),
     st.builds(p.Closed, reason=st.text(max_size=100)),
@@ -217,6 +221,32 @@ def test_missing_and_unknown_fields():
     err = error_of('{"type": "start", "promt": "a cat"}')
     assert err.code is ErrorCode.INVALID_FIELD
     assert "missing field 'prompt'" in err.message and "unknown field 'promt'" in err.message
+
+
+def ready(**kw) -> p.Ready:
+    return p.Ready(stream_id="s0", fps=16, width=128, height=128, first_chunk_frames=9, chunk_frames=12,
+                   prompt_version=0, steps=4, **kw)
+
+
+def test_ready_and_ack_carry_the_vocabulary_and_the_unknown_words_within_bounds():
+    """What the model understands travels in ready (its vocabulary, the start prompt's unknown words) and in a
+    set_prompt's ack (the new prompt's); none of it unbounded (issue 33)."""
+    r = p.parse_server(p.encode(ready(vocabulary=["a", "ball", "red"], unknown_words=["fox"])))
+    assert (r.vocabulary, r.unknown_words) == (["a", "ball", "red"], ["fox"])
+    assert (ready().vocabulary, ready().unknown_words) == (None, [])  # an open vocabulary (umT5): nothing unknown
+    ack = p.parse_server('{"type": "ack", "request": "set_prompt", "prompt_version": 2, "unknown_words": ["snow"]}')
+    assert ack.unknown_words == ["snow"] and p.Ack(request="pause").unknown_words == []
+    biggest = ready(vocabulary=["\U0001F98A" * p.MAX_WORD_CHARS] * p.MAX_VOCABULARY,
+                    unknown_words=["\U0001F98A" * p.MAX_WORD_CHARS] * p.MAX_UNKNOWN_WORDS)
+    assert len(p.encode(biggest).encode()) < p.MAX_MESSAGE_BYTES  # the largest ready still parses
+    assert p.parse_server(p.encode(biggest)) == biggest
+    for field, value in [("vocabulary", ["w"] * (p.MAX_VOCABULARY + 1)), ("unknown_words", ["w"] * 65),
+                         ("unknown_words", ["x" * (p.MAX_WORD_CHARS + 1)]), ("unknown_words", [""])]:
+        text = p.encode(ready()).replace(f'"{field}":' + ("null" if field == "vocabulary" else "[]"),
+                                         f'"{field}":' + json.dumps(value))
+        with pytest.raises(ProtocolError) as err:
+            p.parse_server(text)
+        assert err.value.code is ErrorCode.INVALID_FIELD and f"'{field}" in err.value.message, err.value.message
 
 
 def test_nan_is_refused():
