@@ -27,6 +27,9 @@ CONTROL_CHANNEL = "control"
 H264_PROFILE_LEVEL_ID = "42e01f"
 """Constrained baseline, level 3.1: what the stream encoder makes (128x128 up to 832x480 at 30 fps fit 3.1)."""
 H264_PACKETIZATION_MODE = "1"
+MAX_REMOTE_CANDIDATES = 16
+"""Remote ICE candidates the server keeps of an offer by default (``streamsvc serve --max-remote-candidates``):
+a browser names 2 to 8 (host or mDNS, server-reflexive, relay; IPv4 and IPv6)."""
 
 
 class SignalingError(ValueError):
@@ -74,8 +77,12 @@ class WebRtcConfig:
     # (past the frame on the wire) is not counted as a stall (browsers hold 50-200 ms; a W3C freeze is a gap of
     # 150 ms over the frame interval). The scheduler still plans on the queue alone.
     viewer_jitter_s: float = 0.1
+    # distinct ICE candidates of an offer kept (the rest, and every one aioice must never probe, are dropped)
+    max_remote_candidates: int = MAX_REMOTE_CANDIDATES
 
     def __post_init__(self) -> None:
+        if self.max_remote_candidates < 1:
+            raise ValueError(f"max_remote_candidates={self.max_remote_candidates}: give at least 1")
         if self.ice_addresses is not None:
             if not self.ice_addresses:
                 raise ValueError("ice_addresses is empty: give at least one IP (e.g. 127.0.0.1) or None for every interface")

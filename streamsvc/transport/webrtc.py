@@ -42,6 +42,16 @@ short dry spells ended streams (``overloaded``) whose viewers never stalled.
 A picture loss (RTCP PLI or FIR) from the viewer becomes
 ``engine.request_keyframe(stream_id)``: the next chunk starts with an IDR.
 
+Input from the viewer is bounded (issue 33): its offer is checked before aiortc sees it
+(``streamsvc.transport.sdp``: size, lines, m-lines, codecs; ICE candidates aioice must never probe dropped,
+at most ``WebRtcConfig.max_remote_candidates`` kept), so a bad one leaves no peer connection behind; m-lines
+other than the stream's video and the data channel are answered inactive (rejected, port 0, unless one holds
+the offer's BUNDLE tag), so no receiver decodes what the viewer sends; the data channel's SCTP reassembly is
+bounded (``streamsvc.transport.datachannel``), and so is the inbox of whole messages. Each bad message counts
+as a protocol error (``ProtocolErrors``; a refused oversized message too): the ``limit``-th within its
+window closes the peer connection and the viewer. The log lines bad input causes are at most one per peer
+every 10 s, with a count of those held back.
+
 ICE: no STUN/TURN unless configured (``RTCConfiguration(iceServers=[])``; with
 ``None`` aiortc would ask a public STUN server). aioice gathers host
 candidates on every interface except 127.0.0.1; ``WebRtcConfig.ice_addresses``
@@ -53,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import time
 from collections import deque
@@ -67,7 +78,9 @@ from aiortc import (
 from aiortc.mediastreams import MediaStreamError
 
 from streamsvc import protocol as P
+from streamsvc.access import LogGate, ProtocolErrors
 from streamsvc.rtc import (
+    ANY_INTERFACE,
     CONTROL_CHANNEL,
     H264_PACKETIZATION_MODE,
     H264_PROFILE_LEVEL_ID,
@@ -78,12 +91,18 @@ from streamsvc.rtc import (
     rtc_configuration,
 )
 from streamsvc.session import SessionState
+from streamsvc.transport.datachannel import DataChannelLimits, ReassemblyGuard
+from streamsvc.transport.sdp import CheckedOffer, check_offer, reject_media
 
 log = logging.getLogger("streamsvc.webrtc")
 
 KEYFRAME_REQUEST_MIN_INTERVAL_S = 0.25
 """PLIs closer together than this ask the encoder for one keyframe (a decoder repeats its PLI until one comes)."""
 _POLL_S = 0.25  # longest single wait in a bounded loop
+BAD_INPUT_LOG_PERIOD_S = 10.0
+"""A peer's bad input (protocol errors, refused messages) is logged at most once in this long, with a count."""
+DEFAULT_MAX_PROTOCOL_ERRORS = 10
+"""Protocol errors within ``ProtocolErrors``' window that close a peer, when the server gives no counter."""
 
 
 # ---------------------------------------------------------------- the track
@@ -204,9 +223,12 @@ class WebRtcTransport:
     ``packets`` and ``header``), ``send_control(msg)`` for each server
     message. It calls back: ``on_control(msg)`` (awaited, in order) for each
     viewer message from the data channel, ``on_lost(reason)`` once when the
-    connection fails or never comes up. ``engine`` is the stream's engine
-    (``observe_buffer``, ``request_keyframe``); ``session`` its session (its
-    ``stream_id``, ``fps``, ``state`` and ``outbox``).
+    connection fails or never comes up, or the viewer's protocol errors
+    reach ``protocol_errors``' limit (the peer connection then closes).
+    ``engine`` is the stream's engine (``observe_buffer``,
+    ``request_keyframe``); ``session`` its session (its ``stream_id``,
+    ``fps``, ``state`` and ``outbox``). ``protocol_errors`` may be the
+    viewer's WebSocket's own counter, so that both channels add up.
     """
 
     def __init__(
@@ -218,6 +240,8 @@ class WebRtcTransport:
         on_control: Callable[[object], Awaitable[None]],
         on_lost: Callable[[str], Awaitable[None]],
         on_stall: Callable[[], None] = lambda: None,
+        protocol_errors: ProtocolErrors | None = None,
+        limits: DataChannelLimits = DataChannelLimits(),
     ) -> None:
         """`on_stall()` each time the track finds no frame at a frame's due time (the server made the viewer stall)."""
         self.session = session
@@ -228,9 +252,16 @@ class WebRtcTransport:
         self.pc: RTCPeerConnection | None = None
         self.channel = None  # the viewer's `control` data channel, once it opened
         self._channel_open = asyncio.Event()
-        self._inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()
+        self.limits = limits
+        self._inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue(maxsize=limits.inbox)
+        self.inbox_dropped = 0  # messages dropped because the inbox was full
+        self.errors = protocol_errors or ProtocolErrors(DEFAULT_MAX_PROTOCOL_ERRORS)
+        self.guard = ReassemblyGuard(limits, on_refused=self._protocol_error)
+        self._log_gate = LogGate(BAD_INPUT_LOG_PERIOD_S)
+        self.candidates_dropped = 0  # of the offer: never to be probed, or over the cap
         self._tasks: list[asyncio.Task] = []  # connect watchdog and channel reader, cancelled by close()
         self._lost_task: asyncio.Task | None = None  # on_lost(reason), left to finish: it ends the session
+        self._closing_task: asyncio.Task | None = None  # close() started by too many protocol errors
         self._closed = False
         self._last_keyframe_request = float("-inf")
         self.keyframe_requests = 0
@@ -249,14 +280,23 @@ class WebRtcTransport:
     # -- signaling ---------------------------------------------------------------------------
 
     async def answer(self, offer_sdp: str) -> str:
-        """The SDP answer to the viewer's offer, with every local candidate. Raises ``SignalingError``."""
+        """The SDP answer to the viewer's offer, with every local candidate. Raises ``SignalingError``: then no
+        peer connection is left (the viewer may send a corrected offer)."""
         if self._closed:
             raise SignalingError(f"stream {self.stream_id} is closed")
         if self.pc is not None:
             raise SignalingError("this stream already has a peer connection; renegotiation is not supported")
+        offer = check_offer(offer_sdp, max_candidates=self.config.max_remote_candidates,
+                            allow_loopback=_gathers_on_loopback(self.config.ice_addresses))
+        if offer.dropped:
+            self.candidates_dropped += sum(offer.dropped.values())
+            # not always bad input (a browser hides its host addresses behind mDNS names): info, gated all the same
+            dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(offer.dropped.items()))
+            self._log_gated("candidates", logging.INFO,
+                            f"the offer's ICE candidates dropped (never probed): {dropped}; {offer.candidates} kept")
         pc = self.pc = RTCPeerConnection(rtc_configuration(self.config.ice_servers))
         try:
-            sdp = await self._answer(pc, offer_sdp)
+            sdp = await self._answer(pc, offer)
         except BaseException:
             self.pc = None  # the viewer may send a corrected offer
             with contextlib.suppress(Exception):
@@ -266,7 +306,7 @@ class WebRtcTransport:
         self._tasks.append(asyncio.create_task(self._run_inbox(), name=f"rtc-control-{self.stream_id}"))
         return sdp
 
-    async def _answer(self, pc: RTCPeerConnection, offer_sdp: str) -> str:
+    async def _answer(self, pc: RTCPeerConnection, offer: CheckedOffer) -> str:
         pc.on("datachannel", self._on_datachannel)
         pc.on("connectionstatechange", lambda: self._on_connection_state(pc))
         transceiver = pc.addTransceiver(self.track, direction="sendonly")
@@ -275,7 +315,7 @@ class WebRtcTransport:
         # itself; our packets come from the stream's encoder, so the request goes there.
         transceiver.sender._send_keyframe = self._keyframe_requested
         try:
-            await pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=offer.sdp, type="offer"))
         except Exception as e:  # noqa: BLE001 - aiortc raises several types for a bad offer; the viewer gets the text
             if "video" in str(e):
                 raise SignalingError(
@@ -285,12 +325,31 @@ class WebRtcTransport:
             raise SignalingError(f"the offer could not be applied: {type(e).__name__}: {e}") from None
         if transceiver.mid is None:
             raise SignalingError("the offer has no video m-line: add a recvonly video transceiver before createOffer()")
+        if pc.sctp is not None:
+            self.guard.install(pc.sctp)
+        # Every other m-line (a microphone, a camera: input the server does not take yet) is answered inactive, so
+        # no receiver decodes what the viewer sends; the answer rejects it (port 0) unless it holds the offer's
+        # BUNDLE tag, whose transport the others share (rejecting that one would reject the whole group).
+        others = {t.mid for t in pc.getTransceivers() if t is not transceiver and t.mid is not None}
+        for other in pc.getTransceivers():
+            if other is not transceiver:
+                other.direction = "inactive"
+        tag = offer.bundle[0] if offer.bundle else None
         try:
-            return await complete_local_description(
+            sdp = await complete_local_description(
                 pc, await pc.createAnswer(), self.config.ice_addresses, self.config.gather_timeout_s
             )
         except TimeoutError:
             raise SignalingError(f"ICE gathering took longer than {self.config.gather_timeout_s:g} s") from None
+        sdp = reject_media(sdp, others - {tag})
+        try:  # it fits, within check_offer's limits; never send what we would refuse
+            size = len(P.encode(P.Answer(sdp=sdp)).encode())
+        except ValueError:  # pydantic's ValidationError: the SDP alone is over the limit
+            size = len(sdp)
+        if size > P.MAX_MESSAGE_BYTES:
+            raise SignalingError(f"the answer to this offer would be a {size}-byte message, over the protocol's "
+                                 f"{P.MAX_MESSAGE_BYTES}: offer fewer m-lines")
+        return sdp
 
     # -- from the server ----------------------------------------------------------------------
 
@@ -322,7 +381,11 @@ class WebRtcTransport:
         t = self.track
         log.info("stream %s: track sent %d frames, %d stalls (%.3f s), %d keyframe requests",
                  self.stream_id, t.frames_sent, t.stalls, t.stall_s, self.keyframe_requests)
-        self._inbox.put_nowait(None)
+        if self.errors.count:
+            log.info("stream %s: the viewer's peer made %d protocol errors (%d messages refused, %d dropped from a "
+                     "full inbox)", self.stream_id, self.errors.count, self.guard.refused, self.inbox_dropped)
+        with contextlib.suppress(asyncio.QueueFull):  # full: the reader is cancelled below
+            self._inbox.put_nowait(None)
         if self.pc is not None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(5.0):
@@ -357,7 +420,8 @@ class WebRtcTransport:
             return
         self._last_keyframe_request = now
         self.keyframe_requests += 1
-        log.info("stream %s: the viewer lost a picture (PLI/FIR); next chunk starts with an IDR", self.stream_id)
+        # the viewer decides how often: a line per period at most
+        self._log_gated("keyframe", logging.INFO, "the viewer lost a picture (PLI/FIR); next chunk starts with an IDR")
         self.engine.request_keyframe(self.stream_id)
 
     async def _wait_for_channel(self) -> None:
@@ -371,12 +435,49 @@ class WebRtcTransport:
 
     def _on_datachannel(self, channel) -> None:
         if channel.label != CONTROL_CHANNEL or self.channel is not None:
-            log.info("stream %s: ignoring data channel %r (only one named %r is used)",
-                     self.stream_id, channel.label, CONTROL_CHANNEL)
+            self._log_bad_input(f"ignoring data channel {channel.label[:64]!r} (only one named {CONTROL_CHANNEL!r} "
+                                "is used)")
             return
         self.channel = channel
-        channel.on("message", self._inbox.put_nowait)
+        channel.on("message", self._received)
         self._channel_open.set()
+
+    def _received(self, raw: str | bytes) -> None:
+        """A whole message on the control channel: into the inbox, or dropped (a protocol error) when it is full."""
+        if self._closed:
+            return
+        if len(raw) > self.limits.max_message_bytes:  # the guard refuses these below aiortc, if it is installed
+            self._protocol_error(f"a data channel message of {len(raw)} bytes, over {self.limits.max_message_bytes}")
+            return
+        try:
+            self._inbox.put_nowait(raw)
+        except asyncio.QueueFull:
+            self.inbox_dropped += 1
+            self._protocol_error(f"a data channel message dropped: {self.limits.inbox} wait already (send fewer)")
+
+    def _protocol_error(self, what: str) -> None:
+        """Count a bad message from the viewer's peer; the limit-th within the window closes the peer connection."""
+        if self._closed or self._closing_task is not None:
+            return
+        self._log_bad_input(what)
+        if self.errors.add(time.monotonic()):
+            self._report_lost(f"{self.errors.limit} protocol errors within {self.errors.window_s:g} s on the WebRTC "
+                              f"connection (the last: {what})")
+            self._spawn_close()
+
+    def _log_bad_input(self, what: str) -> None:
+        self._log_gated("bad input", logging.WARNING, what)
+
+    def _log_gated(self, key: str, level: int, what: str) -> None:
+        """A line the viewer's input causes: at most one of each `key` every BAD_INPUT_LOG_PERIOD_S, with a count."""
+        held_back = self._log_gate.allow(key, time.monotonic())
+        if held_back is not None:
+            log.log(level, "stream %s: %s%s", self.stream_id, what, _held_back(held_back))
+
+    def _spawn_close(self) -> None:
+        """Close the peer connection now, from a callback (the viewer's end follows through `on_lost`)."""
+        task = asyncio.get_running_loop().create_task(self.close(), name=f"rtc-close-{self.stream_id}")
+        self._closing_task = task  # referenced until done
 
     def _on_connection_state(self, pc: RTCPeerConnection) -> None:
         if pc is not self.pc:  # a connection given up on during signaling
@@ -413,9 +514,20 @@ class WebRtcTransport:
                 msg = P.parse_client(raw)
             except P.ProtocolError as e:
                 self.send_control(e.to_message())
+                self._protocol_error(f"a bad message on the data channel ({e.code.value}: {e.message[:200]})")
                 continue
             if isinstance(msg, (P.Start, P.Offer)):
                 self.send_control(P.Error(code=P.ErrorCode.INVALID_FIELD,
                                           message=f"send '{msg.type}' on the WebSocket, not on the data channel"))
+                self._protocol_error(f"'{msg.type}' on the data channel")
                 continue
             await self._on_control(msg)
+
+
+def _held_back(count: int) -> str:
+    return f" ({count} more such lines held back in the last {BAD_INPUT_LOG_PERIOD_S:g} s)" if count else ""
+
+
+def _gathers_on_loopback(addresses: Sequence[str] | None) -> bool:
+    """Whether the server's own host candidates include a loopback address (then a viewer's may be on loopback)."""
+    return any(a != ANY_INTERFACE and ipaddress.ip_address(a).is_loopback for a in addresses or ())
