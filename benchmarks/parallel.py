@@ -2,7 +2,8 @@
 
 One rank's share of a k-way Ulysses forward is timed on ONE device, for k = 1, 2, 4, 8 (those dividing the
 heads), built from the model's own modules at the preset's sizes (`--blocks` blocks with random weights, run
-in a row and scaled to the layer count; one CUDA graph per part on CUDA, as the generator replays forwards):
+in a row and scaled to the layer count; on CUDA one CUDA graph per part, as the generator replays forwards, with
+the elementwise helpers and FP8 quantizers compiled, as `streamsvc serve` runs them there):
 - per-token work on the rank's N/k tokens with all heads: the q/k/v projections, the qk RMSNorm and the new
   tokens' RoPE (over all heads, so before the all-to-all), the send/receive layout copies of the two
   all-to-alls, the o projection, the cross-attention (text K/V replicated: no collective), the FFN and the
@@ -483,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
                         "tiny: 1 ms)")
     p.add_argument("--approx-options", default=None,
                    help="the approximate tier's speed options (default: --fidelity approximate's on the device)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the DiT's elementwise helpers and FP8 quantizers before any capture (default: "
+                        "on with CUDA, off on CPU, as `streamsvc serve`)")
     p.add_argument("--no-validate", action="store_true", help="skip the real full forward (k = 1 check)")
     p.add_argument("--commit", default=None, help="the commit to report (default: git's HEAD, if readable)")
     args = p.parse_args(argv)
@@ -507,6 +511,11 @@ def main(argv: list[str] | None = None) -> int:
                if mc.num_heads % k or tokens % k}
     ks = [k for k in ks if k not in skipped]
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    compiled = args.compile if args.compile is not None else device.type == "cuda"
+    if compiled:  # before any graph is captured: graphs keep the kernels they were captured with
+        from models.dit import compile_helpers
+
+        compile_helpers()
     commit = args.commit or git_commit()
     decoder = args.decoder or ("tiny" if args.preset == "tiny" else "wan-vae")
     log(f"{args.preset} on {dev_name} ({dtype}), {tokens} tokens a chunk against {cached} cached frames "
@@ -595,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     # -- tables ------------------------------------------------------------------------------------------------
     log("")
     log(f"One rank's share of a k-way forward, ms ({dev_name}; {blocks} blocks timed, x {mc.num_layers / blocks:g} "
-        f"to {mc.num_layers} layers; CUDA graphs: {device.type == 'cuda'}):")
+        f"to {mc.num_layers} layers; CUDA graphs: {device.type == 'cuda'}; compiled helpers: {compiled}):")
     log(f"{'k':>2} {'tok/rank':>8} {'heads':>5} {'linears':>8} {'attn':>8} {'outer':>6} {'forward':>8} {'vs k=1':>6} "
         f"{'rotate':>7} {'write':>6} {'fp8 fwd':>8}")
     base = rows[0]["shard_ms"]["bf16"]["forward"] if rows and rows[0]["k"] == 1 else None
@@ -656,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         "blocks_timed": blocks,
         "attention": "fa4" if flash.status(device) is None else "sdpa",
         "cuda_graphs": device.type == "cuda",
+        "compile": compiled,
         "ks": ks,
         "skipped": {str(k): v for k, v in skipped.items()},
         "bus_gbps": args.bus_gbps,
