@@ -14,10 +14,15 @@ when their steerer does. Each is measured like any viewer (its TTFF counts from
 its own connect, its join); the report gives them in a ``watchers`` section of
 their own, and every top-level figure stays the steerers'.
 
-With ``--verify-pixels`` the prompts are the built-in model's scene captions
-(colour, shape, motion; each a new colour) and every viewer also times each
-prompt to the first played frame whose colour matches it (client/verify.py),
-reported beside the control latency, which trusts the chunk headers.
+The prompts follow the server's model: before the viewers connect, one short
+stream's ``ready`` tells its vocabulary (``probe_vocabulary``). A model with one
+(the built-in model knows only its caption words, and draws noise for others)
+gets scene captions made of those words; a model without (real weights, umT5)
+gets free text. With ``--verify-pixels`` the prompts are scene captions (colour,
+shape, motion; each a new colour) whatever the model, and every viewer also
+times each prompt to the first played frame whose colour matches it
+(client/verify.py), reported beside the control latency, which trusts the chunk
+headers.
 
 The report (a table on stdout, the same figures as JSON with ``--json``) follows
 DESIGN.md "Measuring a stream"; ``summarize`` computes it from the viewers'
@@ -66,10 +71,12 @@ SUBJECTS = (
 )
 STYLES = ("at dawn", "in watercolour", "as a pencil sketch", "in slow motion", "in neon colours", "at dusk")
 PROMPT_QUIET_TAIL_S = 2.0  # no new prompt in the last seconds of a session: it could not reach the screen in time
-# --verify-pixels: the viewers' prompts are the built-in model's scene captions (models/scenes.py's words; the client
-# keeps its own copy, as client/pixels.py keeps the palette); each prompt's colour differs from the one before
+# a model with a vocabulary (the built-in one), and --verify-pixels: the viewers' prompts are scene captions
+# (models/scenes.py's templates; the client keeps its own copy, as client/pixels.py keeps the palette, and uses the
+# words of it the server's `ready` lists); each prompt's colour differs from the one before
 CAPTION_SHAPES = ("ball", "square", "triangle")
 CAPTION_MOTIONS = ("moving right", "moving left", "rising", "falling", "standing still")
+PROBE_PROMPT = "a red ball"  # the probe stream's prompt (a caption of the built-in model, plain English for others)
 
 
 class ServerStartError(RuntimeError):
@@ -571,32 +578,63 @@ def watcher_rows(wt: dict, f) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------- running
 
 
-def prompt_schedule(index: int, streams: int, every_s: float, duration_s: float,
-                    captions: bool = False) -> list[tuple[float, str]]:
+def prompt_schedule(index: int, streams: int, every_s: float, duration_s: float, captions: bool = False,
+                    vocabulary: Sequence[str] | None = None) -> list[tuple[float, str]]:
     """Viewer ``index``'s prompt changes: every ``every_s`` from a phase in [every_s, 2 every_s), spread over viewers.
-    ``captions``: scene captions (``caption``) instead of free text."""
+    Each is ``viewer_prompt``'s (captions for a model with a ``vocabulary``, or with ``captions``)."""
     if every_s <= 0:
         return []
-    subject = SUBJECTS[index % len(SUBJECTS)]
     t = every_s * (1.0 + index / max(1, streams))
     out = []
     for k in range(int(duration_s / every_s) + 2):
         if t > duration_s - PROMPT_QUIET_TAIL_S:
             break
-        out.append((t, caption(index, k + 1) if captions else
-                    f"{subject}, {STYLES[k % len(STYLES)]} (viewer {index}, change {k + 1})"))
+        out.append((t, viewer_prompt(index, k + 1, captions, vocabulary)))
         t += every_s
     return out
 
 
-def caption(index: int, change: int) -> str:
+def viewer_prompt(index: int, change: int, captions: bool = False, vocabulary: Sequence[str] | None = None) -> str:
+    """Viewer ``index``'s prompt number ``change`` (0: its opening prompt): a scene caption in the words of the
+    server model's ``vocabulary`` when it has one (or with ``captions``), else free text (a subject and a style)."""
+    if captions or vocabulary:
+        return caption(index, change, vocabulary)
+    subject = SUBJECTS[index % len(SUBJECTS)]
+    if change == 0:
+        return f"{subject} (viewer {index})"
+    return f"{subject}, {STYLES[(change - 1) % len(STYLES)]} (viewer {index}, change {change})"
+
+
+def caption(index: int, change: int, vocabulary: Sequence[str] | None = None) -> str:
     """Viewer ``index``'s scene caption number ``change`` (0: its opening prompt): colour, shape and motion, the
-    colour a step along the palette from the previous caption's, so that every prompt asks for a new colour."""
-    colours = list(PALETTE)
+    colour a step along the palette from the previous caption's, so that every prompt asks for a new colour.
+    With a ``vocabulary`` (the server model's), only the colours, shapes and motions it has every word of; a
+    vocabulary the template does not fit gets four of its own words in turn."""
+    def fits(phrase: str) -> bool:
+        return known is None or all(w in known for w in phrase.split())
+
+    known = None if vocabulary is None else set(vocabulary)
+    colours = [c for c in PALETTE if fits(c)]
+    shapes = [s for s in CAPTION_SHAPES if fits(s)]
+    motions = [m for m in CAPTION_MOTIONS if fits(m)]
+    if not (colours and shapes and motions and fits("a")):
+        words = sorted(known or ())
+        return " ".join(words[(4 * (index + change) + i) % len(words)] for i in range(4)) if words else PROBE_PROMPT
     colour = colours[(index + change) % len(colours)]
-    shape = CAPTION_SHAPES[(index // len(colours) + change) % len(CAPTION_SHAPES)]
-    motion = CAPTION_MOTIONS[(index + 2 * change) % len(CAPTION_MOTIONS)]
+    shape = shapes[(index // len(colours) + change) % len(shapes)]
+    motion = motions[(index + 2 * change) % len(motions)]
     return f"a {colour} {shape} {motion}"
+
+
+async def probe_vocabulary(url: str, token: str | None, timeout_s: float) -> tuple[bool, list[str] | None]:
+    """What the server's model understands, from the ``ready`` of one short stream (opened, and closed at once):
+    (True, its vocabulary), or (True, None) for an open vocabulary (real weights); (False, None) when no stream
+    was admitted (the server full or refusing: the viewers will be told why)."""
+    probe = StreamClient(url, ClientConfig(prompt=PROBE_PROMPT, token=token, stats_every_s=0.0,
+                                           decode=DecodeMode.NONE, open_timeout_s=timeout_s))
+    async with probe:
+        ready = probe.ready
+    return ready is not None, None if ready is None else ready.vocabulary
 
 
 @dataclass
@@ -728,9 +766,19 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     cls = TRANSPORTS[args.transport]
     per_stream = getattr(args, "watchers_per_stream", 0)
     everyone = args.streams * (1 + per_stream)
+    probed, vocabulary = await probe_vocabulary(url, args.token, max(10.0, 0.25 * args.streams))
+    captions = args.verify_pixels or bool(vocabulary) or not probed  # (captions read as plain English to any model)
+    prompts = {"captions": captions, "vocabulary_words": None if vocabulary is None else len(vocabulary),
+               "probe_admitted": probed, "opening": [viewer_prompt(i, 0, captions, vocabulary) for i in range(3)]}
+    if vocabulary:
+        print(f"prompts: captions in the words of the server model's vocabulary ({len(vocabulary)} words)", flush=True)
+    elif not probed:
+        print("prompts: captions (the probe stream was refused, so the server's model is unknown)", flush=True)
+    elif not captions:
+        print("prompts: free text (the server's model reads any text)", flush=True)
     clients = []
     for i in range(args.streams):
-        prompt = caption(i, 0) if args.verify_pixels else SUBJECTS[i % len(SUBJECTS)] + f" (viewer {i})"
+        prompt = viewer_prompt(i, 0, captions, vocabulary)
         cfg = ClientConfig(prompt=prompt, seed=args.seed + i, fps=args.fps, token=args.token,
                            stats_every_s=args.stats_every, decode=DecodeMode(args.decode),
                            open_timeout_s=max(10.0, 0.25 * args.streams), verify_pixels=args.verify_pixels)
@@ -748,7 +796,7 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     watch = asyncio.create_task(pauses.run(time.monotonic() + args.duration + 30.0))
     try:
         streams = await asyncio.gather(*(
-            _stream(run, c, prompt_schedule(i, args.streams, args.prompt_every, args.duration, args.verify_pixels),
+            _stream(run, c, prompt_schedule(i, args.streams, args.prompt_every, args.duration, captions, vocabulary),
                     args.duration, per_stream, make_watcher)
             for i, c in enumerate(clients)
         ))
@@ -768,6 +816,7 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
         report = summarize(results, duration_s=args.duration)
     report["stalls"]["during_own_pauses"] = own_stalls(results, pauses.pauses)
     report["client_loop"] = pauses.figures()
+    report["prompts"] = prompts
     report["server"] = server_figures(first, last, wall, run.peak_metrics)
     return report
 

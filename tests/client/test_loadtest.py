@@ -135,6 +135,24 @@ def test_prompt_changes_are_spread_over_viewers_and_stop_before_the_end():
     assert loadtest.prompt_schedule(0, 4, 0.0, 30.0) == []
 
 
+def test_the_prompts_follow_the_servers_model():
+    """A model with a vocabulary (the built-in one) gets captions in its words, every one of them; a model that reads
+    any text gets free text (issue 33: the old defaults, such as "a red fox running through snow, in watercolour",
+    drew noise on the built-in model)."""
+    from models.scenes import vocabulary
+
+    for words in (vocabulary(), ["a", "red", "blue", "ball", "rising", "falling"], ["red", "cube", "spinning"]):
+        for i in range(16):
+            prompts = [loadtest.viewer_prompt(i, 0, vocabulary=words)]
+            prompts += [p for _, p in loadtest.prompt_schedule(i, 16, 5.0, 30.0, vocabulary=words)]
+            assert len(prompts) >= 5 and all(set(p.split()) <= set(words) for p in prompts), (words, prompts)
+    assert loadtest.viewer_prompt(0, 0, vocabulary=vocabulary()) == "a red ball moving right"
+    assert loadtest.viewer_prompt(1, 1, vocabulary=["a", "red", "blue", "ball", "rising"]) == "a red ball rising"
+    free = [loadtest.viewer_prompt(0, 0)] + [p for _, p in loadtest.prompt_schedule(0, 16, 5.0, 30.0)]
+    assert free[0] == "a red fox running through snow (viewer 0)"
+    assert free[2] == "a red fox running through snow, in watercolour (viewer 0, change 2)"
+
+
 def parse(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     loadtest.add_arguments(p)
@@ -159,8 +177,13 @@ def test_a_short_run_against_a_local_server_writes_the_report(tmp_path, capsys):
     assert r["ttff_s"]["n"] == 2 and r["control_latency_s"]["sent"] == 3  # at 1 and 2 s, and at 1.5 s
     assert r["control_latency_s"]["n"] + r["control_latency_s"]["pending"] == 3
     assert r["server"]["chunks"] > 0 and r["server"]["forward_ms"]["commit"] > 0
+    # the local server runs the built-in model: its ready's vocabulary made the prompts captions in its words
+    from models.scenes import vocabulary
+    assert r["prompts"]["captions"] and r["prompts"]["vocabulary_words"] == len(vocabulary())
+    assert all(set(p.split()) <= set(vocabulary()) for p in r["prompts"]["opening"]), r["prompts"]
     text = capsys.readouterr().out
     assert "TTFF p50" in text and "server up at ws://127.0.0.1:" in text
+    assert "prompts: captions in the words of the server model's vocabulary" in text
 
 
 def test_a_server_that_cannot_start_is_a_clear_error(capsys):
