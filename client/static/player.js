@@ -19,6 +19,10 @@
 //    watch link of the stream is shown either way. "record" (steerer) answers "recording" with the
 //    MP4's address.
 //
+// 6. What the model understands: "ready" carries the model's vocabulary (the built-in model knows only its
+//    caption words and draws noise for others; null for a model that reads any text) and the unknown words
+//    of the stream's prompt, a set_prompt's "ack" those of the new prompt; shown under the prompt box.
+//
 // window.player holds the page's state (read by the end-to-end test).
 "use strict";
 
@@ -61,6 +65,8 @@
     watchers: 0,            // viewers watching the stream, the steerer not counted
     steered: true,          // false: the steerer left and the token is free to take
     recording: null,        // the recording's MP4 address, once one runs
+    vocabulary: null,       // the words the model knows (ready); null: it reads any text
+    unknownWords: [],       // words of the latest prompt outside the vocabulary (ready, then set_prompt's ack)
   };
 
   let ws = null, pc = null, channel = null;
@@ -110,6 +116,19 @@
     button.disabled = player.role === "watch";
   }
 
+  // "this model knows 57 words" (the list one click away) and, when the prompt has some, its unknown words
+  function renderVocabulary() {
+    const words = player.vocabulary;
+    $("vocabulary").hidden = words === null;
+    $("unknown-words").hidden = words === null || player.unknownWords.length === 0;
+    if (words === null) return;
+    const shown = words.filter((w) => /\w/.test(w));  // punctuation the captions use is no word to show
+    $("vocabulary-summary").textContent = `this model knows ${shown.length} words; others draw noise`;
+    $("vocabulary-words").textContent = shown.join(", ");
+    $("unknown-words").textContent = `unknown to this model: ${player.unknownWords.join(", ")}`;
+    if (player.unknownWords.length) $("vocabulary").open = true;  // what to use instead (never closed for the user)
+  }
+
   function renderOverlay() {
     $("o-ttff").textContent = fmt(player.ttffMs === null ? null : player.ttffMs / 1000, 2, " s");
     $("o-fps").textContent = player.framesPresented ? player.presentedFps.toFixed(1) : "-";
@@ -133,8 +152,9 @@
       streamId: null, fps: null, ttffMs: null, presentedFps: 0, framesPresented: 0, framesDecoded: 0,
       freezeCount: 0, totalFreezesDuration: 0, versionOnScreen: null, promptVersion: 0,
       steerLatenciesMs: [], chunks: 0, acks: [], errors: [], closedReason: null,
-      role: null, viewerId: null, watchers: 0, steered: true, recording: null,
+      role: null, viewerId: null, watchers: 0, steered: true, recording: null, vocabulary: null, unknownWords: [],
     });
+    renderVocabulary();
     banner(null);
   }
 
@@ -224,7 +244,10 @@
         player.fps = msg.fps;
         player.role = msg.role || "steer";
         player.viewerId = msg.viewer_id || null;
+        player.vocabulary = Array.isArray(msg.vocabulary) ? msg.vocabulary : null;
+        player.unknownWords = msg.unknown_words || [];
         renderAudience();
+        renderVocabulary();
         document.querySelector(".stage").style.aspectRatio = `${msg.width} / ${msg.height}`;
         negotiate().catch((e) => fail(`WebRTC setup failed: ${e.message}`));
         break;
@@ -262,6 +285,8 @@
           const steer = pendingSteers.find((s) => s.version === null);
           if (steer) steer.version = msg.prompt_version;
           player.promptVersion = msg.prompt_version;
+          player.unknownWords = msg.unknown_words || [];
+          renderVocabulary();
           $("prompt-status").textContent = `Prompt v${msg.prompt_version} accepted; it shows up within a chunk or two.`;
         }
         break;

@@ -52,11 +52,11 @@ async def _state(page) -> dict:
 
 
 @contextlib.asynccontextmanager
-async def serving(**config):
+async def serving(engine: EngineConfig = EngineConfig(), **config):
     """(server, its base URL): the tiny model on the CPU with the player's pages, WebRTC on loopback; stopped on the
     way out (a second stop after a test's own does nothing)."""
-    server = Server(EngineConfig(), ServerConfig(port=0, static_dir=str(STATIC),
-                                                 webrtc=WebRtcConfig(ice_addresses=("127.0.0.1",)), **config))
+    server = Server(engine, ServerConfig(port=0, static_dir=str(STATIC),
+                                         webrtc=WebRtcConfig(ice_addresses=("127.0.0.1",)), **config))
     await server.start()
     try:
         yield server, f"http://127.0.0.1:{server.port}"
@@ -123,6 +123,33 @@ async def test_player_plays_steers_and_reports(tmp_path):
         await page.wait_for_function("player.phase === 'closed' || player.phase === 'failed'", timeout=10_000)
         assert "server shutting down" in await page.inner_text("#banner-text")
         assert server.engine.kv_used_bytes == 0
+
+
+async def test_the_player_shows_the_built_in_models_words_and_a_prompts_unknown_ones(tmp_path):
+    """Under the prompt box: how many words the built-in model knows (the list one click away, opened when a prompt
+    has unknown words) and the prompt's unknown words; a steer to a caption clears them (issue 33)."""
+    from models.scenes import vocabulary
+
+    async with serving(EngineConfig(weights="builtin")) as (server, base), chromium(tmp_path) as browser:
+        page = await browser.new_page()
+        await page.goto(f"{base}/?prompt=a%20red%20fox%20in%20the%20snow", timeout=15_000)
+        await page.wait_for_function("player.phase === 'playing'", timeout=20_000)
+        assert await page.evaluate("player.vocabulary") == vocabulary()
+        assert await page.inner_text("#unknown-words") == "unknown to this model: fox, snow"
+        words = [w for w in vocabulary() if w.isalpha()]
+        assert await page.inner_text("#vocabulary-summary") == f"this model knows {len(words)} words; others draw noise"
+        assert await page.inner_text("#vocabulary-words") == ", ".join(words)  # shown: the list opened by itself
+
+        await page.fill("#prompt", "a blue square falling")
+        await page.press("#prompt", "Enter")
+        await page.wait_for_function("player.promptVersion >= 1", timeout=15_000)
+        assert await page.is_hidden("#unknown-words") and await page.is_visible("#vocabulary-summary")
+
+    async with serving() as (server, base), chromium(tmp_path) as browser:  # random weights: any text, no list
+        page = await browser.new_page()
+        await page.goto(f"{base}/?prompt=a%20red%20fox%20in%20the%20snow", timeout=15_000)
+        await page.wait_for_function("player.phase === 'playing'", timeout=20_000)
+        assert await page.is_hidden("#vocabulary") and await page.is_hidden("#unknown-words")
 
 
 async def test_player_takes_its_token_from_the_page_fragment(tmp_path):
