@@ -45,6 +45,7 @@ class Refusal(enum.StrEnum):
     WATCHERS = "watchers"  # watch: the stream has --max-watchers watchers already
     RATE_LIMITED = "rate_limited"  # a control message over the stream's rate
     STATS_RATE_LIMITED = "stats_rate_limited"  # a stats message over its own, lower rate
+    DOWNLOADS = "downloads"  # a recording's download past --max-downloads-per-client at once (HTTP 429)
     # watch: no open stream has that id and watch secret (one answer whether the id exists or not); take: the steer
     # secret is missing or wrong
     SECRET = "secret"

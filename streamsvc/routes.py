@@ -1,7 +1,7 @@
 """The HTTP routes of `streamsvc serve`, apart from the front that receives the requests.
 
-A front (today websockets' `process_request`, in streamsvc/server.py) turns each request into an `HttpRequest`,
-calls `Routes.handle` and sends the `HttpReply` it gets back; None means the request is the WebSocket upgrade at
+A front (streamsvc/front.py, aiohttp) turns each request into an `HttpRequest`, calls `Routes.handle` and sends the
+`HttpReply` it gets back; None means the request is the WebSocket upgrade at
 WS_PATH, from an allowed origin, and the handshake goes on. The routes:
 
 - WS_PATH: the origin check of a browser's upgrade (403 from a page of another site; see access.origin_allowed);
@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import http
 import mimetypes
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote_to_bytes, urlsplit
 
 from streamsvc.access import AccessConfig, Refusal, bearer_token, find_token, origin_allowed
 from streamsvc.metrics import Metrics
 from streamsvc.record import RecordingStore
 
 WS_PATH = "/ws"
+MAX_TARGET_CHARS = 2048  # a longer request target gets 414 (ours are short: a recording's name and its token)
 RECORDINGS_PATH = "/recordings/"  # GET /recordings/ID-SECRET.mp4 (and .vtt, its chapters)
 
 
@@ -41,6 +43,7 @@ class HttpRequest:
     target: str  # the request line's target: the path and its query, "/recordings/s0.mp4?token=..."
     headers: Mapping[str, str]  # looked up case-insensitively: the front's own header map (websockets' Headers...)
     remote: str | None = None  # the peer's address, as the front's socket has it; None when unknown
+    body: bytes = b""  # the request's body (bounded by the front: front.MAX_BODY_BYTES)
 
     @property
     def path(self) -> str:
@@ -62,6 +65,7 @@ class HttpReply:
     body: bytes = b""  # the body, when `file` is None
     file: Path | None = None  # the body is this file's bytes instead (a front may stream them)
     span: tuple[int, int] | None = None  # the inclusive byte offsets of `file` that make the body; None: all of it
+    download: bool = False  # a recording: counts against its client's concurrent downloads (front.DownloadSlots)
 
 
 def reply(status: http.HTTPStatus, body: bytes, ctype: str) -> HttpReply:
@@ -71,6 +75,41 @@ def reply(status: http.HTTPStatus, body: bytes, ctype: str) -> HttpReply:
 
 def _headers(ctype: str, length: int) -> tuple[tuple[str, str], ...]:
     return ("Content-Type", ctype), ("Content-Length", str(length)), ("Cache-Control", "no-store")
+
+
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+_DOT_SEGMENT = re.compile(r"(^|/)\.{1,2}(/|$)")
+
+
+def bad_target(target: str) -> HttpReply | None:
+    """The 4xx for a request target no route can want, checked before any route sees it; None: a fine one.
+
+    Origin-form only ("/path?query"), at most MAX_TARGET_CHARS (414), printable ASCII, every %-escape two hex digits,
+    the path's bytes once unescaped valid UTF-8 without control characters (NUL: "/%00"), and no "." or ".."
+    segment. Routes see the target still escaped: "/recordings/..%2Fx" names no recording (404), it is no traversal.
+    """
+    if len(target) > MAX_TARGET_CHARS:
+        return reply(http.HTTPStatus.REQUEST_URI_TOO_LONG, f"request target over {MAX_TARGET_CHARS} characters\n"
+                     .encode(), "text/plain")
+    path = target.split("?", 1)[0]
+    fault = None
+    if not target.startswith("/") or not all("!" <= c <= "~" for c in target):
+        fault = "not an origin-form target of printable ASCII"
+    elif _BAD_ESCAPE.search(target):
+        fault = "a %-escape is not two hex digits"
+    elif _DOT_SEGMENT.search(path):
+        fault = "a '.' or '..' segment"
+    else:
+        try:
+            text = unquote_to_bytes(path).decode("utf-8")
+        except UnicodeDecodeError:
+            fault = "the path is not UTF-8 once unescaped"
+        else:
+            if any(ord(c) < 0x20 or ord(c) == 0x7F for c in text):
+                fault = "a control character in the path"
+    if fault is None:
+        return None
+    return reply(http.HTTPStatus.BAD_REQUEST, f"bad request target: {fault}\n".encode(), "text/plain")
 
 
 def check_origin(request: HttpRequest, access: AccessConfig, metrics: Metrics) -> HttpReply | None:
@@ -143,6 +182,13 @@ class Routes:
             return self._recording(request, path.removeprefix(RECORDINGS_PATH))
         return static_file(self.static_dir, path)
 
+    def metrics_only(self, request: HttpRequest) -> HttpReply:
+        """The routes of --metrics-port: /metrics without a token (that port is for the scraper alone), 404 else."""
+        if request.path != "/metrics":
+            return reply(http.HTTPStatus.NOT_FOUND, b"this port serves /metrics only\n", "text/plain")
+        self.refresh_metrics()
+        return reply(http.HTTPStatus.OK, self.metrics.exposition(), "text/plain; version=0.0.4")
+
     def _recording(self, request: HttpRequest, name: str) -> HttpReply:
         """A recording (ID-SECRET.mp4) or its chapters (.vtt), behind the access token when the server has tokens (as
         `?token=` for a page's <video>, or an Authorization header); a Range request gets its part (seeking)."""
@@ -163,8 +209,9 @@ class Routes:
         size = target.stat().st_size
         span = byte_range(request.headers.get("Range"), size)
         if span is None:
-            return HttpReply(http.HTTPStatus.OK, _headers(ctype, size) + (("Accept-Ranges", "bytes"),), file=target)
+            return HttpReply(http.HTTPStatus.OK, _headers(ctype, size) + (("Accept-Ranges", "bytes"),), file=target,
+                             download=True)
         start, end = span
         headers = _headers(ctype, end + 1 - start) + (("Content-Range", f"bytes {start}-{end}/{size}"),
                                                       ("Accept-Ranges", "bytes"))
-        return HttpReply(http.HTTPStatus.PARTIAL_CONTENT, headers, file=target, span=span)
+        return HttpReply(http.HTTPStatus.PARTIAL_CONTENT, headers, file=target, span=span, download=True)

@@ -14,8 +14,8 @@ refusal says why on the wire and is counted in /metrics by reason. Prompts are c
 Here: the server's life (the engine, the listening socket), the engine's chunks to each stream's viewers, and a
 connection's WebSocket: who may start or watch a stream, its `ready`, its sender. Beside it: streamsvc/streams.py
 (what happens in an open stream once a viewer is in: its control messages, leaving, ending), streamsvc/routes.py
-(the HTTP routes, behind an interface any front can serve; websockets' `process_request` serves them here) and
-streamsvc/metrics.py (the Prometheus metrics).
+(the HTTP routes, behind an interface any front can serve), streamsvc/front.py (the port itself: aiohttp's HTTP
+and WebSocket server, and the `Connection` a session talks through) and streamsvc/metrics.py (the metrics).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import http
 import itertools
 import logging
 import random
@@ -34,18 +33,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.datastructures import Headers
-from websockets.exceptions import ConnectionClosed
-from websockets.http11 import Request, Response
-
 from streamsvc import protocol as P
 from streamsvc.access import AccessConfig, Refusal, StreamLimits, TokenBucket, bearer_token, client_address, \
     exposure_warning, find_token
 from streamsvc.engine import ChunkOut, Engine, EngineConfig
+from streamsvc.front import Connection, ConnectionClosed, FrontConfig, Handlers, HttpFront, tls_context
 from streamsvc.metrics import Metrics
 from streamsvc.record import RecordingStore
-from streamsvc.routes import RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequest, Routes, check_origin, reply, static_file
+from streamsvc.routes import RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequest, Routes
 from streamsvc.session import Role, Session, Viewer
 from streamsvc.rtc import WebRtcConfig, server_ice_addresses
 from streamsvc.streams import Streams, unknown_words, vocabulary
@@ -76,8 +71,17 @@ class ServerConfig:
     # what this server's stream ids begin with: a cluster replica's own ("<replica>-"), so that a watch link names
     # the replica that runs its stream
     stream_prefix: str = ""
+    tls_cert: str | None = None  # PEM certificate (chain) and its key: https and wss on the port (--tls-cert/key)
+    tls_key: str | None = None
+    metrics_port: int | None = None  # /metrics on this port alone, without the token (then 404 on the main port)
+    max_downloads_per_client: int = 4  # recordings one client address may download at once (429 past it)
+    handshake_timeout_s: float = 10.0  # a connection's TLS handshake and first request's head must come within it
 
     def __post_init__(self) -> None:
+        if (self.tls_cert is None) is not (self.tls_key is None):
+            raise ValueError("give both --tls-cert and --tls-key (a certificate and its private key), or neither")
+        if self.max_downloads_per_client < 1:
+            raise ValueError(f"max_downloads_per_client={self.max_downloads_per_client}: give at least 1")
         if not re.fullmatch(r"[A-Za-z0-9_-]*", self.stream_prefix):
             raise ValueError(f"stream_prefix={self.stream_prefix!r}: letters, digits, '_' and '-' only")
         if self.max_watchers < 0:
@@ -103,7 +107,8 @@ class Server:
         self._viewer_ids = itertools.count()
         self.recordings = RecordingStore(Path(config.recordings_dir), config.record_max_bytes)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._server = None
+        self._front: HttpFront | None = None  # the port (aiohttp); None for a cluster replica
+        self._metrics_front: HttpFront | None = None  # --metrics-port's
         self.webrtc: dict[str, WebRtcTransport] = {}  # viewer id -> its peer connection, for transport 'webrtc'
         # on a loopback address, WebRTC offers loopback candidates too (a loopback-only host can connect)
         self._webrtc_config = dataclasses.replace(
@@ -125,18 +130,14 @@ class Server:
         self._send_meter = asyncio.create_task(self._measure_send(), name="send-meter")
         if not listen:
             return
-        self._server = await serve(
-            self._handle, self.config.host, self.config.port, process_request=self._http,
-            compression=None, max_size=P.MAX_MESSAGE_BYTES, ping_interval=20, ping_timeout=20,
-        )
-        log.info("serving on http://%s:%d (WebSocket at %s)", self.config.host, self.port, WS_PATH)
+        log.info("serving on %s (WebSocket at %s)", await self._listen(self._route), WS_PATH)
         warning = exposure_warning(self.config.host, self.config.access)
         if warning:
             log.warning(warning)
 
     @property
     def port(self) -> int:
-        return self._server.sockets[0].getsockname()[1]
+        return self._front.port
 
     async def stop(self, reason: str = "server shutting down") -> None:
         """Every stream gets `closed`, then the engine stops."""
@@ -144,9 +145,7 @@ class Server:
             await self.streams.end(session, reason)
         if self._send_meter is not None:
             self._send_meter.cancel()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        await self._close_fronts()
         await asyncio.to_thread(self.engine.stop)
 
     async def serve_forever(self) -> None:
@@ -206,26 +205,59 @@ class Server:
         reason = "overloaded" if code == P.ErrorCode.OVERLOADED else "generation failed"
         asyncio.ensure_future(self.streams.end(session, reason, engine_closed=True))
 
-    # -- HTTP (websockets' process_request is the front of streamsvc/routes.py) --------------------
+    # -- HTTP and the port (streamsvc/front.py serves the routes of streamsvc/routes.py) -----------------
 
-    def _http(self, connection: ServerConnection, request: Request) -> Response | None:
-        """The routes' reply to a request on the port; None: the WebSocket handshake goes on."""
-        answer = self.routes.handle(_http_request(request, connection))
-        return None if answer is None else _response(answer)
+    async def _listen(self, route: Callable[[HttpRequest], HttpReply | None]) -> str:
+        """Open the port, its requests answered by `route` (and --metrics-port's); returns the port's base URL."""
+        cfg = self.config
+        front = FrontConfig(host=cfg.host, port=cfg.port, max_message_bytes=P.MAX_MESSAGE_BYTES,
+                            tls=tls_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None,
+                            handshake_timeout_s=cfg.handshake_timeout_s,
+                            max_downloads_per_client=cfg.max_downloads_per_client)
+        self._front = HttpFront(front, self._handlers(route))
+        await self._front.start()
+        if cfg.metrics_port is not None:
+            self._metrics_front = HttpFront(dataclasses.replace(front, port=cfg.metrics_port),
+                                            self._handlers(self._route_metrics))
+            await self._metrics_front.start()
+        return f"{self._front.scheme}://{cfg.host}:{self.port}"
 
-    def _check_origin(self, request: Request) -> Response | None:
-        """Refuses (403) a browser's upgrade from a page of another site (routes.check_origin; the gateway's)."""
-        answer = check_origin(_http_request(request), self.config.access, self.metrics)
-        return None if answer is None else _response(answer)
+    async def _close_fronts(self) -> None:
+        for front in (self._front, self._metrics_front):
+            if front is not None:
+                await front.stop()
 
-    def _static(self, path: str) -> Response:
-        """The player's file at `path` (routes.static_file; the gateway's)."""
-        return _response(static_file(self.config.static_dir, path))
+    def _handlers(self, route: Callable[[HttpRequest], HttpReply | None]) -> Handlers:
+        return Handlers(route=route, websocket=self._handle, client=self._client_of,
+                        admit_connection=self._admit_connection, connection_closed=self._connection_closed,
+                        admit_request=self._admit_request, admit_upgrade=self._admit_upgrade,
+                        download_refused=lambda _: self.metrics.refusals.labels(Refusal.DOWNLOADS.value).inc())
 
-    @staticmethod
-    def _respond(status: http.HTTPStatus, body: bytes, ctype: str) -> Response:
-        """A plain reply (routes.reply; the gateway's)."""
-        return _response(reply(status, body, ctype))
+    def _route(self, request: HttpRequest) -> HttpReply | None:
+        """The routes' reply to a request on the port; None: the WebSocket upgrade goes on (the gateway has its
+        own). Its CPU is stream-less work (self.streamless)."""
+        return self.routes.handle(request)
+
+    def _route_metrics(self, request: HttpRequest) -> HttpReply:
+        """--metrics-port's one route: /metrics, no token (bind it where only the scraper reaches)."""
+        return self.routes.metrics_only(request)
+
+    def _client_of(self, request: HttpRequest) -> str:
+        """The client address an HTTP request counts against (X-Forwarded-For's with --trust-proxy)."""
+        return client_address(request.remote, request.headers.get("X-Forwarded-For"), self.config.access.trust_proxy)
+
+    # the front's admission hooks (front.Handlers): None lets the connection, request or upgrade go on
+    def _admit_connection(self, address: str) -> str | None:
+        return None
+
+    def _connection_closed(self, address: str) -> None:
+        pass
+
+    def _admit_request(self, request: HttpRequest) -> HttpReply | None:
+        return None
+
+    def _admit_upgrade(self, request: HttpRequest) -> HttpReply | None:
+        return None
 
     def _refresh_metrics(self) -> None:
         """Bring the metrics' gauges up to date (what GET /metrics runs first)."""
@@ -233,7 +265,7 @@ class Server:
 
     # -- WebSocket ----------------------------------------------------------------------------
 
-    async def _handle(self, ws: ServerConnection) -> None:
+    async def _handle(self, ws: Connection) -> None:
         viewer: Viewer | None = None
         sender: asyncio.Task | None = None
         try:
@@ -276,10 +308,10 @@ class Server:
         else:
             await ws.send(P.encode(msg))
 
-    async def _authorize(self, ws: ServerConnection, msg: P.Start | P.Watch) -> tuple[bool, str | None]:
+    async def _authorize(self, ws: Connection, msg: P.Start | P.Watch) -> tuple[bool, str | None]:
         """The access token check of a start or watch: (allowed, the token); a refusal has gone out when not."""
         access = self.config.access
-        given = msg.token or bearer_token(ws.request.headers.get("Authorization"))
+        given = msg.token or bearer_token(ws.headers.get("Authorization"))
         token = find_token(access.tokens, given)
         if access.auth and token is None:
             await self._refuse(ws, Refusal.UNAUTHORIZED, "the access token is not valid" if given else (
@@ -289,11 +321,11 @@ class Server:
             return False, None
         return True, token
 
-    def _address(self, ws: ServerConnection) -> str:
+    def _address(self, ws: Connection) -> str:
         remote = ws.remote_address[0] if ws.remote_address else None
-        return client_address(remote, ws.request.headers.get("X-Forwarded-For"), self.config.access.trust_proxy)
+        return client_address(remote, ws.headers.get("X-Forwarded-For"), self.config.access.trust_proxy)
 
-    async def _let_in(self, ws: ServerConnection, msg: P.Start) -> tuple[str | None, str] | None:
+    async def _let_in(self, ws: Connection, msg: P.Start) -> tuple[str | None, str] | None:
         """Token, server cap and per-client limits: the stream's token and client address (counted in
         self.limits), or None after the refusal went out."""
         allowed, token = await self._authorize(ws, msg)
@@ -309,12 +341,12 @@ class Server:
             return None
         return token, address
 
-    def _new_viewer(self, ws: ServerConnection, session: Session, role: Role, token: str | None) -> Viewer:
+    def _new_viewer(self, ws: Connection, session: Session, role: Role, token: str | None) -> Viewer:
         access, now = self.config.access, self.clock()
         return Viewer(f"v{next(self._viewer_ids)}", session, role, token=token, address=self._address(ws),
                       control_rate=TokenBucket(access.control_rate, now), stats_rate=TokenBucket(access.stats_rate, now))
 
-    async def _start(self, ws: ServerConnection, msg: P.Start) -> Viewer | None:
+    async def _start(self, ws: Connection, msg: P.Start) -> Viewer | None:
         client = await self._let_in(ws, msg)
         if client is None:
             return None
@@ -331,7 +363,7 @@ class Server:
             await self.streams.end(session, "client disconnected")  # a no-op for a session already refused
             raise
 
-    async def _open(self, ws: ServerConnection, msg: P.Start, session: Session, seed: int) -> Viewer | None:
+    async def _open(self, ws: Connection, msg: P.Start, session: Session, seed: int) -> Viewer | None:
         """Admission in the engine, then `ready` (or the refusal) to the viewer, who steers the stream."""
         stream_id, fps = session.stream_id, session.fps
         try:
@@ -377,7 +409,7 @@ class Server:
             on_lost=lambda reason: self.streams.leave(viewer, reason), on_stall=self.metrics.track_stalls.inc,
         )
 
-    async def _watch(self, ws: ServerConnection, msg: P.Watch) -> Viewer | None:
+    async def _watch(self, ws: Connection, msg: P.Watch) -> Viewer | None:
         """A watcher joins an open stream: the same chunks as its steerer, from a keyframe on; no generation."""
         allowed, token = await self._authorize(ws, msg)
         if not allowed:
@@ -416,7 +448,7 @@ class Server:
         self.streams.audience_changed(session)
         return viewer
 
-    async def _refuse(self, ws: ServerConnection, reason: Refusal, message: str, request: str = "start") -> None:
+    async def _refuse(self, ws: Connection, reason: Refusal, message: str, request: str = "start") -> None:
         """Answer a start or watch that will not be served with the code of its reason, and count it."""
         self.metrics.refusals.labels(reason.value).inc()
         if reason in (Refusal.SERVER_CAP, Refusal.ADMISSION) and request == "start":
@@ -424,7 +456,7 @@ class Server:
         await ws.send(P.encode(P.Error(code=_START_REFUSAL_CODES[reason], message=message[: P.MAX_TEXT_CHARS],
                                        request=request)))
 
-    async def _sender(self, ws: ServerConnection, viewer: Viewer) -> None:
+    async def _sender(self, ws: Connection, viewer: Viewer) -> None:
         """Sends the viewer's outbox in order: chunks as binary, messages as text, None ends.
 
         A WebRTC viewer's chunks go to its track instead, and its messages on its data channel once that is open.
@@ -436,7 +468,7 @@ class Server:
                 self.webrtc.pop(viewer.viewer_id, None)
                 await asyncio.shield(viewer.rtc.close())  # the peer connection closes even if this task is cancelled
 
-    async def _send_outbox(self, ws: ServerConnection, viewer: Viewer) -> None:
+    async def _send_outbox(self, ws: Connection, viewer: Viewer) -> None:
         rtc = viewer.rtc
         while True:
             item = await viewer.outbox.get()
@@ -484,26 +516,6 @@ _START_REFUSAL_CODES = {
     Refusal.NO_STREAM: P.ErrorCode.NOT_FOUND,
     Refusal.WATCHERS: P.ErrorCode.REFUSED,
 }
-
-
-def _http_request(request: Request, connection: ServerConnection | None = None) -> HttpRequest:
-    """A websockets handshake request as the routes see it (websockets parses GET requests only)."""
-    remote = connection.remote_address[0] if connection is not None and connection.remote_address else None
-    return HttpRequest("GET", request.path, request.headers, remote)
-
-
-def _response(answer: HttpReply) -> Response:
-    """The routes' reply as websockets' Response, a file's bytes read whole (this front sends no streamed body)."""
-    body = answer.body
-    if answer.file is not None:
-        with answer.file.open("rb") as f:  # a range reads only the part asked for
-            if answer.span is None:
-                body = f.read()
-            else:
-                start, end = answer.span
-                f.seek(start)
-                body = f.read(end + 1 - start)
-    return Response(answer.status.value, answer.status.phrase, Headers(answer.headers), body)
 
 
 async def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:

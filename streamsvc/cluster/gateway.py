@@ -37,15 +37,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
-from websockets.http11 import Request, Response
-
 from streamsvc import protocol as P
 from streamsvc.access import Refusal, StreamLimits, exposure_warning
 from streamsvc.cluster.placement import ReplicaStats
 from streamsvc.cluster.replica import stream_prefix
 from streamsvc.cluster.router import Board, board
+from streamsvc.front import Connection, ConnectionClosed
+from streamsvc.routes import HttpReply, HttpRequest, check_origin, reply, static_file
 from streamsvc.server import RECORDINGS_PATH, WS_PATH, Metrics, Server, ServerConfig
 
 log = logging.getLogger("streamsvc.cluster.gateway")
@@ -88,7 +86,7 @@ class Gateway(Server):
         self.worker_lost = 0  # sessions whose replica died under them
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._server = None
+        self._front = self._metrics_front = None  # the port (streamsvc/front.py), --metrics-port's
         self._renewer: asyncio.Task | None = None
         self._relays: set[asyncio.Task] = set()
 
@@ -100,46 +98,47 @@ class Gateway(Server):
         with contextlib.suppress(Exception):
             await self._call("info", timeout_s=self.gateway.place_timeout_s)
         self._renewer = asyncio.create_task(self._renew())
-        self._server = await serve(
-            self._handle, self.config.host, self.config.port, process_request=self._http,
-            compression=None, max_size=P.MAX_MESSAGE_BYTES, ping_interval=20, ping_timeout=20,
-        )
-        log.info("gateway on http://%s:%d (WebSocket at %s), %d replicas", self.config.host, self.port, WS_PATH,
-                 len(self.board.replicas))
+        url = await self._listen(self._route)
+        log.info("gateway on %s (WebSocket at %s), %d replicas", url, WS_PATH, len(self.board.replicas))
         warning = exposure_warning(self.config.host, self.config.access)
         if warning:
             log.warning(warning)
 
     async def stop(self, reason: str = "server shutting down") -> None:
         """Close the viewers' sockets; their sessions end on their replicas (the viewer left)."""
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        await self._close_fronts()
         if self._renewer is not None:
             self._renewer.cancel()
 
     # -- HTTP -------------------------------------------------------------------------------
 
-    def _http(self, connection: ServerConnection, request: Request) -> Response | None:
-        path = request.path.split("?", 1)[0]
+    def _route(self, request: HttpRequest) -> HttpReply | None:
+        """The gateway's routes (Server._route's): the replicas' health and metrics, its own player; None: the
+        WebSocket upgrade goes on."""
+        path = request.path
         if path == WS_PATH:
-            return self._check_origin(request)
+            return check_origin(request, self.config.access, self.metrics)
         if path == "/healthz":
             ready = [s for s in self.board.stats() if s.ready and not s.draining]
             ok = bool(ready)
             text = f"ok: {len(ready)} of {len(self.board.replicas)} replicas take streams\n" if ok else \
                 f"no replica takes streams ({len(self.board.replicas)} known)\n"
-            return self._respond(http.HTTPStatus.OK if ok else http.HTTPStatus.SERVICE_UNAVAILABLE, text.encode(),
-                                 "text/plain")
+            return reply(http.HTTPStatus.OK if ok else http.HTTPStatus.SERVICE_UNAVAILABLE, text.encode(), "text/plain")
         if path == "/metrics":
-            return self._respond(http.HTTPStatus.OK, self.metrics_text().encode(), "text/plain; version=0.0.4")
+            return self._route_metrics(request)
         if path.startswith(RECORDINGS_PATH):
-            return self._respond(http.HTTPStatus.NOT_FOUND, b"recordings stay on the machine of the worker that ran "
-                                 b"the stream (its --recordings-dir); this gateway does not serve them\n", "text/plain")
+            return reply(http.HTTPStatus.NOT_FOUND, b"recordings stay on the machine of the worker that ran the stream "
+                         b"(its --recordings-dir); this gateway does not serve them\n", "text/plain")
         if path == "/replicas":  # what placement sees: each replica's routing stats, without its metrics
             rows = [{**s.to_dict(), "metrics": None} for s in self.board.stats()]
-            return self._respond(http.HTTPStatus.OK, json.dumps(rows).encode(), "application/json")
-        return self._static(path)
+            return reply(http.HTTPStatus.OK, json.dumps(rows).encode(), "application/json")
+        return static_file(self.config.static_dir, path)
+
+    def _route_metrics(self, request: HttpRequest) -> HttpReply:
+        """/metrics: every replica's and the gateway's own (metrics_text)."""
+        if request.path != "/metrics":
+            return reply(http.HTTPStatus.NOT_FOUND, b"this port serves /metrics only\n", "text/plain")
+        return reply(http.HTTPStatus.OK, self.metrics_text().encode(), "text/plain; version=0.0.4")
 
     def metrics_text(self) -> str:
         """Prometheus text: every replica's metrics with a `replica` label (from its routing stats, at most
@@ -168,7 +167,7 @@ class Gateway(Server):
 
     # -- WebSocket --------------------------------------------------------------------------
 
-    async def _handle(self, ws: ServerConnection) -> None:
+    async def _handle(self, ws: Connection) -> None:
         first = await self._await_start(ws)
         if first is None:
             return
@@ -188,7 +187,7 @@ class Gateway(Server):
             self.sessions.pop(relay.conn_id, None)
             self.limits.release(token, address)
 
-    async def _handle_watch(self, ws: ServerConnection, raw: str, msg: P.Watch) -> None:
+    async def _handle_watch(self, ws: Connection, raw: str, msg: P.Watch) -> None:
         """A watcher goes to the replica its stream runs on, named by the stream id's prefix (a replica's stream
         ids are `<replica>-s<n>`): the replica's server admits it as it admits a watcher of its own. Watchers do
         not count against the streams' caps; their relays keep their lease like a stream's."""
@@ -208,7 +207,7 @@ class Gateway(Server):
         finally:
             self.watchers.pop(relay.conn_id, None)
 
-    async def _await_start(self, ws: ServerConnection) -> tuple[str, P.Start | P.Watch] | None:
+    async def _await_start(self, ws: Connection) -> tuple[str, P.Start | P.Watch] | None:
         """The viewer's start or watch (raw and parsed); what comes before it is answered as the server does."""
         try:
             async for raw in ws:
@@ -226,7 +225,7 @@ class Gateway(Server):
             pass
         return None
 
-    async def _relay(self, ws: ServerConnection, relay: _Relay, start: str, address: str,
+    async def _relay(self, ws: Connection, relay: _Relay, start: str, address: str,
                      replica: str | None = None) -> None:
         gen = await (self._place(ws, relay, start, address) if replica is None else
                      self._place_on(ws, relay, start, address, replica))
@@ -250,7 +249,7 @@ class Gateway(Server):
                 await upstream
             gen.cancel()
 
-    async def _place(self, ws: ServerConnection, relay: _Relay, start: str, address: str):
+    async def _place(self, ws: Connection, relay: _Relay, start: str, address: str):
         """Open the session's streaming call on a replica: the call (its placement read), or None after
         the viewer was told why not. A call that fails before its placement goes to another replica."""
         exclude: list[str] = []
@@ -280,7 +279,7 @@ class Gateway(Server):
         await self._refuse(ws, Refusal.ADMISSION, f"the stream could not be placed on a worker: {error}")
         return None
 
-    async def _place_on(self, ws: ServerConnection, relay: _Relay, first: str, address: str, uid: str):
+    async def _place_on(self, ws: Connection, relay: _Relay, first: str, address: str, uid: str):
         """Open a watcher's call on the replica `uid` (no other will do): the call, or None after the viewer was
         told why not."""
         gen = self.handle.options(stream=True, method_name="session").remote(
@@ -296,7 +295,7 @@ class Gateway(Server):
             return None
         return gen
 
-    async def _upstream(self, ws: ServerConnection, relay: _Relay) -> None:
+    async def _upstream(self, ws: Connection, relay: _Relay) -> None:
         """The viewer's messages to its replica, in order; when the viewer leaves, the replica is told."""
         try:
             async for raw in ws:
@@ -309,7 +308,7 @@ class Gateway(Server):
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self._call("feed", relay.conn_id, None, replica=relay.replica))
 
-    async def _lost(self, ws: ServerConnection, relay: _Relay, e: Exception) -> None:
+    async def _lost(self, ws: Connection, relay: _Relay, e: Exception) -> None:
         from ray.exceptions import RayActorError
 
         if isinstance(e, RayActorError):

@@ -4,8 +4,8 @@ A session is one streaming call, `session(...)`, from the gateway: it is the ses
 first item says where it runs (`Placement`); then come, in order, everything the server would have
 sent on the viewer's WebSocket (text messages as str, chunks as bytes, and a `{"close": [code,
 reason]}` where it would close the socket). The viewer's later messages arrive as `feed(...)` calls
-pinned to this replica (streamsvc/cluster/router.py). `RelayConnection` is what the server's
-WebSocket handler sees instead of a socket, so admission, rate limits, prompt coalescing, WebRTC
+pinned to this replica (streamsvc/cluster/router.py). `RelayConnection` is the `Connection`
+(streamsvc/front.py) the server's WebSocket handler sees instead of a socket, so admission, rate limits, prompt coalescing, WebRTC
 signaling and every reply are the server's own code.
 
 Ray does not cancel a streaming call whose caller died, so the gateway renews its sessions' leases
@@ -28,11 +28,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from websockets.datastructures import Headers
-from websockets.exceptions import ConnectionClosed
+from multidict import CIMultiDict
 
 from streamsvc import protocol as P
 from streamsvc.engine import EngineConfig
+from streamsvc.front import ConnectionClosed
 from streamsvc.server import Server, ServerConfig
 
 log = logging.getLogger("streamsvc.cluster.replica")
@@ -53,7 +53,7 @@ class ReplicaConfig:
 
 
 class RelayConnection:
-    """What `Server._handle` needs of a WebSocket connection, fed by the gateway's calls.
+    """A `Connection` (streamsvc/front.py) for `Server._handle`, fed by the gateway's calls.
 
     Its two directions end apart: the viewer's messages end with a None in `inbox` (the viewer left, or
     the replica ends the session: its gateway's lease ran out), after which the server's last messages
@@ -62,7 +62,7 @@ class RelayConnection:
 
     def __init__(self, conn_id: str, headers: list[tuple[str, str]], address: str) -> None:
         self.conn_id = conn_id
-        self.request = _Request(Headers(headers))
+        self.headers = CIMultiDict(headers)  # the viewer's upgrade request's, as the gateway relayed them
         self.remote_address = (address, 0)
         self.inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()  # the viewer's messages; None: they end
         self.outbox: asyncio.Queue[str | bytes | dict | None] = asyncio.Queue()  # to the gateway; None: the end
@@ -83,7 +83,7 @@ class RelayConnection:
 
     async def send(self, data: str | bytes) -> None:
         if self.closed:
-            raise ConnectionClosed(None, None)
+            raise ConnectionClosed(f"relay {self.conn_id} closed")
         self.outbox.put_nowait(data)
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
@@ -124,11 +124,6 @@ def _threads_and_children() -> list[int]:
 def stream_prefix(replica_uid: str) -> str:
     """The prefix of a replica's stream ids: its id's letters and digits and a '-' (`s3` there is `<uid>-s3`)."""
     return "".join(c for c in replica_uid if c.isascii() and c.isalnum()) + "-"
-
-
-@dataclass(frozen=True)
-class _Request:
-    headers: Headers
 
 
 class EngineReplica:
