@@ -8,9 +8,11 @@ H heads, D head dim, C latent channels.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +88,25 @@ def in_place(access: Sequence[CacheAccess], num_frames: int) -> bool:
 
 # Per layer: text keys and values of the cross-attention, each [B, text_len, H, D].
 TextKV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class SequenceSplit(Protocol):
+    """One forward split over the ranks of a group by tokens (models/parallel.py's Ulysses). Each rank
+    holds the same T/size tokens of every frame, so per-frame modulation applies to its shard as it is;
+    everything but self-attention runs on the shard."""
+
+    size: int  # ranks in the group; divides the heads and the tokens of a frame
+
+    def shard(self, p: torch.Tensor) -> torch.Tensor:
+        """[B, F, T, X] -> this rank's tokens of each frame, [B, F, T/size, X]."""
+
+    def gather(self, p: torch.Tensor) -> torch.Tensor:
+        """[B, F, T/size, X] on every rank -> all of them, [B, F, T, X] (on every rank)."""
+
+    def self_attention(self, model: CausalWanModel, ops, layer: int, attn: SelfAttention, x: torch.Tensor,
+                       kv: AttentionKV, rope, mask: torch.Tensor | None) -> torch.Tensor:
+        """`CausalWanModel._self_attention` for the shard's tokens x [B, n, dim] -> [B, n, dim];
+        kv holds this rank's heads of the cache."""
 
 
 class RMSNorm(nn.Module):
@@ -308,12 +329,14 @@ class AttentionKV:
     again only when the cache changed since (`CacheAccess.keys_rotated`): within a chunk the
     denoising steps and the commit read the same cache at the same positions."""
 
-    def __init__(self, model: CausalWanModel, access: Sequence[CacheAccess], rope, n_tokens: int, ops) -> None:
+    def __init__(self, model: CausalWanModel, access: Sequence[CacheAccess], rope, n_tokens: int, ops,
+                 heads: int | None = None) -> None:
         cfg = model.cfg
         self.access, self.rope, self.ops = access, rope, ops
         self.reads = [acc.frames_read * cfg.tokens_per_frame for acc in access]  # tokens
         self.n_tokens, self.n_frames = n_tokens, n_tokens // cfg.tokens_per_frame
-        self.shape = (len(access), max(self.reads) + n_tokens, cfg.num_heads, cfg.head_dim)
+        # heads: the model's, or one rank's share of them in a sequence-parallel forward (its cache's)
+        self.shape = (len(access), max(self.reads) + n_tokens, heads or cfg.num_heads, cfg.head_dim)
         self.dtype, self.device = model.dtype, model.device
         self.staged = in_place(access, self.n_frames)
         # training's layout: one access for every sample, no cache: attention runs on the batch at once
@@ -413,15 +436,20 @@ class CausalWanModel(nn.Module):
         """
         return self.predict_flow(x, t, text, access)
 
-    def predict_flow(self, x: torch.Tensor, t: torch.Tensor, text: TextKV, access: Sequence[CacheAccess]) -> torch.Tensor:
-        """`forward`, differentiable when autograd is on (training runs it; the fused kernels then step aside)."""
+    def predict_flow(self, x: torch.Tensor, t: torch.Tensor, text: TextKV, access: Sequence[CacheAccess],
+                     split: SequenceSplit | None = None) -> torch.Tensor:
+        """`forward`, differentiable when autograd is on (training runs it; the fused kernels then step aside).
+        With `split` (models/parallel.py), this rank's share of a forward split over a group: every rank
+        passes the same x, t and text, holds its heads of each cache, and gets the whole v."""
         cfg = self.cfg
         b, _, nf = x.shape[:3]
         if len(access) != b or t.shape != (b, nf):
             raise ValueError(f"batch mismatch: x {tuple(x.shape)}, t {tuple(t.shape)}, {len(access)} cache accesses")
         tpf = cfg.tokens_per_frame
+        parts = split.size if split is not None else 1
+        tpl = tpf // parts  # tokens of each frame this rank holds
 
-        h = self._patchify(x)  # [B, L, dim] float32, contiguous
+        h = self._patchify(x, split)  # [B, F*tpl, dim] float32, contiguous
         e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, t.flatten()).to(self.dtype)).float()  # [B*F, dim]
         e0 = self.time_projection(e.to(self.dtype)).float().view(b, nf, 1, 6, cfg.dim)  # [B, F, 1, 6, dim]
         # per block: shift, scale, gate (self-attention), shift, scale, gate (FFN), each [B, F, 1, dim]
@@ -434,27 +462,32 @@ class CausalWanModel(nn.Module):
 
         # Each step adds a residual and normalizes for the next in one pass: a block hands on the
         # residual h [B, F, T, dim] float32 and the next block's (or the head's) modulated input y.
-        h = h.view(b, nf, tpf, cfg.dim)
+        h = h.view(b, nf, tpl, cfg.dim)
         y = KERNELS.adaln(h, mods[0][0], mods[0][1], cfg.eps, self.dtype)
         ops = triton_ops if x.is_cuda and triton_ops.AVAILABLE and not torch.is_grad_enabled() else KERNELS
-        kv = AttentionKV(self, access, rope, nf * tpf, ops)
+        kv = AttentionKV(self, access, rope, nf * tpf, ops, heads=cfg.num_heads // parts)
         with attention_backends():
             for i, blk in enumerate(self.blocks):
                 shift, scale = mods[i + 1][:2] if i + 1 < len(self.blocks) else head
-                h, y = self._block(ops, i, blk, h, y, mods[i], text[i], shift, scale, kv, rope, mask)
+                h, y = self._block(ops, i, blk, h, y, mods[i], text[i], shift, scale, kv, rope, mask, split)
 
-        out = self._unpatchify(self.head.head(y.view(b, nf * tpf, cfg.dim)).float(), nf)
+        out = self.head.head(y).float()  # [B, F, tpl, C*pt*ph*pw]
+        if split is not None:
+            out = split.gather(out)
+        out = self._unpatchify(out.view(b, nf * tpf, -1), nf)
         if cfg.prediction == "sample":  # the head gave x0: the flow that leads from x to it
             sigma = (t.float() / 1000).clamp_min(SAMPLE_MIN_SIGMA).view(b, 1, nf, 1, 1)
             out = (x.float() - out) / sigma
         return out
 
-    def _block(self, ops, i, blk: Block, h, y, mod, text_kv, next_shift, next_scale, kv, rope, mask):
-        """h: residual [B, F, T, dim] float32; y: this block's modulated input -> (h, the next block's y).
-        `ops`: the fused kernels (models/triton_ops.py on CUDA, else the torch references)."""
+    def _block(self, ops, i, blk: Block, h, y, mod, text_kv, next_shift, next_scale, kv, rope, mask, split=None):
+        """h: residual [B, F, T, dim] float32 (T: the rank's tokens of a frame with `split`); y: this block's
+        modulated input -> (h, the next block's y). `ops`: the fused kernels (models/triton_ops.py on CUDA,
+        else the torch references)."""
         eps, dt = self.cfg.eps, self.dtype
         b, nf, tpf, dim = h.shape
-        a = self._self_attention(ops, i, blk.self_attn, y.view(b, nf * tpf, dim), kv, rope, mask).view_as(h)
+        attend = self._self_attention if split is None else functools.partial(split.self_attention, self)
+        a = attend(ops, i, blk.self_attn, y.view(b, nf * tpf, dim), kv, rope, mask).view_as(h)
         h, y = ops.residual_norm(h, a, mod[2], blk.norm3.weight, blk.norm3.bias, eps, dt)
         rows = text_kv[0].shape[0]  # B, or B*F: a prompt per frame
         a = blk.cross_attn(y.view(rows, -1, dim), *text_kv).view_as(h)
@@ -462,16 +495,22 @@ class CausalWanModel(nn.Module):
         a = feed_forward(blk.ffn, y)
         return ops.residual_adaln(h, a, mod[5], next_shift, next_scale, eps, dt)
 
+    @staticmethod
+    def project_qkv(attn: SelfAttention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [B, L, dim] -> q, k [B, L, H, D] before the qk norm, and v [B, L, H, D] when the FP8 path made it
+        with them (else None: the caller's GEMM writes it where it goes)."""
+        b, n = x.shape[:2]
+        nh, hd = attn.num_heads, attn.head_dim
+        if isinstance(attn.q, fp8.FP8Linear):  # x quantized once for the three FP8 GEMMs
+            xq, xs = fp8.OPS.quantize_rows(x.reshape(b * n, -1))
+            q, k, v = (lin.gemm(xq, xs, x.dtype).view(b, n, nh, hd) for lin in (attn.q, attn.k, attn.v))
+            return q, k, v
+        return attn.q(x).view(b, n, nh, hd), attn.k(x).view(b, n, nh, hd), None
+
     def _self_attention(self, ops, layer, attn: SelfAttention, x, kv: AttentionKV, rope, mask) -> torch.Tensor:
         b, n = x.shape[:2]
         hd, nh, eps, tpf = attn.head_dim, attn.num_heads, self.cfg.eps, self.cfg.tokens_per_frame
-        v_all = None
-        if isinstance(attn.q, fp8.FP8Linear):  # x quantized once for the three FP8 GEMMs
-            xq, xs = fp8.OPS.quantize_rows(x.reshape(b * n, -1))
-            q, k, v_all = (lin.gemm(xq, xs, x.dtype).view(b, n, nh, hd) for lin in (attn.q, attn.k, attn.v))
-        else:
-            q = attn.q(x).view(b, n, nh, hd)  # [B, L, H, D], before the qk norm
-            k = attn.k(x).view(b, n, nh, hd)
+        q, k, v_all = self.project_qkv(attn, x)
         if kv.shared:  # no cache, the same positions and mask for every sample: no loop over the batch
             (cos, sin), _ = rope[0]
             qs = KERNELS.norm_rope(q, attn.norm_q.weight, eps, cos, sin).transpose(1, 2)
@@ -496,6 +535,11 @@ class CausalWanModel(nn.Module):
                 vj = torch.addmm(attn.v.bias, x[j], attn.v.weight.t(), out=values[j, r : r + n].view(n, -1))  # V GEMM into place
             if kn is not None:
                 writes.append((acc, kn.view(-1, tpf, nh, hd), vj.view(-1, tpf, nh, hd)))
+        return attn.o(self.attend(layer, qs, keys, values, mask, writes).reshape(b, n, -1))
+
+    def attend(self, layer: int, qs, keys, values, mask, writes) -> torch.Tensor:
+        """Self-attention of queries qs [B, L, H, D] (normalized, rotated) over keys and values [B, Lk, H, D],
+        then the cache writes: (access, keys before RoPE, values) each [frames, T, H, D]. -> [B, L, H, D]."""
         if mask is None and self.attention_quant == "int8":
             out = sage.attend(qs, keys, values)  # [B, L, H, D]
         elif mask is None and flash.usable(qs):
@@ -504,7 +548,7 @@ class CausalWanModel(nn.Module):
             out = F.scaled_dot_product_attention(qs.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask).transpose(1, 2)
         for acc, kn, vj in writes:  # staged values are the cache itself: a write before would overwrite what is read
             acc.cache.write(layer, acc.write_slots, kn, vj, index=acc.write_index)
-        return attn.o(out.reshape(b, n, -1))
+        return out
 
     def _rope_tables(self, access: Sequence[CacheAccess], nf: int):
         dev = self.device
@@ -536,16 +580,18 @@ class CausalWanModel(nn.Module):
                 mask[j, :, :, c : c + nf * tpf] = True
         return mask.to(device)
 
-    def _patchify(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [B, C, F*pt, h*ph, w*pw] -> tokens [B, F*h*w, dim] float32. The patch embedding is a
-        # Conv3d with stride == kernel, i.e. one GEMM over flattened patches (faster than a conv,
-        # and it avoids torch 2.11's wrong bf16 Conv3d on CPU).
+    def _patchify(self, x: torch.Tensor, split: SequenceSplit | None = None) -> torch.Tensor:
+        # x: [B, C, F*pt, h*ph, w*pw] -> tokens [B, F*h*w, dim] float32 (with `split`: the rank's, [B, F*h*w/size,
+        # dim]). The patch embedding is a Conv3d with stride == kernel, i.e. one GEMM over flattened patches
+        # (faster than a conv, and it avoids torch 2.11's wrong bf16 Conv3d on CPU).
         cfg = self.cfg
         b, c = x.shape[:2]
         (pt, ph, pw), conv = cfg.patch, self.patch_embedding
         nf, gh, gw = x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw
-        p = x.to(self.dtype).view(b, c, nf, pt, gh, ph, gw, pw).permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, nf * gh * gw, -1)
-        return F.linear(p, conv.weight.flatten(1), conv.bias).float()
+        p = x.to(self.dtype).view(b, c, nf, pt, gh, ph, gw, pw).permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, nf, gh * gw, -1)
+        if split is not None:
+            p = split.shard(p)
+        return F.linear(p.reshape(b, -1, p.shape[-1]), conv.weight.flatten(1), conv.bias).float()
 
     def _unpatchify(self, out: torch.Tensor, nf: int) -> torch.Tensor:
         # out: [B, F*h*w, C*pt*ph*pw] -> [B, C, F*pt, h*ph, w*pw]
