@@ -281,6 +281,8 @@ def _serve_cluster(args, front) -> int:
 
 
 def _webrtc_args(p: argparse.ArgumentParser) -> None:
+    from streamsvc.rtc import MAX_REMOTE_CANDIDATES
+
     p.add_argument("--ice-server", action="append", default=[], metavar="URL[,USER,CREDENTIAL]",
                    help="STUN/TURN server for WebRTC streams, e.g. stun:stun.example.org:3478 or "
                         "turn:turn.example.org:3478,user,secret (repeatable; default: none, host candidates only)")
@@ -288,13 +290,19 @@ def _webrtc_args(p: argparse.ArgumentParser) -> None:
                    help="gather WebRTC host candidates on this address only (repeatable; e.g. 127.0.0.1 keeps ICE "
                         "on loopback; default: every interface but loopback, and loopback too when --host is a "
                         "loopback address)")
+    p.add_argument("--max-remote-candidates", type=int, default=MAX_REMOTE_CANDIDATES, metavar="N",
+                   help="ICE candidates of a WebRTC viewer's offer the server keeps, and so probes (default "
+                        f"{MAX_REMOTE_CANDIDATES}; a browser names 2 to 8). Link-local, multicast, unspecified and "
+                        "broadcast addresses and mDNS names are never probed, nor loopback unless the server gathers "
+                        "there itself")
 
 
 def _webrtc_config(args):
     from streamsvc.rtc import IceServer, WebRtcConfig
 
     return WebRtcConfig(ice_servers=tuple(IceServer.parse(s) for s in args.ice_server),
-                        ice_addresses=tuple(args.ice_address) or None)
+                        ice_addresses=tuple(args.ice_address) or None,
+                        max_remote_candidates=args.max_remote_candidates)
 
 
 def _access_args(p: argparse.ArgumentParser) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from streamsvc import protocol as P
 from streamsvc.access import AccessConfig, Refusal, StreamLimits, TokenBucket, bearer_token, client_address, \
-    exposure_warning, find_token
+    exposure_warning, find_token, ProtocolErrors
 from streamsvc.engine import ChunkOut, Engine, EngineConfig
 from streamsvc.front import Connection, ConnectionClosed, FrontConfig, Handlers, HttpFront, tls_context
 from streamsvc.metrics import Metrics
@@ -407,6 +407,7 @@ class Server:
             viewer, _TrackReports(self.engine, viewer), self._webrtc_config,
             on_control=lambda m: self.streams.control(viewer, m),
             on_lost=lambda reason: self.streams.leave(viewer, reason), on_stall=self.metrics.track_stalls.inc,
+            protocol_errors=ProtocolErrors(self.config.access.max_protocol_errors),
         )
 
     async def _watch(self, ws: Connection, msg: P.Watch) -> Viewer | None:
