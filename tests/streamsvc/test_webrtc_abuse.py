@@ -177,6 +177,7 @@ async def test_the_server_answers_an_offer_of_680_m_lines_with_invalid_field_and
         await ws.send(P.encode(P.Start(prompt="a cat", transport="webrtc")))
         ready = await _recv_type(ws, "ready")
         rtc = server.webrtc[ready["viewer_id"]]
+        assert rtc.errors.limit == server.config.access.max_protocol_errors  # --max-protocol-errors reaches it
         pc, channel, real = await _client_offer()
         try:
             flood = P.encode(P.Offer(sdp=_flood_offer(real, 680)))
