@@ -46,7 +46,8 @@ from streamsvc.engine_config import EngineConfig
 from streamsvc.errors import EngineError
 from streamsvc.output import ChunkOut, OutputStage, StreamOutput
 from streamsvc.parking import ParkResult, Parking
-from streamsvc.scheduling import Admission, Plan, Scheduler, SchedulerStats, Stage, StreamRequest, WorkKind
+from streamsvc.scheduling import Admission, Plan, Scheduler, SchedulerStats, Stage, StreamRequest, WorkKind, \
+    without_streamless
 from streamsvc.timing import InFlight, Timer
 from streamsvc.warmup import keep_freed_memory, log_attention, warm_up
 
@@ -82,8 +83,12 @@ class Engine:
         on_chunk: Callable[[ChunkOut], None],
         on_error: Callable[[str, str, str], None],
         clock: Callable[[], float] = time.monotonic,
+        streamless: Callable[[], float] | None = None,
     ) -> None:
         self.config = config
+        # the event loop's CPU on clients without a stream so far (the server's meter): on a CPU device it is left
+        # out of the forwards' cost samples (scheduling.without_streamless)
+        self._streamless = streamless
         self._on_chunk, self._on_error = on_chunk, on_error
         self.clock = clock
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
@@ -368,7 +373,7 @@ class Engine:
         host) and count it done in the scheduler; its cost is read from its events later."""
         streams = [self._streams[sid] for sid in plan.stream_ids]
         now = self.clock()
-        timer = Timer(self.gen.device, self.clock)
+        timer = Timer(self.gen.device, self.clock, self._streamless)
         try:
             chunks = self._run(plan, streams, now)
         except Exception as e:  # noqa: BLE001 - one plan's failure ends its streams, not the engine
@@ -404,7 +409,10 @@ class Engine:
             self.forwards[kind] += 1
             self.gpu_seconds[kind] += f.elapsed_s
             self.forward_seconds[kind] += self.clock() - f.launched_at
-            self.sched.observe_cost(f.kind, f.batch, f.elapsed_s)
+            # on CPU, the wall time less what the event loop did meanwhile for clients without a stream (or no sample)
+            seconds = without_streamless(f.elapsed_s, f.streamless_s, self.sched.config.streamless_max_share)
+            if seconds is not None:
+                self.sched.observe_cost(f.kind, f.batch, seconds)
 
     def _wait_all(self) -> None:
         try:

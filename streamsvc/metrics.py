@@ -78,15 +78,20 @@ class Metrics:
                            registry=r)
         self.park_s = Gauge("streamsvc_park_seconds", "Time of the parks' and resumes' copies, in total", ["op"],
                             registry=r)
+        self.streamless_s = Gauge("streamsvc_streamless_cpu_seconds",
+                                  "Event-loop CPU spent on clients without a stream (HTTP requests, messages before "
+                                  "start or watch), in total; left out of the cost estimates admission uses", registry=r)
         self.errors = Counter("streamsvc_protocol_errors", "Bad client messages answered with an error", registry=r)
         self.refusals = Counter("streamsvc_refusals", "Requests refused, by reason", ["reason"], registry=r)
         for reason in Refusal:
             self.refusals.labels(reason.value)  # every reason shows, at 0 until it happens
 
-    def refresh(self, engine: Engine, sessions: Collection[Session], recording_bytes: int) -> None:
-        """Set the gauges from the engine's counters and its latest snapshot, the open streams (`sessions`) and the
-        disk the recordings use."""
+    def refresh(self, engine: Engine, sessions: Collection[Session], recording_bytes: int,
+                streamless_s: float = 0.0) -> None:
+        """Set the gauges from the engine's counters and its latest snapshot, the open streams (`sessions`), the
+        disk the recordings use and the event loop's CPU on clients without a stream so far (`streamless_s`)."""
         m, snap = self, engine.snapshot
+        m.streamless_s.set(streamless_s)
         for state in SessionState:
             m.streams.labels(state.value).set(sum(1 for s in sessions if s.state is state))
         m.kv_bytes.set(engine.kv_used_bytes)
