@@ -232,11 +232,12 @@ def cmd_serve(args) -> int:
         webrtc = _webrtc_config(args)
         access = _access_config(args)
         audience = _audience_config(args)
+        front = _front_config(args)
     except (ValueError, OSError) as e:
         print(f"streamsvc serve: {e}", file=sys.stderr)
         return 2
     config = ServerConfig(host=args.host, port=args.port, static_dir=str(static) if static.is_dir() else None,
-                          webrtc=webrtc, access=access, **audience)
+                          webrtc=webrtc, access=access, **audience, **front)
     if args.cluster is not None:  # beyond one GPU: this front as the gateway of Ray Serve engine replicas
         return _serve_cluster(args, config)
     try:
@@ -350,6 +351,35 @@ def _access_args(p: argparse.ArgumentParser) -> None:
                         "(default 10)")
 
 
+def _front_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the port: TLS, metrics, downloads (see README: Running it on a public address)")
+    g.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve https and wss on the port with this certificate (chain); needs --tls-key (default: "
+                        "plain http and ws; a browser's camera needs https off localhost)")
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    g.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve /metrics alone on this port, without the access token (bind it where only your "
+                        "scraper reaches); the main port then answers 404 for /metrics (default: /metrics on the "
+                        "main port, behind the token when the server has tokens)")
+    g.add_argument("--max-downloads-per-client", type=int, default=4, metavar="N",
+                   help="recordings one client address may download at once; more get HTTP 429 with Retry-After "
+                        "(default 4; each download holds a file and a 256 KiB piece, never the whole file)")
+
+
+def _front_config(args) -> dict:
+    """ServerConfig's fields of the port; a TLS certificate or key that does not load is an error here."""
+    from streamsvc.front import tls_context
+
+    if (args.tls_cert is None) is not (args.tls_key is None):
+        raise ValueError("give both --tls-cert and --tls-key (a certificate and its private key), or neither")
+    if args.tls_cert is not None:
+        tls_context(args.tls_cert, args.tls_key)  # raises OSError (ssl.SSLError) with the reason
+    if args.max_downloads_per_client < 1:
+        raise ValueError(f"--max-downloads-per-client {args.max_downloads_per_client}: give at least 1")
+    return {"tls_cert": args.tls_cert, "tls_key": args.tls_key, "metrics_port": args.metrics_port,
+            "max_downloads_per_client": args.max_downloads_per_client}
+
+
 def _audience_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("watchers and recording (see README: One stream, many viewers)")
     g.add_argument("--max-watchers", type=int, default=64, metavar="N",
@@ -429,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     _webrtc_args(s)
     _access_args(s)
     _audience_args(s)
+    _front_args(s)
     _cluster_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -9,7 +9,8 @@ WS_PATH, from an allowed origin, and the handshake goes on. The routes:
 - /metrics: the server's Prometheus metrics (streamsvc/metrics.py), refreshed at each request;
 - RECORDINGS_PATH + NAME.mp4 / NAME.vtt: a finished recording and its chapters, NAME its id and its own secret
   (streamsvc/record.py: a missing or wrong secret is 404, as no recording is), behind the access token when the
-  server has tokens; a Range request gets its part (seeking in a <video>);
+  server has tokens; a Range request gets its part (seeking in a <video>; see byte_range), a download at a
+  time per client beyond --max-downloads-per-client is refused by the front;
 - anything else: the browser player's static files (404 when the server has none).
 
 A reply's body is bytes, or a file (or a byte range of one) that a front may stream instead of reading it whole.
@@ -77,6 +78,7 @@ def _headers(ctype: str, length: int) -> tuple[tuple[str, str], ...]:
     return ("Content-Type", ctype), ("Content-Length", str(length)), ("Cache-Control", "no-store")
 
 
+_UNSATISFIABLE = b"the Range asks for bytes past the end of the file (its size is in Content-Range)\n"
 _BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
 _DOT_SEGMENT = re.compile(r"(^|/)\.{1,2}(/|$)")
 
@@ -135,22 +137,43 @@ def static_file(root: str | None, path: str) -> HttpReply:
     return HttpReply(http.HTTPStatus.OK, _headers(ctype, target.stat().st_size), file=target)
 
 
+class RangeNotSatisfiable(Exception):
+    """A Range none of whose bytes the file has (416 with `Content-Range: bytes */SIZE`)."""
+
+
+_RANGE = re.compile(r"(\d*)-(\d*)")
+_HUGE = 10**18  # a position of more than 18 digits is past any file (and not worth int()'s cost)
+
+
 def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
-    """The first range of an HTTP Range header ("bytes=START-END", "bytes=START-", "bytes=-SUFFIX") as inclusive
-    offsets within `size` bytes; None for no header, one we do not parse, or one that does not fit (the whole body)."""
-    if not header or not header.startswith("bytes=") or size == 0:
+    """The byte range a Range header asks of `size` bytes, as inclusive offsets (RFC 9110 section 14): one
+    "bytes=START-END", "bytes=START-" or "bytes=-SUFFIX" (an END past the file is clamped to it). None: serve the
+    whole file with 200, for no header, another unit, a malformed or invalid one (END before START), or several
+    ranges. Raises RangeNotSatisfiable when the one range starts past the end (or asks for a suffix of 0 bytes).
+
+    Several ranges get the whole file, which RFC 9110 allows a server to do (it may ignore Range): no client of
+    ours asks for several (a <video> seeks with one open-ended range), and a multipart/byteranges body is where
+    servers have been made to amplify (many overlapping small ranges of one large file) for no use of ours.
+    """
+    if not header:
         return None
-    first = header.removeprefix("bytes=").split(",", 1)[0].strip()
-    start_text, _, end_text = first.partition("-")
-    try:
-        if start_text:
-            start = int(start_text)
-            end = min(int(end_text), size - 1) if end_text else size - 1
-        else:
-            start, end = max(0, size - int(end_text)), size - 1
-    except ValueError:
+    unit, _, ranges = header.partition("=")
+    if unit.strip().lower() != "bytes":
         return None
-    return (start, end) if 0 <= start <= end else None
+    specs = [spec.strip() for spec in ranges.split(",") if spec.strip()]
+    match = _RANGE.fullmatch(specs[0]) if len(specs) == 1 else None
+    if match is None or match.group(1) == match.group(2) == "":
+        return None
+    first, last = (None if not text else int(text) if len(text) <= 18 else _HUGE for text in match.groups())
+    if first is None:  # the last `last` bytes
+        if last == 0 or size == 0:
+            raise RangeNotSatisfiable(f"bytes=-{last} of {size} bytes")
+        return max(0, size - last), size - 1
+    if last is not None and last < first:
+        return None  # invalid: ignored
+    if first >= size:
+        raise RangeNotSatisfiable(f"bytes={first}- of {size} bytes")
+    return first, size - 1 if last is None else min(last, size - 1)
 
 
 class Routes:
@@ -207,7 +230,12 @@ class Routes:
             return reply(http.HTTPStatus.NOT_FOUND, b"no such recording\n", "text/plain")
         ctype = "video/mp4" if target.suffix == ".mp4" else "text/vtt; charset=utf-8"
         size = target.stat().st_size
-        span = byte_range(request.headers.get("Range"), size)
+        try:
+            span = byte_range(request.headers.get("Range"), size)
+        except RangeNotSatisfiable:
+            return HttpReply(http.HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE,
+                             _headers("text/plain", len(_UNSATISFIABLE)) + (("Content-Range", f"bytes */{size}"),),
+                             _UNSATISFIABLE)
         if span is None:
             return HttpReply(http.HTTPStatus.OK, _headers(ctype, size) + (("Accept-Ranges", "bytes"),), file=target,
                              download=True)

@@ -1,5 +1,6 @@
 """The port (streamsvc/front.py, aiohttp) over loopback, with the real routes (streamsvc/routes.py) and no engine:
-WebSocket limits (1009, the handshake deadline), bad request targets, request bodies, the connection hook.
+WebSocket limits (1009, the handshake deadline), bad request targets, recordings served in bounded pieces with
+Range and a per-client cap, request bodies, the port's flags, the connection hook.
 
 Raw sockets where a client library would not send what a hostile client sends. Every wait is bounded."""
 
@@ -16,11 +17,12 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from streamsvc import front as F
 from streamsvc import protocol as P
 from streamsvc.access import AccessConfig
 from streamsvc.front import FrontConfig, Handlers, HttpFront
 from streamsvc.metrics import Metrics
-from streamsvc.routes import HttpReply, HttpRequest, Routes, reply
+from streamsvc.routes import HttpReply, HttpRequest, RangeNotSatisfiable, Routes, byte_range, reply
 
 T = 10.0  # bound on anything that takes well under a second
 NAME = "s0-20250101T000000-0123456789abcdef0123456789abcdef.mp4"  # a recording's link (its id and secret)
@@ -209,6 +211,127 @@ async def test_a_request_body_reaches_the_route_and_one_over_the_limit_gets_413(
             f"{400:x}\r\n".encode() + b"x" * 400 + b"\r\n" for _ in range(3)) + b"0\r\n\r\n"
         assert (status, (await raw_request(front.port, chunked))[0]) == (413, 413)
         assert len(seen) == 1
+
+
+# ---------------------------------------------------------------- recordings: Range, bounded pieces, the cap
+
+
+def pattern_file(path: Path, size: int) -> bytes:
+    """A file whose every offset has its own byte pattern (a 251-byte cycle): a wrong offset shows."""
+    data = (bytes(range(251)) * (size // 251 + 1))[:size]
+    path.write_bytes(data)
+    return data
+
+
+@pytest.mark.parametrize("header, span", [
+    ("bytes=0-99", (0, 99)), ("bytes=100-", (100, 999)), ("bytes=-100", (900, 999)), ("bytes=990-5000", (990, 999)),
+    ("bytes=-5000", (0, 999)), ("Bytes=0-0", (0, 0)), ("bytes= 5-6 ", (5, 6)), ("bytes=5-6,", (5, 6)),
+    (None, None), ("", None), ("items=0-5", None), ("bytes=5-1", None), ("bytes=abc", None), ("bytes=-", None),
+    ("bytes=0-1,5-6", None), ("bytes=0-1, -5", None), ("bytes=1-2-3", None),
+])
+def test_byte_range(header, span):
+    assert byte_range(header, 1000) == span
+
+
+@pytest.mark.parametrize("header", ["bytes=1000-", "bytes=5000-6000", "bytes=-0", f"bytes={10**30}-"])
+def test_a_range_past_the_end_is_not_satisfiable(header):
+    with pytest.raises(RangeNotSatisfiable):
+        byte_range(header, 1000)
+    with pytest.raises(RangeNotSatisfiable):
+        byte_range("bytes=0-", 0)  # an empty file has no byte to give
+
+
+async def test_ranges_of_a_recording_single_suffix_open_ended_unsatisfiable_and_multi(tmp_path):
+    data = pattern_file(tmp_path / NAME, 300_000)
+    size = len(data)
+    async with serving(tmp_path, files={NAME: tmp_path / NAME}) as (front, _):
+        async def fetch(*headers):
+            return await raw_request(front.port, get(front.port, "/recordings/" + NAME, *headers))
+
+        status, headers, body = await fetch()
+        assert (status, body, headers["accept-ranges"]) == (200, data, "bytes")
+        for rng, start, end in (("bytes=0-99", 0, 99), ("bytes=-1000", size - 1000, size - 1),
+                                ("bytes=299000-", 299_000, size - 1), ("bytes=262140-262150", 262_140, 262_150)):
+            status, headers, body = await fetch(f"Range: {rng}")
+            assert status == 206 and body == data[start:end + 1], rng
+            assert headers["content-range"] == f"bytes {start}-{end}/{size}"
+            assert headers["content-length"] == str(end + 1 - start)
+        status, headers, body = await fetch(f"Range: bytes={size}-")
+        assert status == 416 and headers["content-range"] == f"bytes */{size}" and b"Range" in body
+        # several ranges: the whole file with 200 (RFC 9110 lets a server ignore Range; see routes.byte_range)
+        status, headers, body = await fetch("Range: bytes=0-9,100-109")
+        assert status == 200 and body == data and "content-range" not in headers
+
+
+async def test_a_big_recording_is_streamed_in_pieces_and_a_slow_reader_holds_few_of_them(tmp_path, monkeypatch):
+    size = 64 << 20
+    data = pattern_file(tmp_path / NAME, size)
+    reads = []
+
+    def counted(fd, offset, n):
+        reads.append(n)
+        return os.pread(fd, n, offset)
+
+    monkeypatch.setattr(F, "read_piece", counted)
+    async with serving(tmp_path, files={NAME: tmp_path / NAME}) as (front, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+        writer.write(get(front.port, "/recordings/" + NAME))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), T)
+        assert head.startswith(b"HTTP/1.1 200") and f"Content-Length: {size}".encode() in head
+        first = await asyncio.wait_for(reader.readexactly(1 << 20), T)
+        await asyncio.sleep(0.5)  # the reader stops reading: the server stops reading the file
+        read_while_paused = sum(reads)
+        assert read_while_paused < 16 << 20, read_while_paused  # the socket's buffers and a piece, not 64 MiB
+        assert first == data[:1 << 20]
+        rest = await asyncio.wait_for(reader.readexactly(size - (1 << 20)), 60)
+        assert first + rest == data
+        writer.close()
+    assert max(reads) <= F.PIECE_BYTES and sum(reads) == size
+
+
+async def test_downloads_per_client_are_capped_and_the_next_gets_429_with_retry_after(tmp_path):
+    pattern_file(tmp_path / NAME, 32 << 20)  # more than the sockets' buffers: a download not read stays open
+    async with serving(tmp_path, files={NAME: tmp_path / NAME}, max_downloads_per_client=2) as (front, routes):
+        async def start_download(source: str = "127.0.0.1"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", front.port, local_addr=(source, 0))
+            writer.write(get(front.port, "/recordings/" + NAME))
+            return reader, writer, await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), T)
+
+        downloads = [await start_download() for _ in range(2)]
+        assert all(head.startswith(b"HTTP/1.1 200") for _, _, head in downloads)
+        status, headers, body = await raw_request(front.port, get(front.port, "/recordings/" + NAME))
+        assert status == 429 and int(headers["retry-after"]) > 0 and b"--max-downloads-per-client" in body
+        assert front.downloads.held("127.0.0.1") == 2
+        other = await start_download("127.0.0.2")  # another address has its own
+        assert other[2].startswith(b"HTTP/1.1 200")
+        downloads[0][1].close()  # a download ends (its client went away): its slot comes free
+        for _ in range(int(T / 0.05)):
+            if front.downloads.held("127.0.0.1") < 2:
+                break
+            await asyncio.sleep(0.05)
+        again = await start_download()
+        assert again[2].startswith(b"HTTP/1.1 200")
+        for _, writer, _ in (*downloads[1:], other, again):
+            writer.close()
+        status, _, _ = await raw_request(front.port, get(front.port, "/"))  # the player is not a download
+        assert status == 200
+
+
+def test_the_ports_flags_reach_the_server_config_and_a_bad_one_is_an_error(tmp_path):
+    from streamsvc.cli import _front_config, build_parser
+
+    def config(*argv):
+        return _front_config(build_parser().parse_args(["serve", *argv]))
+
+    assert config() == {"tls_cert": None, "tls_key": None, "metrics_port": None, "max_downloads_per_client": 4}
+    assert config("--max-downloads-per-client", "2", "--metrics-port", "9100")["max_downloads_per_client"] == 2
+    with pytest.raises(ValueError, match="--max-downloads-per-client 0"):
+        config("--max-downloads-per-client", "0")
+    with pytest.raises(ValueError, match="both --tls-cert and --tls-key"):
+        config("--tls-cert", "cert.pem")
+    (tmp_path / "junk.pem").write_text("not a certificate")
+    with pytest.raises(OSError):  # ssl.SSLError is one: serve prints it and exits 2
+        config("--tls-cert", str(tmp_path / "junk.pem"), "--tls-key", str(tmp_path / "junk.pem"))
 
 
 # ---------------------------------------------------------------- the connection hook
