@@ -17,17 +17,21 @@ k = 1 is checked against a real full forward of the whole model (`ChunkGenerator
 
 Collectives (counted, not run: this needs one device): per block an all-to-all of q, k, v in (each rank
 sends (k-1)/k of its N/k x dim values of each) and one of the attention output back, in bf16; per forward an
-all-gather of the head's output (float32); a cache write (commit, or the last step under commit-reuse) one
-more all-to-all of the keys before RoPE (the new tokens' RoPE runs on the token shard, issue 34, so the
-head-sharded cache needs the unrotated keys sent too). An all-to-all's time is its bytes per rank / a bus
+all-gather of the head's output (float32). The keys cross before RoPE and each rank rotates its heads' after
+the all-to-all, as models/parallel.py does, so a cache write needs no more traffic (`--keys-rope-on-shard`
+counts the extra all-to-all of the unrotated keys a write would need were the keys rotated on the token shard
+before crossing; the RoPE's work is the same either way). An all-to-all's time is its bytes per rank / a bus
 bandwidth (+ `--collective-latency-us` per call): until an all-to-all is measured on several devices the bus
 bandwidth is the all-reduce's measured on these hosts (`--bus-gbps`, default the low end; source printed).
+k must divide the heads and the tokens of a frame (each rank holds T/k tokens of every frame, as
+models/parallel.py's `check_degree` says); other k are listed as skipped.
 
 Prediction per k: a forward = shard compute + collectives; a chunk = the tier's forwards + the decode
 (`--decoder`: the Wan VAE by default for wan2.1-*, a recorded figure; the built-in or TAEHV decoders are
-timed here with random weights), run on rank 0 after the commit as the engine runs it today (the other ranks
-wait for it at the next chunk's first all-to-all; `period_overlapped_ms` says what overlapping it with the
-next chunk would give). Exact: 4 steps + commit. Approximate: `--fidelity approximate`'s default options on
+timed here with random weights), run after the commit as the engine runs it today (models/parallel.py's
+ShardedGenerator decodes on every rank; decoded on rank 0 alone, the others would wait for it at the next
+chunk's first all-to-all: the same latency); `period_overlapped_ms` says what overlapping it with the next
+chunk would give. Exact: 4 steps + commit. Approximate: `--fidelity approximate`'s default options on
 the device (on CUDA fp8-linears, steps-3, commit-reuse), timed with FP8 linears where on. Then whether one
 stream is live (chunk latency under its 0.75 s play time at 16 fps, 12 frames), at what margin, and how many
 streams per group the scheduler's admission (streamsvc/scheduling: utilization target, start rule, buffer
@@ -359,7 +363,7 @@ def collective_bytes(mc: ModelConfig, tokens: int, k: int) -> dict:
     return {
         "a2a_qkv": qkv,
         "a2a_out": out,
-        "a2a_keys_unrotated": one,  # a cache write's extra all-to-all (per block)
+        "a2a_keys_unrotated": one,  # a cache write's extra all-to-all per block, were keys rotated before crossing
         "per_block": qkv + out,
         "per_forward": mc.num_layers * (qkv + out) + gather,
         "gather": gather,
@@ -484,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
                         "tiny: 1 ms)")
     p.add_argument("--approx-options", default=None,
                    help="the approximate tier's speed options (default: --fidelity approximate's on the device)")
+    p.add_argument("--keys-rope-on-shard", action="store_true",
+                   help="count an all-to-all of the unrotated keys per block for each cache write (keys rotated on the "
+                        "token shard before crossing; models/parallel.py sends them before RoPE: none)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the DiT's elementwise helpers and FP8 quantizers before any capture (default: "
                         "on with CUDA, off on CPU, as `streamsvc serve`)")
@@ -507,8 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     approx_opts = fidelity.active(acfg)
     ks = [int(x) for x in args.ks.split(",") if x.strip()]
     skipped = {k: f"{k} does not divide the {mc.num_heads} heads" if mc.num_heads % k else
-               f"{k} does not divide the chunk's {tokens} tokens" for k in ks
-               if mc.num_heads % k or tokens % k}
+               f"{k} does not divide the {mc.tokens_per_frame} tokens of a frame" for k in ks
+               if mc.num_heads % k or mc.tokens_per_frame % k}
     ks = [k for k in ks if k not in skipped]
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     compiled = args.compile if args.compile is not None else device.type == "cuda"
@@ -576,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         calls = b["collectives_per_forward"]
         comm = collective_ms(b["per_forward"], calls, args.bus_gbps, args.collective_latency_us)
         comm_write = collective_ms(mc.num_layers * b["a2a_keys_unrotated"], mc.num_layers if k > 1 else 0,
-                                   args.bus_gbps, args.collective_latency_us)
+                                   args.bus_gbps, args.collective_latency_us) if args.keys_rope_on_shard else 0.0
         tiers = {}
         for tier, prec, steps, reuse in (("exact", "bf16", len(gcfg.timesteps), False),
                                          ("approximate", "fp8" if acfg.fp8_linears else "bf16", len(acfg.timesteps),
@@ -628,9 +635,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{r['k']:>2} {b['a2a_qkv'] / 1e6:>10.2f} {b['a2a_out'] / 1e6:>10.2f} {b['per_block'] / 1e6:>9.2f} "
             f"{b['per_forward'] / 1e6:>10.1f} {b['collectives_per_forward']:>5} {r['comm_ms']:>10.2f} {r['comm_write_ms']:>9.2f}")
     log("")
-    log(f"Predicted chunk latency (decode: {decoder} {dec_ms:.1f} ms, {dec_src}; run on rank 0 after the commit, not "
-        f"overlapped; play time {play_ms:.0f} ms; admission: utilization target {sched.utilization_target:g}, start "
-        f"margin {sched.start_margin_s:g} s, buffer cap {sched.buffer_cap_s:g} s, encode {enc_ms:g} ms/chunk: {enc_src})")
+    log(f"Predicted chunk latency (decode: {decoder} {dec_ms:.1f} ms, {dec_src}; run after the commit, not overlapped; "
+        f"keys cross {'after' if args.keys_rope_on_shard else 'before'} RoPE; play time {play_ms:.0f} ms; admission: "
+        f"utilization target {sched.utilization_target:g}, start margin {sched.start_margin_s:g} s, buffer cap "
+        f"{sched.buffer_cap_s:g} s, encode {enc_ms:g} ms/chunk: {enc_src})")
     log(f"approximate = {', '.join(approx_opts)}")
     log(f"{'k':>2} {'tier':>11} {'ms/fwd':>7} {'DiT/chunk':>9} {'chunk':>7} {'overlap':>7} {'live':>4} {'margin':>7} "
         f"{'load':>5} {'streams':>7} {'GPUs/stream':>11}")
@@ -675,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_ms": round(dec_ms, 2),
         "decode_source": dec_src,
         "decode_overlap": False,
+        "keys_rope_on_shard": args.keys_rope_on_shard,
         "encode_ms": enc_ms,
         "approx_options": approx_opts,
         "play_ms": play_ms,

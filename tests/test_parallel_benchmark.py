@@ -23,6 +23,7 @@ def test_the_tiny_preset_on_cpu(capsys):
     assert r["validation"]["forward_ms"] > 0 and r["validation"]["ratio"] > 0
     one, two = r["rows"]
     assert one["bytes"]["per_forward"] == 0 and one["comm_ms"] == 0  # one rank: no collective
+    assert two["comm_write_ms"] == 0 and not r["keys_rope_on_shard"]  # keys cross before RoPE: writes cost no traffic
     # k = 2: each rank sends half of its 24 tokens x 64 values of q, k, v and of the output (bf16), per block,
     # and the other rank's half of the flow (24 tokens x 256 values, float32) once a forward
     assert two["bytes"]["a2a_qkv"] == 3 * 24 * 64 * 2 // 2 and two["bytes"]["a2a_out"] == 24 * 64 * 2 // 2
@@ -38,7 +39,7 @@ def test_the_tiny_preset_on_cpu(capsys):
         for t in (ex, ap):
             assert t["chunk_ms"] == pytest.approx(t["dit_chunk_ms"] + r["decode_ms"], abs=0.2)
             assert t["live"] == (t["chunk_ms"] < 750) and t["margin_ms"] == pytest.approx(750 - t["chunk_ms"], abs=0.2)
-            assert t["refused_next"]  # the next stream's refusal, with its reason
+            assert t["refused_next"] or t["streams"] == 64  # the next stream's refusal with its reason, or the cap
             if t["load"] > 0.9:
                 assert t["streams"] == 0 and "compute" in t["refused_next"]
     assert "One rank's share" in out.err and "Predicted chunk latency" in out.err
