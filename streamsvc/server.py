@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from streamsvc import protocol as P
+from streamsvc.cpumeter import CpuMeter
 from streamsvc.access import AccessConfig, Refusal, StreamLimits, TokenBucket, bearer_token, client_address, \
     exposure_warning, find_token, ProtocolErrors
 from streamsvc.engine import ChunkOut, Engine, EngineConfig
@@ -43,6 +44,7 @@ from streamsvc.record import RecordingStore
 from streamsvc.routes import RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequest, Routes
 from streamsvc.session import Role, Session, Viewer
 from streamsvc.rtc import WebRtcConfig, server_ice_addresses
+from streamsvc.scheduling import SendSampler
 from streamsvc.streams import Streams, unknown_words, vocabulary
 from streamsvc.transport.webrtc import WebRtcTransport
 
@@ -100,6 +102,9 @@ class Server:
         self.limits = StreamLimits(config.access)
         self._chunks_sent = 0  # chunks handed to the transports (the SEND stage's measure)
         self._send_meter: asyncio.Task | None = None
+        # the event loop's CPU on clients without a stream (HTTP requests, a connection's messages before it has a
+        # stream): left out of the send's and (on a CPU device) the forwards' cost samples, shown in /metrics
+        self.streamless = CpuMeter()
         self.engine_config = engine_config
         self.metrics = Metrics()
         self.sessions: dict[str, Session] = {}
@@ -114,7 +119,7 @@ class Server:
         self._webrtc_config = dataclasses.replace(
             config.webrtc, ice_addresses=server_ice_addresses(config.host, config.webrtc.ice_addresses))
         self.engine = Engine(engine_config, on_chunk=self._from_engine(self._on_chunk),
-                             on_error=self._from_engine(self._on_error))
+                             on_error=self._from_engine(self._on_error), streamless=lambda: self.streamless.seconds)
         self.streams = Streams(self.engine, self.sessions, self.limits, self.recordings, self.metrics, clock,
                                config.orphan_timeout_s)
         self.routes = Routes(config.access, config.static_dir, self.recordings, self.metrics,
@@ -160,15 +165,18 @@ class Server:
         await self.stop()
 
     async def _measure_send(self) -> None:
-        """Every SEND_PERIOD_S, the event loop's CPU time per chunk sent (everything it does: the sends, control
-        messages, WebRTC's packetizing and encryption) goes to admission as the SEND stage's cost."""
-        cpu, chunks = time.thread_time(), self._chunks_sent
+        """Every SEND_PERIOD_S, the event loop's CPU time per chunk sent goes to admission as the SEND stage's cost
+        (scheduling.SendSampler): everything the loop does for the streams (the sends, control messages, WebRTC's
+        packetizing and encryption, which no wrapper of ours could time) less what it did for clients without a
+        stream (self.streamless), over windows of at least SEND_MIN_CHUNKS chunks; a period without a chunk sent
+        is charged to none."""
+        config = self.engine_config.scheduler
+        sampler = SendSampler(SEND_MIN_CHUNKS, config.streamless_max_share)
         while True:
+            sample = sampler.read(time.thread_time(), self.streamless.seconds, self._chunks_sent)
+            if sample is not None:
+                self.engine.observe_send(sample)
             await asyncio.sleep(SEND_PERIOD_S)
-            if self._chunks_sent - chunks >= SEND_MIN_CHUNKS:
-                now_cpu = time.thread_time()
-                self.engine.observe_send((now_cpu - cpu) / (self._chunks_sent - chunks))
-                cpu, chunks = now_cpu, self._chunks_sent
 
     # -- engine callbacks (called in the engine thread, run on the loop) ---------------------
 
@@ -236,11 +244,14 @@ class Server:
     def _route(self, request: HttpRequest) -> HttpReply | None:
         """The routes' reply to a request on the port; None: the WebSocket upgrade goes on (the gateway has its
         own). Its CPU is stream-less work (self.streamless)."""
-        return self.routes.handle(request)
+        with self.streamless.measure():
+            return self.routes.handle(request)
 
     def _route_metrics(self, request: HttpRequest) -> HttpReply:
-        """--metrics-port's one route: /metrics, no token (bind it where only the scraper reaches)."""
-        return self.routes.metrics_only(request)
+        """--metrics-port's one route: /metrics, no token (bind it where only the scraper reaches). Stream-less work
+        too (self.streamless)."""
+        with self.streamless.measure():
+            return self.routes.metrics_only(request)
 
     def _client_of(self, request: HttpRequest) -> str:
         """The client address an HTTP request counts against (X-Forwarded-For's with --trust-proxy)."""
@@ -261,11 +272,17 @@ class Server:
 
     def _refresh_metrics(self) -> None:
         """Bring the metrics' gauges up to date (what GET /metrics runs first)."""
-        self.metrics.refresh(self.engine, self.sessions.values(), self.recordings.used_bytes)
+        self.metrics.refresh(self.engine, self.sessions.values(), self.recordings.used_bytes, self.streamless.seconds)
 
     # -- WebSocket ----------------------------------------------------------------------------
 
     async def _handle(self, ws: Connection) -> None:
+        """One connection. Its CPU while it has no stream (before `start` or `watch`, after a refusal) is stream-less
+        work (self.streamless): not its stream's, which has none."""
+        conn = _Connection()
+        await self.streamless.run(self._connection(ws, conn), charging=lambda: conn.viewer is None)
+
+    async def _connection(self, ws: Connection, conn: _Connection) -> None:
         viewer: Viewer | None = None
         sender: asyncio.Task | None = None
         try:
@@ -283,6 +300,7 @@ class Server:
                             f"{viewer.stream_id}; open another connection for another stream")))
                         continue
                     viewer = await (self._start(ws, msg) if isinstance(msg, P.Start) else self._watch(ws, msg))
+                    conn.viewer = viewer
                     if viewer is not None:
                         sender = asyncio.create_task(self._sender(ws, viewer), name=f"send-{viewer.viewer_id}")
                 elif viewer is None:
@@ -490,6 +508,13 @@ class Server:
                     await ws.send(P.encode(item))
             except ConnectionClosed:
                 return
+
+
+@dataclass
+class _Connection:
+    """What the stream-less meter asks of a connection: whether it has a stream yet."""
+
+    viewer: Viewer | None = None  # its viewer, once a start or watch is admitted
 
 
 class _TrackReports:

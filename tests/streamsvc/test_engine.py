@@ -306,3 +306,50 @@ def test_closing_a_paused_stream_frees_its_host_memory():
         assert (eng.parked_streams, eng.parked_bytes, eng.kv_used_bytes) == (0, 0, 0) and "a" not in eng.sched
     finally:
         eng.stop()
+
+
+# ---------------------------------------------------------------- issue 33: costs no stream-less client can raise
+
+
+def test_the_warm_up_seeds_the_send_stage_with_what_sending_its_chunks_cost(engine):
+    eng, _ = engine
+    from streamsvc.scheduling import Scheduler, Stage
+
+    guess = Scheduler().stage_costs.estimate(Stage.SEND)  # before: the first sample served, whatever it was charged
+    assert 0 < eng.sched.stage_costs.estimate(Stage.SEND) != guess
+
+
+def test_send_cost_s_is_the_loop_threads_cpu_per_chunk_written():
+    from streamsvc.warmup import send_cost_s
+
+    ticks = iter([1.0, 1.5])  # the loop thread's CPU clock, read before and after the 4 chunks
+    assert send_cost_s([b"x" * 6000, b"y" * 70000, b"z", b"w" * 200], cpu_clock=lambda: next(ticks)) == 0.125
+    assert send_cost_s([]) > 0
+
+
+def test_on_cpu_a_forwards_cost_sample_leaves_out_the_loops_work_for_clients_without_a_stream():
+    # issue 33: a forward's wall time on CPU grew with the event loop's work for a flooding client (it holds the
+    # GIL and a core), and admission refused every stream on it ("compute: ... 493 ms per chunk").
+    flooding, metered = [True], [0.0]
+
+    def streamless() -> float:  # the server's meter: while flooding, a second of stream-less CPU at every reading
+        metered[0] += 1.0 if flooding[0] else 0.0
+        return metered[0]
+
+    got = Collector()
+    eng = Engine(EngineConfig(preset="tiny", device="cpu", scheduler=SchedulerConfig(cost_min_samples=1),
+                              warmup_chunks=5), got.on_chunk, got.on_error, streamless=streamless)
+    eng.start().result(timeout=60)
+    try:
+        seeded = {kind: eng.sched.costs.estimate(kind) for kind in WorkKind}
+        assert eng.open_stream("a", "x", seed=0, fps=16).result(timeout=10).accepted
+        got.wait(lambda g: len(g.chunks.get("a", [])) >= 2)
+        assert eng.forwards[WorkKind.DENOISE.value] > 0
+        # every sample was mostly the flood's (a second against a forward of milliseconds): dropped, not believed
+        assert {kind: eng.sched.costs.estimate(kind) for kind in WorkKind} == seeded
+        flooding[0] = False
+        n = len(got.chunks["a"])
+        got.wait(lambda g: len(g.chunks["a"]) >= n + 2)
+        assert eng.sched.costs.estimate(WorkKind.DENOISE) != seeded[WorkKind.DENOISE]  # measured again
+    finally:
+        eng.stop()
