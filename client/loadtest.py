@@ -9,10 +9,11 @@ viewer at its own phase so the prompt changes are spread out.
 
 With ``--watchers-per-stream K`` each stream also gets K watchers (protocol.py
 "Steerers and watchers"): they join over the same transport as soon as their
-steerer's ``ready`` gave the stream's id, all at once, never steer, and leave
-when their steerer does. Each is measured like any viewer (its TTFF counts from
-its own connect, its join); the report gives them in a ``watchers`` section of
-their own, and every top-level figure stays the steerers'.
+steerer's ``ready`` gave the stream's id and watch secret (its watch link), all
+at once, never steer, and leave when their steerer does. Each is measured like
+any viewer (its TTFF counts from its own connect, its join); the report gives
+them in a ``watchers`` section of their own, and every top-level figure stays
+the steerers'.
 
 The prompts follow the server's model: before the viewers connect, one short
 stream's ``ready`` tells its vocabulary (``probe_vocabulary``). A model with one
@@ -734,9 +735,10 @@ def own_stalls(results: Sequence[StreamResult], pauses: Sequence[tuple[float, fl
 
 async def _stream(run: _Run, steerer, schedule: list[tuple[float, str]], duration_s: float, watchers: int,
                   make_watcher) -> tuple[StreamResult, list[StreamResult], int]:
-    """One stream: its steerer's session, and ``watchers`` watchers (``make_watcher(stream_id)``) that join at once
-    when its ready came and watch until the steerer's session is due to end. Returns the steerer's result, the
-    watchers' results, and how many watchers never started (the stream was refused or failed, or ended first)."""
+    """One stream: its steerer's session, and ``watchers`` watchers (``make_watcher(ready)``: the steerer's ready names
+    the stream and its watch secret) that join at once when its ready came and watch until the steerer's session is
+    due to end. Returns the steerer's result, the watchers' results, and how many watchers never started (the stream
+    was refused or failed, or ended first)."""
     session = asyncio.create_task(steerer.run(duration_s, schedule))
     results: list[StreamResult] = []
     not_started = 0
@@ -748,7 +750,7 @@ async def _stream(run: _Run, steerer, schedule: list[tuple[float, str]], duratio
             else:
                 left = 0.0
             if left > 0 and not session.done():
-                clients = [make_watcher(steerer.ready.stream_id) for _ in range(watchers)]
+                clients = [make_watcher(steerer.ready) for _ in range(watchers)]
                 run.watchers.extend(clients)
                 results = list(await asyncio.gather(*(w.run(left) for w in clients)))
             else:
@@ -784,9 +786,10 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
                            open_timeout_s=max(10.0, 0.25 * args.streams), verify_pixels=args.verify_pixels)
         clients.append(cls(url, cfg))
 
-    def make_watcher(stream_id: str):
-        return cls(url, ClientConfig(watch=stream_id, token=args.token, stats_every_s=args.stats_every,
-                                     decode=DecodeMode(args.decode), open_timeout_s=max(10.0, 0.25 * everyone)))
+    def make_watcher(ready):  # a watcher of the stream its steerer's ready names, by its watch link (id and secret)
+        return cls(url, ClientConfig(watch=ready.stream_id, secret=ready.watch_secret, token=args.token,
+                                     stats_every_s=args.stats_every, decode=DecodeMode(args.decode),
+                                     open_timeout_s=max(10.0, 0.25 * everyone)))
 
     murl = metrics_url(url)
     first = await asyncio.to_thread(scrape_metrics, murl)

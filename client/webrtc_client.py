@@ -8,7 +8,7 @@ same ``ClientConfig`` in, the same ``StreamResult`` out, the same
 The session:
 
 1. WebSocket to ``/ws``: ``start`` with ``transport: "webrtc"`` (or ``watch``
-   with ``ClientConfig.watch``: a watcher of an open stream), then ``ready``
+   with ``ClientConfig.watch`` and ``secret``: a watcher of an open stream), then ``ready``
    (or ``error`` with code ``refused``: the session ends with that reason).
 2. A peer connection with a recvonly video transceiver (H.264 only, the
    codec the server sends) and a data channel named ``control``; the offer

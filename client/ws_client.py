@@ -2,9 +2,10 @@
 
 ``StreamClient`` speaks the wire protocol of ``streamsvc/protocol.py`` to a
 server's ``/ws`` endpoint (one connection = one stream): it sends ``start``
-(or, with ``ClientConfig.watch``, ``watch``: the viewer watches an open stream
-by its id and steers nothing), waits for ``ready`` (or ``error`` with a code of
-``protocol.START_REFUSALS``, or any error that answers the ``start`` or
+(or, with ``ClientConfig.watch`` and ``secret``, ``watch``: the viewer watches
+an open stream by its id and watch secret, and steers nothing), waits for
+``ready`` (or ``error`` with a code of ``protocol.START_REFUSALS``, or any
+error that answers the ``start`` or
 ``watch`` itself, which ends it with a reason, not an exception),
 receives every chunk as one binary message
 (``protocol.unpack_chunk``), decodes its access units with
@@ -87,6 +88,7 @@ class ClientConfig:
     # watch this open stream (its id, from its steerer's `ready`) instead of starting one: the first message is
     # `watch`, not `start`; the viewer receives the stream's chunks from a keyframe on and may not steer it
     watch: str | None = None
+    secret: str | None = None  # the watched stream's watch secret (its steerer's ready.watch_secret; the watch link's)
     stats_every_s: float = 0.5  # least time between `stats` messages (0: never send any); see _on_chunk
     decode: DecodeMode = DecodeMode.INLINE  # where access units are decoded
     open_timeout_s: float = 10.0  # connect + handshake + `ready`/`refused`, in all
@@ -105,6 +107,10 @@ class ClientConfig:
                              f"(got prompt={self.prompt!r}, seed={self.seed}, fps={self.fps})")
         if self.watch is None and not self.prompt:
             raise ValueError("give a prompt (to start a stream) or watch=STREAM_ID (to watch an open one)")
+        if (self.watch is None) is not (self.secret is None):
+            raise ValueError(f"watch={self.watch!r}, secret={'...' if self.secret else None}: a watch needs the "
+                             "stream's watch secret (its steerer's ready.watch_secret, the watch link's), and only "
+                             "a watch takes one")
         self.first_message()  # the protocol's own checks, with its messages
         for name in ("open_timeout_s", "close_timeout_s", "max_session_s"):
             if not getattr(self, name) > 0:
@@ -121,7 +127,7 @@ class ClientConfig:
     def first_message(self, transport: str | None = None) -> P.Start | P.Watch:
         """What the viewer sends first: ``watch`` of ``self.watch``, or the ``start`` of its own stream."""
         if self.watch is not None:
-            return P.Watch(stream_id=self.watch, transport=transport, token=self.token)
+            return P.Watch(stream_id=self.watch, secret=self.secret, transport=transport, token=self.token)
         return self.start_message(transport)
 
 

@@ -14,9 +14,9 @@ messages; over WebRTC the same JSON travels on the data channel named
 Client -> server::
 
     {"type": "start", "prompt": "...", "seed": 7, "fps": 16, "transport": "ws", "token": "..."}
-    {"type": "watch", "stream_id": "s3", "transport": "ws", "token": "..."}
+    {"type": "watch", "stream_id": "s3", "secret": "...", "transport": "ws", "token": "..."}
     {"type": "set_prompt", "prompt": "..."}
-    {"type": "handover", "to": "v7"}  {"type": "take"}  {"type": "record"}
+    {"type": "handover", "to": "v7"}  {"type": "take", "secret": "..."}  {"type": "record"}
     {"type": "pause"}  {"type": "resume"}  {"type": "close"}
     {"type": "stats", "buffered_s": 1.5, "frames_played": 480, "stalls": 0, ...}
     {"type": "offer", "sdp": "v=0..."}
@@ -25,7 +25,7 @@ Server -> client::
 
     {"type": "ready", "stream_id": "...", "fps": 16, "width": 832, "height": 480, "vocabulary": ["a", ...],
      "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0, "steps": 4, "unknown_words": ["fox"],
-     "role": "steer", "viewer_id": "v0"}
+     "role": "steer", "viewer_id": "v0", "watch_secret": "...", "steer_secret": "..."}
     {"type": "audience", "role": "watch", "watchers": 23, "steered": true}
     {"type": "recording", "url": "/recordings/s3-20250102T030405-SECRET.mp4", "chapters": "...vtt"}
     {"type": "chunk", "index": 3, "pts": 33, "frames": 12, "prompt_version": 1, "steps": 4,
@@ -44,17 +44,19 @@ doubles as the SDP type, so ``JSON.stringify(pc.localDescription)`` is a valid
 Steerers and watchers
 ---------------------
 The viewer whose ``start`` opened a stream is its steerer: it holds the
-stream's steer token. Anyone may ``watch`` an open stream by its id (the
-player's watch link is ``/#watch=ID``; access checks as for ``start``): a
-watcher gets ``ready`` with role ``watch`` and then the same encoded chunks
-as the steerer, from a keyframe on. Only the steerer may ``set_prompt``,
-``pause``, ``resume``, ``record`` or ``handover``; a watcher that tries gets
-``not_steerer`` and its stream goes on. ``handover`` gives the token to the
-watcher ``to`` (a ``viewer_id`` from its ``ready``); when the steerer leaves,
-the stream goes on while watchers remain and any of them may ``take`` the
-token. Every viewer gets ``audience`` when its role or the watcher count
-changes. ``close`` from a watcher ends its watching only; from the steerer it
-ends the stream for everyone.
+stream's steer token. Links are capabilities, an id alone grants nothing: the
+steerer's ``ready`` (no watcher's) carries the stream's ``watch_secret`` and
+``steer_secret``, 128 random bits each. A ``watch`` with the watch secret (the
+player's watch link is ``/#watch=ID&secret=...``; access checks as for
+``start``) gets ``ready`` with role ``watch``, then the steerer's chunks from a
+keyframe on; a wrong or missing secret gets ``not_found``, as an unknown id
+does. Only the steerer may ``set_prompt``, ``pause``, ``resume``, ``record`` or
+``handover``; a watcher that tries gets ``not_steerer`` and its stream goes on.
+``handover`` gives the token to the watcher ``to`` (a ``viewer_id`` from its
+``ready``); when the steerer leaves, the stream goes on while watchers remain,
+and a ``take`` with the steer secret gives one of them the token. Every viewer
+gets ``audience`` when its role or the watcher count changes. ``close`` from a
+watcher ends its watching only; from the steerer it ends the stream for everyone.
 
 Unknown fields are refused (``invalid_field``), so a misspelt field is an error
 rather than silently ignored. Numbers are strict: ``"16"`` or ``16.0`` is not
@@ -128,6 +130,7 @@ MAX_STAT = 1e9
 """Upper bound of every number in a ``stats`` message (seconds or counts)."""
 MAX_TOKEN_CHARS = 256
 """Longest access token; tokens are printable ASCII without spaces."""
+MAX_SECRET_CHARS = 128  # longest watch or steer secret (the server's: 22 URL-safe base64 characters, 128 bits)
 MAX_WORD_CHARS, MAX_VOCABULARY, MAX_UNKNOWN_WORDS = 32, 256, 64
 """Longest word, most words of a model's vocabulary and of a prompt's unknown ones (all: a ready that still fits)."""
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
@@ -219,6 +222,7 @@ ClientType = Literal["start", "watch", "set_prompt", "handover", "take", "record
 StreamId = Annotated[str, Field(min_length=1, max_length=MAX_STREAM_ID_CHARS, pattern=r"^[A-Za-z0-9_.-]+$",
                                 description=f"1 to {MAX_STREAM_ID_CHARS} letters, digits, '_', '.' or '-'")]
 ViewerId = StreamId
+Secret = Annotated[str, Field(min_length=1, max_length=MAX_SECRET_CHARS, pattern=r"^[A-Za-z0-9_-]+$")]
 Word = Annotated[str, Field(min_length=1, max_length=MAX_WORD_CHARS)]
 UnknownWords = Annotated[list[Word], Field(max_length=MAX_UNKNOWN_WORDS)]
 
@@ -247,6 +251,7 @@ class Watch(_Message):
 
     type: Literal["watch"] = "watch"
     stream_id: StreamId
+    secret: Secret | None = None  # the stream's watch secret (its watch link's); refused without the right one
     transport: Literal["ws", "webrtc"] | None = Field(None, description="'ws' or 'webrtc'")
     token: Token | None = None
 
@@ -269,6 +274,7 @@ class Take(_Message):
     """Take the steer token of a stream whose steerer left (refused while someone steers)."""
 
     type: Literal["take"] = "take"
+    secret: Secret | None = None  # the stream's steer secret (its first steerer's ready); refused without it
 
 
 class Record(_Message):
@@ -333,6 +339,8 @@ class Ready(_Message):
     steps: Steps  # denoising steps of a chunk at full quality (a chunk with fewer was degraded)
     role: Literal["steer", "watch"] = "steer"  # this viewer steers the stream, or watches it
     viewer_id: ViewerId | None = None  # this viewer's id on the stream (the ``to`` of a handover)
+    watch_secret: Secret | None = None  # what a ``watch`` of the stream needs: the steerer's ready has it
+    steer_secret: Secret | None = None  # what a ``take`` of its steer token needs: the steerer's ready has it
     vocabulary: Annotated[list[Word], Field(max_length=MAX_VOCABULARY)] | None = None  # the model's words; None: any
     unknown_words: UnknownWords = []  # words of the stream's prompt outside ``vocabulary`` (drawn as noise), each once
 
@@ -566,17 +574,15 @@ def unpack_chunk(data: bytes) -> tuple[Chunk, list[bytes]]:
     if len(data) > MAX_CHUNK_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"chunk is {len(data)} bytes; the limit is {MAX_CHUNK_BYTES} bytes")
     if len(data) < CHUNK_PREFIX_BYTES:
-        raise ProtocolError(
-            ErrorCode.BAD_CHUNK, f"chunk is {len(data)} bytes, shorter than its {CHUNK_PREFIX_BYTES}-byte prefix"
-        )
+        raise ProtocolError(ErrorCode.BAD_CHUNK,
+                            f"chunk is {len(data)} bytes, shorter than its {CHUNK_PREFIX_BYTES}-byte prefix")
     magic, head_len = _PREFIX.unpack_from(data)
     if magic != CHUNK_MAGIC:
         raise ProtocolError(ErrorCode.BAD_CHUNK, f"chunk starts with {magic!r}, expected magic {CHUNK_MAGIC!r}")
     head_end = CHUNK_PREFIX_BYTES + head_len
     if head_len > MAX_MESSAGE_BYTES or head_end > len(data):
-        raise ProtocolError(
-            ErrorCode.BAD_CHUNK, f"chunk header length {head_len} does not fit the {len(data)}-byte message"
-        )
+        raise ProtocolError(ErrorCode.BAD_CHUNK,
+                            f"chunk header length {head_len} does not fit the {len(data)}-byte message")
     try:
         header = parse_server(data[CHUNK_PREFIX_BYTES:head_end])
     except ProtocolError as exc:
@@ -585,10 +591,8 @@ def unpack_chunk(data: bytes) -> tuple[Chunk, list[bytes]]:
         raise ProtocolError(ErrorCode.BAD_CHUNK, f"chunk header is a '{header.type}' message, expected 'chunk'")
     payload = len(data) - head_end
     if payload != sum(header.sizes):
-        raise ProtocolError(
-            ErrorCode.BAD_CHUNK,
-            f"chunk payload is {payload} bytes but its header's sizes add up to {sum(header.sizes)}",
-        )
+        raise ProtocolError(ErrorCode.BAD_CHUNK,
+                            f"chunk payload is {payload} bytes but its header's sizes add up to {sum(header.sizes)}")
     units, offset = [], head_end
     for size in header.sizes:
         units.append(data[offset : offset + size])

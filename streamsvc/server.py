@@ -36,7 +36,7 @@ from pathlib import Path
 from streamsvc import protocol as P
 from streamsvc.cpumeter import CpuMeter
 from streamsvc.access import AccessConfig, Refusal, StreamLimits, TokenBucket, bearer_token, client_address, \
-    exposure_warning, find_token, ProtocolErrors
+    exposure_warning, find_token, secret_matches, ProtocolErrors
 from streamsvc.engine import ChunkOut, Engine, EngineConfig
 from streamsvc.front import Connection, ConnectionClosed, FrontConfig, Handlers, HttpFront, tls_context
 from streamsvc.metrics import Metrics
@@ -415,6 +415,10 @@ class Server:
             prompt_version=viewer.session.prompt_version, steps=len(gen.sigmas), role=viewer.role.value,
             viewer_id=viewer.viewer_id, vocabulary=vocabulary(self.engine),
             unknown_words=unknown_words(self.engine, viewer.session.prompt),
+            # the stream's capabilities go to its steerer alone (a watcher came with the watch secret; neither grants
+            # a watcher steering)
+            **({"watch_secret": viewer.session.watch_secret, "steer_secret": viewer.session.steer_secret}
+               if viewer.role is Role.STEER else {}),
         )
 
     def _connect(self, viewer: Viewer, transport: str | None) -> None:
@@ -429,14 +433,15 @@ class Server:
         )
 
     async def _watch(self, ws: Connection, msg: P.Watch) -> Viewer | None:
-        """A watcher joins an open stream: the same chunks as its steerer, from a keyframe on; no generation."""
+        """A watcher joins an open stream by its watch link (its id and watch secret): the same chunks as its steerer,
+        from a keyframe on; no generation."""
         allowed, token = await self._authorize(ws, msg)
         if not allowed:
             return None
         session = self.sessions.get(msg.stream_id)
-        if session is None or session.closed:
-            await self._refuse(ws, Refusal.NO_STREAM, f"no open stream {msg.stream_id!r} here: it ended, or the watch "
-                                                      "link is from another server", "watch")
+        # one answer whether the id names an open stream or not (an id grants nothing, and tells nothing)
+        if not secret_matches(session.watch_secret if session is not None else None, msg.secret) or session.closed:
+            await self._refuse_link(ws, msg.stream_id)
             return None
         limit = self.config.max_watchers
         if session.watchers >= limit:
@@ -466,6 +471,13 @@ class Server:
             viewer.send(self.streams.recording_message(session))
         self.streams.audience_changed(session)
         return viewer
+
+    async def _refuse_link(self, ws: Connection, stream_id: str) -> None:
+        """Refuse a watch whose link is not an open stream's: its id names none, or its watch secret is missing or
+        wrong. The same answer (code, message, metric) either way, so that ids cannot be probed."""
+        await self._refuse(ws, Refusal.SECRET, (
+            f"no open stream {stream_id!r} here with this watch secret: the watch link is incomplete (it carries "
+            "#watch=ID&secret=...) or wrong, the stream ended, or the link is from another server"), "watch")
 
     async def _refuse(self, ws: Connection, reason: Refusal, message: str, request: str = "start") -> None:
         """Answer a start or watch that will not be served with the code of its reason, and count it."""
@@ -540,6 +552,7 @@ _START_REFUSAL_CODES = {
     Refusal.SERVER_CAP: P.ErrorCode.REFUSED,
     Refusal.ADMISSION: P.ErrorCode.REFUSED,
     Refusal.NO_STREAM: P.ErrorCode.NOT_FOUND,
+    Refusal.SECRET: P.ErrorCode.NOT_FOUND,  # a watch link of no open stream: as if the stream did not exist
     Refusal.WATCHERS: P.ErrorCode.REFUSED,
 }
 

@@ -9,6 +9,10 @@ put it ahead of the viewer that plays furthest ahead: a newcomer ahead of every 
 buffered than all of them, and the stream would run ahead for it, deepening every other viewer's buffer
 (and its steerer's prompt-to-screen latency) by the difference. When none is kept (a stream without
 one lately), it waits for the next keyframe chunk, asked of the encoder when it joins.
+
+A stream's id names it and grants nothing: its links are capabilities. A watch needs its watch secret (the
+watch link carries it), a `take` of its steer token its steer secret; both are made when it opens (128 random
+bits each, streamsvc.access.new_secret), given to its steerer alone in `ready`, and compared in constant time.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from streamsvc import protocol as P
-from streamsvc.access import TokenBucket
+from streamsvc.access import TokenBucket, new_secret, secret_matches
 
 
 class SessionState(enum.Enum):
@@ -182,6 +186,8 @@ class Session:
     stream_id: str
     fps: int
     prompt: str
+    watch_secret: str = field(default_factory=new_secret, repr=False)  # what a watch of it needs (the watch link's)
+    steer_secret: str = field(default_factory=new_secret, repr=False)  # what a take of its steer token needs
     created_at: float = field(default_factory=time.monotonic)
     state: SessionState = SessionState.STARTING
     prompt_version: int = 0  # newest version acknowledged to the client
@@ -202,6 +208,14 @@ class Session:
     track_queues: dict[str, float] = field(default_factory=dict)  # frames queued in each WebRTC viewer's track
     audience_due: bool = False  # an `audience` message to every viewer is on its way
     _paused_from: SessionState = SessionState.PLAYING
+
+    def may_watch(self, secret: str | None) -> bool:
+        """Whether ``secret`` is this stream's watch secret (constant time)."""
+        return secret_matches(self.watch_secret, secret)
+
+    def may_steer(self, secret: str | None) -> bool:
+        """Whether ``secret`` is this stream's steer secret (constant time): what a `take` needs."""
+        return secret_matches(self.steer_secret, secret)
 
     def to_steerer(self, msg) -> None:
         """A reply meant for whoever steers the stream now (dropped while nobody does)."""

@@ -6,7 +6,7 @@ streamsvc/server.py admits viewers (`start`, `watch`), carries their messages an
 `Streams.control`. Each stream's control messages are rate-limited (streamsvc/access.py); a refusal says why on the
 wire and is counted in /metrics by reason. Prompts are coalesced (session.PromptGate): one recache per chunk at
 most, however fast a viewer sends them. A stream whose steerer left goes on for its watchers until one takes the
-steer token, or the orphan timeout ends it.
+steer token (`take` needs the stream's steer secret: a watch link does not carry it), or the orphan timeout ends it.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Streams:
             viewer.send(P.Error(code=P.ErrorCode.NOT_STEERER, request=msg.type, message=(
                 f"'{msg.type}' refused: only the stream's steerer may send it, and you watch it; "
                 + (f"its steerer ({holder.viewer_id}) can hand you the token" if holder is not None else
-                   "nobody steers it now: send 'take' to steer it"))))
+                   "nobody steers it now: send 'take' with its steer secret to steer it"))))
             return
         if isinstance(msg, P.SetPrompt):
             await self._steer(session, msg.prompt, refusal)
@@ -85,7 +85,7 @@ class Streams:
             elif isinstance(msg, P.Handover):
                 self._handover(viewer, msg.to)
             elif isinstance(msg, P.Take):
-                self._take(viewer)
+                self._take(viewer, msg.secret)
             elif isinstance(msg, P.Record):
                 await self.record(viewer)
             elif isinstance(msg, P.Offer):
@@ -144,8 +144,16 @@ class Streams:
             return
         self._give_token(viewer, target, "handover")
 
-    def _take(self, viewer: Viewer) -> None:
+    def _take(self, viewer: Viewer, secret: str | None) -> None:
+        """A viewer takes the steer token of its stream: it needs the stream's steer secret (its steerer's `ready`
+        had it; watching needs only the watch secret), and the token must be free (its steerer left)."""
         session = viewer.session
+        if not session.may_steer(secret):
+            self.metrics.refusals.labels(Refusal.SECRET.value).inc()
+            viewer.send(P.Error(code=P.ErrorCode.NOT_STEERER, request="take", message=(
+                f"'take' refused: it needs stream {session.stream_id}'s steer secret, which its steerer's 'ready' "
+                "carries (a watch link does not); the stream goes on")))
+            return
         if session.steerer is not None:
             holder = "you hold it" if session.steerer is viewer else f"{session.steerer.viewer_id} holds it"
             viewer.send(P.Error(code=P.ErrorCode.NOT_STEERER, request="take", message=(

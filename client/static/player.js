@@ -13,11 +13,13 @@
 //    + (rtp - first rtp) * fps / 90000, and the chunk headers give its prompt version. getStats()
 //    gives freezeCount / totalFreezesDuration.
 //
-// 5. Watching: the page at /#watch=ID sends {"type": "watch", "stream_id": ID} instead of start and plays
-//    the same stream (from a keyframe); its prompt box is off unless it takes the steer token
-//    ("take", when the steerer left). "audience" messages give the role and the watcher count; the
-//    watch link of the stream is shown either way. "record" (steerer) answers "recording" with the
-//    MP4's address.
+// 5. Watching: the page at /#watch=ID&secret=W (the watch link: the stream's id and watch secret, which
+//    the steerer's "ready" carries; an id alone is refused) sends {"type": "watch", "stream_id": ID,
+//    "secret": W} instead of start and plays the same stream (from a keyframe); its prompt box is off
+//    unless it takes the steer token ("take" with the steer secret, when the steerer left: the steer link
+//    /#watch=ID&secret=W&steer=S, shown to the steerer alone, carries it). "audience" messages give the
+//    role and the watcher count; the watch link of the stream is shown either way. "record" (steerer)
+//    answers "recording" with the MP4's address.
 //
 // 6. What the model understands: "ready" carries the model's vocabulary (the built-in model knows only its
 //    caption words and draws noise for others; null for a model that reads any text) and the unknown words
@@ -70,6 +72,9 @@
   };
 
   let ws = null, pc = null, channel = null;
+  // the stream's capabilities: its watch secret (the steerer's ready, or this watch link's) and its steer secret
+  // (the steerer's ready, or a steer link's); kept out of window.player, and never sent but to the server
+  let watchSecret = null, steerSecret = null;
   let headers = [];            // chunk headers, oldest first
   let rtp0 = null, pts0 = null;
   let startedAt = 0;
@@ -105,10 +110,13 @@
     if (player.streamId === null) return;
     $("role").textContent = player.role === "watch" ? "watching" : "steering";
     $("watchers").textContent = `${player.watchers} watching`;
-    const link = `${location.origin}${location.pathname}#watch=${encodeURIComponent(player.streamId)}`;
+    const link = `${location.origin}${location.pathname}#watch=${encodeURIComponent(player.streamId)}`
+      + (watchSecret ? `&secret=${encodeURIComponent(watchSecret)}` : "");
     $("watch-link").href = link;
     $("watch-link").textContent = link;
-    $("take").hidden = player.role !== "watch" || player.steered;
+    $("steer-link-box").hidden = !steerSecret;  // who holds it may take the stream once its steerer leaves
+    $("steer-link").href = steerSecret ? `${link}&steer=${encodeURIComponent(steerSecret)}` : "#";
+    $("take").hidden = player.role !== "watch" || player.steered || !steerSecret;
     $("record").hidden = player.role !== "steer" || player.recording !== null;
     $("recording").hidden = player.recording === null;
     if (player.recording !== null) $("recording").href = player.recording;
@@ -158,9 +166,18 @@
     banner(null);
   }
 
-  function start(prompt) { connect({ type: "start", prompt }); }
+  function start(prompt) {
+    watchSecret = steerSecret = null;  // the new stream's come with its ready
+    connect({ type: "start", prompt });
+  }
 
-  function watch(streamId) { connect({ type: "watch", stream_id: streamId }); }
+  // the stream the page's watch link names, with its watch secret (and a steer link's steer secret, for "take")
+  function watch(streamId) {
+    const args = new URLSearchParams(location.hash.slice(1));
+    watchSecret = args.get("secret");
+    steerSecret = args.get("steer");
+    connect({ type: "watch", stream_id: streamId, ...(watchSecret ? { secret: watchSecret } : {}) });
+  }
 
   function connect(first) {
     teardown();
@@ -244,6 +261,8 @@
         player.fps = msg.fps;
         player.role = msg.role || "steer";
         player.viewerId = msg.viewer_id || null;
+        if (msg.watch_secret) watchSecret = msg.watch_secret;  // a steerer's: its stream's links
+        if (msg.steer_secret) steerSecret = msg.steer_secret;
         player.vocabulary = Array.isArray(msg.vocabulary) ? msg.vocabulary : null;
         player.unknownWords = msg.unknown_words || [];
         renderAudience();
@@ -272,6 +291,7 @@
         break;
       case "recording": {
         // the recording page plays the MP4 with its chapters (it is complete once the stream has ended); the file
+        // name, ID-SECRET, is the recording's link: it goes in the page's fragment, and the page asks for its files; the file
         // name, ID-SECRET, is the recording's link: it goes in the page's fragment, and the page asks for its files
         const id = msg.url.split("/").pop().replace(/\.mp4$/, "");
         const token = new URLSearchParams(location.hash.slice(1)).get("token");
@@ -407,7 +427,7 @@
     else start(input.value.trim() || "a red ball moving right");
   });
   window.addEventListener("hashchange", () => { if (watchTarget()) watch(watchTarget()); });
-  $("take").addEventListener("click", () => send({ type: "take" }));
+  $("take").addEventListener("click", () => send({ type: "take", ...(steerSecret ? { secret: steerSecret } : {}) }));
   $("record").addEventListener("click", () => send({ type: "record" }));
   window.addEventListener("pagehide", teardown);
   setInterval(renderOverlay, 250);

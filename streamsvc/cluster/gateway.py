@@ -18,7 +18,11 @@ code), then hands each stream to an engine replica (streamsvc/cluster/replica.py
 
 A `watch` goes to the replica that runs its stream, which its id names (a replica's stream ids are
 `<replica>-s<n>`): the replica's server admits the watcher as its own (streamsvc/server.py), and the
-relay is the same as a stream's. Watchers do not count against the gateway's stream caps.
+relay is the same as a stream's. Watchers do not count against the gateway's stream caps. The gateway
+knows no stream's secrets: the `watch` goes to the replica as the viewer sent it, watch secret and all,
+and the replica checks it (as it checks a `take`'s steer secret, relayed with the viewer's later
+messages); an id that names no replica gets the replica's own answer to a wrong secret, so that ids
+cannot be probed through the gateway either.
 
 WebRTC: signaling rides the relayed WebSocket; the answer comes from the replica's own peer
 connection with its host's candidates, so media flows between the browser and the replica directly.
@@ -189,16 +193,16 @@ class Gateway(Server):
 
     async def _handle_watch(self, ws: Connection, raw: str, msg: P.Watch) -> None:
         """A watcher goes to the replica its stream runs on, named by the stream id's prefix (a replica's stream
-        ids are `<replica>-s<n>`): the replica's server admits it as it admits a watcher of its own. Watchers do
-        not count against the streams' caps; their relays keep their lease like a stream's."""
+        ids are `<replica>-s<n>`): the replica's server admits it as it admits a watcher of its own, checking its
+        watch secret (relayed in `raw`, as the viewer sent it). Watchers do not count against the streams' caps;
+        their relays keep their lease like a stream's."""
         allowed, _ = await self._authorize(ws, msg)
         if not allowed:
             return
         prefix = msg.stream_id.partition("-")[0] + "-"
         uid = next((u for u in self.board.replicas if stream_prefix(u) == prefix and u not in self.board.lost), None)
-        if uid is None:
-            await self._refuse(ws, Refusal.NO_STREAM, f"no open stream {msg.stream_id!r} here: it ended, its worker "
-                                                      "is gone, or the watch link is from another server", "watch")
+        if uid is None:  # the replica's answer to a link of no stream of its own (Server._refuse_link)
+            await self._refuse_link(ws, msg.stream_id)
             return
         relay = _Relay(f"{self.gateway_id}-{next(self._ids)}", watch=True)
         self.watchers[relay.conn_id] = relay

@@ -169,15 +169,26 @@ async def test_player_takes_its_token_from_the_page_fragment(tmp_path):
 
 
 async def test_a_second_page_opens_the_watch_link_and_plays_the_same_stream(tmp_path):
-    """The steering page shows a watch link; a second page opening it plays the same stream (from a keyframe), says
-    it watches, has no prompt box, and both pages count one watcher."""
+    """The steering page shows a watch link (the stream's id and watch secret) and a steer link; a second page opening
+    the watch link plays the same stream (from a keyframe), says it watches, has no prompt box and no steer link, and
+    both pages count one watcher. The id without the secret is refused."""
     async with serving() as (server, base), chromium(tmp_path) as browser:
         page = await browser.new_page()
         await page.goto(f"{base}/?prompt=a%20blue%20square%20falling", timeout=15_000)
         await page.wait_for_function("player.framesPresented > 0", timeout=20_000)
         link = await page.get_attribute("#watch-link", "href")
         stream_id = await page.evaluate("player.streamId")
-        assert link.endswith(f"/#watch={stream_id}") and await page.inner_text("#role") == "steering"
+        session = server.sessions[stream_id]
+        assert link.endswith(f"/#watch={stream_id}&secret={session.watch_secret}"), link
+        assert await page.inner_text("#role") == "steering" and await page.is_visible("#steer-link")
+        steer_link = await page.get_attribute("#steer-link", "href")
+        assert steer_link == f"{link}&steer={session.steer_secret}"
+
+        stranger = await browser.new_page()  # the id alone: refused, and told what the link lacks
+        await stranger.goto(link.split("&", 1)[0], timeout=15_000)
+        await stranger.wait_for_function("player.phase === 'refused'", timeout=15_000)
+        assert "watch secret" in await stranger.inner_text("#banner-text") and session.watchers == 0
+        await stranger.close()
 
         watcher = await browser.new_page()
         await watcher.goto(link, timeout=15_000)
@@ -186,6 +197,7 @@ async def test_a_second_page_opens_the_watch_link_and_plays_the_same_stream(tmp_
         assert state == {"role": "watch", "id": stream_id, "phase": "playing"}, state
         assert await watcher.inner_text("#role") == "watching"
         assert await watcher.is_disabled("#prompt")
+        assert not await watcher.is_visible("#steer-link") and not await watcher.is_visible("#take")
         await page.wait_for_function("player.watchers === 1", timeout=5_000)
         await page.wait_for_function(
             "document.getElementById('watchers').textContent === '1 watching'", timeout=2_000)

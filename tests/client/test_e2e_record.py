@@ -25,7 +25,7 @@ def get(url: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
 async def test_a_steered_recording_has_a_chapter_per_prompt_and_is_served_after_the_stream(tmp_path):
     async with running(recordings_dir=str(tmp_path)) as server:
         steerer = await Peer.open(server, start("a red ball moving right"))
-        watcher = await Peer.open(server, watch(steerer.ready.stream_id))
+        watcher = await Peer.open(server, watch(steerer.ready))
         await watcher.send({"type": "record"})
         await watcher.until(lambda: watcher.errors, "not_steerer")
         assert watcher.errors[0].code == P.ErrorCode.NOT_STEERER
@@ -47,6 +47,7 @@ async def test_a_steered_recording_has_a_chapter_per_prompt_and_is_served_after_
         link = re.fullmatch(r"/recordings/(s\d+-\d{8}T\d{6})-([0-9a-f]{32})\.mp4", rec.url)
         assert link and rec.chapters == rec.url.removesuffix(".mp4") + ".vtt", rec
         rid, secret = link.groups()
+        assert secret not in (steerer.ready.watch_secret, steerer.ready.steer_secret)
         wrong = ("/recordings/" + rid + ".mp4", "/recordings/" + rid + ".vtt", f"/recordings/{rid}-{'0' * 32}.mp4",
                  f"/recordings/{rid}-{secret[::-1]}.mp4", f"/recordings/{rid}-{secret[:-1]}.mp4")
         for path in wrong:

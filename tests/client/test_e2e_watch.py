@@ -2,10 +2,12 @@
 
 Raw WebSocket connections, so that what is checked is the wire: the same bytes to every viewer, a late
 watcher's first chunk a keyframe, steering refused to watchers, the token handed over, taken after the steerer
-left, and the orphan timeout. Every wait is bounded.
+left, and the orphan timeout; a watch link and a take as capabilities (an id alone grants nothing). Every wait is
+bounded.
 """
 
 import asyncio
+import base64
 import contextlib
 import json
 
@@ -92,8 +94,14 @@ def start(prompt: str = "a red ball moving right") -> dict:
     return {"type": "start", "prompt": prompt, "seed": 3}
 
 
-def watch(stream_id: str) -> dict:
-    return {"type": "watch", "stream_id": stream_id}
+def watch(ready: P.Ready) -> dict:
+    """A watch of the stream its steerer's `ready` names, by its watch link: the id and the watch secret."""
+    return {"type": "watch", "stream_id": ready.stream_id, "secret": ready.watch_secret}
+
+
+def take(ready: P.Ready) -> dict:
+    """A take of the steer token of the stream its first steerer's `ready` names, with its steer secret."""
+    return {"type": "take", "secret": ready.steer_secret}
 
 
 def decode(payloads: list[bytes]) -> int:
@@ -110,12 +118,12 @@ async def test_every_viewer_gets_the_same_bytes_and_a_late_watcher_starts_at_a_k
     async with running() as server:
         steerer = await Peer.open(server, start())
         sid = steerer.ready.stream_id
-        early = await Peer.open(server, watch(sid))
+        early = await Peer.open(server, watch(steerer.ready))
         assert early.ready.role == "watch" and early.ready.stream_id == sid and steerer.ready.role == "steer"
         assert early.ready.viewer_id != steerer.ready.viewer_id
         await steerer.until(lambda: len(steerer.payloads) >= 8, "8 chunks")
         sent = len(steerer.payloads)
-        late = await Peer.open(server, watch(sid))
+        late = await Peer.open(server, watch(steerer.ready))
         await late.until(lambda: len(late.payloads) >= 3, "the late watcher's chunks")
         await early.until(lambda: len(early.payloads) >= len(steerer.payloads) - 1, "early watcher")
         # fan-out: one encode, the same bytes to each viewer, chunk by chunk
@@ -139,8 +147,7 @@ async def test_every_viewer_gets_the_same_bytes_and_a_late_watcher_starts_at_a_k
 async def test_a_watcher_cannot_steer_until_the_token_is_handed_to_it():
     async with running() as server:
         steerer = await Peer.open(server, start())
-        sid = steerer.ready.stream_id
-        watcher = await Peer.open(server, watch(sid))
+        watcher = await Peer.open(server, watch(steerer.ready))
         await watcher.send({"type": "set_prompt", "prompt": "a blue square falling"})
         await watcher.until(lambda: watcher.errors, "not_steerer")
         error = watcher.errors[0]
@@ -170,8 +177,8 @@ async def test_the_stream_outlives_its_steerer_while_watchers_remain_and_a_watch
     async with running(orphan_timeout_s=30) as server:
         steerer = await Peer.open(server, start())
         sid = steerer.ready.stream_id
-        a, b = await Peer.open(server, watch(sid)), await Peer.open(server, watch(sid))
-        await b.send({"type": "take"})  # refused while the steerer holds it
+        a, b = await Peer.open(server, watch(steerer.ready)), await Peer.open(server, watch(steerer.ready))
+        await b.send(take(steerer.ready))  # refused while the steerer holds it
         await b.until(lambda: b.errors, "take refused")
         assert b.errors[0].code == P.ErrorCode.NOT_STEERER
         await steerer.close()  # it vanishes: the stream goes on for its watchers
@@ -181,7 +188,7 @@ async def test_the_stream_outlives_its_steerer_while_watchers_remain_and_a_watch
         server._refresh_metrics()  # what GET /metrics runs
         assert sid in server.sessions and server.metrics.registry.get_sample_value("streamsvc_orphaned_streams") == 1
         assert server.metrics.registry.get_sample_value("streamsvc_watchers") == 2
-        await b.send({"type": "take"})
+        await b.send(take(steerer.ready))
         await b.until(lambda: b.of(P.Ack) and b.of(P.Ack)[-1].request == "take", "take")
         await a.until(lambda: a.of(P.Audience)[-1].steered, "steered again")
         await b.send({"type": "set_prompt", "prompt": "a blue square falling"})
@@ -204,7 +211,7 @@ async def test_the_stream_outlives_its_steerer_while_watchers_remain_and_a_watch
 async def test_an_orphaned_stream_ends_after_the_orphan_timeout():
     async with running(orphan_timeout_s=0.5) as server:
         steerer = await Peer.open(server, start())
-        watcher = await Peer.open(server, watch(steerer.ready.stream_id))
+        watcher = await Peer.open(server, watch(steerer.ready))
         await steerer.close()
         await watcher.until(lambda: watcher.of(P.Closed), "closed by the orphan timeout", timeout_s=5)
         assert "nobody took the steer token within 0.5 s" in watcher.of(P.Closed)[0].reason
@@ -214,18 +221,19 @@ async def test_an_orphaned_stream_ends_after_the_orphan_timeout():
 
 async def test_watch_refusals_say_why():
     async with running(max_watchers=1) as server:
-        nobody = await Peer.open(server, watch("s404"))
+        nobody = await Peer.open(server, {"type": "watch", "stream_id": "s404", "secret": "x" * 22})
         assert nobody.errors[0].code == P.ErrorCode.NOT_FOUND and nobody.errors[0].request == "watch"
         steerer = await Peer.open(server, start())
-        first = await Peer.open(server, watch(steerer.ready.stream_id))
-        second = await Peer.open(server, watch(steerer.ready.stream_id))
+        first = await Peer.open(server, watch(steerer.ready))
+        second = await Peer.open(server, watch(steerer.ready))
         assert first.ready is not None and second.ready is None
         assert second.errors[0].code == P.ErrorCode.REFUSED and "--max-watchers" in second.errors[0].message
         await first.send(start())
         await first.until(lambda: first.errors, "already watching")
         assert first.errors[0].code == P.ErrorCode.ALREADY_STARTED
         assert server.metrics.registry.get_sample_value("streamsvc_refusals_total", {"reason": "watchers"}) == 1
-        assert server.metrics.registry.get_sample_value("streamsvc_refusals_total", {"reason": "no_stream"}) == 1
+        # a link of no stream counts as a wrong secret would: the metrics tell no prober which it was
+        assert server.metrics.registry.get_sample_value("streamsvc_refusals_total", {"reason": "secret"}) == 1
         for peer in (nobody, second, first, steerer):
             await peer.close()
 
@@ -233,7 +241,7 @@ async def test_watch_refusals_say_why():
 async def test_the_steerers_close_ends_the_stream_for_every_watcher():
     async with running() as server:
         steerer = await Peer.open(server, start())
-        watchers = [await Peer.open(server, watch(steerer.ready.stream_id)) for _ in range(3)]
+        watchers = [await Peer.open(server, watch(steerer.ready)) for _ in range(3)]
         await watchers[-1].until(lambda: watchers[-1].payloads, "a chunk")
         await steerer.send({"type": "close"})
         for w in watchers:
@@ -242,3 +250,63 @@ async def test_the_steerers_close_ends_the_stream_for_every_watcher():
         for peer in watchers + [steerer]:
             await peer.close()
         assert not server.sessions
+
+
+def secret_bits(secret: str) -> int:
+    """Random bits of a secret the server made (URL-safe base64 of random bytes)."""
+    return 8 * len(base64.urlsafe_b64decode(secret + "=" * (-len(secret) % 4)))
+
+
+async def test_an_id_alone_grants_nothing_a_watch_needs_the_streams_watch_secret():
+    async with running() as server:
+        steerer = await Peer.open(server, start())
+        other = await Peer.open(server, start("a blue square falling"))
+        ready, sid = steerer.ready, steerer.ready.stream_id
+        secrets = [ready.watch_secret, ready.steer_secret, other.ready.watch_secret, other.ready.steer_secret]
+        assert all(secret_bits(s) >= 128 for s in secrets) and len(set(secrets)) == 4, secrets
+        # a stranger who counts ids, or holds a wrong secret (another stream's, or this one's steer secret), gets the
+        # answer an id of no stream gets: word for word, so that ids cannot be probed
+        strangers = [await Peer.open(server, first) for first in (
+            {"type": "watch", "stream_id": sid},
+            {"type": "watch", "stream_id": sid, "secret": other.ready.watch_secret},
+            {"type": "watch", "stream_id": sid, "secret": ready.steer_secret},
+            {"type": "watch", "stream_id": sid, "secret": ready.watch_secret[:-1]},
+            {"type": "watch", "stream_id": "s404", "secret": ready.watch_secret},
+        )]
+        answers = {(p.errors[0].code, p.errors[0].message.replace("'s404'", repr(sid)), p.errors[0].request)
+                   for p in strangers}  # (each names the id it asked for)
+        assert all(p.ready is None and len(p.errors) == 1 for p in strangers)
+        assert len(answers) == 1 and answers.pop()[:1] == (P.ErrorCode.NOT_FOUND,), answers
+        assert server.metrics.registry.get_sample_value("streamsvc_refusals_total", {"reason": "secret"}) == 5
+        assert server.sessions[sid].watchers == 0
+        # the watch link plays; a watcher's ready carries neither secret (nothing in it grants steering)
+        watcher = await Peer.open(server, watch(ready))
+        assert watcher.ready.role == "watch" and watcher.ready.stream_id == sid
+        assert watcher.ready.watch_secret is None and watcher.ready.steer_secret is None
+        await watcher.until(lambda: len(watcher.payloads) >= 2, "the watcher's chunks")
+        for peer in (*strangers, watcher, other, steerer):
+            await peer.close()
+
+
+async def test_a_take_needs_the_steer_secret_which_a_watch_link_does_not_carry():
+    async with running(orphan_timeout_s=30) as server:
+        steerer = await Peer.open(server, start())
+        watcher = await Peer.open(server, watch(steerer.ready))
+        await steerer.close()  # the stream is orphaned: its token is free, to whoever has its steer secret
+        await watcher.until(lambda: watcher.of(P.Audience) and not watcher.of(P.Audience)[-1].steered, "orphaned")
+        for secret in (None, steerer.ready.watch_secret, "x" * 22):
+            await watcher.send({"type": "take", **({"secret": secret} if secret else {})})
+        await watcher.until(lambda: len(watcher.errors) == 3, "three refusals")
+        assert all(e.code == P.ErrorCode.NOT_STEERER and e.request == "take" and "steer secret" in e.message
+                   for e in watcher.errors), watcher.errors
+        assert server.sessions[steerer.ready.stream_id].steerer is None and not watcher.of(P.Ack)
+        assert server.metrics.registry.get_sample_value("streamsvc_refusals_total", {"reason": "secret"}) == 3
+        seen = len(watcher.payloads)
+        await watcher.until(lambda: len(watcher.payloads) >= seen + 2, "the stream goes on")
+        await watcher.send(take(steerer.ready))
+        await watcher.until(lambda: watcher.of(P.Ack), "take")
+        assert watcher.of(P.Ack)[-1].request == "take"
+        await watcher.until(lambda: watcher.of(P.Audience)[-1].role == "steer", "steering")
+        await watcher.send({"type": "set_prompt", "prompt": "a blue square falling"})
+        await watcher.until(lambda: any(a.request == "set_prompt" for a in watcher.of(P.Ack)), "its prompt's ack")
+        await watcher.close()

@@ -18,15 +18,16 @@ from tests.client.test_e2e_ws import running, url
 T = 10.0
 
 
-def watcher(server, stream_id: str, **kw) -> StreamClient:
-    return StreamClient(url(server), ClientConfig(watch=stream_id, **kw))
+def watcher(server, ready: P.Ready, **kw) -> StreamClient:
+    """A watcher of the stream its steerer's `ready` names, by its watch link (the id and the watch secret)."""
+    return StreamClient(url(server), ClientConfig(watch=ready.stream_id, secret=ready.watch_secret, **kw))
 
 
 async def test_a_watcher_plays_the_stream_keeps_its_audience_and_cannot_steer():
     async with running() as server:
         async with StreamClient(url(server), ClientConfig(prompt="a red ball moving right", seed=3)) as steerer:
             sid = steerer.ready.stream_id
-            async with watcher(server, sid) as w:
+            async with watcher(server, steerer.ready) as w:
                 assert w.ready.stream_id == sid and w.role == "watch" and steerer.role == "steer"
                 assert await w.wait_until(lambda: w.chunks >= 2 and w.audience is not None, T), w.errors
                 assert w.headers[0].keyframe
@@ -48,7 +49,7 @@ async def test_a_watcher_plays_the_stream_keeps_its_audience_and_cannot_steer():
 
 async def test_a_watch_of_no_stream_is_a_refusal_and_the_steerers_close_ends_its_watchers():
     async with running() as server:
-        nobody = watcher(server, "s404")
+        nobody = StreamClient(url(server), ClientConfig(watch="s404", secret="x" * 22))
         assert not await nobody.open()
         assert nobody.state is ClientState.REFUSED and "s404" in nobody.refused_reason
         assert await nobody.wait_opened(0.01) is False
@@ -57,7 +58,7 @@ async def test_a_watch_of_no_stream_is_a_refusal_and_the_steerers_close_ends_its
         steerer = StreamClient(url(server), ClientConfig(prompt="a green triangle rising", seed=1))
         run = asyncio.create_task(steerer.run(3.0))  # it closes after 3 s: the stream ends for its watchers
         assert await steerer.wait_opened(T)
-        w = watcher(server, steerer.ready.stream_id)
+        w = watcher(server, steerer.ready)
         r = await asyncio.wait_for(w.run(30.0), T)
         s = await asyncio.wait_for(run, T)
         assert r.closed_reason == s.closed_reason == "closed by client" and r.errors == () and r.session_s < 5.0
@@ -79,15 +80,19 @@ async def test_server_messages_the_client_does_not_use_never_end_it():
 
 
 def test_a_watcher_config_takes_a_stream_id_and_nothing_of_a_steerers():
-    cfg = ClientConfig(watch="s3", token="t0k")
-    assert cfg.first_message("webrtc") == P.Watch(stream_id="s3", transport="webrtc", token="t0k")
+    cfg = ClientConfig(watch="s3", secret="w4tch", token="t0k")
+    assert cfg.first_message("webrtc") == P.Watch(stream_id="s3", secret="w4tch", transport="webrtc", token="t0k")
     assert ClientConfig(prompt="a cat").first_message() == P.Start(prompt="a cat")
     with pytest.raises(ValueError, match="give no prompt, seed or fps"):
-        ClientConfig(watch="s3", prompt="a cat")
+        ClientConfig(watch="s3", secret="w4tch", prompt="a cat")
+    with pytest.raises(ValueError, match="a watch needs the stream's watch secret"):  # an id alone grants nothing
+        ClientConfig(watch="s3")
+    with pytest.raises(ValueError, match="only a watch takes one"):
+        ClientConfig(prompt="a cat", secret="w4tch")
     with pytest.raises(ValueError, match="give a prompt"):
         ClientConfig()
     with pytest.raises(ValueError, match="stream_id"):  # the protocol's own check
-        ClientConfig(watch="not an id!")
+        ClientConfig(watch="not an id!", secret="w4tch")
 
 
 def args(server, **kw) -> argparse.Namespace:

@@ -54,7 +54,8 @@ class _Clock:
 def watcher(decode: DecodeMode, width: int = W) -> StreamClient:
     """A watcher's client as open() leaves it after `ready` (no socket: the chunk handler is fed directly)."""
     clock = _Clock()
-    c = StreamClient("ws://127.0.0.1:1/ws", ClientConfig(watch="s3", stats_every_s=0, decode=decode), clock=clock)
+    c = StreamClient("ws://127.0.0.1:1/ws", ClientConfig(watch="s3", secret="w4tch", stats_every_s=0, decode=decode),
+                     clock=clock)
     c.ready = P.Ready(stream_id="s3", fps=FPS, width=width, height=H, first_chunk_frames=12, chunk_frames=12,
                       prompt_version=0, steps=4, role="watch", viewer_id="v1")
     c._connected_at = clock()
@@ -102,7 +103,7 @@ class _Socket:
     (P.Error(code=P.ErrorCode.RATE_LIMITED, request="set_prompt", message="an error about something else"), False),
 ])
 async def test_an_error_that_answers_the_watch_ends_the_opening(error, refused):
-    c = StreamClient("ws://127.0.0.1:1/ws", ClientConfig(watch="s3"))
+    c = StreamClient("ws://127.0.0.1:1/ws", ClientConfig(watch="s3", secret="w4tch"))
     c._ws = _Socket(error)
     if refused:
         assert await asyncio.wait_for(c._await_ready(), 1.0) is False

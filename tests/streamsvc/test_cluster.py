@@ -112,10 +112,11 @@ async def test_placement_by_free_kv_then_refusal_with_the_reason_when_every_repl
             for c in clients:
                 assert await c.wait_until(lambda c=c: c.chunks >= 2, T), c.errors
             # a watch link reaches the replica that runs its stream (its id names it), on either replica
-            by_replica = {c.ready.stream_id.partition("-")[0]: c.ready.stream_id for c in clients}
+            by_replica = {c.ready.stream_id.partition("-")[0]: c.ready for c in clients}
             assert len(by_replica) == 2, by_replica
             url = f"ws://127.0.0.1:{g.port}/ws"
-            watchers = [StreamClient(url, ClientConfig(watch=sid)) for sid in by_replica.values()]
+            watchers = [StreamClient(url, ClientConfig(watch=r.stream_id, secret=r.watch_secret))  # its watch link
+                        for r in by_replica.values()]
             clients += watchers  # closed with the rest
             for w in watchers:
                 assert await asyncio.wait_for(w.open(), T), w.errors

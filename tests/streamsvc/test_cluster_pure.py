@@ -209,11 +209,25 @@ async def _answer(g, first: P.Watch) -> P.ServerMessage:
 
 
 async def test_a_watch_link_through_the_gateway_reaches_the_replica_that_runs_the_stream():
+    """The gateway relays a watch as the viewer sent it, secret and all, to the replica its id names; the replica
+    checks the secret (the gateway knows none), as it checks a take's steer secret relayed with later messages."""
     async with relayed(("r1", "r2")) as (g, (r1, r2)):
         r1.draining = True  # new streams go to r2; r1 still answers watches (it runs none here)
         steerer, ready = await _started(g)
         assert ready.stream_id.startswith("r2-") and list(r2.server.sessions) == [ready.stream_id]
-        watcher, seen = await _started(g, P.Watch(stream_id=ready.stream_id))
+        assert ready.watch_secret and ready.steer_secret  # the replica's, relayed to its steerer
+        sid = ready.stream_id
+        # without the secret, or with a wrong one, the replica refuses: as the gateway does an id of no replica
+        refusals = [await _answer(g, watch) for watch in (
+            P.Watch(stream_id=sid), P.Watch(stream_id=sid, secret=ready.steer_secret),
+            P.Watch(stream_id="r9-s0", secret=ready.watch_secret), P.Watch(stream_id="s0", secret=ready.watch_secret))]
+        assert all(isinstance(a, P.Error) and a.code == P.ErrorCode.NOT_FOUND for a in refusals), refusals
+        texts = {a.message.replace(repr(w), "ID") for a, w in zip(refusals, (sid, sid, "r9-s0", "s0"))}
+        assert len(texts) == 1, texts  # one answer, whichever refused it
+        assert r2.server.metrics.registry.get_sample_value("streamsvc_refusals_total", {"reason": "secret"}) == 2
+        assert r2.server.sessions[sid].watchers == 0 and not g.watchers
+        watcher, seen = await _started(g, P.Watch(stream_id=ready.stream_id, secret=ready.watch_secret))
+        assert seen.watch_secret is None and seen.steer_secret is None
         assert seen.role == "watch" and seen.stream_id == ready.stream_id
         assert r2.server.sessions[ready.stream_id].watchers == 1 and len(g.watchers) == 1 and len(g.sessions) == 1
         await watcher.send(P.encode(P.SetPrompt(prompt="a blue whale")))  # relayed; the replica refuses it
@@ -224,12 +238,30 @@ async def test_a_watch_link_through_the_gateway_reaches_the_replica_that_runs_th
                 errors = [m for m in [P.parse_server(raw)] if isinstance(m, P.Error)] if isinstance(raw, str) else []
         assert errors[0].code == P.ErrorCode.NOT_STEERER
         for other in ("r1-s0", "r9-s0", "s0"):  # r1 runs no such stream; r9 is no replica; no replica named
-            answer = await _answer(g, P.Watch(stream_id=other))
+            answer = await _answer(g, P.Watch(stream_id=other, secret=ready.watch_secret))
             assert isinstance(answer, P.Error) and answer.code == P.ErrorCode.NOT_FOUND, (other, answer)
-        await watcher.close()
-        assert await _wait(lambda: not g.watchers and r2.server.sessions[ready.stream_id].watchers == 0)
+        # the steerer leaves; a take through the gateway needs the steer secret, which the replica checks
         await steerer.close()
-        assert await _wait(lambda: not g.sessions and not r2.server.sessions and not r2.conns)
+        assert await _wait(lambda: r2.server.sessions[sid].steerer is None)
+        for take in (P.Take(), P.Take(secret=ready.watch_secret)):
+            await watcher.send(P.encode(take))
+            answer = await _reply(watcher, "take")
+            assert answer.code == P.ErrorCode.NOT_STEERER and "steer secret" in answer.message, (take, answer)
+        await watcher.send(P.encode(P.Take(secret=ready.steer_secret)))
+        assert isinstance(await _reply(watcher, "take"), P.Ack)
+        assert r2.server.sessions[sid].steerer is not None and len(g.sessions) == 0
+        await watcher.close()  # the stream's last viewer, its steerer now: the stream ends
+        assert await _wait(lambda: not g.watchers and not r2.server.sessions and not r2.conns)
+
+
+async def _reply(ws, request: str) -> P.Ack | P.Error:
+    """The next ack or error that answers `request` on a viewer's socket (chunks and other messages skipped)."""
+    async with asyncio.timeout(T):
+        while True:
+            raw = await ws.recv()
+            msg = P.parse_server(raw) if isinstance(raw, str) else None
+            if isinstance(msg, (P.Ack, P.Error)) and msg.request == request:
+                return msg
 
 
 async def _wait(predicate, timeout_s: float = T) -> bool:

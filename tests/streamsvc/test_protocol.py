@@ -420,6 +420,19 @@ def test_watch_names_a_stream_and_steering_messages_parse():
     assert err.value.code is ErrorCode.INVALID_FIELD and "'stream_id'" in err.value.message
 
 
+def test_watch_and_take_carry_a_secret_of_bounded_length_and_ready_gives_both():
+    watch = p.parse_client(json.dumps({"type": "watch", "stream_id": "s3", "secret": "Ab_-9" * 4}))
+    assert watch.secret == "Ab_-9" * 4 and p.Watch(stream_id="s3").secret is None  # missing: the server refuses
+    assert p.parse_client('{"type": "take", "secret": "x_Y-z"}') == p.Take(secret="x_Y-z")
+    for secret in ("a" * (p.MAX_SECRET_CHARS + 1), "", "a b", "a/b", 7):
+        with pytest.raises(ProtocolError) as err:
+            p.parse_client(json.dumps({"type": "watch", "stream_id": "s3", "secret": secret}))
+        assert err.value.code is ErrorCode.INVALID_FIELD and "'secret'" in err.value.message, secret
+    ready = p.Ready(stream_id="s1", fps=16, width=64, height=64, first_chunk_frames=9, chunk_frames=12,
+                    prompt_version=0, steps=4, watch_secret="w" * 22, steer_secret="s" * 22)
+    assert p.parse_server(p.encode(ready)) == ready
+
+
 def test_ready_says_the_role_and_audience_round_trips():
     ready = p.parse_server(json.dumps({"type": "ready", "stream_id": "s1", "fps": 16, "width": 64, "height": 64,
                                        "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0, "steps": 4}))

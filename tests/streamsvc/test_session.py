@@ -140,3 +140,19 @@ def test_a_viewer_s_report_counts_the_frames_queued_for_it_that_have_not_reached
     viewer.rtc = object()  # over WebRTC the track's own queue is reported apart: the report as it is
     assert viewer.buffered_frames(P.Stats(buffered_s=6 / 16, frames_played=6)) == 6
     assert Viewer("v2", session, Role.WATCH).buffered_frames(P.Stats(buffered_s=0.5, frames_played=0)) == 8
+
+
+def test_a_stream_has_a_watch_and_a_steer_secret_of_128_bits_each_that_differ_between_streams():
+    import base64
+
+    sessions = [Session(f"s{i}", fps=16, prompt="p") for i in range(50)]
+    secrets = [s.watch_secret for s in sessions] + [s.steer_secret for s in sessions]
+    assert len(set(secrets)) == 100
+    assert all(len(base64.urlsafe_b64decode(x + "=" * (-len(x) % 4))) >= 16 for x in secrets)
+    assert "watch_secret" not in repr(sessions[0]) and sessions[0].watch_secret not in repr(sessions[0])  # not in logs
+    a, b = sessions[:2]
+    assert a.may_watch(a.watch_secret) and a.may_steer(a.steer_secret)
+    for wrong in (None, "", b.watch_secret, a.steer_secret, a.watch_secret[:-1], a.watch_secret + "x", "é" * 22):
+        assert not a.may_watch(wrong), wrong
+    for wrong in (None, "", b.steer_secret, a.watch_secret):
+        assert not a.may_steer(wrong), wrong
