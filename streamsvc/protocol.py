@@ -130,9 +130,9 @@ MAX_STAT = 1e9
 """Upper bound of every number in a ``stats`` message (seconds or counts)."""
 MAX_TOKEN_CHARS = 256
 """Longest access token; tokens are printable ASCII without spaces."""
-MAX_SECRET_CHARS = 128  # longest watch or steer secret (the server's: 22 URL-safe base64 characters, 128 bits)
 MAX_WORD_CHARS, MAX_VOCABULARY, MAX_UNKNOWN_WORDS = 32, 256, 64
 """Longest word, most words of a model's vocabulary and of a prompt's unknown ones (all: a ready that still fits)."""
+MAX_SECRET_CHARS = 128  # longest watch or steer secret (the server's: 22 URL-safe base64 characters, 128 bits)
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
 """Largest binary chunk message; give it to the WebSocket client as ``max_size``."""
 
@@ -222,9 +222,9 @@ ClientType = Literal["start", "watch", "set_prompt", "handover", "take", "record
 StreamId = Annotated[str, Field(min_length=1, max_length=MAX_STREAM_ID_CHARS, pattern=r"^[A-Za-z0-9_.-]+$",
                                 description=f"1 to {MAX_STREAM_ID_CHARS} letters, digits, '_', '.' or '-'")]
 ViewerId = StreamId
-Secret = Annotated[str, Field(min_length=1, max_length=MAX_SECRET_CHARS, pattern=r"^[A-Za-z0-9_-]+$")]
 Word = Annotated[str, Field(min_length=1, max_length=MAX_WORD_CHARS)]
 UnknownWords = Annotated[list[Word], Field(max_length=MAX_UNKNOWN_WORDS)]
+Secret = Annotated[str, Field(min_length=1, max_length=MAX_SECRET_CHARS, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
 # Client -> server.
@@ -339,10 +339,10 @@ class Ready(_Message):
     steps: Steps  # denoising steps of a chunk at full quality (a chunk with fewer was degraded)
     role: Literal["steer", "watch"] = "steer"  # this viewer steers the stream, or watches it
     viewer_id: ViewerId | None = None  # this viewer's id on the stream (the ``to`` of a handover)
-    watch_secret: Secret | None = None  # what a ``watch`` of the stream needs: the steerer's ready has it
-    steer_secret: Secret | None = None  # what a ``take`` of its steer token needs: the steerer's ready has it
     vocabulary: Annotated[list[Word], Field(max_length=MAX_VOCABULARY)] | None = None  # the model's words; None: any
     unknown_words: UnknownWords = []  # words of the stream's prompt outside ``vocabulary`` (drawn as noise), each once
+    watch_secret: Secret | None = None  # what a ``watch`` of the stream needs: the steerer's ready has it
+    steer_secret: Secret | None = None  # what a ``take`` of its steer token needs: the steerer's ready has it
 
 
 class Audience(_Message):

@@ -291,7 +291,6 @@
         break;
       case "recording": {
         // the recording page plays the MP4 with its chapters (it is complete once the stream has ended); the file
-        // name, ID-SECRET, is the recording's link: it goes in the page's fragment, and the page asks for its files; the file
         // name, ID-SECRET, is the recording's link: it goes in the page's fragment, and the page asks for its files
         const id = msg.url.split("/").pop().replace(/\.mp4$/, "");
         const token = new URLSearchParams(location.hash.slice(1)).get("token");
