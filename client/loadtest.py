@@ -57,7 +57,8 @@ from urllib.parse import urlsplit
 from client.pixels import PALETTE
 from client.verify import PixelStats
 from client.webrtc_client import WebRtcClient
-from client.ws_client import ClientConfig, DecodeMode, StreamClient, StreamResult, _max_count, stream_url
+from client.ws_client import ClientConfig, DecodeMode, StreamClient, StreamResult, _max_count, stream_url, \
+    tls_context
 
 TRANSPORTS: dict[str, type] = {"ws": StreamClient, "webrtc": WebRtcClient}
 """transport name -> client class (``cls(url, ClientConfig)``, ``await run(duration_s, prompts) -> StreamResult``)."""
@@ -106,6 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds between the viewers' stats messages to the server (default 0.5; 0 = none)")
     p.add_argument("--token", default=None,
                    help="access token the viewers send in start (a local server is started with --auth-token TOKEN)")
+    p.add_argument("--ca-file", default=None, metavar="PEM",
+                   help="a wss:// --url whose certificate no system CA signed: trust the CA (or the self-signed "
+                        "certificate) in this file")
+    p.add_argument("--insecure", action="store_true",
+                   help="a wss:// --url: check no certificate at all (a self-signed one on a LAN; not on the internet)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON to FILE")
     p.add_argument("--progress-every", type=float, default=3.0, help="seconds between progress lines (default 3; 0 = quiet)")
     p.add_argument("--verify-pixels", action="store_true",
@@ -242,7 +248,8 @@ def process_cpu_seconds(pid: int) -> float | None:
 # ---------------------------------------------------------------- metrics scrape
 
 
-def scrape_metrics(url: str, timeout_s: float = 2.0) -> dict[str, float] | None:
+def scrape_metrics(url: str, timeout_s: float = 2.0, token: str | None = None,
+                   ssl_context=None) -> dict[str, float] | None:
     """The server's /metrics as {name{labels}: value}, or None when it does not answer.
 
     Labels are sorted and written ``k=v`` without quotes; a histogram bucket's ``le`` is written as
@@ -250,8 +257,10 @@ def scrape_metrics(url: str, timeout_s: float = 2.0) -> dict[str, float] | None:
     """
     from prometheus_client.parser import text_string_to_metric_families
 
+    # with tokens the server's /metrics wants one (as a Bearer header); an https URL may need ssl_context
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        with urllib.request.urlopen(request, timeout=timeout_s, context=ssl_context) as r:
             text = r.read().decode()
     except (urllib.error.URLError, OSError, TimeoutError):
         return None
@@ -627,12 +636,13 @@ def caption(index: int, change: int, vocabulary: Sequence[str] | None = None) ->
     return f"a {colour} {shape} {motion}"
 
 
-async def probe_vocabulary(url: str, token: str | None, timeout_s: float) -> tuple[bool, list[str] | None]:
+async def probe_vocabulary(url: str, token: str | None, timeout_s: float,
+                           tls: dict | None = None) -> tuple[bool, list[str] | None]:
     """What the server's model understands, from the ``ready`` of one short stream (opened, and closed at once):
     (True, its vocabulary), or (True, None) for an open vocabulary (real weights); (False, None) when no stream
     was admitted (the server full or refusing: the viewers will be told why)."""
     probe = StreamClient(url, ClientConfig(prompt=PROBE_PROMPT, token=token, stats_every_s=0.0,
-                                           decode=DecodeMode.NONE, open_timeout_s=timeout_s))
+                                           decode=DecodeMode.NONE, open_timeout_s=timeout_s, **(tls or {})))
     async with probe:
         ready = probe.ready
     return ready is not None, None if ready is None else ready.vocabulary
@@ -646,6 +656,7 @@ class _Run:
     peak_metrics: dict | None = None  # the scrape with the most open streams
     first_metrics: dict | None = None
     watchers: list = field(default_factory=list)  # the watchers started so far
+    scrape_options: dict = field(default_factory=dict)  # scrape_metrics' token and TLS context
 
 
 async def _progress(run: _Run, every_s: float, duration_s: float, quiet: bool) -> None:
@@ -656,7 +667,7 @@ async def _progress(run: _Run, every_s: float, duration_s: float, quiet: bool) -
         now = time.monotonic()
         stats = [c.stats() for c in run.clients if c.ready is not None]
         stats = [s for s in stats if s is not None]
-        m = await asyncio.to_thread(scrape_metrics, run.metrics_url, 1.0)
+        m = await asyncio.to_thread(scrape_metrics, run.metrics_url, 1.0, **run.scrape_options)
         open_streams = sum(1 for c in run.clients if c.ready is not None and c.closed_reason is None)
         if m is not None:
             if run.peak_metrics is None or m.get("streamsvc_kv_bytes", 0) >= run.peak_metrics.get("streamsvc_kv_bytes", 0):
@@ -768,7 +779,8 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     cls = TRANSPORTS[args.transport]
     per_stream = getattr(args, "watchers_per_stream", 0)
     everyone = args.streams * (1 + per_stream)
-    probed, vocabulary = await probe_vocabulary(url, args.token, max(10.0, 0.25 * args.streams))
+    tls = {"ca_file": getattr(args, "ca_file", None), "insecure": getattr(args, "insecure", False)}  # wss://
+    probed, vocabulary = await probe_vocabulary(url, args.token, max(10.0, 0.25 * args.streams), tls)
     captions = args.verify_pixels or bool(vocabulary) or not probed  # (captions read as plain English to any model)
     prompts = {"captions": captions, "vocabulary_words": None if vocabulary is None else len(vocabulary),
                "probe_admitted": probed, "opening": [viewer_prompt(i, 0, captions, vocabulary) for i in range(3)]}
@@ -783,17 +795,18 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
         prompt = viewer_prompt(i, 0, captions, vocabulary)
         cfg = ClientConfig(prompt=prompt, seed=args.seed + i, fps=args.fps, token=args.token,
                            stats_every_s=args.stats_every, decode=DecodeMode(args.decode),
-                           open_timeout_s=max(10.0, 0.25 * args.streams), verify_pixels=args.verify_pixels)
+                           open_timeout_s=max(10.0, 0.25 * args.streams), verify_pixels=args.verify_pixels, **tls)
         clients.append(cls(url, cfg))
 
     def make_watcher(ready):  # a watcher of the stream its steerer's ready names, by its watch link (id and secret)
         return cls(url, ClientConfig(watch=ready.stream_id, secret=ready.watch_secret, token=args.token,
                                      stats_every_s=args.stats_every, decode=DecodeMode(args.decode),
-                                     open_timeout_s=max(10.0, 0.25 * everyone)))
+                                     open_timeout_s=max(10.0, 0.25 * everyone), **tls))
 
     murl = metrics_url(url)
-    first = await asyncio.to_thread(scrape_metrics, murl)
-    run = _Run(clients, murl, time.monotonic(), first_metrics=first)
+    scrape = {"token": args.token, "ssl_context": tls_context(tls["ca_file"], tls["insecure"])}
+    first = await asyncio.to_thread(scrape_metrics, murl, 2.0, **scrape)
+    run = _Run(clients, murl, time.monotonic(), first_metrics=first, scrape_options=scrape)
     progress = asyncio.create_task(_progress(run, args.progress_every or 1.0, args.duration, quiet=args.progress_every <= 0))
     pauses = LoopPauses()
     watch = asyncio.create_task(pauses.run(time.monotonic() + args.duration + 30.0))
@@ -809,7 +822,7 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
         await asyncio.wait([progress, watch], timeout=2)
     results = [r for r, _, _ in streams]
     wall = time.monotonic() - run.started_at
-    last = await asyncio.to_thread(scrape_metrics, murl)
+    last = await asyncio.to_thread(scrape_metrics, murl, 2.0, **scrape)
     if per_stream > 0:
         watchers = [w for _, ws, _ in streams for w in ws]
         report = summarize(results, duration_s=args.duration, watchers=watchers, watchers_per_stream=per_stream,

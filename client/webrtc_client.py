@@ -156,7 +156,8 @@ class WebRtcClient(ViewerClient):
         try:
             async with asyncio.timeout(cfg.open_timeout_s):
                 self._ws = await connect(self.url, compression=None, max_size=P.MAX_CHUNK_BYTES,
-                                         open_timeout=cfg.open_timeout_s, close_timeout=cfg.close_timeout_s)
+                                         open_timeout=cfg.open_timeout_s, close_timeout=cfg.close_timeout_s,
+                                         **cfg.connect_options(self.url))
                 await self._ws.send(P.encode(cfg.first_message("webrtc")))
                 if await self._await_ready():
                     rgb = VideoReformatter()  # one swscale context for every frame, not one per frame

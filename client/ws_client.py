@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import ssl
 import time
 from typing import Any, Self
 from collections.abc import Callable, Sequence
@@ -79,6 +80,18 @@ class ClientState(enum.Enum):
     CLOSED = "closed"  # the session is over (closed by either side, or the connection failed)
 
 
+def tls_context(ca_file: str | None, insecure: bool) -> ssl.SSLContext | None:
+    """A client's TLS context for a server whose certificate no system CA signed: trusting the CA (or self-signed
+    certificate) in `ca_file`, or with `insecure` checking none; None when neither is given (the system's CAs)."""
+    if ca_file is None and not insecure:
+        return None
+    context = ssl.create_default_context(cafile=ca_file)
+    if insecure:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     prompt: str = ""  # the stream's opening prompt (a steerer's; a watcher gives none)
@@ -97,6 +110,10 @@ class ClientConfig:
     # after a retryable error (protocol.RETRYABLE: a cluster's worker was lost), connect again at once and start
     # over, at most this many times a session; the playback buffer goes on (the gap is the viewer's stall)
     max_reconnects: int = 3
+    # a wss:// server whose certificate no system CA signed (a self-signed one): trust the CA (or the certificate
+    # itself) in this PEM file, or with `insecure` check no certificate at all (on a LAN, in tests)
+    ca_file: str | None = None
+    insecure: bool = False
     # time each prompt sent to the first played frame showing the prompt's colour (client/verify.py; the built-in
     # model's scenes): needs decoded frames
     verify_pixels: bool = False
@@ -115,10 +132,18 @@ class ClientConfig:
         for name in ("open_timeout_s", "close_timeout_s", "max_session_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 seconds")
+        if self.ca_file is not None and self.insecure:
+            raise ValueError(f"ca_file={self.ca_file!r} and insecure: give one (insecure checks no certificate)")
         if self.stats_every_s < 0:
             raise ValueError(f"stats_every_s={self.stats_every_s}: must be >= 0 (0 turns stats off)")
         if self.verify_pixels and self.decode is DecodeMode.NONE:
             raise ValueError("verify_pixels reads the frames: it needs decode inline or thread, not none")
+
+    def connect_options(self, url: str) -> dict[str, Any]:
+        """websockets' connect() options for `url` beyond the defaults: a wss:// URL's TLS context when ca_file or
+        insecure is given (otherwise the system's CAs check the server's certificate)."""
+        context = tls_context(self.ca_file, self.insecure)
+        return {"ssl": context} if url.startswith("wss://") and context is not None else {}
 
     def start_message(self, transport: str | None = None) -> P.Start:
         """The ``start`` message that opens this viewer's stream."""
@@ -532,7 +557,8 @@ class StreamClient(ViewerClient):
         try:
             async with asyncio.timeout(cfg.open_timeout_s):
                 self._ws = await connect(self.url, compression=None, max_size=P.MAX_CHUNK_BYTES,
-                                         open_timeout=cfg.open_timeout_s, close_timeout=cfg.close_timeout_s)
+                                         open_timeout=cfg.open_timeout_s, close_timeout=cfg.close_timeout_s,
+                                         **cfg.connect_options(self.url))
                 await self._ws.send(P.encode(cfg.first_message()))
                 admitted = await self._await_ready()
         except TimeoutError:

@@ -6,7 +6,8 @@ WS_PATH, from an allowed origin, and the handshake goes on. The routes:
 
 - WS_PATH: the origin check of a browser's upgrade (403 from a page of another site; see access.origin_allowed);
 - /healthz: 200 once the engine has started, 503 before;
-- /metrics: the server's Prometheus metrics (streamsvc/metrics.py), refreshed at each request;
+- /metrics: the server's Prometheus metrics (streamsvc/metrics.py), refreshed at each request; behind the
+  token (a Bearer header) when the server has tokens; 404 when --metrics-port serves them apart (metrics_only);
 - RECORDINGS_PATH + NAME.mp4 / NAME.vtt: a finished recording and its chapters, NAME its id and its own secret
   (streamsvc/record.py: a missing or wrong secret is 404, as no recording is), behind the access token when the
   server has tokens; a Range request gets its part (seeking in a <video>; see byte_range), a download at a
@@ -114,6 +115,21 @@ def bad_target(target: str) -> HttpReply | None:
     return reply(http.HTTPStatus.BAD_REQUEST, f"bad request target: {fault}\n".encode(), "text/plain")
 
 
+def metrics_refusal(request: HttpRequest, access: AccessConfig, metrics: Metrics) -> HttpReply | None:
+    """The 401 of a /metrics request without the token on a server with tokens (what it shows, streams and
+    refusals, is the operator's); None: served. The token comes as a Bearer header only, which scrapers send and
+    which no address bar, log or proxy keeps."""
+    if not access.auth or find_token(access.tokens, bearer_token(request.headers.get("Authorization"))) is not None:
+        return None
+    metrics.refusals.labels(Refusal.UNAUTHORIZED.value).inc()
+    return HttpReply(http.HTTPStatus.UNAUTHORIZED, _headers("text/plain", len(_METRICS_TOKEN)) + (
+        ("WWW-Authenticate", 'Bearer realm="streamsvc metrics"'),), _METRICS_TOKEN)
+
+
+_METRICS_TOKEN = (b"/metrics needs the access token here: send it as an 'Authorization: Bearer TOKEN' header (or "
+                  b"serve the metrics on their own port with --metrics-port)\n")
+
+
 def check_origin(request: HttpRequest, access: AccessConfig, metrics: Metrics) -> HttpReply | None:
     """Refuses (403) a browser's upgrade from a page of another site; see access.origin_allowed. None: allowed."""
     origin, host = request.headers.get("Origin"), request.headers.get("Host")
@@ -180,13 +196,14 @@ class Routes:
     """The routes of one server (see the module's doc); a front calls `handle` for each request."""
 
     def __init__(self, access: AccessConfig, static_dir: str | None, recordings: RecordingStore, metrics: Metrics,
-                 ready: Callable[[], bool], refresh_metrics: Callable[[], None]) -> None:
+                 ready: Callable[[], bool], refresh_metrics: Callable[[], None], metrics_apart: bool = False) -> None:
         self.access = access  # tokens (recordings) and allowed origins (the upgrade)
         self.static_dir = static_dir  # the browser player's files, served at / (None: no player)
         self.recordings = recordings
         self.metrics = metrics  # served at /metrics; refusals are counted in it by reason
         self.ready = ready  # whether the engine takes streams (/healthz)
         self.refresh_metrics = refresh_metrics  # brings the gauges up to date before /metrics is served
+        self.metrics_apart = metrics_apart  # /metrics is on its own port (metrics_only), not on this one
 
     def handle(self, request: HttpRequest) -> HttpReply | None:
         """The reply to `request`; None for the WebSocket upgrade at WS_PATH from an allowed origin (the
@@ -199,6 +216,11 @@ class Routes:
             return reply(http.HTTPStatus.OK if ok else http.HTTPStatus.SERVICE_UNAVAILABLE,
                          b"ok\n" if ok else b"starting\n", "text/plain")
         if path == "/metrics":
+            if self.metrics_apart:
+                return reply(http.HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
+            refusal = metrics_refusal(request, self.access, self.metrics)
+            if refusal is not None:
+                return refusal
             self.refresh_metrics()
             return reply(http.HTTPStatus.OK, self.metrics.exposition(), "text/plain; version=0.0.4")
         if path.startswith(RECORDINGS_PATH):

@@ -47,7 +47,7 @@ from streamsvc.cluster.placement import ReplicaStats
 from streamsvc.cluster.replica import stream_prefix
 from streamsvc.cluster.router import Board, board
 from streamsvc.front import Connection, ConnectionClosed
-from streamsvc.routes import HttpReply, HttpRequest, check_origin, reply, static_file
+from streamsvc.routes import HttpReply, HttpRequest, check_origin, metrics_refusal, reply, static_file
 from streamsvc.server import RECORDINGS_PATH, WS_PATH, Metrics, Server, ServerConfig
 
 log = logging.getLogger("streamsvc.cluster.gateway")
@@ -128,8 +128,10 @@ class Gateway(Server):
             text = f"ok: {len(ready)} of {len(self.board.replicas)} replicas take streams\n" if ok else \
                 f"no replica takes streams ({len(self.board.replicas)} known)\n"
             return reply(http.HTTPStatus.OK if ok else http.HTTPStatus.SERVICE_UNAVAILABLE, text.encode(), "text/plain")
-        if path == "/metrics":
-            return self._route_metrics(request)
+        if path == "/metrics":  # behind the token, as a server's (routes.Routes.handle), or on --metrics-port alone
+            if self.config.metrics_port is not None:
+                return reply(http.HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
+            return metrics_refusal(request, self.config.access, self.metrics) or self._route_metrics(request)
         if path.startswith(RECORDINGS_PATH):
             return reply(http.HTTPStatus.NOT_FOUND, b"recordings stay on the machine of the worker that ran the stream "
                          b"(its --recordings-dir); this gateway does not serve them\n", "text/plain")

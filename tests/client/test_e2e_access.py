@@ -48,13 +48,15 @@ def viewer(server: Server, token: str | None = None, prompt: str = "a red fox in
     return StreamClient(url(server), ClientConfig(prompt=prompt, seed=1, token=token, stats_every_s=0))
 
 
-async def refusals(server: Server) -> dict[str, float]:
-    metrics = await asyncio.to_thread(scrape_metrics, f"http://127.0.0.1:{server.port}/metrics", T)
+async def refusals(server: Server, token: str | None = None) -> dict[str, float]:
+    """The refusals counted in /metrics (which, on a server with tokens, needs one)."""
+    metrics = await asyncio.to_thread(scrape_metrics, f"http://127.0.0.1:{server.port}/metrics", T, token)
     return {k.split("reason=")[1][:-1]: v for k, v in metrics.items() if k.startswith("streamsvc_refusals_total")}
 
 
-def metrics_text(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=T) as r:
+def metrics_text(port: int, token: str) -> str:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=T) as r:
         return r.read().decode()
 
 
@@ -91,7 +93,7 @@ async def test_with_tokens_a_stream_starts_only_with_a_valid_one_in_start_or_in_
         assert not await c.open()  # the Python client reports it as a refusal, with the reason
         assert c.state is ClientState.REFUSED and "not valid" in c.refused_reason
         await c.close()
-        assert (await refusals(server))["unauthorized"] == 5
+        assert (await refusals(server, "s3cret"))["unauthorized"] == 5
         assert not server.sessions
 
 
@@ -138,7 +140,7 @@ async def test_streams_per_address_and_per_token_are_limited_and_freed_when_a_st
                 await third.close()
         async with viewer(server, token="one") as again:  # both streams ended: their slots came free
             assert again.state is ClientState.PLAYING
-        counted = await refusals(server)
+        counted = await refusals(server, "many")
         assert counted["token_streams"] == 1 and counted["client_streams"] == 1
 
 
@@ -236,7 +238,7 @@ async def test_metrics_count_refusals_by_reason_and_carry_no_prompt_text_or_clie
         async with viewer(server, token="t", prompt="a very secret prompt about zebras") as c:
             await c.set_prompt("another secret prompt about giraffes")
             assert await c.wait_until(lambda: len(c.acks) >= 1, T)
-            text = await asyncio.to_thread(metrics_text, server.port)
+            text = await asyncio.to_thread(metrics_text, server.port, "t")
         assert "zebras" not in text and "giraffes" not in text and "127.0.0.1" not in text
         for reason in ("origin", "unauthorized", "token_streams", "client_streams", "server_cap", "admission",
                        "rate_limited", "stats_rate_limited"):

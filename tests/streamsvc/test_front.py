@@ -1,6 +1,6 @@
 """The port (streamsvc/front.py, aiohttp) over loopback, with the real routes (streamsvc/routes.py) and no engine:
 WebSocket limits (1009, the handshake deadline), bad request targets, recordings served in bounded pieces with
-Range and a per-client cap, request bodies, the port's flags, the connection hook.
+Range and a per-client cap, request bodies, the metrics' token, the connection hook.
 
 Raw sockets where a client library would not send what a hostile client sends. Every wait is bounded."""
 
@@ -332,6 +332,45 @@ def test_the_ports_flags_reach_the_server_config_and_a_bad_one_is_an_error(tmp_p
     (tmp_path / "junk.pem").write_text("not a certificate")
     with pytest.raises(OSError):  # ssl.SSLError is one: serve prints it and exits 2
         config("--tls-cert", str(tmp_path / "junk.pem"), "--tls-key", str(tmp_path / "junk.pem"))
+
+
+# ---------------------------------------------------------------- /metrics
+
+
+async def test_with_tokens_metrics_need_the_token_as_a_bearer_header(tmp_path):
+    async with serving(tmp_path, access=AccessConfig(tokens={"tok": None})) as (front, routes):
+        for headers, expected in (((), 401), (("Authorization: Bearer wrong",), 401),
+                                  (("Authorization: Basic tok",), 401), (("Authorization: Bearer tok",), 200)):
+            status, got, body = await raw_request(front.port, get(front.port, "/metrics", *headers))
+            assert status == expected, headers
+            if status == 401:
+                assert got["www-authenticate"].startswith("Bearer") and b"token" in body
+            else:
+                assert b"streamsvc_refusals_total" in body
+        status, _, _ = await raw_request(front.port, get(front.port, "/metrics?token=tok"))
+        assert status == 401  # not in the address, where logs and proxies would keep it
+    async with serving(tmp_path) as (front, routes):  # no tokens: open, as before
+        assert (await raw_request(front.port, get(front.port, "/metrics")))[0] == 200
+
+
+async def test_with_a_metrics_port_the_main_port_has_no_metrics(tmp_path):
+    static = tmp_path / "static"
+    static.mkdir()
+    routes = Routes(AccessConfig(tokens={"tok": None}), str(static), Store({}), Metrics(), ready=lambda: True,
+                    refresh_metrics=lambda: None, metrics_apart=True)
+    main = HttpFront(FrontConfig(port=0), Handlers(route=routes.handle, websocket=echo, client=lambda r: "x"))
+    apart = HttpFront(FrontConfig(port=0), Handlers(route=routes.metrics_only, websocket=echo, client=lambda r: "x"))
+    await main.start()
+    await apart.start()
+    try:
+        assert (await raw_request(main.port, get(main.port, "/metrics", "Authorization: Bearer tok")))[0] == 404
+        status, _, body = await raw_request(apart.port, get(apart.port, "/metrics"))  # no token there
+        assert status == 200 and b"streamsvc_refusals_total" in body
+        assert (await raw_request(apart.port, get(apart.port, "/healthz")))[0] == 404
+        assert (await raw_request(apart.port, get(apart.port, "/ws")))[0] == 404
+    finally:
+        await main.stop()
+        await apart.stop()
 
 
 # ---------------------------------------------------------------- the connection hook
