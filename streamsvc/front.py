@@ -160,6 +160,7 @@ class Handlers:
     connection_closed: Callable[[str], None] = _no_refusal  # a connection admitted above has closed
     admit_request: Callable[[HttpRequest], HttpReply | None] = _no_refusal  # every request, an upgrade's too
     admit_upgrade: Callable[[HttpRequest], HttpReply | None] = _no_refusal  # a WebSocket upgrade, after `route`
+    upgrade_ended: Callable[[HttpRequest], None] = _no_refusal  # an upgrade admitted above has ended (or failed)
     download_refused: Callable[[str], None] = _no_refusal  # a client at its download cap got 429 (to count it)
 
 
@@ -286,7 +287,9 @@ class HttpFront:
         if answer.file is None:
             response = web.Response(status=answer.status.value, reason=answer.status.phrase, headers=headers,
                                     body=answer.body)
-            if request is None:  # a request we would not read: its connection is not kept for another
+            # a request we would not read, or a refusal that ends its connection (Connection: close, as the
+            # guard's 429 and 503 say): the connection is not kept for another
+            if request is None or headers.get("Connection", "").lower() == "close":
                 response.force_close()
             return response
         if not answer.download:
@@ -344,6 +347,13 @@ class HttpFront:
         refusal = self.handlers.admit_upgrade(request)
         if refusal is not None:
             return await self._send(raw, request, refusal)
+        try:
+            return await self._websocket(raw, request)
+        finally:
+            self.handlers.upgrade_ended(request)
+
+    async def _websocket(self, raw: web.BaseRequest, request: HttpRequest) -> web.StreamResponse:
+        """An admitted upgrade: the WebSocket, served by `Handlers.websocket` until it ends."""
         cfg = self.config
         # max_msg_size + 1: aiohttp refuses a message of max_msg_size bytes itself, websockets (the client) does not
         ws = web.WebSocketResponse(compress=False, max_msg_size=cfg.max_message_bytes + 1, heartbeat=cfg.heartbeat_s,

@@ -83,16 +83,22 @@ class Guard:
         self.clock = clock  # the rates' and the protocol errors' time
         self.rates = RequestRates.from_config(access)
         self.logs = LogGate()
-        self.sockets = ConnectionLimits(1, 1)  # set by listen
-        self.clients = ConnectionLimits(1, 1)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self._set_caps(-1 if soft == resource.RLIM_INFINITY else soft)  # until `listen` knows the raised limit
 
-    def listen(self, fd_limit: int) -> None:
-        """Set the caps for a process whose soft fd limit is `fd_limit` (-1: unlimited), and log them."""
+    def _set_caps(self, fd_limit: int) -> None:
         access = self.access
         total = access.max_connections or default_max_connections(fd_limit)
-        per_client = access.max_connections_per_client
-        self.clients = ConnectionLimits(per_client, total)
-        self.sockets = ConnectionLimits(*socket_caps(per_client, total, fd_limit, access.trust_proxy))
+        self.clients = ConnectionLimits(access.max_connections_per_client, total)  # WebSockets, by client address
+        self.sockets = ConnectionLimits(*socket_caps(access.max_connections_per_client, total, fd_limit,
+                                                     access.trust_proxy))  # sockets, by peer address
+
+    def listen(self, fd_limit: int) -> None:
+        """Set the caps for a process whose soft fd limit is `fd_limit` (-1: unlimited), and log them. (Only
+        before the port takes connections: the counts start anew.)"""
+        access = self.access
+        self._set_caps(fd_limit)
+        total, per_client = self.clients.total, self.clients.per_client
         http_rate, connect_rate = access.http_rate, access.connect_rate
         log.info("connections: at most %d in total and %d per address (WebSockets; sockets are dropped past %d and "
                  "%d); a WebSocket without start or watch is closed after %g s; per address a second: %g HTTP "

@@ -39,6 +39,7 @@ from streamsvc.access import AccessConfig, Refusal, StreamLimits, TokenBucket, b
     exposure_warning, find_token, secret_matches, ProtocolErrors
 from streamsvc.engine import ChunkOut, Engine, EngineConfig
 from streamsvc.front import Connection, ConnectionClosed, FrontConfig, Handlers, HttpFront, tls_context
+from streamsvc.guard import Guard, raise_fd_limit
 from streamsvc.metrics import Metrics
 from streamsvc.record import RecordingStore
 from streamsvc.routes import RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequest, Routes
@@ -107,6 +108,7 @@ class Server:
         self.streamless = CpuMeter()
         self.engine_config = engine_config
         self.metrics = Metrics()
+        self.guard = Guard(config.access, self.metrics, clock)  # what one address may hold and cost on the port
         self.sessions: dict[str, Session] = {}
         self._ids = itertools.count()
         self._viewer_ids = itertools.count()
@@ -136,6 +138,7 @@ class Server:
         self._send_meter = asyncio.create_task(self._measure_send(), name="send-meter")
         if not listen:
             return
+        self.guard.listen(raise_fd_limit())
         log.info("serving on %s (WebSocket at %s)", await self._listen(self._route), WS_PATH)
         warning = exposure_warning(self.config.host, self.config.access)
         if warning:
@@ -237,9 +240,11 @@ class Server:
                 await front.stop()
 
     def _handlers(self, route: Callable[[HttpRequest], HttpReply | None]) -> Handlers:
-        return Handlers(route=route, websocket=self._handle, client=self._client_of,
-                        admit_connection=self._admit_connection, connection_closed=self._connection_closed,
-                        admit_request=self._admit_request, admit_upgrade=self._admit_upgrade,
+        guard = self.guard  # the front's admission hooks: connection caps and request rates (streamsvc/guard.py)
+        return Handlers(route=route, websocket=self._handle, client=guard.client,
+                        admit_connection=guard.admit_connection, connection_closed=guard.connection_closed,
+                        admit_request=guard.admit_request, admit_upgrade=guard.admit_upgrade,
+                        upgrade_ended=guard.upgrade_ended,
                         download_refused=lambda _: self.metrics.refusals.labels(Refusal.DOWNLOADS.value).inc())
 
     def _route(self, request: HttpRequest) -> HttpReply | None:
@@ -253,23 +258,6 @@ class Server:
         too (self.streamless)."""
         with self.streamless.measure():
             return self.routes.metrics_only(request)
-
-    def _client_of(self, request: HttpRequest) -> str:
-        """The client address an HTTP request counts against (X-Forwarded-For's with --trust-proxy)."""
-        return client_address(request.remote, request.headers.get("X-Forwarded-For"), self.config.access.trust_proxy)
-
-    # the front's admission hooks (front.Handlers): None lets the connection, request or upgrade go on
-    def _admit_connection(self, address: str) -> str | None:
-        return None
-
-    def _connection_closed(self, address: str) -> None:
-        pass
-
-    def _admit_request(self, request: HttpRequest) -> HttpReply | None:
-        return None
-
-    def _admit_upgrade(self, request: HttpRequest) -> HttpReply | None:
-        return None
 
     def _refresh_metrics(self) -> None:
         """Bring the metrics' gauges up to date (what GET /metrics runs first)."""
@@ -286,13 +274,18 @@ class Server:
     async def _connection(self, ws: Connection, conn: _Connection) -> None:
         viewer: Viewer | None = None
         sender: asyncio.Task | None = None
+        guard = self.guard.connection(ws, self._address(ws))  # its start deadline, pre-start rate, protocol errors
         try:
             async for raw in ws:
+                if viewer is None and not guard.message():
+                    break
                 try:
                     msg = P.parse_client(raw)
                 except P.ProtocolError as e:
                     self.metrics.errors.inc()
                     await self._send_now(ws, viewer, e.to_message())
+                    if not guard.protocol_error():
+                        break
                     continue
                 if isinstance(msg, (P.Start, P.Watch)):
                     if viewer is not None:
@@ -303,10 +296,13 @@ class Server:
                     viewer = await (self._start(ws, msg) if isinstance(msg, P.Start) else self._watch(ws, msg))
                     conn.viewer = viewer
                     if viewer is not None:
+                        guard.started()
                         sender = asyncio.create_task(self._sender(ws, viewer), name=f"send-{viewer.viewer_id}")
                 elif viewer is None:
                     await ws.send(P.encode(P.Error(code=P.ErrorCode.NOT_STARTED,
                                                    message=f"send 'start' or 'watch' before '{msg.type}'")))
+                    if not guard.protocol_error():
+                        break
                 else:
                     await self.streams.control(viewer, msg)
                     if viewer.closed:
@@ -314,6 +310,7 @@ class Server:
         except ConnectionClosed:
             pass
         finally:
+            await guard.done()
             if viewer is not None:
                 await self.streams.leave(viewer, "client disconnected")
             if sender is not None:

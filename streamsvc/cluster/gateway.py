@@ -47,6 +47,7 @@ from streamsvc.cluster.placement import ReplicaStats
 from streamsvc.cluster.replica import stream_prefix
 from streamsvc.cluster.router import Board, board
 from streamsvc.front import Connection, ConnectionClosed
+from streamsvc.guard import Guard, raise_fd_limit
 from streamsvc.routes import HttpReply, HttpRequest, check_origin, metrics_refusal, reply, static_file
 from streamsvc.server import RECORDINGS_PATH, WS_PATH, Metrics, Server, ServerConfig
 
@@ -82,6 +83,7 @@ class Gateway(Server):
         self.clock = clock
         self.limits = StreamLimits(config.access)
         self.metrics = Metrics()
+        self.guard = Guard(config.access, self.metrics, clock)  # connection caps and request rates, as Server's
         self.sessions: dict[str, _Relay] = {}  # conn id -> relay (counted against the server cap)
         self.watchers: dict[str, _Relay] = {}  # conn id -> a watcher's relay (not counted against it)
         self.handle = handle
@@ -102,6 +104,7 @@ class Gateway(Server):
         with contextlib.suppress(Exception):
             await self._call("info", timeout_s=self.gateway.place_timeout_s)
         self._renewer = asyncio.create_task(self._renew())
+        self.guard.listen(raise_fd_limit())
         url = await self._listen(self._route)
         log.info("gateway on %s (WebSocket at %s), %d replicas", url, WS_PATH, len(self.board.replicas))
         warning = exposure_warning(self.config.host, self.config.access)
@@ -214,21 +217,32 @@ class Gateway(Server):
             self.watchers.pop(relay.conn_id, None)
 
     async def _await_start(self, ws: Connection) -> tuple[str, P.Start | P.Watch] | None:
-        """The viewer's start or watch (raw and parsed); what comes before it is answered as the server does."""
+        """The viewer's start or watch (raw and parsed); what comes before it is answered as the server does, under
+        the same guard (its deadline, its address's message rate, its protocol errors; the replica guards the rest)."""
+        guard = self.guard.connection(ws, self._address(ws))
         try:
             async for raw in ws:
+                if not guard.message():
+                    break
                 try:
                     msg = P.parse_client(raw)
                 except P.ProtocolError as e:
                     self.metrics.errors.inc()
                     await ws.send(P.encode(e.to_message()))
+                    if not guard.protocol_error():
+                        break
                     continue
                 if isinstance(msg, (P.Start, P.Watch)):
+                    guard.started()
                     return raw, msg
                 await ws.send(P.encode(P.Error(code=P.ErrorCode.NOT_STARTED,
                                                message=f"send 'start' or 'watch' before '{msg.type}'")))
+                if not guard.protocol_error():
+                    break
         except ConnectionClosed:
             pass
+        finally:
+            await guard.done()
         return None
 
     async def _relay(self, ws: Connection, relay: _Relay, start: str, address: str,
