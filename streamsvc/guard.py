@@ -100,8 +100,8 @@ class Guard:
         self._set_caps(fd_limit)
         total, per_client = self.clients.total, self.clients.per_client
         http_rate, connect_rate = access.http_rate, access.connect_rate
-        log.info("connections: at most %d in total and %d per address (WebSockets; sockets are dropped past %d and "
-                 "%d); a WebSocket without start or watch is closed after %g s; per address a second: %g HTTP "
+        log.info("connections: at most %d in total and %d per address (WebSockets; sockets of any kind are dropped "
+                 "past %d in total and %d per address); a WebSocket without start or watch is closed after %g s; per address a second: %g HTTP "
                  "requests (burst %d), %g upgrades and messages before start (burst %d); %d protocol errors within "
                  "%g s close a connection", total, per_client, self.sockets.total, self.sockets.per_client,
                  access.start_timeout_s, http_rate.per_s, http_rate.burst, connect_rate.per_s, connect_rate.burst,

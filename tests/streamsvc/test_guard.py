@@ -2,6 +2,9 @@
 an injected clock, the event loop only for the start deadline's timer."""
 
 import asyncio
+import resource
+import subprocess
+import sys
 
 import pytest
 
@@ -187,3 +190,12 @@ def test_serve_flags_reach_the_access_config():
     assert defaults == AccessConfig()  # the flags' defaults are the config's
     with pytest.raises(ValueError, match="--max-connections-per-client 0"):
         _access_config(build_parser().parse_args(["serve", "--max-connections-per-client", "0"]))
+
+
+def test_serve_raises_the_soft_fd_limit_to_the_hard_one():
+    code = "import logging, resource; logging.basicConfig(level=logging.INFO); " \
+           "from streamsvc.guard import raise_fd_limit; print(raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512)))
+    assert out.stdout.split("\n")[0] == "512 (512, 512)"
+    assert "file descriptors: soft limit 512, raised from 256 (hard 512)" in out.stderr
