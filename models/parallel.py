@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from kvcache import CacheSpec
 from models.config import ModelConfig
-from models.decoder import StreamingDecoder
+from models.decoder import DecoderState, StreamingDecoder, frames_per_chunk
 from models.dit import KERNELS, AttentionKV, CacheAccess, CausalWanModel, SelfAttention, TextKV
 from models.generator import ChunkGenerator, GeneratorConfig, build_generator
 from models.text import TextEncoder
@@ -181,6 +181,73 @@ class ShardedModel:
         return self.model.predict_flow(x, t, text, access, split=self.split)
 
 
+def root_rank(group: dist.ProcessGroup | None) -> int:
+    """The global rank of the group's rank 0: the one that encodes prompts and decodes chunks."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+class RootTextEncoder:
+    """The text encoder on the group's rank 0: encodes (umT5 runs once, here) and broadcasts the embedding
+    to the group's other ranks (`ReceivedTextEncoder`), which call `encode` at the same point: every rank
+    calls `encode_prompt` in the same order with the same prompt cache, so they miss it together."""
+
+    def __init__(self, inner, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self.inner, self.group, self.device = inner, group, device
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # unknown_words, vocabulary, text_dim, ...
+
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        emb = self.inner.encode(prompts).to(self.device)  # [B, text_len, text_dim]
+        meta = torch.tensor([*emb.shape, _DTYPES.index(emb.dtype)], dtype=torch.int64, device=self.device)
+        dist.broadcast(meta, root_rank(self.group), group=self.group)
+        dist.broadcast(emb.contiguous(), root_rank(self.group), group=self.group)
+        return emb
+
+
+class ReceivedTextEncoder:
+    """The text encoder on the group's other ranks: receives what rank 0's `RootTextEncoder` encoded."""
+
+    vocabulary = None
+
+    def __init__(self, text_dim: int, text_len: int, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self.text_dim, self.text_len, self.group, self.device = text_dim, text_len, group, device
+
+    def unknown_words(self, prompt: str) -> list[str]:
+        return []
+
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        meta = torch.empty(4, dtype=torch.int64, device=self.device)
+        dist.broadcast(meta, root_rank(self.group), group=self.group)
+        b, n, d, dtype = meta.tolist()
+        emb = torch.empty(b, n, d, dtype=_DTYPES[dtype], device=self.device)
+        dist.broadcast(emb, root_rank(self.group), group=self.group)
+        return emb
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # what a text encoder's output may be
+
+
+class NoDecoder:
+    """The decoder of the group's other ranks (the decode runs on rank 0 only, after the commit, not
+    overlapping the next chunk): no frames, only their count, [N, 0, 0, 3] uint8, so a rank's stream
+    state (frames done, chunk boundaries) stays rank 0's."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.tu = cfg.temporal_upsample
+
+    def init_state(self) -> DecoderState:
+        return DecoderState()
+
+    def state_bytes(self, height: int, width: int) -> int:
+        return 0
+
+    def decode(self, latents: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        n = frames_per_chunk(latents.shape[1], state.frames_out == 0, self.tu)
+        state.frames_out += n
+        return torch.empty(n, 0, 0, 3, dtype=torch.uint8, device=latents.device)
+
+
 class ShardedGenerator(ChunkGenerator):
     """A `ChunkGenerator` on one rank of a group: its forwards are split across the group (`ShardedModel`)
     and its streams' caches, workspace and pool hold this rank's heads (`cache_spec`).
@@ -210,12 +277,31 @@ class ShardedGenerator(ChunkGenerator):
 
 
 def build_sharded_generator(preset: str = "tiny", *, group: dist.ProcessGroup | None = None,
-                            cfg: GeneratorConfig = GeneratorConfig(), **kw) -> ShardedGenerator:
+                            cfg: GeneratorConfig = GeneratorConfig(), root_only: bool = False, **kw) -> ShardedGenerator:
     """`build_generator`'s generator (the same arguments) on this rank of `group` (None: the default
     group), the whole DiT on each rank. A group size that does not divide the loaded model's heads is
-    a ValueError (`check_degree`)."""
-    base = build_generator(preset, cfg=replace(cfg, stage_kv=False, cuda_graphs=False), **kw)  # no full-head workspace
-    return ShardedGenerator(base.model, replace(base.cfg, stage_kv=cfg.stage_kv), base.text_encoder, base.decoder, group)
+    a ValueError (`check_degree`). `root_only`: see `shard_generator`."""
+    return shard_generator(build_base(preset, cfg=cfg, **kw), cfg, group, root_only)
+
+
+def build_base(preset: str = "tiny", *, cfg: GeneratorConfig = GeneratorConfig(), **kw) -> ChunkGenerator:
+    """The one-process generator a rank's `shard_generator` starts from (no full-head workspace, no graphs)."""
+    return build_generator(preset, cfg=replace(cfg, stage_kv=False, cuda_graphs=False), **kw)
+
+
+def shard_generator(base: ChunkGenerator, cfg: GeneratorConfig, group: dist.ProcessGroup | None = None,
+                    root_only: bool = False) -> ShardedGenerator:
+    """`base` (of `build_base`) on this rank of `group`. With `root_only`, the text encoder runs on the
+    group's rank 0 only (its output broadcast) and so does the decoder (the other ranks get `NoDecoder`):
+    every rank must then make the same calls, prompt encodings included."""
+    text, decoder = base.text_encoder, base.decoder
+    if root_only:
+        mc, device = base.model_cfg, base.device
+        if dist.get_rank() == root_rank(group):
+            text = RootTextEncoder(text, group, device)
+        else:  # the umT5 weights were loaded and are dropped here (build_generator has no way to skip them yet)
+            text, decoder = ReceivedTextEncoder(mc.text_dim, mc.text_len, group, device), NoDecoder(mc)
+    return ShardedGenerator(base.model, replace(base.cfg, stage_kv=cfg.stage_kv), text, decoder, group)
 
 
 def init_rank(rank: int, world_size: int, init_method: str, backend: str = "gloo", timeout_s: float = 60.0) -> None:

@@ -57,6 +57,16 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         f"{fidelity.help_text()}")
 
 
+def _parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--parallel", type=int, default=1, metavar="K",
+                   help="split each forward over K processes, one per device (Ulysses sequence parallelism, exact): "
+                        "K must divide the model's heads and tokens per frame; gloo on the CPU, NCCL on GPUs")
+    p.add_argument("--devices", default=None, metavar="LIST",
+                   help="the group's GPUs, one per rank (e.g. 0,1,2,3; default: all of them when there are exactly K)")
+    p.add_argument("--parallel-timeout", type=float, default=15.0, metavar="SECONDS",
+                   help="a collective of the group waiting longer fails: a rank died or hung (default 15)")
+
+
 def _speed_options(args, cfg: GeneratorConfig, device) -> GeneratorConfig:
     """`cfg` with the speed options --fidelity and --speed-options ask for (ValueError: one is over the cap)."""
     return fidelity.configure(cfg, args.fidelity, fidelity.parse(args.speed_options), device.type)
@@ -77,14 +87,10 @@ def _generator(args):
     import logging
 
     from streamsvc.engine import log_attention
-    from streamsvc.offline import default_device
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    device = default_device(args.device)
-    cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant)
-    cfg = _speed_options(args, cfg, device)
-    gen = build_generator(args.preset, device=device, seed=args.weights_seed, checkpoint=args.checkpoint, cfg=cfg,
-                          **_weights(args))
+    device, kw = _generator_args(args)
+    gen = build_generator(args.preset, **kw)
     log_attention(device)
     logging.getLogger("streamsvc.cli").info("%s", fidelity.describe(gen.cfg, degrade=False))
     if device.type == "cuda":
@@ -92,6 +98,16 @@ def _generator(args):
 
         compile_helpers()
     return gen
+
+
+def _generator_args(args, device: str | None = None):
+    """(device, build_generator's keywords after the preset) for the model flags, on `device` (default: --device's)."""
+    from streamsvc.offline import default_device
+
+    device = default_device(device or args.device)
+    cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant)
+    cfg = _speed_options(args, cfg, device)
+    return device, dict(device=device, seed=args.weights_seed, checkpoint=args.checkpoint, cfg=cfg, **_weights(args))
 
 
 def cmd_generate(args) -> int:
@@ -108,14 +124,18 @@ def cmd_generate(args) -> int:
     if args.strip_every < 1:
         print("streamsvc generate: --strip-every must be >= 1", file=sys.stderr)
         return 2
+    strip = Path(args.strip) if args.strip else None
+    if args.parallel != 1:
+        from streamsvc.offline import generate_parallel
+
+        return generate_parallel(args, changes, strip, _generator_args)
     try:
         gen = _generator(args)
     except (ValueError, OSError) as e:  # bad weight files or flags (CheckpointError is a ValueError)
         print(f"streamsvc generate: {e}", file=sys.stderr)
         return 2
-    strip = Path(args.strip) if args.strip else None
     n = generate_video(gen, args.prompt, args.seconds, args.fps, args.seed, Path(args.output), changes, not args.quiet,
-                       strip=strip, strip_every=args.strip_every)
+                       strip=strip, strip_every=args.strip_every, dump=Path(args.dump) if args.dump else None)
     print(f"wrote {n} frames ({gen.model_cfg.width}x{gen.model_cfg.height}, {args.fps} fps, H.264) to {args.output}")
     if strip is not None:
         print(f"wrote a strip of frames 0, {args.strip_every}, ... to {strip}")
@@ -448,7 +468,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--strip-every", type=int, default=8, metavar="N",
                    help="the strip shows frame 0, N, 2N, ... (default 8: two frames a second at 16 fps)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--dump", default=None, metavar="FILE",
+                   help="also save every chunk's clean latents and decoded frames to FILE (torch.save), to compare runs exactly")
     _model_args(g)
+    _parallel_args(g)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve live streams over WebSocket (player at /, /healthz, /metrics)")

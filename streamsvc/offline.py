@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import numpy as np
 import torch
 
 from models import ChunkGenerator
+from models.generator import Chunk
 from streamsvc.progress import Progress
 
 
@@ -40,6 +43,22 @@ def chunk_for_time(gen: ChunkGenerator, seconds: float, fps: float) -> int:
     return index
 
 
+def video_chunks(gen: ChunkGenerator, prompt: str, seconds: float, fps: int, seed: int,
+                 changes: list[PromptChange] = ()) -> Iterator[tuple[Chunk, int]]:
+    """The generator calls of `seconds` of one stream, as (chunk, frames of it the video keeps). Every
+    rank of a group (`streamsvc generate --parallel K`) runs this, so they make the same calls."""
+    total = max(1, math.ceil(seconds * fps))
+    state = gen.open_stream("offline", prompt, seed)
+    prompt_at = {chunk_for_time(gen, c.at_s, fps): c.prompt for c in sorted(changes, key=lambda c: c.at_s)}
+    written = 0
+    for chunk in gen.stream(state, prompt_at):
+        n = min(chunk.frames.shape[0], total - written)
+        written += n
+        yield chunk, n
+        if written >= total:
+            return
+
+
 def generate_video(
     gen: ChunkGenerator,
     prompt: str,
@@ -51,39 +70,44 @@ def generate_video(
     progress: bool = True,
     strip: Path | None = None,
     strip_every: int = 8,
+    dump: Path | None = None,
 ) -> int:
     """Generate `seconds` of video and write it; returns the number of frames written. With `strip`, also
-    write every `strip_every`-th frame (from the first) side by side as one PNG (`write_strip`)."""
+    write every `strip_every`-th frame (from the first) side by side as one PNG (`write_strip`). With
+    `dump`, also save every chunk's clean latents and decoded frames (torch.save: {"latents": [chunks, C,
+    F, h, w], "frames": [N, H, W, 3] uint8}), which is what tests compare exactly."""
     total = max(1, math.ceil(seconds * fps))
-    state = gen.open_stream("offline", prompt, seed)
-    prompt_at = {chunk_for_time(gen, c.at_s, fps): c.prompt for c in sorted(changes, key=lambda c: c.at_s)}
     bar = Progress(total, "frames") if progress else None
     mc = gen.model_cfg
     written = 0
     picked = []  # [H, W, 3] uint8 frames for the strip
+    latents, frames = [], []  # for `dump`
     with av.open(str(out), mode="w") as container:
         vs = container.add_stream("libx264", rate=fps)
         vs.width, vs.height, vs.pix_fmt = mc.width, mc.height, "yuv420p"
         vs.options = {"crf": "18", "preset": "veryfast"}
-        for chunk in gen.stream(state, prompt_at):
-            for i, rgb in enumerate(chunk.frames[: total - written].cpu().numpy()):
+        for chunk, n in video_chunks(gen, prompt, seconds, fps, seed, changes):
+            kept = chunk.frames[:n].cpu()
+            if dump is not None:
+                latents.append(chunk.latents.cpu())
+                frames.append(kept)
+            for i, rgb in enumerate(kept.numpy()):
                 if strip is not None and (written + i) % strip_every == 0:
                     picked.append(rgb)
                 frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
                 for packet in vs.encode(frame):
                     container.mux(packet)
-            n = min(chunk.frames.shape[0], total - written)
             written += n
             if bar:
                 bar.update(n)
-            if written >= total:
-                break
         for packet in vs.encode():
             container.mux(packet)
     if bar:
         bar.close()
     if strip is not None:
         write_strip(picked, strip)
+    if dump is not None:
+        torch.save({"latents": torch.stack(latents), "frames": torch.cat(frames)}, dump)
     return written
 
 
@@ -108,3 +132,52 @@ def default_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def generate_parallel(args, changes: list[PromptChange], strip: Path | None, generator_args: Callable) -> int:
+    """`streamsvc generate --parallel K`: this process is rank 0 of a group of K (streamsvc/group.py); it
+    encodes the prompts, decodes the chunks and writes the file; ranks 1..K-1 make the same generator
+    calls (`video_chunks`) on their shard. Returns the exit code: 2 for a bad K or flag (before any rank
+    is spawned), 1 when the group fails (a rank died or hung: within --parallel-timeout).
+    generator_args(args, device) -> (device, build_generator's keywords) (the CLI's, picklable by name)."""
+    from models.parallel import build_base, check_degree, shard_generator
+    from streamsvc.group import Group, GroupConfig, GroupError, group_devices
+
+    try:
+        cfg = GroupConfig(args.parallel, group_devices(args.device, args.parallel, args.devices), args.parallel_timeout)
+        device, kw = generator_args(args, cfg.devices[0])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        base = build_base(args.preset, **kw)
+        check_degree(base.model_cfg, cfg.size)
+    except (ValueError, OSError) as e:
+        print(f"streamsvc generate: {e}", file=sys.stderr)
+        return 2
+    video = (args.prompt, args.seconds, args.fps, args.seed, list(changes))
+    group = Group(cfg, _generate_rank, (args, video, generator_args))
+    ok = False
+    try:
+        gen = shard_generator(base, kw["cfg"], group.group, root_only=True)
+        n = generate_video(gen, *video[:4], Path(args.output), video[4], not args.quiet, strip=strip,
+                           strip_every=args.strip_every, dump=Path(args.dump) if args.dump else None)
+        ok = True
+    except (RuntimeError, GroupError) as e:  # a collective failed or timed out (DistBackendError is a RuntimeError)
+        print(f"streamsvc generate: {group.describe_failure(e)}", file=sys.stderr)
+        return 1
+    finally:
+        group.close(kill=not ok)
+    print(f"wrote {n} frames ({gen.model_cfg.width}x{gen.model_cfg.height}, {args.fps} fps, H.264) to {args.output} "
+          f"with {cfg.size} ranks ({', '.join(cfg.devices)})")
+    if strip is not None:
+        print(f"wrote a strip of frames 0, {args.strip_every}, ... to {strip}")
+    return 0
+
+
+def _generate_rank(rank: int, group, device: str, args, video: tuple, generator_args: Callable) -> None:
+    """Rank 1..K-1 of `generate_parallel`: the same generator calls on its shard, nothing written."""
+    from models.parallel import build_sharded_generator
+
+    _, kw = generator_args(args, device)
+    gen = build_sharded_generator(args.preset, group=group, root_only=True, **kw)
+    for _ in video_chunks(gen, *video):
+        pass
