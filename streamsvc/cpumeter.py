@@ -9,16 +9,19 @@ code (a `CpuMeter`); the cost samples leave it out (streamsvc/scheduling/costs.p
 /metrics shows it (`streamsvc_streamless_cpu_seconds`).
 
 What the meter sees is the CPU of our handlers on the loop's thread (`time.thread_time`): a
-synchronous section (`measure`), or every step of a coroutine taken while it has no stream
-(`run`, which leaves out the time it spends suspended, when other tasks run). What it cannot
-see is the library's work before our code is called: parsing the frames and the requests, the
-handshake. The costs module treats a sample where the metered work was large as unusable for
-that reason.
+synchronous section (`measure`, and the front's hooks through `hook`), or every step of a
+coroutine taken while it has no stream (`run`, which leaves out the time it spends suspended,
+when other tasks run). What it cannot see is the library's work around our code: accepting
+the connections, parsing the frames and the requests, writing the replies. So it also counts
+stream-less events (`hook`: each connection and request the front admits or refuses), and the
+costs module drops a sample where that work was large in CPU or in events
+(scheduling.without_streamless).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import types
@@ -38,12 +41,25 @@ class CpuMeter:
         self.clock = clock  # the CPU clock of the calling thread (tests inject one)
         self._lock = threading.Lock()
         self._seconds = 0.0
+        self._events = 0
+        self._depth = 0  # metered sections open on the loop's thread: one nested in another charges nothing
 
     @property
     def seconds(self) -> float:
         """CPU seconds charged so far."""
         with self._lock:
             return self._seconds
+
+    @property
+    def events(self) -> int:
+        """Stream-less events counted so far (connections and requests: `hook`)."""
+        with self._lock:
+            return self._events
+
+    def reading(self) -> tuple[float, int]:
+        """(seconds, events) so far, read together."""
+        with self._lock:
+            return self._seconds, self._events
 
     def charge(self, seconds: float) -> None:
         """Add `seconds` of CPU (negative readings of a clock going backwards count as 0)."""
@@ -53,17 +69,36 @@ class CpuMeter:
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
-        """Charge the CPU of the enclosed synchronous code (it must not await)."""
+        """Charge the CPU of the enclosed synchronous code (it must not await); nothing when it runs inside a section
+        metered already (`run`'s steps), which charges it."""
+        if self._depth:
+            yield
+            return
         t0 = self.clock()
+        self._depth += 1
         try:
             yield
         finally:
+            self._depth -= 1
             self.charge(self.clock() - t0)
+
+    def hook(self, fn: Callable[..., T], event: bool = True) -> Callable[..., T]:
+        """`fn` (a synchronous hook the front calls for a client without a stream: a new connection, a request)
+        with its CPU charged and, with `event`, one stream-less event counted per call."""
+        @functools.wraps(fn)
+        def hooked(*args: Any, **kwargs: Any) -> T:
+            if event:
+                with self._lock:
+                    self._events += 1
+            with self.measure():
+                return fn(*args, **kwargs)
+        return hooked
 
     async def run(self, coro: Coroutine[Any, Any, T], charging: Callable[[], bool]) -> T:
         """Await `coro`, charging the CPU of each of its steps (from one suspension to the next) that begins while
         `charging()` is true; the time it spends suspended, when other tasks run, is not its own and is not
-        charged. Cancellation and errors pass through as if `coro` were awaited directly."""
+        charged, nor is a step taken inside a section metered already (a run awaited from a run's step).
+        Cancellation and errors pass through as if `coro` were awaited directly."""
         return await _metered(coro, self, charging)
 
 
@@ -74,14 +109,16 @@ def _metered(coro: Coroutine[Any, Any, T], meter: CpuMeter, charging: Callable[[
     value: Any = None
     error: BaseException | None = None
     while True:
-        charge = charging()
+        charge = not meter._depth and charging()
         t0 = meter.clock()
+        meter._depth += charge
         try:
             yielded = coro.send(value) if error is None else coro.throw(error)
         except StopIteration as stop:
             return stop.value
         finally:
             if charge:
+                meter._depth -= 1
                 meter.charge(meter.clock() - t0)
         try:
             value, error = (yield yielded), None

@@ -83,11 +83,11 @@ class Engine:
         on_chunk: Callable[[ChunkOut], None],
         on_error: Callable[[str, str, str], None],
         clock: Callable[[], float] = time.monotonic,
-        streamless: Callable[[], float] | None = None,
+        streamless: Callable[[], tuple[float, int]] | None = None,
     ) -> None:
         self.config = config
-        # the event loop's CPU on clients without a stream so far (the server's meter): on a CPU device it is left
-        # out of the forwards' cost samples (scheduling.without_streamless)
+        # the event loop's CPU on clients without a stream so far and their events (the server's meter): on a CPU
+        # device it is left out of the forwards' cost samples (scheduling.without_streamless)
         self._streamless = streamless
         self._on_chunk, self._on_error = on_chunk, on_error
         self.clock = clock
@@ -410,7 +410,8 @@ class Engine:
             self.gpu_seconds[kind] += f.elapsed_s
             self.forward_seconds[kind] += self.clock() - f.launched_at
             # on CPU, the wall time less what the event loop did meanwhile for clients without a stream (or no sample)
-            seconds = without_streamless(f.elapsed_s, f.streamless_s, self.sched.config.streamless_max_share)
+            seconds = without_streamless(f.elapsed_s, f.streamless_s, self.sched.config.streamless_max_share,
+                                         f.streamless_events)
             if seconds is not None:
                 self.sched.observe_cost(f.kind, f.batch, seconds)
 

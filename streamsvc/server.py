@@ -121,7 +121,7 @@ class Server:
         self._webrtc_config = dataclasses.replace(
             config.webrtc, ice_addresses=server_ice_addresses(config.host, config.webrtc.ice_addresses))
         self.engine = Engine(engine_config, on_chunk=self._from_engine(self._on_chunk),
-                             on_error=self._from_engine(self._on_error), streamless=lambda: self.streamless.seconds)
+                             on_error=self._from_engine(self._on_error), streamless=self.streamless.reading)
         self.streams = Streams(self.engine, self.sessions, self.limits, self.recordings, self.metrics, clock,
                                config.orphan_timeout_s)
         self.routes = Routes(config.access, config.static_dir, self.recordings, self.metrics,
@@ -177,7 +177,8 @@ class Server:
         config = self.engine_config.scheduler
         sampler = SendSampler(SEND_MIN_CHUNKS, config.streamless_max_share)
         while True:
-            sample = sampler.read(time.thread_time(), self.streamless.seconds, self._chunks_sent)
+            streamless_s, events = self.streamless.reading()
+            sample = sampler.read(time.thread_time(), streamless_s, self._chunks_sent, events)
             if sample is not None:
                 self.engine.observe_send(sample)
             await asyncio.sleep(SEND_PERIOD_S)
@@ -241,10 +242,12 @@ class Server:
 
     def _handlers(self, route: Callable[[HttpRequest], HttpReply | None]) -> Handlers:
         guard = self.guard  # the front's admission hooks: connection caps and request rates (streamsvc/guard.py)
+        # each is stream-less work, and a connection or a request a stream-less event (self.streamless)
+        hook, meter = self.streamless.hook, lambda fn: self.streamless.hook(fn, event=False)
         return Handlers(route=route, websocket=self._handle, client=guard.client,
-                        admit_connection=guard.admit_connection, connection_closed=guard.connection_closed,
-                        admit_request=guard.admit_request, admit_upgrade=guard.admit_upgrade,
-                        upgrade_ended=guard.upgrade_ended,
+                        admit_connection=hook(guard.admit_connection), connection_closed=meter(guard.connection_closed),
+                        admit_request=hook(guard.admit_request), admit_upgrade=meter(guard.admit_upgrade),
+                        upgrade_ended=meter(guard.upgrade_ended),
                         download_refused=lambda _: self.metrics.refusals.labels(Refusal.DOWNLOADS.value).inc())
 
     def _route(self, request: HttpRequest) -> HttpReply | None:
@@ -269,7 +272,8 @@ class Server:
         """One connection. Its CPU while it has no stream (before `start` or `watch`, after a refusal) is stream-less
         work (self.streamless): not its stream's, which has none."""
         conn = _Connection()
-        await self.streamless.run(self._connection(ws, conn), charging=lambda: conn.viewer is None)
+        stream_less = lambda: conn.viewer is None  # noqa: E731
+        await self.streamless.run(self._connection(_MeteredClose(ws, self.streamless, stream_less), conn), stream_less)
 
     async def _connection(self, ws: Connection, conn: _Connection) -> None:
         viewer: Viewer | None = None
@@ -525,6 +529,24 @@ class _Connection:
     """What the stream-less meter asks of a connection: whether it has a stream yet."""
 
     viewer: Viewer | None = None  # its viewer, once a start or watch is admitted
+
+
+class _MeteredClose:
+    """A `Connection` whose close is stream-less work while `charging()` says it has no stream: the guard closes an
+    abusive connection from a task of its own, and aiohttp's close reads and parses whatever the peer still sends
+    until its close frame (under a flood of junk frames, three quarters of the loop's CPU)."""
+
+    def __init__(self, ws: Connection, meter: CpuMeter, charging: Callable[[], bool]) -> None:
+        self._ws, self._meter, self._charging = ws, meter, charging
+
+    def __getattr__(self, name: str):
+        return getattr(self._ws, name)
+
+    def __aiter__(self):
+        return self._ws.__aiter__()
+
+    async def close(self, *args, **kwargs) -> None:  # Connection.close's arguments, whatever they are
+        await self._meter.run(self._ws.close(*args, **kwargs), self._charging)
 
 
 class _TrackReports:

@@ -3,9 +3,9 @@ forward as it is launched (on CPU the forward ran at launch: its wall time), and
 read once its end event has passed. The warm-up waits for each forward instead (`Timer.seconds`).
 
 On CPU a forward's wall time also holds what else the host did meanwhile; given `streamless` (the event loop's
-CPU on clients without a stream so far: server.Server.streamless), the timer reads it too, and the engine leaves
-that out of the forward's cost sample (scheduling.without_streamless): such clients do not make the device look
-slower to admission."""
+CPU on clients without a stream so far and their events: server.Server.streamless), the timer reads it too, and
+the engine leaves that out of the forward's cost sample, or drops the sample (scheduling.without_streamless):
+such clients do not make the device look slower to admission."""
 
 from __future__ import annotations
 
@@ -30,18 +30,19 @@ class InFlight:
     end: torch.cuda.Event | None
     elapsed_s: float = 0.0  # CPU: the forward's wall time
     streamless_s: float = 0.0  # CPU: the event loop's CPU on clients without a stream while the forward ran
+    streamless_events: int = 0  # CPU: their connections and requests meanwhile
 
 
 class Timer:
     """CUDA events around launched work (read later), or the wall time of work that ran at once."""
 
     def __init__(self, device: torch.device, clock: Callable[[], float],
-                 streamless: Callable[[], float] | None = None) -> None:
+                 streamless: Callable[[], tuple[float, int]] | None = None) -> None:
         self.clock = clock
         self.start = None
         self.t0 = clock()
         self.streamless = streamless if device.type != "cuda" else None  # CUDA events see the device's time alone
-        self.streamless0 = self.streamless() if self.streamless is not None else 0.0
+        self.streamless0 = self.streamless() if self.streamless is not None else (0.0, 0)
         if device.type == "cuda":
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record()
@@ -51,8 +52,9 @@ class Timer:
         if self.start is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-        streamless_s = self.streamless() - self.streamless0 if self.streamless is not None else 0.0
-        return InFlight(kind, batch, now, self.start, end, self.clock() - self.t0, streamless_s)
+        seconds, events = self.streamless() if self.streamless is not None else (0.0, 0)
+        return InFlight(kind, batch, now, self.start, end, self.clock() - self.t0, seconds - self.streamless0[0],
+                        events - self.streamless0[1])
 
     def seconds(self) -> float:
         """Wait for the work and return its time (warm-up)."""

@@ -20,11 +20,12 @@ The server meters the event loop's CPU spent on them (HTTP requests, messages be
 (`without_streamless`): the event loop's CPU per chunk sent less the stream-less CPU
 (`SendSampler`), and on a CPU device a forward's wall time less the stream-less CPU that ran
 meanwhile (it held the GIL and a core). Where that work was more than `streamless_max_share`
-of the sample, the sample is dropped instead: the meter sees our handlers, not the library's
-parsing of those frames and requests (some 10-20% more: a flood of junk frames cost the loop
-3.37 s of CPU and the meter saw 2.99 s; of /metrics, 2.18 s and 1.81 s), so a sample mostly
-made of such work would keep a guess of the rest, and a dropped sample moves the estimate
-neither way. And an estimate is re-measured rather than believed forever:
+of the sample, or came in more stream-less events (connections, requests) than the sample
+has units (chunks, a forward), the sample is dropped instead: the meter sees our handlers, not
+the library's work around them (a flood of /metrics refused with 429 cost the loop some
+0.3 ms a request in accepting, parsing and replying, and our handlers a fifth of that), so a
+sample mostly made of such work would keep a share of it unseen, and a dropped sample moves
+the estimate neither way. And an estimate is re-measured rather than believed forever:
 when the server empties no sample can come to bring a wrong one down, so the first admission
 into an empty server starts from the warm-up's figures again (`CostEstimates.restart`).
 """
@@ -166,14 +167,17 @@ class CostEstimates:
         return len(self._recaches) / RECACHE_WINDOW_S * self.recache_s()
 
 
-def without_streamless(total_s: float, streamless_s: float, max_share: float) -> float | None:
-    """A sample of a stage's work (`total_s`: the event loop's CPU over some chunks, or a CPU forward's wall time)
-    less `streamless_s`, the event loop's CPU on clients without a stream over the same time; None (drop the sample)
-    when that was over `max_share` of `total_s`: the meter sees only the work our code does for those clients, not
-    the library's parsing of their frames and requests, so the remainder of a sample mostly theirs would keep a
-    share of it unseen (and a dropped sample moves the estimate neither way)."""
+def without_streamless(total_s: float, streamless_s: float, max_share: float, events: int = 0,
+                       units: int = 1) -> float | None:
+    """A sample of a stage's work over `units` units of it (`total_s`: the event loop's CPU over `units` chunks, or
+    a CPU forward's wall time, 1 unit) less `streamless_s`, the event loop's CPU on clients without a stream over
+    the same time; None (drop the sample) when that was over `max_share` of `total_s`, or when more stream-less
+    events (connections and requests) than units came meanwhile. The meter sees our handlers, not the library's
+    work around them (accepting a connection, parsing a request or a frame, writing a reply: a fraction of a
+    millisecond each, about what a chunk's send costs): a sample mostly theirs would keep a share of it unseen,
+    and a dropped sample moves the estimate neither way."""
     streamless_s = max(0.0, streamless_s)
-    if streamless_s > max_share * total_s:
+    if streamless_s > max_share * total_s or events > units:
         return None
     return total_s - streamless_s
 
@@ -181,31 +185,32 @@ def without_streamless(total_s: float, streamless_s: float, max_share: float) ->
 class SendSampler:
     """The SEND stage's samples: the event loop's own CPU per chunk sent, from cumulative readings taken every period.
 
-    `read(cpu_s, streamless_s, chunks)` takes the loop thread's CPU so far, the part of it the server metered as
-    stream-less work, and the chunks sent so far. Over a window of at least `min_chunks` chunks it gives one
-    sample: the window's CPU less its stream-less CPU (`without_streamless`), per chunk; else None. A period in
-    which no chunk was sent closes the window unsampled: its CPU belonged to no chunk (an idle server, a flood
-    before any stream) and must not be charged to the next ones.
+    `read(cpu_s, streamless_s, chunks, events)` takes the loop thread's CPU so far, the part of it the server
+    metered as stream-less work, the chunks sent so far and the stream-less events counted so far. Over a window
+    of at least `min_chunks` chunks it gives one sample: the window's CPU less its stream-less CPU, per chunk,
+    unless `without_streamless` drops it; else None. A period in which no chunk was sent closes the window
+    unsampled: its CPU belonged to no chunk (an idle server, a flood before any stream) and must not be charged to
+    the next ones.
     """
 
     def __init__(self, min_chunks: int, max_share: float) -> None:
         if min_chunks < 1:
             raise ValueError(f"min_chunks={min_chunks}: a sample needs at least 1 chunk")
         self.min_chunks, self.max_share = min_chunks, max_share
-        self._start: tuple[float, float, int] | None = None  # the readings where the window opened
+        self._start: tuple[float, float, int, int] | None = None  # the readings where the window opened
         self._last_chunks: int | None = None  # chunks sent at the previous reading
 
-    def read(self, cpu_s: float, streamless_s: float, chunks: int) -> float | None:
+    def read(self, cpu_s: float, streamless_s: float, chunks: int, events: int = 0) -> float | None:
         """The readings at the end of a period; returns the window's CPU per chunk when it closes with a sample."""
-        reading = (cpu_s, streamless_s, chunks)
+        reading = (cpu_s, streamless_s, chunks, events)
         last, self._last_chunks = self._last_chunks, chunks
         if self._start is None or chunks == last:  # the first reading, or a period without a chunk
             self._start = reading
             return None
-        cpu0, streamless0, chunks0 = self._start
+        cpu0, streamless0, chunks0, events0 = self._start
         sent = chunks - chunks0
         if sent < self.min_chunks:
             return None
         self._start = reading
-        own_s = without_streamless(cpu_s - cpu0, streamless_s - streamless0, self.max_share)
+        own_s = without_streamless(cpu_s - cpu0, streamless_s - streamless0, self.max_share, events - events0, sent)
         return None if own_s is None else own_s / sent

@@ -332,9 +332,9 @@ def test_on_cpu_a_forwards_cost_sample_leaves_out_the_loops_work_for_clients_wit
     # GIL and a core), and admission refused every stream on it ("compute: ... 493 ms per chunk").
     flooding, metered = [True], [0.0]
 
-    def streamless() -> float:  # the server's meter: while flooding, a second of stream-less CPU at every reading
+    def streamless() -> tuple[float, int]:  # the server's meter: while flooding, a second of stream-less CPU a reading
         metered[0] += 1.0 if flooding[0] else 0.0
-        return metered[0]
+        return metered[0], 0
 
     got = Collector()
     eng = Engine(EngineConfig(preset="tiny", device="cpu", scheduler=SchedulerConfig(cost_min_samples=1),

@@ -152,6 +152,40 @@ async def test_run_charges_the_steps_of_a_connection_without_a_stream_and_not_th
     assert meter.seconds == 3.0
 
 
+def test_hook_counts_an_event_and_charges_the_hooks_cpu():
+    clock = Ticks()
+    meter = CpuMeter(clock)
+
+    def admit(address: str) -> str | None:
+        clock.now += 0.5
+        return None if address == "127.0.0.1" else "over the cap"
+
+    admit_connection, closed = meter.hook(admit), meter.hook(admit, event=False)
+    assert (admit_connection("127.0.0.1"), admit_connection("127.0.0.2"), closed("127.0.0.1")) == (None, "over the cap",
+                                                                                                  None)
+    assert meter.reading() == (1.5, 2) and admit_connection.__name__ == "admit"
+
+
+async def test_a_section_metered_inside_a_metered_step_is_charged_once():
+    clock = Ticks()
+    meter = CpuMeter(clock)
+
+    async def close() -> None:  # the connection's close, metered on its own too
+        clock.now += 1.0
+        with meter.measure():
+            clock.now += 0.25
+        await asyncio.sleep(0)
+
+    async def connection() -> None:
+        clock.now += 2.0
+        await meter.run(close(), charging=lambda: True)
+
+    await meter.run(connection(), charging=lambda: True)
+    assert meter.seconds == 3.25
+    await meter.run(close(), charging=lambda: True)  # alone (the guard's task): charged
+    assert meter.seconds == 4.5
+
+
 async def test_run_passes_cancellation_and_errors_through():
     meter = CpuMeter(Ticks())
     entered = asyncio.Event()

@@ -80,6 +80,10 @@ def test_without_streamless_subtracts_a_small_share_and_drops_a_sample_mostly_so
     assert without_streamless(0.5, -1.0, max_share=0.25) == 0.5  # a meter read out of order counts as nothing
     assert without_streamless(0.5, 0.25, max_share=0.25) is None  # half of it: the rest would be a guess
     assert without_streamless(0.0, 0.0, max_share=0.25) == 0.0
+    # more connections and requests than units of work: their unseen part (accept, parse, reply) would be in it
+    assert without_streamless(0.5, 0.0, max_share=0.25, events=9, units=8) is None
+    assert without_streamless(0.5, 0.0, max_share=0.25, events=8, units=8) == 0.5
+    assert without_streamless(0.03, 0.0, max_share=0.25, events=2) is None  # a forward: 1 unit
 
 
 def test_the_sends_samples_leave_out_a_flood_before_the_first_chunk_and_while_chunks_go():
@@ -99,6 +103,9 @@ def test_the_sends_samples_leave_out_a_flood_before_the_first_chunk_and_while_ch
     for (cpu, streamless, chunks), sample in readings:
         got = sampler.read(cpu, streamless, chunks)
         assert got == (None if sample is None else pytest.approx(sample)), (cpu, streamless, chunks)
+    # a flood of requests refused at the front, whose CPU our handlers hardly see: 425 events over 8 chunks, dropped
+    assert sampler.read(8.55, 3.92, 40, events=425) is None
+    assert sampler.read(8.56, 3.92, 48, events=427) == pytest.approx(0.01 / 8)  # 2 events over 8 chunks: kept
     with pytest.raises(ValueError, match="min_chunks=0"):
         SendSampler(min_chunks=0, max_share=0.25)
     with pytest.raises(ValueError, match="streamless_max_share=0"):
