@@ -265,6 +265,11 @@ class TokenBucket:
         self._level -= 1.0
         return True
 
+    def empty(self, now: float) -> None:
+        """Spend everything the bucket holds at `now`: what comes next waits for the rate."""
+        self.take(now)
+        self._level = 0.0
+
     def wait_s(self) -> float:
         """Seconds until the bucket holds a message again, as of the last `take` (0 if it holds one now)."""
         return max(0.0, 1.0 - self._level) / self.rate.per_s
@@ -433,6 +438,12 @@ class RequestRates:
         else:
             self._buckets.move_to_end(key)
         return None if bucket.take(now) else bucket.wait_s()
+
+    def empty(self, work: Work, address: str, now: float) -> None:
+        """Spend all of the address's `work` at `now` (a penalty: an address whose connection was closed for a
+        flood gets no burst for its next ones, only the rate)."""
+        self.take(work, address, now)
+        self._buckets[(work, address_key(address))].empty(now)
 
     def prune(self, now: float) -> None:
         """Drop the entries whose buckets have refilled by `now` (they hold nothing a new entry would not)."""

@@ -55,6 +55,7 @@ log = logging.getLogger("streamsvc.front")
 PIECE_BYTES = 256 << 10  # a file body is read and written this much at a time
 MAX_BODY_BYTES = 64 << 10  # a request body (an SDP offer is a few KiB; a larger one is refused 413)
 RETRY_AFTER_S = 5  # a 429's Retry-After: about the time a download of a recording takes
+NO_LINGER_S = 1.0  # a close that does not linger: the most it waits for aiohttp's side of it
 
 
 class ConnectionClosed(Exception):
@@ -76,16 +77,19 @@ class Connection(Protocol):
         """One message (str: text, bytes: binary); raises ConnectionClosed once the connection is closed."""
         ...
 
-    async def close(self, code: int = 1000, reason: str = "") -> None:
-        """Close with this code and reason (a no-op once closed)."""
+    async def close(self, code: int = 1000, reason: str = "", linger: bool = True) -> None:
+        """Close with this code and reason (a no-op once closed). linger=False, for a peer closed for abuse (a
+        flood): send the close frame, then close the socket at once, reading nothing more from it."""
         ...
 
 
 class WebSocketConnection:
     """A `Connection` over an aiohttp WebSocket (already upgraded)."""
 
-    def __init__(self, ws: web.WebSocketResponse, request: HttpRequest, peer: tuple[str, int] | None) -> None:
+    def __init__(self, ws: web.WebSocketResponse, request: HttpRequest, peer: tuple[str, int] | None,
+                 transport: asyncio.Transport | None = None) -> None:
         self._ws = ws
+        self._transport = transport  # closed at once by a close that does not linger
         self.headers = request.headers
         self.remote_address = peer
 
@@ -111,9 +115,20 @@ class WebSocketConnection:
         except ConnectionError as e:  # the transport went away under the send
             raise ConnectionClosed(str(e)) from None
 
-    async def close(self, code: int = 1000, reason: str = "") -> None:
-        with contextlib.suppress(ConnectionError):
-            await self._ws.close(code=code, message=reason.encode()[:123])  # a close frame's reason: 123 bytes
+    async def close(self, code: int = 1000, reason: str = "", linger: bool = True) -> None:
+        closing = self._ws.close(code=code, message=reason.encode()[:123])  # a close frame's reason: 123 bytes
+        if linger or self._transport is None:
+            with contextlib.suppress(ConnectionError):
+                await closing
+            return
+        # aiohttp would read (and parse) a flood until the peer's close frame: once the task has written ours (its
+        # first step, which runs before this coroutine resumes), the socket stops reading and closes
+        task = asyncio.ensure_future(closing)
+        await asyncio.sleep(0)
+        self._transport.close()
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            async with asyncio.timeout(NO_LINGER_S):
+                await task
 
     @property
     def closed(self) -> bool:
@@ -366,7 +381,8 @@ class HttpFront:
             await ws.prepare(raw)
         except ConnectionError:
             return ws
-        conn = WebSocketConnection(ws, request, raw.transport.get_extra_info("peername") if raw.transport else None)
+        conn = WebSocketConnection(ws, request, raw.transport.get_extra_info("peername") if raw.transport else None,
+                                   raw.transport)
         self._sockets.add(conn)
         try:
             await self.handlers.websocket(conn)

@@ -202,14 +202,15 @@ class ConnectionGuard:
         """A message arrived while the connection has no stream: False (and closing) past its address's rate."""
         if self.guard.rates.take(Work.MESSAGE, self.address, self.guard.clock()) is None:
             return True
-        self._close(Refusal.MESSAGE_RATE, "too many messages before start or watch")
+        self._close(Refusal.MESSAGE_RATE, "too many messages before start or watch", linger=False)
         return False
 
     def protocol_error(self) -> bool:
         """A bad message (unparseable, invalid, out of turn): False (and closing) when it is one too many."""
         if not self.errors.add(self.guard.clock()):
             return True
-        self._close(Refusal.PROTOCOL_ERRORS, f"{self.errors.limit} protocol errors within {self.errors.window_s:g} s")
+        self._close(Refusal.PROTOCOL_ERRORS, f"{self.errors.limit} protocol errors within {self.errors.window_s:g} s",
+                    linger=False)
         return False
 
     def started(self) -> None:
@@ -228,12 +229,15 @@ class ConnectionGuard:
         self._deadline = None
         self._close(Refusal.START_TIMEOUT, f"no start or watch within {self.guard.access.start_timeout_s:g} s")
 
-    def _close(self, reason: Refusal, text: str) -> None:
+    def _close(self, reason: Refusal, text: str, linger: bool = True) -> None:
+        """Close with 1008 and `text`; linger=False for a flood (front.Connection.close: nothing more is read)."""
         if self.closing is not None:
             return
         self.closing = reason
         self.guard._refused(reason, self.address)
-        self._closer = asyncio.ensure_future(self.conn.close(POLICY_VIOLATION, text))
+        if not linger:  # a flood: the address's next connections come at its rate, without a burst
+            self.guard.rates.empty(Work.UPGRADE, self.address, self.guard.clock())
+        self._closer = asyncio.ensure_future(self.conn.close(POLICY_VIOLATION, text, linger=linger))
 
 
 def _too_busy(status: http.HTTPStatus, message: str, retry_after_s: float) -> HttpReply:

@@ -86,8 +86,8 @@ class RelayConnection:
             raise ConnectionClosed(f"relay {self.conn_id} closed")
         self.outbox.put_nowait(data)
 
-    async def close(self, code: int = 1000, reason: str = "") -> None:
-        if not self.closed:
+    async def close(self, code: int = 1000, reason: str = "", linger: bool = True) -> None:
+        if not self.closed:  # (linger: the gateway's socket is the one that reads)
             self.outbox.put_nowait({"close": [code, reason]})
         self.closed = True
         self.inbox.put_nowait(None)

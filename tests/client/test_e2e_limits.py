@@ -4,6 +4,7 @@ runs `streamsvc serve` in a child process under a small file descriptor limit (b
 
 import asyncio
 import contextlib
+import time
 import urllib.error
 import urllib.request
 
@@ -163,6 +164,41 @@ async def test_junk_frames_close_the_connection_after_the_protocol_error_limit()
                     errors.append(P.parse_server(await asyncio.wait_for(ws.recv(), T)))
             assert [e.code for e in errors] == [P.ErrorCode.BAD_JSON] * 5
             assert await closed_within(ws, T) == (1008, "5 protocol errors within 10 s")
+        assert (await refusals(server))["protocol_errors"] == 1
+
+
+UPGRADE = (b"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+           b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+
+
+def junk_frames(count: int) -> bytes:
+    """`count` masked client text frames (a zero mask) that are not JSON."""
+    return b"".join(bytes([0x81, 0x80 | 6]) + b"\x00\x00\x00\x00" + b"junk%02d" % (k % 100) for k in range(count))
+
+
+async def test_a_flood_is_not_read_once_its_connection_is_closed():
+    """A client that floods junk frames and never answers the close: its socket is closed at once, not after
+    aiohttp's 10 s wait for the peer's close frame, during which it would read and parse the flood."""
+    async with running(AccessConfig(max_protocol_errors=3)) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(UPGRADE)
+        assert b" 101 " in await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), T)
+        start, batch = time.monotonic(), junk_frames(64)
+
+        async def flood() -> None:
+            with contextlib.suppress(ConnectionError):
+                while time.monotonic() - start < 15:
+                    writer.write(batch)
+                    await writer.drain()
+
+        flooding = asyncio.create_task(flood())
+        with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
+            while await asyncio.wait_for(reader.read(1 << 16), 15):  # the server's answers, to its close
+                pass
+        closed_after = time.monotonic() - start
+        flooding.cancel()
+        writer.close()
+        assert closed_after < 3.0, f"the flood's socket stayed open {closed_after:.1f} s"
         assert (await refusals(server))["protocol_errors"] == 1
 
 

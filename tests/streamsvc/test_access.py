@@ -253,6 +253,17 @@ def test_request_rates_evict_the_idlest_address_and_keep_a_busy_one():
         assert rates.take(Work.HTTP, "busy", 1.0 + i) is not None  # its bucket, still empty, was kept
 
 
+def test_emptying_an_address_bucket_leaves_it_only_the_rate():
+    rates = RequestRates({w: Rate(2.0, 10) for w in Work})
+    rates.empty(Work.UPGRADE, "10.0.0.1", 0.0)
+    assert rates.take(Work.UPGRADE, "10.0.0.1", 0.0) == pytest.approx(0.5)  # no burst left
+    assert rates.take(Work.UPGRADE, "10.0.0.1", 0.5) is None  # the rate still refills it
+    assert rates.take(Work.UPGRADE, "10.0.0.2", 0.0) is None and rates.take(Work.HTTP, "10.0.0.1", 0.0) is None
+    bucket = TokenBucket(Rate(1.0, 5), now=0.0)
+    bucket.empty(100.0)
+    assert not bucket.take(100.0) and bucket.take(101.0)
+
+
 def test_prune_drops_refilled_buckets_only():
     rates = RequestRates({w: Rate(1.0, 2) for w in Work}, size=10)
     rates.take(Work.HTTP, "a", 0.0)

@@ -27,9 +27,11 @@ class FakeConnection:
 
     def __init__(self) -> None:
         self.closed_with: tuple[int, str] | None = None
+        self.linger: bool | None = None
 
-    async def close(self, code: int = 1000, reason: str = "") -> None:
+    async def close(self, code: int = 1000, reason: str = "", linger: bool = True) -> None:
         self.closed_with = (code, reason)
+        self.linger = linger
 
 
 def guard(fd_limit: int = 1024, **access) -> tuple[Guard, Clock]:
@@ -131,6 +133,7 @@ async def test_a_websocket_without_start_is_closed_at_its_deadline():
     await idle_guard.done()
     await started_guard.done()
     assert idle.closed_with == (POLICY_VIOLATION, "no start or watch within 0.05 s")
+    assert idle.linger is True  # an idle client is no flood: its close is a normal one
     assert idle_guard.closing is Refusal.START_TIMEOUT
     assert started.closed_with is None
     assert refusals(g, Refusal.START_TIMEOUT) == 1
@@ -144,6 +147,8 @@ async def test_protocol_errors_close_the_connection_at_the_limit():
     assert cg.protocol_error() is False
     await cg.done()
     assert conn.closed_with == (POLICY_VIOLATION, "3 protocol errors within 10 s")
+    assert conn.linger is False  # a flood: nothing more of it is read
+    assert g.admit_request(request(WS_PATH)).status == 429  # and its address reconnects at the rate, no burst
     assert refusals(g, Refusal.PROTOCOL_ERRORS) == 1
     slow = g.connection(FakeConnection(), "10.0.0.2")
     for _ in range(10):  # one mistake every 6 s is a person, not a flood
@@ -161,6 +166,7 @@ async def test_messages_before_start_past_the_address_rate_close_the_connection(
     await one.done()
     await two.done()
     assert first.closed_with == (POLICY_VIOLATION, "too many messages before start or watch")
+    assert first.linger is False
     assert second.closed_with is None
 
 
