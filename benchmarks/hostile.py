@@ -14,6 +14,13 @@ What must hold: the server keeps room for the second address (per-address and to
 limit, each refused upgrade a 429 or 503 with Retry-After that holds nothing after), and closes every idle socket
 by its deadline (--start-timeout), after which its file descriptors are back to where they started.
 
+Poisoned admission (`poisoned_admission`): a fresh server (tiny preset, CPU, the defaults); a client with no
+stream, from 127.0.0.2, floods it with junk WebSocket frames and GET /metrics for --flood-seconds (40); 6 s in,
+--viewers (16) viewers from 127.0.0.1 connect at once and play 30 s while the flood still runs; once they have left,
+one more stream starts. What must hold: every viewer admitted, 0 stalls, the last stream admitted.
+
+    python -m benchmarks.hostile --case poisoned_admission
+
 Prints each figure as it comes, then one JSON line with all of them.
 """
 
@@ -24,11 +31,14 @@ import asyncio
 import contextlib
 import http.client
 import json
+import multiprocessing
 import os
 import resource
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -38,7 +48,9 @@ from pathlib import Path
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus, WebSocketException
 
+from client import loadtest
 from client.loadtest import free_port, http_status
+from client.ws_client import ClientConfig, StreamClient
 from streamsvc import protocol as P
 
 HOST = "127.0.0.1"  # where the server listens, and the attacker's address
@@ -233,17 +245,185 @@ def idle_sockets(idle: int = 1100, nofile: int = 1024, start_timeout_s: float = 
     return {"case": "idle_sockets", "nofile": nofile, "start_timeout_s": start_timeout_s, **figures}
 
 
+# ---------------------------------------------------------------- poisoned admission
+
+
+FLOODER = "127.0.0.2"  # the poisoned-admission case's attacker (its viewers come from HOST)
+JUNK = (b"{not json", b"\x00\x01junk", b'{"type": "set_prompt"}', b'{"type": "no such message"}')
+UPGRADE = ("GET /ws HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+           "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+
+
+def _masked_frames(count: int) -> bytes:
+    """`count` junk client frames (text and binary, masked with a zero key as RFC 6455 allows), back to back."""
+    frames = []
+    for i in range(count):
+        payload = JUNK[i % len(JUNK)]
+        opcode = 0x2 if payload.startswith(b"\x00") else 0x1
+        frames.append(bytes([0x80 | opcode, 0x80 | len(payload)]) + b"\x00\x00\x00\x00" + payload)
+    return b"".join(frames)
+
+
+def _junk_frames(port: int, stop_at: float, max_frames: int, counts: Counter) -> None:
+    """WebSockets from FLOODER that never send `start`, each sending junk frames as fast as the server takes them
+    until it closes (then another), until `stop_at` or `max_frames`."""
+    batch = _masked_frames(64)
+    while time.monotonic() < stop_at and counts["frames"] < max_frames:
+        try:
+            sock = socket.create_connection((HOST, port), timeout=5, source_address=(FLOODER, 0))
+        except OSError as e:
+            counts[f"connect error: {type(e).__name__}"] += 1
+            time.sleep(0.05)
+            continue
+        with sock:
+            try:
+                sock.sendall(UPGRADE.format(host=HOST, port=port).encode())
+                head = b""
+                while b"\r\n\r\n" not in head and len(head) < 65536:
+                    data = sock.recv(4096)
+                    if not data:
+                        break
+                    head += data
+                status = head.split(b" ", 2)[1].decode() if head.count(b" ") >= 2 else "none"
+                if status != "101":
+                    counts[f"upgrade {status}"] += 1
+                    time.sleep(0.05)
+                    continue
+                counts["connections"] += 1
+                drain = threading.Thread(target=_drain_socket, args=(sock,), daemon=True)
+                drain.start()
+                while time.monotonic() < stop_at and counts["frames"] < max_frames:
+                    sock.sendall(batch)
+                    counts["frames"] += 64
+            except OSError:
+                counts["closed by the server"] += 1
+
+
+def _drain_socket(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while sock.recv(1 << 16):
+            pass
+
+
+def _metrics_requests(port: int, stop_at: float, max_requests: int, counts: Counter) -> None:
+    """GET /metrics from FLOODER on a kept-alive connection (another when it closes), until `stop_at` or
+    `max_requests`; each status counted."""
+    conn = None
+    while time.monotonic() < stop_at and counts["metrics requests"] < max_requests:
+        try:
+            if conn is None:
+                conn = http.client.HTTPConnection(HOST, port, timeout=5, source_address=(FLOODER, 0))
+            conn.request("GET", "/metrics")
+            response = conn.getresponse()
+            response.read()
+            counts["metrics requests"] += 1
+            counts[f"metrics {response.status}"] += 1
+            if response.will_close:
+                conn.close()
+                conn = None
+        except (OSError, http.client.HTTPException) as e:
+            counts[f"metrics error: {type(e).__name__}"] += 1
+            if conn is not None:
+                conn.close()
+            conn = None
+            time.sleep(0.01)
+
+
+def _flood(port: int, duration_s: float, max_frames: int, max_requests: int, out) -> None:
+    """The flooding client (its own process): junk frames and /metrics at once for `duration_s`; its counts to `out`."""
+    stop_at = time.monotonic() + duration_s
+    counts: Counter = Counter()
+    threads = [threading.Thread(target=_junk_frames, args=(port, stop_at, max_frames, counts)),
+               threading.Thread(target=_metrics_requests, args=(port, stop_at, max_requests, counts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    counts["flooder_cpu_s"] = round(usage.ru_utime + usage.ru_stime, 2)  # what the attack took of this host's CPU
+    counts["frames_per_s"] = round(counts["frames"] / duration_s)
+    counts["metrics_per_s"] = round(counts["metrics requests"] / duration_s, 1)
+    out.put(dict(counts))
+
+
+async def _after_empty(url: str) -> dict:
+    """One stream started once every viewer has left (the lock-out of issue 33 refused it, 0 streams open)."""
+    client = StreamClient(url, ClientConfig(prompt="a red ball moving right", seed=1, stats_every_s=0))
+    async with client:
+        got = await client.wait_until(lambda: client.chunks >= 1, T) if client.ready is not None else False
+    return {"admitted": client.ready is not None, "first_chunk": bool(got), "refused": client.refused_reason}
+
+
+def poisoned_admission(viewers: int = 16, duration_s: float = 30.0, flood_s: float = 40.0, lead_s: float = 6.0,
+                       max_frames: int = 5_000_000, max_requests: int = 500_000,
+                       serve_args: Sequence[str] = ()) -> dict:
+    """The "poisoned admission" must-show: a fresh `streamsvc serve` (tiny preset, CPU, the defaults); a client with
+    no stream, from FLOODER, floods it with junk WebSocket frames and GET /metrics for `flood_s` (bounded by
+    `max_frames` and `max_requests` too); `lead_s` into the flood, `viewers` viewers from HOST connect at once (the
+    load test's) and play `duration_s` while the flood still runs. Then, every viewer gone, one more stream starts.
+    What must hold: every viewer admitted, 0 stalls, and the last stream admitted (before issue 33's fix: the
+    second viewer on was refused by the send's estimate, and so was every stream once the server emptied)."""
+    server = loadtest.LocalServer(["--preset", "tiny", "--device", "cpu", *serve_args])
+    server.start()
+    try:
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+        flooder = ctx.Process(target=_flood, args=(server.port, flood_s, max_frames, max_requests, out), daemon=True)
+        flooder.start()
+        time.sleep(lead_s)
+        p = argparse.ArgumentParser()
+        loadtest.add_arguments(p)
+        args = p.parse_args(["--url", server.ws_url, "--streams", str(viewers), "--duration", f"{duration_s:g}",
+                             "--progress-every", "0"])
+        report = asyncio.run(loadtest.run_viewers(args, server.ws_url, None))
+        flood_left_s = flood_s - lead_s - duration_s
+        flooder.join(max(0.0, flood_left_s) + T)
+        flood = out.get(timeout=T) if not flooder.is_alive() else {"error": "the flooder did not end"}
+        after = asyncio.run(_after_empty(server.ws_url))
+        metrics = loadtest.scrape_metrics(loadtest.metrics_url(server.ws_url), T) or {}
+        cpu_s = server.cpu_seconds()
+    finally:
+        server.stop()
+        log_tail = server.log_tail(8)
+        server.cleanup()
+    refused = report["refused"]
+    stalls = report["stalls"]
+    print(f"poisoned admission: flood from {FLOODER} for {flood_s:g} s: {flood}")
+    print(f"  {viewers} viewers from {HOST}, {lead_s:g} s into the flood: {report['admitted']} admitted, refused "
+          f"{refused['reasons']}; stalls {stalls['count']} ({stalls['total_s']} s)")
+    print(f"  once they left, one more stream: {after}")
+    return {"case": "poisoned_admission", "viewers": viewers, "duration_s": duration_s, "flood_s": flood_s,
+            "lead_s": lead_s, "admitted": report["admitted"], "refused": refused["reasons"],
+            "stalls": stalls["count"], "stall_s": stalls["total_s"], "ttff_p95_s": report["ttff_s"]["p95"],
+            "flood": flood, "after_empty": after, "server_cpu_s": cpu_s,
+            "streamless_cpu_s": metrics.get("streamsvc_streamless_cpu_seconds"),
+            "refusals": {k.split("reason=")[1][:-1]: v for k, v in metrics.items()
+                         if k.startswith("streamsvc_refusals_total") and v},
+            "server_log_tail": log_tail if report["admitted"] < viewers or not after["admitted"] else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--idle", type=int, default=1100, help="idle WebSockets from one address (default 1100)")
     p.add_argument("--nofile", type=int, default=1024, help="the server's fd limit, soft and hard (default 1024)")
     p.add_argument("--start-timeout", type=float, default=10.0, help="the server's --start-timeout (default 10)")
     p.add_argument("--server-arg", action="append", default=[], help="another flag for `streamsvc serve`")
+    p.add_argument("--case", action="append", choices=("idle_sockets", "poisoned_admission"),
+                   help="run only this case (repeatable; default: every case)")
+    p.add_argument("--viewers", type=int, default=16, help="poisoned admission: viewers during the flood (default 16)")
+    p.add_argument("--flood-seconds", type=float, default=40.0, help="poisoned admission: the flood's length (default 40)")
     args = p.parse_args(argv)
-    idle = idle_sockets(args.idle, args.nofile, args.start_timeout, args.server_arg)
-    ok = (idle["good_first_chunk_s"] is not None and idle["good_first_chunk_s"] < 1.0
-          and idle["healthz_status"] == 200 and idle["idle_still_open"] == 0)
-    print(json.dumps({"idle_sockets": idle, "ok": ok}))
+    cases = args.case or ["idle_sockets", "poisoned_admission"]
+    figures, ok = {}, True
+    if "idle_sockets" in cases:
+        idle = figures["idle_sockets"] = idle_sockets(args.idle, args.nofile, args.start_timeout, args.server_arg)
+        ok &= (idle["good_first_chunk_s"] is not None and idle["good_first_chunk_s"] < 1.0
+               and idle["healthz_status"] == 200 and idle["idle_still_open"] == 0)
+    if "poisoned_admission" in cases:
+        poisoned = figures["poisoned_admission"] = poisoned_admission(
+            args.viewers, flood_s=args.flood_seconds, serve_args=args.server_arg)
+        ok &= (poisoned["admitted"] == args.viewers and poisoned["stalls"] == 0 and poisoned["after_empty"]["admitted"])
+    print(json.dumps({**figures, "ok": ok}))
     return 0 if ok else 1
 
 
