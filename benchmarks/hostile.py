@@ -264,7 +264,7 @@ def _masked_frames(count: int) -> bytes:
     return b"".join(frames)
 
 
-def _junk_frames(port: int, stop_at: float, max_frames: int, counts: Counter) -> None:
+def _junk_frames(port: int, stop_at: float, max_frames: int, counts: Counter, duration_s: float) -> None:
     """WebSockets from FLOODER that never send `start`, each sending junk frames as fast as the server takes them
     until it closes (then another), until `stop_at` or `max_frames`."""
     batch = _masked_frames(64)
@@ -297,6 +297,7 @@ def _junk_frames(port: int, stop_at: float, max_frames: int, counts: Counter) ->
                     counts["frames"] += 64
             except OSError:
                 counts["closed by the server"] += 1
+    counts["junk_s"] = round(duration_s - (stop_at - time.monotonic()), 1)  # how long the junk flood lasted
 
 
 def _drain_socket(sock: socket.socket) -> None:
@@ -333,7 +334,7 @@ def _flood(port: int, duration_s: float, max_frames: int, max_requests: int, out
     """The flooding client (its own process): junk frames and /metrics at once for `duration_s`; its counts to `out`."""
     stop_at = time.monotonic() + duration_s
     counts: Counter = Counter()
-    threads = [threading.Thread(target=_junk_frames, args=(port, stop_at, max_frames, counts)),
+    threads = [threading.Thread(target=_junk_frames, args=(port, stop_at, max_frames, counts, duration_s)),
                threading.Thread(target=_metrics_requests, args=(port, stop_at, max_requests, counts))]
     for t in threads:
         t.start()
@@ -355,7 +356,7 @@ async def _after_empty(url: str) -> dict:
 
 
 def poisoned_admission(viewers: int = 16, duration_s: float = 30.0, flood_s: float = 40.0, lead_s: float = 6.0,
-                       max_frames: int = 5_000_000, max_requests: int = 500_000,
+                       max_frames: int = 100_000_000, max_requests: int = 500_000,
                        serve_args: Sequence[str] = ()) -> dict:
     """The "poisoned admission" must-show: a fresh `streamsvc serve` (tiny preset, CPU, the defaults); a client with
     no stream, from FLOODER, floods it with junk WebSocket frames and GET /metrics for `flood_s` (bounded by

@@ -274,6 +274,10 @@ class TokenBucket:
         """Seconds until the bucket holds a message again, as of the last `take` (0 if it holds one now)."""
         return max(0.0, 1.0 - self._level) / self.rate.per_s
 
+    def holds_one(self, now: float) -> bool:
+        """Whether a `take` at `now` would succeed (nothing is spent)."""
+        return self._level + max(0.0, now - self._at) * self.rate.per_s >= 1.0
+
     def full(self, now: float) -> bool:
         """Whether the bucket has refilled to its burst by `now`: it is then the same as a new one."""
         return self._level + max(0.0, now - self._at) * self.rate.per_s >= self.rate.burst
@@ -444,6 +448,16 @@ class RequestRates:
         flood gets no burst for its next ones, only the rate)."""
         self.take(work, address, now)
         self._buckets[(work, address_key(address))].empty(now)
+
+    def over_rate(self, address: str, now: float) -> bool:
+        """Whether any of the address's buckets is empty at `now`: what it sends next waits for the rate. (A
+        look only: nothing is spent, and an address never seen is not over.)"""
+        key = address_key(address)
+        for work in self.rates:
+            bucket = self._buckets.get((work, key))
+            if bucket is not None and not bucket.holds_one(now):
+                return True
+        return False
 
     def prune(self, now: float) -> None:
         """Drop the entries whose buckets have refilled by `now` (they hold nothing a new entry would not)."""

@@ -172,6 +172,7 @@ class Handlers:
     websocket: Callable[[Connection], Awaitable[None]]  # serves one upgraded connection until it ends
     client: Callable[[HttpRequest], str]  # the client address a request counts against (access.client_address)
     admit_connection: Callable[[str], str | None] = _no_refusal  # a new connection's peer -> why it is dropped
+    hold_connection: Callable[[str], float] = lambda _: 0.0  # an admitted one's peer -> seconds it waits unread
     connection_closed: Callable[[str], None] = _no_refusal  # a connection admitted above has closed
     admit_request: Callable[[HttpRequest], HttpReply | None] = _no_refusal  # every request, an upgrade's too
     admit_upgrade: Callable[[HttpRequest], HttpReply | None] = _no_refusal  # a WebSocket upgrade, after `route`
@@ -422,7 +423,14 @@ class _Listener(web.Server):
             transport.abort()
             return
         self._admitted[handler] = address
-        self._waiting[handler] = asyncio.get_running_loop().call_later(self._deadline_s, transport.abort)
+        loop = asyncio.get_running_loop()
+        # an address over its rate: its connection waits unread (a flood slows to the rate, and costs no parsing
+        # meanwhile); at most half the handshake deadline, which (aiohttp's idle timer too) runs from the accept
+        hold_s = min(self._hooks.hold_connection(address), self._deadline_s / 2)
+        if hold_s > 0:
+            transport.pause_reading()
+            loop.call_later(hold_s, _resume_reading, transport)
+        self._waiting[handler] = loop.call_later(self._deadline_s, transport.abort)
 
     def request_began(self, handler) -> None:
         """A request's head came on this connection: its handshake deadline is met."""
@@ -436,6 +444,11 @@ class _Listener(web.Server):
         address = self._admitted.pop(handler, None)
         if address is not None:
             self._hooks.connection_closed(address)
+
+
+def _resume_reading(transport: asyncio.Transport) -> None:
+    if not transport.is_closing():
+        transport.resume_reading()
 
 
 class _ProtocolLog(logging.LoggerAdapter):

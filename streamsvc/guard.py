@@ -38,6 +38,7 @@ from streamsvc.routes import WS_PATH, HttpReply, HttpRequest, reply
 
 log = logging.getLogger("streamsvc.guard")
 
+HOLD_S = 1.0  # how long a new socket from an address over its request rate waits before it is read
 POLICY_VIOLATION = 1008  # the WebSocket close code of a connection closed by a limit (RFC 6455 7.4.1)
 
 
@@ -124,6 +125,16 @@ class Guard:
         reason, _ = refused
         self._refused(reason, peer)
         return f"{reason.value}: past the hard socket cap"
+
+    def hold_connection(self, peer: str) -> float:
+        """Seconds a socket just admitted waits unread: HOLD_S while its address is over one of its request rates
+        (it has been refused lately and its bucket is still empty), else 0. A flood of requests answered 429 at
+        once costs the event loop an accept, a parse and a reply each (some 600 a second from one program on a
+        2-core host); held, each of its connections costs an accept and a timer, and the flooder waits with it.
+        Behind a proxy (--trust-proxy) every peer is the proxy, so nothing is held."""
+        if self.access.trust_proxy or not self.rates.over_rate(peer, self.clock()):
+            return 0.0
+        return HOLD_S
 
     def connection_closed(self, peer: str) -> None:
         """A socket admitted by `admit_connection` has closed."""

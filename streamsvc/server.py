@@ -246,6 +246,7 @@ class Server:
         hook, meter = self.streamless.hook, lambda fn: self.streamless.hook(fn, event=False)
         return Handlers(route=route, websocket=self._handle, client=guard.client,
                         admit_connection=hook(guard.admit_connection), connection_closed=meter(guard.connection_closed),
+                        hold_connection=meter(guard.hold_connection),
                         admit_request=hook(guard.admit_request), admit_upgrade=meter(guard.admit_upgrade),
                         upgrade_ended=meter(guard.upgrade_ended),
                         download_refused=lambda _: self.metrics.refusals.labels(Refusal.DOWNLOADS.value).inc())

@@ -402,3 +402,19 @@ async def test_a_connection_the_hook_refuses_is_dropped_and_an_admitted_ones_end
     assert events[:2] == [("open", "127.0.0.1"), ("closed", "127.0.0.1")] and ("open", "127.0.0.2") in events
     assert ("closed", "127.0.0.2") not in events  # never admitted, never counted
 
+
+
+async def test_a_connection_the_hold_hook_names_is_read_only_after_its_hold(tmp_path):
+    routes_box = {}
+    handlers = Handlers(route=lambda r: routes_box["routes"].handle(r), websocket=echo, client=lambda r: "x",
+                        hold_connection=lambda address: 0.6 if address == "127.0.0.2" else 0.0)
+    async with serving(tmp_path, handlers=handlers) as (front, routes):
+        routes_box["routes"] = routes
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        status, _, _ = await raw_request(front.port, get(front.port, "/"), source="127.0.0.1")
+        assert status == 200 and loop.time() - began < 0.5
+        began = loop.time()
+        status, _, _ = await raw_request(front.port, get(front.port, "/"), source="127.0.0.2")
+        # answered, but only once the hold is over
+        assert status == 200 and 0.6 <= loop.time() - began < 0.6 + T

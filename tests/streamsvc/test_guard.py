@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from streamsvc.access import AccessConfig, Rate, Refusal
-from streamsvc.guard import POLICY_VIOLATION, Guard, socket_caps
+from streamsvc.guard import HOLD_S, POLICY_VIOLATION, Guard, socket_caps
 from streamsvc.metrics import Metrics
 from streamsvc.routes import WS_PATH, HttpRequest
 
@@ -79,6 +79,22 @@ def test_http_requests_past_the_rate_get_429_with_retry_after_and_are_counted():
     clock.now += 0.5
     assert g.admit_request(request("/metrics")) is None
     assert refusals(g, Refusal.HTTP_RATE) == 1
+
+
+def test_new_sockets_from_an_address_over_its_rate_are_held_until_it_refills():
+    g, clock = guard(http_rate=Rate(2.0, 3), connect_rate=Rate(1.0, 2))
+    assert g.hold_connection("10.0.0.1") == 0.0  # never seen: nothing held
+    assert [g.admit_request(request("/metrics")) for _ in range(3)] == [None] * 3
+    assert g.hold_connection("10.0.0.1") == HOLD_S  # its HTTP bucket is empty: its next sockets wait unread
+    assert g.hold_connection("10.0.0.2") == 0.0  # another address is not
+    clock.now += 0.5  # refilled by one request
+    assert g.hold_connection("10.0.0.1") == 0.0
+    assert g.admit_request(request(WS_PATH, remote="10.0.0.2")) is None
+    assert g.admit_request(request(WS_PATH, remote="10.0.0.2")) is None
+    assert g.hold_connection("10.0.0.2") == HOLD_S  # any bucket: its upgrades' too
+    proxied, clock = guard(trust_proxy=True, http_rate=Rate(2.0, 1))
+    assert proxied.admit_request(request("/metrics", remote="127.0.0.1")) is None
+    assert proxied.hold_connection("127.0.0.1") == 0.0  # every peer is the proxy: never held
 
 
 def test_upgrades_past_the_connect_rate_get_429():
