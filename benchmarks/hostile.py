@@ -21,6 +21,10 @@ one more stream starts. What must hold: every viewer admitted, 0 stalls, the las
 
     python -m benchmarks.hostile --case poisoned_admission
 
+Slow readers (`slow_readers`): a fresh server serves a 64 MiB recording (a file with a recording's name, made here)
+to three slow readers, one from each of 127.0.0.1-3, reading 256 KiB/s for 10 s. What must hold: the server's RSS
+grows by under 50 MiB (each request read the whole file into memory before issue 33), and /healthz answers.
+
 Prints each figure as it comes, then one JSON line with all of them.
 """
 
@@ -34,6 +38,7 @@ import json
 import multiprocessing
 import os
 import resource
+import secrets
 import socket
 import subprocess
 import sys
@@ -403,18 +408,95 @@ def poisoned_admission(viewers: int = 16, duration_s: float = 30.0, flood_s: flo
             "server_log_tail": log_tail if report["admitted"] < viewers or not after["admitted"] else None}
 
 
+# ---------------------------------------------------------------- slow readers
+
+
+SLOW_READERS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")  # one reader from each address (the download cap is per address)
+
+
+def _rss_bytes(pid: int) -> int | None:
+    """A process's resident memory now (Linux /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _slow_reader(port: int, source: str, path: str, seconds: float, rate_bps: int, got: dict) -> None:
+    """GET `path` from `source` on a socket with a small receive buffer, reading `rate_bps` bytes a second for
+    `seconds`, then hang up (a viewer on a slow link, or an attacker holding responses open)."""
+    piece, period = 16 << 10, (16 << 10) / rate_bps
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
+        sock.settimeout(T)
+        sock.bind((source, 0))
+        sock.connect((HOST, port))
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\n\r\n".encode())
+        head = sock.recv(4096)
+        got[source] = {"status": head.split(b" ", 2)[1].decode() if head.count(b" ") >= 2 else "none", "bytes": 0}
+        stop_at = time.monotonic() + seconds
+        while time.monotonic() < stop_at:
+            data = sock.recv(piece)
+            if not data:
+                break
+            got[source]["bytes"] += len(data)
+            time.sleep(period)
+
+
+def slow_readers(size_mib: int = 64, seconds: float = 10.0, rate_kib_s: int = 256,
+                 serve_args: Sequence[str] = ()) -> dict:
+    """The "slow readers" must-show: a recording of `size_mib` MiB (a file with a recording's name, made here: no
+    stream needs to run for minutes) served by a fresh server; one slow reader from each of SLOW_READERS reads it
+    at `rate_kib_s` KiB/s for `seconds`. The server's RSS is sampled before and during (the target: under 50 MiB
+    added for the three), and /healthz is timed while they read. Before issue 33, each request read the whole
+    file into memory on the event loop."""
+    with tempfile.TemporaryDirectory(prefix="streamsvc-slow-") as directory:
+        name = f"s0-20261206T000000-{secrets.token_hex(16)}.mp4"
+        with open(Path(directory) / name, "wb") as f:
+            chunk = os.urandom(1 << 20)
+            for _ in range(size_mib):
+                f.write(chunk)
+        with limited_server(["--recordings-dir", directory, *serve_args], 4096) as server:
+            time.sleep(1.0)  # past the start's transients
+            before = _rss_bytes(server.proc.pid)
+            got: dict = {}
+            readers = [threading.Thread(target=_slow_reader, args=(server.port, source, f"/recordings/{name}",
+                                                                 seconds, rate_kib_s << 10, got), daemon=True)
+                       for source in SLOW_READERS]
+            for t in readers:
+                t.start()
+            peak, health = before or 0, []
+            stop_at = time.monotonic() + seconds
+            while time.monotonic() < stop_at:
+                peak = max(peak, _rss_bytes(server.proc.pid) or 0)
+                health.append(healthz(server.port, GOOD, 5.0)[1])
+                time.sleep(0.2)
+            for t in readers:
+                t.join(T)
+            added_mib = (peak - before) / (1 << 20) if before else None
+    print(f"slow readers: {len(SLOW_READERS)} readers of a {size_mib} MiB recording at {rate_kib_s} KiB/s for "
+          f"{seconds:g} s: RSS {before / (1 << 20):.1f} MiB before, +{added_mib:.1f} MiB at the peak; /healthz max "
+          f"{max(health) * 1e3:.1f} ms; {got}")
+    return {"case": "slow_readers", "size_mib": size_mib, "readers": got, "rss_before_mib": round(before / (1 << 20), 1),
+            "rss_added_mib": round(added_mib, 1), "healthz_max_ms": round(max(health) * 1e3, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--idle", type=int, default=1100, help="idle WebSockets from one address (default 1100)")
     p.add_argument("--nofile", type=int, default=1024, help="the server's fd limit, soft and hard (default 1024)")
     p.add_argument("--start-timeout", type=float, default=10.0, help="the server's --start-timeout (default 10)")
     p.add_argument("--server-arg", action="append", default=[], help="another flag for `streamsvc serve`")
-    p.add_argument("--case", action="append", choices=("idle_sockets", "poisoned_admission"),
+    p.add_argument("--case", action="append", choices=("idle_sockets", "poisoned_admission", "slow_readers"),
                    help="run only this case (repeatable; default: every case)")
     p.add_argument("--viewers", type=int, default=16, help="poisoned admission: viewers during the flood (default 16)")
     p.add_argument("--flood-seconds", type=float, default=40.0, help="poisoned admission: the flood's length (default 40)")
     args = p.parse_args(argv)
-    cases = args.case or ["idle_sockets", "poisoned_admission"]
+    cases = args.case or ["idle_sockets", "poisoned_admission", "slow_readers"]
     figures, ok = {}, True
     if "idle_sockets" in cases:
         idle = figures["idle_sockets"] = idle_sockets(args.idle, args.nofile, args.start_timeout, args.server_arg)
@@ -424,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
         poisoned = figures["poisoned_admission"] = poisoned_admission(
             args.viewers, flood_s=args.flood_seconds, serve_args=args.server_arg)
         ok &= (poisoned["admitted"] == args.viewers and poisoned["stalls"] == 0 and poisoned["after_empty"]["admitted"])
+    if "slow_readers" in cases:
+        slow = figures["slow_readers"] = slow_readers(serve_args=args.server_arg)
+        ok &= slow["rss_added_mib"] < 50 and all(r["status"] == "200" for r in slow["readers"].values())
     print(json.dumps({**figures, "ok": ok}))
     return 0 if ok else 1
 
