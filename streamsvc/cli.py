@@ -177,12 +177,22 @@ def _engine_config(args):
                             utilization_target=utilization, startup_slack_s=args.startup_slack,
                             lead_percentile=lead, start_margin_s=margin)
     return EngineConfig(
-        preset=args.preset, device=str(device), checkpoint=args.checkpoint,
+        preset=args.preset, checkpoint=args.checkpoint,
         weights_seed=args.weights_seed, generator=gen, scheduler=sched, compile=args.compile, **_weights(args),
         degrade=_degrade(args),
         kv_budget_bytes=int(args.kv_budget_gib * 2**30) if args.kv_budget_gib else None,
-        **_park(args),
+        **_park(args), **({"device": str(device)} | _group(args, device)),
     )
+
+
+def _group(args, device) -> dict:
+    """EngineConfig's group for --parallel K (none for 1), and rank 0's device: the first of the group's."""
+    if args.parallel == 1:
+        return {}
+    from streamsvc.group import GroupConfig, group_devices
+
+    group = GroupConfig(args.parallel, group_devices(str(device), args.parallel, args.devices), args.parallel_timeout)
+    return {"group": group, "device": group.devices[0]}
 
 
 def _park(args) -> dict:
@@ -258,6 +268,10 @@ def cmd_serve(args) -> int:
         return 2
     config = ServerConfig(host=args.host, port=args.port, static_dir=str(static) if static.is_dir() else None,
                           webrtc=webrtc, access=access, **audience, **front)
+    if args.cluster is not None and args.parallel != 1:
+        print("streamsvc serve: --parallel with --cluster (a replica per group of K GPUs) is not built yet: serve "
+              "one group without --cluster", file=sys.stderr)
+        return 2
     if args.cluster is not None:  # beyond one GPU: this front as the gateway of Ray Serve engine replicas
         return _serve_cluster(args, config)
     try:
@@ -478,6 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     _model_args(s)
+    _parallel_args(s)
     _serve_args(s)
     _webrtc_args(s)
     _access_args(s)

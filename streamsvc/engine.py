@@ -165,6 +165,12 @@ class Engine:
     def last_restore_seconds(self) -> float | None:
         return self.parking.last_restore_seconds if self.parking else None
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine's device group cannot go on (--parallel K: a rank died or hung); None: it can."""
+        return getattr(self.gen, "failure", None)
+
+    @property
     def stalled_for(self) -> float | None:
         """Seconds since the engine thread's loop last turned (a turn waits 0.5 s at most when idle, one
         forward when busy); inf when the thread has died, None while it builds and warms up."""
@@ -266,6 +272,8 @@ class Engine:
                 cmd.future.set_exception(EngineError("engine stopped"))
             for sid in list(self._streams):
                 self._close(sid)
+            if hasattr(self.gen, "close"):  # a group's generator: its other ranks stop
+                self.gen.close()
 
     def _build(self) -> None:
         cfg = self.config
@@ -275,11 +283,15 @@ class Engine:
             if not keep_freed_memory():
                 log.info("not glibc's malloc: CPU tensors' large blocks go back to the OS when freed (slower chunks)")
         t0 = time.monotonic()
-        self.gen = gen = build_generator(
-            cfg.preset, device=device, seed=cfg.weights_seed, checkpoint=cfg.checkpoint, cfg=cfg.generator,
-            lora=cfg.lora, lora_alpha=cfg.lora_alpha, wrapper=cfg.wrapper, wan_dir=cfg.wan_dir, decoder=cfg.decoder,
-            taehv=cfg.taehv, weights=cfg.weights,
-        )
+        kw = dict(device=device, seed=cfg.weights_seed, checkpoint=cfg.checkpoint, lora=cfg.lora,
+                  lora_alpha=cfg.lora_alpha, wrapper=cfg.wrapper, wan_dir=cfg.wan_dir, decoder=cfg.decoder,
+                  taehv=cfg.taehv, weights=cfg.weights)
+        if cfg.group is not None:  # --parallel K: rank 0 of a group (streamsvc/lockstep.py)
+            from streamsvc.lockstep import group_generator
+
+            self.gen = gen = group_generator(cfg.preset, cfg.group, cfg.generator, kw)
+        else:
+            self.gen = gen = build_generator(cfg.preset, cfg=cfg.generator, **kw)
         self.decoder_bytes = gen.decoder_state_bytes()  # counted with each stream's KV cache
         log_attention(device)
         if cfg.compile if cfg.compile is not None else device.type == "cuda":
@@ -379,9 +391,13 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - one plan's failure ends its streams, not the engine
             log.exception("forward %s for %s failed", plan.kind.value, plan.stream_ids)
             self.sched.cancel(plan)
-            for sid in plan.stream_ids:
+            failure = self.failure  # a group's rank died or hung: every stream of the group ends
+            for sid in list(self._streams) if failure else plan.stream_ids:
                 self._close(sid)
-                self._on_error(sid, f"generation failed: {type(e).__name__}: {e}", "internal")
+                if failure:
+                    self._on_error(sid, f"generation failed: {failure}", "worker_lost")
+                else:
+                    self._on_error(sid, f"generation failed: {type(e).__name__}: {e}", "internal")
             return
         self._in_flight.append(timer.launched(plan.kind, len(streams), now))
         self.sched.complete(plan, now, None, deliver=False)
@@ -505,6 +521,8 @@ class Engine:
     def _open(self, stream_id: str, prompt: str, seed: int, fps: int) -> Admission:
         if stream_id in self._streams:
             raise EngineError(f"stream {stream_id!r} is already open")
+        if self.failure:
+            return Admission(False, f"this server cannot generate: {self.failure}", 0.0)
         gen = self.gen
         spec = gen.cache_spec()
         req = StreamRequest(

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from models import GeneratorConfig
 from streamsvc.scheduling import SchedulerConfig
+
+if TYPE_CHECKING:
+    from streamsvc.group import GroupConfig
 
 __all__ = ["EngineConfig"]
 
@@ -45,6 +50,8 @@ class EngineConfig:
     # (a wan2.1-1.3b stream at sink 3 + window 9: 3.2 GiB of KV); a pause beyond it is refused. 0: no pausing.
     park_budget_bytes: int = 8 * 2**30
     park_timeout_s: float = 300.0  # a stream parked longer is ended ("park_expired")
+    # --parallel K: each forward split over a group of K ranks, this process rank 0 on `device` (streamsvc/lockstep.py)
+    group: "GroupConfig | None" = None
 
     def __post_init__(self) -> None:
         if self.park_budget_bytes < 0:

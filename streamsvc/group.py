@@ -110,7 +110,7 @@ class Group:
         init = f"file://{self._dir.name}/init"
         parallel_env()  # inherited by the workers
         self.ctx = mp.start_processes(_worker, args=(cfg.size, init, cfg, target, args), nprocs=cfg.size - 1,
-                                      join=False, start_method="spawn") if cfg.size > 1 else None
+                                      join=False, daemon=True, start_method="spawn") if cfg.size > 1 else None
         try:
             init_rank(0, cfg.size, init, cfg.backend, timeout_s=START_TIMEOUT_S)
             self.group = dist.new_group(list(range(cfg.size)), timeout=timedelta(seconds=cfg.timeout_s))

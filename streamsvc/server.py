@@ -125,7 +125,8 @@ class Server:
         self.streams = Streams(self.engine, self.sessions, self.limits, self.recordings, self.metrics, clock,
                                config.orphan_timeout_s)
         self.routes = Routes(config.access, config.static_dir, self.recordings, self.metrics,
-                             ready=lambda: self.engine.snapshot is not None, refresh_metrics=self._refresh_metrics,
+                             ready=lambda: self.engine.snapshot is not None and not self.engine.failure,
+                             refresh_metrics=self._refresh_metrics,
                              metrics_apart=config.metrics_port is not None)
 
     # -- lifecycle ----------------------------------------------------------------------------
