@@ -51,15 +51,13 @@ async def _until_error(ws, limit_s: float) -> tuple[dict, int]:
                 return json.loads(msg), chunks
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
-def test_a_rank_lost_mid_stream_ends_the_streams_and_the_server_says_so(how):
+def _launch() -> tuple[subprocess.Popen, int, int]:
+    """A server with --parallel 2 on the CPU: (its process, its port, its worker's pid)."""
     cmd = [sys.executable, "-m", "streamsvc.cli", "serve", "--device", "cpu", "--weights", "random", "--port", "0",
            "--parallel", "2", "--parallel-timeout", str(TIMEOUT)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    worker = None
+    port, deadline, lines = None, time.monotonic() + 120, []
     try:
-        port, deadline, lines = None, time.monotonic() + 120, []
         while port is None and time.monotonic() < deadline:
             line = proc.stdout.readline()
             assert line, "".join(lines[-20:])
@@ -68,6 +66,85 @@ def test_a_rank_lost_mid_stream_ends_the_streams_and_the_server_says_so(how):
                 port = int(m.group(1))
         assert port and _healthz(port) == 200
         [worker] = _workers(proc.pid)
+    except BaseException:
+        _stop(proc, None)
+        raise
+    return proc, port, worker
+
+
+def _stop(proc: subprocess.Popen, worker: int | None) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if worker is not None:  # gone with the server, stopped or not
+        time.sleep(1)
+        assert not os.path.exists(f"/proc/{worker}") or open(f"/proc/{worker}/stat").read().split()[2] == "Z"
+
+
+async def _chunks(ws, n: int) -> int:
+    """The next n chunks' arrival; fails on an error message."""
+    got = 0
+    while got < n:
+        msg = await asyncio.wait_for(ws.recv(), 15)
+        if isinstance(msg, bytes):
+            got += 1
+        else:
+            assert json.loads(msg)["type"] not in ("error", "closed"), msg
+    return got
+
+
+async def _reply(ws, kind: str) -> dict:
+    """The next text message of type `kind` (chunks and others skipped)."""
+    while True:
+        msg = await asyncio.wait_for(ws.recv(), 15)
+        if isinstance(msg, str):
+            msg = json.loads(msg)
+            assert msg["type"] != "error", msg
+            if msg["type"] == kind:
+                return msg
+
+
+@pytest.mark.slow
+def test_a_stream_steers_pauses_and_resumes_through_the_group_and_an_idle_group_notices_a_lost_rank():
+    """Pause parks the stream on both ranks, resume restores both (streamsvc/lockstep.py replays park and
+    restore); then, with no stream open, a killed rank is noticed by the ping: /healthz 503."""
+    proc, port, worker = _launch()
+    try:
+        async def scenario():
+            ws, ready = await _start(port, "a red ball")
+            assert ready["type"] == "ready"
+            await _chunks(ws, 2)
+            await ws.send(json.dumps({"type": "set_prompt", "prompt": "a blue cube"}))
+            assert (await _reply(ws, "ack"))["prompt_version"] == 1
+            await _chunks(ws, 3)
+            await ws.send(json.dumps({"type": "pause"}))
+            await _reply(ws, "ack")
+            await asyncio.sleep(2)
+            await ws.send(json.dumps({"type": "resume"}))
+            await _reply(ws, "ack")
+            await _chunks(ws, 4)
+            await ws.close()
+
+        asyncio.run(scenario())
+        time.sleep(1)
+        os.kill(worker, signal.SIGKILL)
+        hit = time.monotonic()
+        while _healthz(port) == 200 and time.monotonic() - hit < TIMEOUT + 10:
+            time.sleep(0.2)
+        print(f"\nidle group: /healthz 503 {time.monotonic() - hit:.1f} s after the worker was killed")
+        assert _healthz(port) == 503
+    finally:
+        _stop(proc, worker)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_rank_lost_mid_stream_ends_the_streams_and_the_server_says_so(how):
+    proc, port, worker = _launch()
+    try:
 
         async def scenario():
             a, ready_a = await _start(port, "a red ball")
@@ -96,12 +173,4 @@ def test_a_rank_lost_mid_stream_ends_the_streams_and_the_server_says_so(how):
         assert refused["type"] == "error" and refused["code"] == "refused"
         assert "this server cannot generate: the group of 2 ranks failed" in refused["message"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if worker is not None:  # gone with the server, stopped or not
-            time.sleep(1)
-            assert not os.path.exists(f"/proc/{worker}") or open(f"/proc/{worker}/stat").read().split()[2] == "Z"
+        _stop(proc, worker)
