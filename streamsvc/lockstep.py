@@ -139,6 +139,8 @@ class LockstepGenerator:
 def group_generator(preset: str, group_cfg: GroupConfig, cfg, kw: dict) -> LockstepGenerator:
     """Rank 0's generator for a group of `group_cfg.size`: checks k against the loaded model (ValueError naming
     the allowed values, before any rank starts), spawns ranks 1..K-1 (`serve_rank`) and joins them."""
+    if torch.device(kw["device"]).type == "cuda":
+        torch.cuda.set_device(torch.device(kw["device"]))  # where NCCL's broadcast of calls stages its bytes
     base = build_base(preset, cfg=cfg, **kw)
     check_degree(base.model_cfg, group_cfg.size)
     group = Group(group_cfg, serve_rank, (preset, cfg, kw))
@@ -177,10 +179,16 @@ def serve_rank(rank: int, group: dist.ProcessGroup, device: str, preset: str, cf
             return
         if call.method == PING:
             continue
-        args, kwargs = [resolve(a) for a in call.args], {k: resolve(v) for k, v in call.kwargs.items()}
-        if call.method == "restore":
-            args[1] = StreamCache(gen.cache_spec(), gen.device)
-        out = getattr(gen, call.method)(*args, **kwargs)
+        try:
+            args, kwargs = [resolve(a) for a in call.args], {k: resolve(v) for k, v in call.kwargs.items()}
+            if call.method == "restore":
+                args[1] = StreamCache(gen.cache_spec(), gen.device)
+            out = getattr(gen, call.method)(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - rank 0's call raised the same (the engine reported it there)
+            if isinstance(e, RuntimeError) and _collective_error(e):
+                raise
+            log.warning("rank %d: %s(%s) raised %s: %s, as on rank 0", rank, call.method, call.args, type(e).__name__, e)
+            continue
         if call.method in ("open_stream", "restore"):
             states[out.stream_id] = out
             parked.pop(out.stream_id, None)
