@@ -170,7 +170,6 @@ class Engine:
         """Why the engine's device group cannot go on (--parallel K: a rank died or hung); None: it can."""
         return getattr(self.gen, "failure", None)
 
-    @property
     def stalled_for(self) -> float | None:
         """Seconds since the engine thread's loop last turned (a turn waits 0.5 s at most when idle, one
         forward when busy); inf when the thread has died, None while it builds and warms up."""

@@ -46,6 +46,7 @@ from streamsvc.access import Refusal, StreamLimits, exposure_warning
 from streamsvc.cluster.placement import ReplicaStats
 from streamsvc.cluster.replica import stream_prefix
 from streamsvc.cluster.router import Board, board
+from streamsvc.cpumeter import CpuMeter
 from streamsvc.front import Connection, ConnectionClosed
 from streamsvc.guard import Guard, raise_fd_limit
 from streamsvc.routes import HttpReply, HttpRequest, check_origin, metrics_refusal, reply, static_file
@@ -84,6 +85,7 @@ class Gateway(Server):
         self.limits = StreamLimits(config.access)
         self.metrics = Metrics()
         self.guard = Guard(config.access, self.metrics, clock)  # connection caps and request rates, as Server's
+        self.streamless = CpuMeter()  # the front's hooks meter into it, as Server's (no engine here to read it)
         self.sessions: dict[str, _Relay] = {}  # conn id -> relay (counted against the server cap)
         self.watchers: dict[str, _Relay] = {}  # conn id -> a watcher's relay (not counted against it)
         self.handle = handle

@@ -87,8 +87,9 @@ async def test_a_flood_without_a_stream_is_metered_apart_and_raises_no_estimate(
             sampled = len(samples)
             await asyncio.wait_for(_until(lambda: len(samples) > sampled), T)  # a period after the flood
         assert during > 0 and flooded_s > 0.1  # it played on; the flood's CPU in our handlers, counted apart
-        # no sample carries the flood (before: a period's loop CPU over its one or two chunks, 100s of ms a chunk)
-        assert max(samples) < flooded_s / FLOOD_S / 10, (samples, flooded_s)
+        # no sample carries the flood (before: a period's loop CPU over its one or two chunks, 0.18-0.82 s a
+        # chunk); a send's own cost on a busy 2-core host is a few ms
+        assert max(samples) < 0.05, (samples, flooded_s)
         async with viewer(server) as c:  # the server is empty again: admitted by the warm-up's figures
             assert c.state is ClientState.PLAYING, (c.refused_reason, c.errors)
         metrics = await asyncio.to_thread(scrape_metrics, f"http://127.0.0.1:{server.port}/metrics", T)
