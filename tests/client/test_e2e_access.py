@@ -15,18 +15,9 @@ from streamsvc import protocol as P
 from streamsvc.access import AccessConfig, Rate
 from streamsvc.engine import EngineConfig
 from streamsvc.server import Server, ServerConfig
+from tests.clock import ManualClock as Clock
 
 T = 10.0  # generous bound for anything that should take well under a second
-
-
-class Clock:
-    """The server's clock for control rates: it moves only when a test moves it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @contextlib.asynccontextmanager

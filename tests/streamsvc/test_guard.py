@@ -12,14 +12,7 @@ from streamsvc.access import AccessConfig, Rate, Refusal
 from streamsvc.guard import HOLD_S, POLICY_VIOLATION, Guard, socket_caps
 from streamsvc.metrics import Metrics
 from streamsvc.routes import WS_PATH, HttpRequest
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import ManualClock as Clock
 
 
 class FakeConnection:
