@@ -52,9 +52,15 @@ class CpuMeter:
 
     @property
     def events(self) -> int:
-        """Stream-less events counted so far (connections and requests: `hook`)."""
+        """Stream-less events counted so far (connections and requests: `hook`; messages before a stream: `event`)."""
         with self._lock:
             return self._events
+
+    def event(self) -> None:
+        """Count one stream-less event that no hook counts: a message a connection without a stream sent (most of
+        what it costs is the library's framing and parsing, before our handler and out of the meter's sight)."""
+        with self._lock:
+            self._events += 1
 
     def reading(self) -> tuple[float, int]:
         """(seconds, events) so far, read together."""

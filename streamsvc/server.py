@@ -283,8 +283,10 @@ class Server:
         guard = self.guard.connection(ws, self._address(ws))  # its start deadline, pre-start rate, protocol errors
         try:
             async for raw in ws:
-                if viewer is None and not guard.message():
-                    break
+                if viewer is None:
+                    self.streamless.event()  # a junk flood's parsing is mostly aiohttp's: counted, if not timed
+                    if not guard.message():
+                        break
                 try:
                     msg = P.parse_client(raw)
                 except P.ProtocolError as e:

@@ -100,6 +100,29 @@ async def test_a_flood_without_a_stream_is_metered_apart_and_raises_no_estimate(
         await asyncio.wait_for(server.stop(), T)
 
 
+async def test_each_message_before_a_stream_counts_as_a_stream_less_event():
+    """The framing and parsing of a junk flood is mostly aiohttp's, out of the meter's sight; each message a
+    connection without a stream sends is counted as an event, so a send sample taken under such a flood (more
+    events than chunks) is dropped (the full suite once kept a 0.60 s sample without this)."""
+    from websockets.asyncio.client import connect
+
+    server = Server(EngineConfig(preset="tiny", device="cpu"), ServerConfig(port=0))
+    await asyncio.wait_for(server.start(), 60)
+    try:
+        deltas = []
+        for junk in (0, 3):
+            before = server.streamless.events
+            async with connect(f"ws://127.0.0.1:{server.port}/ws", compression=None) as ws:
+                for k in range(junk):
+                    await ws.send(f"not json {k}")
+                    assert "error" in await asyncio.wait_for(ws.recv(), T)
+            await asyncio.sleep(0.2)  # the close's hooks
+            deltas.append(server.streamless.events - before)
+        assert deltas[1] - deltas[0] == 3, deltas  # the connection's own events alike; one per message more
+    finally:
+        await asyncio.wait_for(server.stop(), T)
+
+
 async def _until(predicate, period_s: float = 0.1) -> None:
     while not predicate():
         await asyncio.sleep(period_s)
