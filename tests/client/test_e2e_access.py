@@ -2,7 +2,6 @@
 server in-process (tiny preset, CPU) and real WebSocket clients. Rates run on an injected clock."""
 
 import asyncio
-import contextlib
 import urllib.request
 
 import pytest
@@ -13,26 +12,11 @@ from client.loadtest import scrape_metrics
 from client.ws_client import ClientConfig, ClientState, StreamClient
 from streamsvc import protocol as P
 from streamsvc.access import AccessConfig, Rate
-from streamsvc.engine import EngineConfig
-from streamsvc.server import Server, ServerConfig
+from streamsvc.server import Server
 from tests.clock import ManualClock as Clock
+from tests.client.servers import running, url
 
 T = 10.0  # generous bound for anything that should take well under a second
-
-
-@contextlib.asynccontextmanager
-async def running(access: AccessConfig = AccessConfig(), clock=None):
-    server = Server(EngineConfig(preset="tiny", device="cpu"), ServerConfig(port=0, access=access),
-                    **({"clock": clock} if clock else {}))
-    await asyncio.wait_for(server.start(), 60)
-    try:
-        yield server
-    finally:
-        await asyncio.wait_for(server.stop(), 30)
-
-
-def url(server: Server) -> str:
-    return f"ws://127.0.0.1:{server.port}/ws"
 
 
 def viewer(server: Server, token: str | None = None, prompt: str = "a red fox in the snow") -> StreamClient:

@@ -2,7 +2,6 @@
 with a certificate made here, /metrics on --metrics-port, bad request targets on the server with its player."""
 
 import asyncio
-import contextlib
 import datetime
 import ipaddress
 import logging
@@ -17,8 +16,7 @@ import pytest
 
 from client.ws_client import ClientConfig, ClientState, StreamClient
 from streamsvc.access import AccessConfig
-from streamsvc.engine import EngineConfig
-from streamsvc.server import Server, ServerConfig
+from tests.client.servers import running
 
 T = 10.0  # generous bound for anything that should take well under a second
 STATIC = Path(__file__).resolve().parents[2] / "client" / "static"
@@ -57,16 +55,6 @@ def self_signed(directory: Path) -> tuple[str, str]:
     key.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                           serialization.NoEncryption()))
     return str(cert), str(key)
-
-
-@contextlib.asynccontextmanager
-async def running(**config):
-    server = Server(EngineConfig(preset="tiny", device="cpu"), ServerConfig(port=0, **config))
-    await asyncio.wait_for(server.start(), 60)
-    try:
-        yield server
-    finally:
-        await asyncio.wait_for(server.stop(), 30)
 
 
 def status(url: str, headers: dict | None = None, context: ssl.SSLContext | None = None) -> int:

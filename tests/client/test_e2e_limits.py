@@ -15,26 +15,11 @@ from websockets.exceptions import InvalidStatus
 from benchmarks import hostile
 from streamsvc import protocol as P
 from streamsvc.access import AccessConfig, Rate
-from streamsvc.engine import EngineConfig
-from streamsvc.server import Server, ServerConfig
+from streamsvc.server import Server
 from tests.clock import ManualClock as Clock
+from tests.client.servers import running, url
 
 T = 10.0  # generous bound for anything that should take well under a second
-
-
-@contextlib.asynccontextmanager
-async def running(access: AccessConfig, clock=None):
-    server = Server(EngineConfig(preset="tiny", device="cpu"), ServerConfig(port=0, access=access),
-                    **({"clock": clock} if clock else {}))
-    await asyncio.wait_for(server.start(), 60)
-    try:
-        yield server
-    finally:
-        await asyncio.wait_for(server.stop(), 30)
-
-
-def url(server: Server) -> str:
-    return f"ws://127.0.0.1:{server.port}/ws"
 
 
 def ws_connect(server: Server, address: str = "127.0.0.1"):

@@ -17,21 +17,11 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from streamsvc import protocol as P
-from streamsvc.engine import EngineConfig
-from streamsvc.server import Server, ServerConfig
+from streamsvc.server import Server
 from streamsvc.session import GOP_CHUNKS
+from tests.client.servers import running
 
 T = 10.0
-
-
-@contextlib.asynccontextmanager
-async def running(**server_kw):
-    server = Server(EngineConfig(preset="tiny", device="cpu"), ServerConfig(port=0, **server_kw))
-    await asyncio.wait_for(server.start(), 60)
-    try:
-        yield server
-    finally:
-        await asyncio.wait_for(server.stop(), 30)
 
 
 class Peer:
