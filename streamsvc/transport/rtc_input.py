@@ -1,0 +1,288 @@
+"""A viewer's camera over WebRTC into its stream's input: decoded frames and their capture times (issue 35).
+
+``read_track(track, sink, clock)`` reads an aiortc remote video track until it ends and hands each decoded
+``av.VideoFrame`` to ``sink.push_av(frame, capture_s)`` (``sink``: anything with ``push_av`` and
+``decode_error``, i.e. ``streamsvc.inputs.InputFrames``). The WHIP endpoint (issue 36) reuses it.
+
+Capture time, in the SENDER's clock
+------------------------------------
+Glass-to-glass latency is measured in the sender's clock: the server echoes each input frame's capture time
+back (the chunk header's ``capture_ms``) and the viewer subtracts it from its own clock when the generated
+frame shows. A frame's RTP timestamp counts the sender's media clock (90 kHz for video) from a random origin;
+the sender's RTCP sender reports (RFC 3550 section 6.4.1) pair an NTP wall-clock time with the RTP timestamp
+of the same instant, so a frame's capture time is::
+
+    capture_s = unix(sr.ntp) + signed32(rtp - sr.rtp) / 90000
+
+with the last report received (a browser sends one about every second; the media clock's drift between two is
+microseconds). Browsers stamp a frame's RTP timestamp at capture and their reports extrapolate it to the
+report's NTP time, so this is the capture time; aiortc's own sender pairs the NTP time of sending with the
+last packet's timestamp, i.e. a frame's send time (its capture time within a frame).
+
+What aiortc keeps and what it does not (aiortc 1.16): ``RTCRtpReceiver._handle_rtcp_packet`` takes each
+report but keeps only the middle 32 bits of its NTP time and the time it arrived (for the LSR/DLSR fields of
+its receiver reports), never the report's RTP timestamp, and exposes neither (its ``getStats`` has the NTP
+time as ``remoteTimestamp`` but no RTP timestamp). So ``SenderClock.install(receiver)`` wraps that method on
+the one receiver instance (other receivers in the process keep aiortc's own), calling aiortc's first, and
+keeps the last report's (NTP, RTP) pair. A decoded frame's ``pts`` is its RTP timestamp less the first
+frame's (aiortc's ``TimestampMapper``, which also unwraps), so the clock reads that origin back
+(``_RTCRtpReceiver__timestamp_mapper._origin``) to rebuild the RTP timestamp modulo 2**32.
+
+Before the first report (the first second or so) a frame is timed by its arrival here (``time.time()``, the
+server's clock: right on one host, off by the clocks' offset otherwise); ``ReadStats.arrival_clock`` counts
+those frames and ``sender_clock`` the others. A report with an NTP time of 0 (aiortc's sender sends those
+before its first packet) is ignored.
+
+Decoder errors: aiortc's decoder thread catches a frame's ``av.FFmpegError``, logs it and sets the
+receiver's ``threading.Event`` (``_RTCRtpReceiver__decoder_error``, read to send a PLI); the frame never
+reaches the track. ``install`` replaces that event by one that also counts each error and reports it on the
+event loop, where ``read_track`` calls ``sink.decode_error()``. It must run before the receiver starts (its
+decoder thread is given the event then): right after ``setRemoteDescription``, as the server does.
+
+``install`` returns False (and frames are timed on arrival, errors not counted) if a later aiortc lacks what
+it uses (``_HOOKS``); ``tests/streamsvc/test_rtc_input.py`` fails loudly then.
+
+Audio is not read: a track of kind ``audio`` returns at once (the camera's audio is dropped; the server
+answers a microphone's m-line inactive anyway, so no audio receiver runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from aiortc.mediastreams import MediaStreamError
+
+log = logging.getLogger("streamsvc.webrtc")
+
+RTP_VIDEO_CLOCK_HZ = 90_000
+"""The media clock of video RTP (RFC 6184, RFC 7741): a frame's RTP timestamp counts 1/90000 s."""
+NTP_UNIX_OFFSET_S = 2_208_988_800
+"""Seconds from the NTP epoch (1900-01-01) to the Unix epoch (1970-01-01)."""
+_MANGLED = "_RTCRtpReceiver__"
+_HOOKS = ("_handle_rtcp_packet", f"{_MANGLED}timestamp_mapper", f"{_MANGLED}decoder_error")
+
+
+class InputSink(Protocol):
+    """Where a stream's input frames go (``streamsvc.inputs.InputFrames``)."""
+
+    def push_av(self, frame, capture_s: float) -> None: ...
+
+    def decode_error(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class SenderReport:
+    """One RTCP sender report's clock pair (RFC 3550 section 6.4.1)."""
+
+    ntp_timestamp: int  # 64-bit NTP time: seconds since 1900 in the high 32 bits, the fraction in the low 32
+    rtp_timestamp: int  # the media clock at the same instant (32 bits)
+    received_s: float  # time.time() here when it arrived
+
+    @property
+    def unix_s(self) -> float:
+        """The report's NTP time as Unix epoch seconds."""
+        return (self.ntp_timestamp >> 32) - NTP_UNIX_OFFSET_S + (self.ntp_timestamp & 0xFFFFFFFF) / 2**32
+
+
+class _CountingEvent(threading.Event):
+    """aiortc's decoder-error event that also counts each error (set from the decoder thread)."""
+
+    def __init__(self, on_error: Callable[[], None]) -> None:
+        super().__init__()
+        self._on_error = on_error
+
+    def set(self) -> None:
+        self._on_error()
+        super().set()
+
+
+class SenderClock:
+    """RTP timestamps -> the sender's capture clock (Unix seconds), from the sender reports one receiver gets.
+
+    ``install(receiver)`` hooks an aiortc ``RTCRtpReceiver`` (see the module's docstring); ``on_report`` takes
+    a report directly (tests, or a receiver of our own). ``capture_s(pts)`` is a decoded frame's capture time,
+    or None before the first report.
+    """
+
+    def __init__(self, clock_rate: int = RTP_VIDEO_CLOCK_HZ) -> None:
+        if clock_rate <= 0:
+            raise ValueError(f"clock_rate={clock_rate}: must be > 0")
+        self.clock_rate = clock_rate
+        self.last: SenderReport | None = None  # the newest usable report
+        self.reports = 0  # usable reports taken
+        self.ignored_reports = 0  # reports with an NTP time of 0 (a sender that has sent nothing yet)
+        self.decode_errors = 0  # frames aiortc's decoder failed on (counted from its thread)
+        self._receiver = None
+        self._origin: int | None = None  # the RTP timestamp of pts 0, when known without a receiver (tests)
+        self.errors_handed = 0  # of decode_errors, those read_track handed to its sink
+        self.on_decode_error: Callable[[], None] | None = None  # called from the decoder thread (read_track's)
+
+    # -- hooking aiortc ----------------------------------------------------------------------------
+
+    def install(self, receiver) -> bool:
+        """Keep `receiver`'s sender reports and count its decoder errors from now on. False: this aiortc lacks
+        the hooks (then frames are timed on arrival). Call it before the receiver starts (its `receive`)."""
+        missing = [name for name in _HOOKS if not hasattr(receiver, name)]
+        if missing:
+            log.warning("aiortc %s lacks %s: input frames are timed on arrival, not in the sender's clock",
+                        _aiortc_version(), ", ".join(missing))
+            return False
+        from aiortc.rtp import RtcpSrPacket
+
+        handle = receiver._handle_rtcp_packet
+
+        async def handle_rtcp_packet(packet) -> None:
+            await handle(packet)  # aiortc's own handling (stats, LSR for its receiver reports) first
+            if isinstance(packet, RtcpSrPacket):
+                info = packet.sender_info
+                self.on_report(info.ntp_timestamp, info.rtp_timestamp)
+
+        receiver._handle_rtcp_packet = handle_rtcp_packet
+        setattr(receiver, f"{_MANGLED}decoder_error", _CountingEvent(self._decoder_error))
+        self._receiver = receiver
+        return True
+
+    def _decoder_error(self) -> None:
+        """From aiortc's decoder thread: one more frame it could not decode."""
+        self.decode_errors += 1  # only this thread writes it
+        callback = self.on_decode_error
+        if callback is not None:
+            try:
+                callback()
+            except RuntimeError:  # the reader's loop closed meanwhile: counted all the same
+                pass
+
+    # -- the mapping ---------------------------------------------------------------------------------
+
+    def on_report(self, ntp_timestamp: int, rtp_timestamp: int, received_s: float | None = None) -> None:
+        """A sender report's (NTP, RTP) pair."""
+        if ntp_timestamp == 0:
+            self.ignored_reports += 1
+            return
+        self.last = SenderReport(ntp_timestamp, rtp_timestamp & 0xFFFFFFFF,
+                                 time.time() if received_s is None else received_s)
+        self.reports += 1
+
+    def set_origin(self, rtp_timestamp: int) -> None:
+        """The RTP timestamp of pts 0 (without a receiver; aiortc's receiver knows its own)."""
+        self._origin = rtp_timestamp & 0xFFFFFFFF
+
+    def rtp_timestamp(self, pts: int) -> int | None:
+        """The RTP timestamp (32 bits) of a decoded frame whose pts is `pts`, or None if the origin is unknown."""
+        origin = self._origin
+        if self._receiver is not None:
+            origin = getattr(getattr(self._receiver, f"{_MANGLED}timestamp_mapper", None), "_origin", None)
+        if origin is None:
+            return None
+        return (int(pts) + origin) & 0xFFFFFFFF
+
+    def capture_s(self, pts: int | None) -> float | None:
+        """The capture time (Unix seconds, the sender's clock) of the frame with this pts; None before the first
+        report, or for a frame with no pts."""
+        report = self.last
+        if report is None or pts is None:
+            return None
+        rtp = self.rtp_timestamp(pts)
+        if rtp is None:
+            return None
+        delta = (rtp - report.rtp_timestamp) & 0xFFFFFFFF
+        if delta >= 2**31:
+            delta -= 2**32  # a frame captured before the report
+        return report.unix_s + delta / self.clock_rate
+
+
+@dataclass
+class ReadStats:
+    """What ``read_track`` did with one track."""
+
+    frames: int = 0  # video frames handed to the sink
+    sender_clock: int = 0  # of them, timed by the sender's reports
+    arrival_clock: int = 0  # of them, timed on arrival here (no report yet)
+    decode_errors: int = 0  # frames the decoder failed on (each one a sink.decode_error())
+    ignored: int = 0  # frames that were not video (never pushed)
+    ended: str = ""  # why reading stopped: "track ended", "stopped" (by `active`), "audio"
+
+
+async def read_track(
+    track,
+    sink: InputSink,
+    clock: SenderClock | None = None,
+    *,
+    active: Callable[[], bool] = lambda: True,
+    now: Callable[[], float] = time.time,
+    offload: bool = True,
+    stats: ReadStats | None = None,
+) -> ReadStats:
+    """Read `track` until it ends, pushing each video frame with its capture time into `sink`.
+
+    `clock` (installed on the track's receiver) times frames in the sender's clock and counts decoder errors
+    (each one a ``sink.decode_error()`` on the event loop, as it happens); without one, or before its first
+    report, a frame is timed by `now()` at its arrival. `active()` is asked before each frame: False stops
+    reading (the input changed hands) and the frame is not pushed. `offload` runs ``push_av`` (a scale and a
+    crop) in a worker thread, one frame at a time and in order, off the event loop. `stats` (given, or a new
+    one) is updated as frames come and returned.
+    """
+    stats = stats if stats is not None else ReadStats()
+    if getattr(track, "kind", "video") != "video":
+        stats.ended = "audio"
+        return stats
+    if clock is not None:
+        loop = asyncio.get_running_loop()
+
+        def hand_errors() -> None:  # on the loop: every error counted since the last call
+            new = clock.decode_errors - clock.errors_handed
+            clock.errors_handed += new
+            stats.decode_errors += new
+            for _ in range(new):
+                sink.decode_error()
+
+        hand_errors()  # those before reading started
+        clock.on_decode_error = lambda: loop.call_soon_threadsafe(hand_errors)
+    try:
+        while True:
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                stats.ended = "track ended"
+                return stats
+            if not active():
+                stats.ended = "stopped"
+                return stats
+            if not _is_video(frame):
+                stats.ignored += 1
+                continue
+            capture = clock.capture_s(frame.pts) if clock is not None else None
+            if capture is None:
+                capture = now()
+                stats.arrival_clock += 1
+            else:
+                stats.sender_clock += 1
+            if offload:
+                await asyncio.to_thread(sink.push_av, frame, capture)
+            else:
+                sink.push_av(frame, capture)
+            stats.frames += 1
+    finally:
+        if clock is not None:
+            clock.on_decode_error = None
+
+
+def _is_video(frame) -> bool:
+    import av
+
+    return isinstance(frame, av.VideoFrame)
+
+
+def _aiortc_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("aiortc")
+    except PackageNotFoundError:
+        return "(unknown version)"

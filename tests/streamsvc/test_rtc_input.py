@@ -1,0 +1,248 @@
+"""A viewer's camera over WebRTC into its stream's input (streamsvc/transport/rtc_input.py, issue 35): RTP -> the
+sender's clock through RTCP sender reports, the arrival-time fallback, decoder errors, audio ignored; a fake track
+with fake reports, then aiortc peers over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from fractions import Fraction
+
+import av
+import numpy as np
+import pytest
+from aiortc import RTCPeerConnection, RTCSessionDescription, VideoStreamTrack
+from aiortc.mediastreams import MediaStreamError
+
+from streamsvc.rtc import complete_local_description, rtc_configuration
+from streamsvc.transport.rtc_input import NTP_UNIX_OFFSET_S, SenderClock, read_track
+
+LOOPBACK = ("127.0.0.1",)
+
+
+def ntp(unix_s: float) -> int:
+    """A 64-bit NTP timestamp of a Unix time."""
+    whole = int(unix_s)
+    return ((whole + NTP_UNIX_OFFSET_S) << 32) | int(round((unix_s - whole) * 2**32))
+
+
+def video_frame(pts: int) -> av.VideoFrame:
+    frame = av.VideoFrame.from_ndarray(np.zeros((16, 16, 3), np.uint8), format="rgb24")
+    frame.pts, frame.time_base = pts, Fraction(1, 90_000)
+    return frame
+
+
+class Sink:
+    """What InputFrames is to read_track: (frame, capture_s) pushed, decoder errors counted."""
+
+    def __init__(self) -> None:
+        self.pushed: list[tuple[av.VideoFrame, float]] = []
+        self.errors = 0
+        self.threads: set[str] = set()
+
+    def push_av(self, frame, capture_s: float) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.pushed.append((frame, capture_s))
+
+    def decode_error(self) -> None:
+        self.errors += 1
+
+
+class FakeTrack:
+    """A remote track: `items` in order (a callable is called, not returned: a sender report arriving), then
+    the end (MediaStreamError)."""
+
+    def __init__(self, items, kind: str = "video") -> None:
+        self.kind = kind
+        self._items = list(items)
+        self.reads = 0
+
+    async def recv(self):
+        while self._items:
+            item = self._items.pop(0)
+            if callable(item):
+                item()
+                continue
+            self.reads += 1
+            await asyncio.sleep(0)
+            return item
+        raise MediaStreamError
+
+
+# ---------------------------------------------------------------- the mapping
+
+
+def test_rtp_maps_to_the_senders_clock_through_the_last_report():
+    clock = SenderClock()
+    clock.set_origin(500)  # pts 0 is RTP timestamp 500
+    assert clock.capture_s(0) is None  # no report yet
+    t0 = 1_760_000_000.25
+    clock.on_report(ntp(t0), 500 + 9_000)  # at t0 the media clock read pts 9000 (0.1 s)
+    assert clock.capture_s(9_000) == pytest.approx(t0, abs=1e-6)
+    assert clock.capture_s(9_000 + 45_000) == pytest.approx(t0 + 0.5, abs=1e-6)
+    assert clock.capture_s(0) == pytest.approx(t0 - 0.1, abs=1e-6)  # captured before the report
+    clock.on_report(ntp(t0 + 1.0), 500 + 9_000 + 90_000 + 900)  # the next report: 10 ms of drift, taken as is
+    assert clock.capture_s(9_000 + 90_000) == pytest.approx(t0 + 1.0 - 0.01, abs=1e-6)
+    assert clock.reports == 2
+
+
+def test_rtp_wraps_around_32_bits():
+    clock = SenderClock()
+    clock.set_origin(2**32 - 90_000)  # one second before the wrap
+    t0 = 1_760_000_000.0
+    clock.on_report(ntp(t0), 45_000)  # half a second after the wrap
+    # pts 135000: RTP (2**32 - 90000 + 135000) mod 2**32 = 45000, the report's instant
+    assert clock.capture_s(135_000) == pytest.approx(t0, abs=1e-6)
+    assert clock.capture_s(0) == pytest.approx(t0 - 1.5, abs=1e-6)  # before the wrap
+    assert clock.capture_s(135_000 + 2**32) == pytest.approx(t0, abs=1e-6)  # aiortc's unwrapped pts
+
+
+def test_a_report_with_no_ntp_time_is_ignored():
+    """aiortc's sender reports NTP 0 / RTP 0 before its first packet: that pair would put frames at 1900."""
+    clock = SenderClock()
+    clock.set_origin(0)
+    clock.on_report(0, 0)
+    assert clock.last is None and clock.ignored_reports == 1 and clock.capture_s(100) is None
+
+
+# ---------------------------------------------------------------- read_track with a fake track
+
+
+async def test_frames_are_timed_on_arrival_until_the_first_report_then_in_the_senders_clock():
+    clock = SenderClock()
+    clock.set_origin(1_000)
+    t0 = 1_700_000_000.0
+    track = FakeTrack([video_frame(0), video_frame(3_000),
+                       lambda: clock.on_report(ntp(t0), 1_000 + 6_000),
+                       video_frame(6_000), video_frame(9_000)])
+    sink = Sink()
+    arrivals = iter([500.0, 501.0])
+    stats = await read_track(track, sink, clock, now=lambda: next(arrivals), offload=False)
+    assert [c for _, c in sink.pushed] == pytest.approx([500.0, 501.0, t0, t0 + 3_000 / 90_000])
+    assert (stats.frames, stats.arrival_clock, stats.sender_clock) == (4, 2, 2)
+    assert stats.ended == "track ended"
+
+
+async def test_without_a_clock_every_frame_is_timed_on_arrival_and_pushed_off_the_loop():
+    sink = Sink()
+    stats = await read_track(FakeTrack([video_frame(i * 3_000) for i in range(3)]), sink, None, now=lambda: 7.0)
+    assert [c for _, c in sink.pushed] == [7.0, 7.0, 7.0] and stats.arrival_clock == 3
+    assert threading.main_thread().name not in sink.threads  # push_av (a scale) ran in a worker thread
+
+
+async def test_decoder_errors_reach_the_sink_from_the_decoders_thread():
+    clock = SenderClock()
+    clock.set_origin(0)
+    clock._decoder_error()  # one before reading started: handed over when it starts
+    sink = Sink()
+
+    def errors_from_a_thread():
+        t = threading.Thread(target=lambda: [clock._decoder_error() for _ in range(3)])
+        t.start()
+        t.join()
+
+    track = FakeTrack([video_frame(0), errors_from_a_thread, video_frame(3_000)])
+    stats = await read_track(track, sink, clock, offload=False)
+    await asyncio.sleep(0)  # the last call_soon_threadsafe
+    assert sink.errors == 4 and clock.decode_errors == 4
+    assert stats.decode_errors == 4 and stats.frames == 2
+
+
+async def test_audio_is_not_read_and_non_video_frames_are_ignored():
+    sink = Sink()
+    audio = FakeTrack([av.AudioFrame(format="s16", layout="mono", samples=160)], kind="audio")
+    stats = await read_track(audio, sink)
+    assert stats.ended == "audio" and audio.reads == 0 and not sink.pushed
+
+    mixed = FakeTrack([av.AudioFrame(format="s16", layout="mono", samples=160), video_frame(0)])
+    stats = await read_track(mixed, sink, offload=False)
+    assert stats.ignored == 1 and stats.frames == 1
+
+
+async def test_reading_stops_when_the_input_changes_hands():
+    sink = Sink()
+    owner = {"steers": True}
+    track = FakeTrack([video_frame(0), lambda: owner.update(steers=False), video_frame(3_000), video_frame(6_000)])
+    stats = await read_track(track, sink, active=lambda: owner["steers"], offload=False)
+    assert stats.ended == "stopped" and stats.frames == 1 and len(sink.pushed) == 1
+
+
+# ---------------------------------------------------------------- aiortc over loopback
+
+
+def barcode(n: int) -> np.ndarray:
+    """A 96x128 frame showing n (0-255) as 8 columns, black or white, most significant bit first."""
+    bits = np.array([(n >> (7 - i)) & 1 for i in range(8)], np.uint8) * 255
+    return np.repeat(np.repeat(bits, 16)[None, :, None], 96, axis=0).repeat(3, axis=2)
+
+
+def read_barcode(frame: av.VideoFrame) -> int:
+    columns = frame.to_ndarray(format="gray")[:, 4::16][:, :8].mean(axis=0)
+    return int(sum(1 << (7 - i) for i, c in enumerate(columns) if c > 128))
+
+
+class Camera(VideoStreamTrack):
+    """A sender's camera: aiortc's paced frames, each showing its number (a barcode) and its send time kept."""
+
+    def __init__(self, garbage_at: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.sent_at: dict[int, float] = {}  # frame number -> time.time() when aiortc took it
+        self.garbage_at = garbage_at
+        self.count = 0
+
+    async def recv(self):
+        pts, time_base = await self.next_timestamp()
+        self.count += 1
+        if self.count in self.garbage_at:  # an access unit of junk slices: the receiver's decoder fails on it
+            packet = av.Packet(b"\x00\x00\x00\x01\x41" + os.urandom(600))
+            packet.pts, packet.time_base = pts, time_base
+            return packet
+        frame = av.VideoFrame.from_ndarray(barcode(self.count % 256), format="rgb24")
+        frame.pts, frame.time_base = pts, time_base
+        self.sent_at[self.count % 256] = time.time()
+        return frame
+
+
+async def _pair(camera: Camera):
+    """A sender (camera, sendonly) and a receiver whose receiver has a SenderClock: (sender pc, receiver pc,
+    clock, the receiver's remote track)."""
+    sender, receiver = RTCPeerConnection(rtc_configuration()), RTCPeerConnection(rtc_configuration())
+    sender.addTransceiver(camera, direction="sendonly")
+    offer = await complete_local_description(sender, await sender.createOffer(), LOOPBACK, 10)
+    await receiver.setRemoteDescription(RTCSessionDescription(sdp=offer, type="offer"))
+    clock = SenderClock()
+    (transceiver,) = receiver.getTransceivers()
+    assert clock.install(transceiver.receiver), "this aiortc lacks what rtc_input hooks"
+    answer = await complete_local_description(receiver, await receiver.createAnswer(), LOOPBACK, 10)
+    await sender.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
+    return sender, receiver, clock, transceiver.receiver.track
+
+
+@pytest.mark.slow
+async def test_an_aiortc_senders_frames_are_timed_in_its_clock_through_its_reports():
+    camera = Camera(garbage_at=(40,))
+    sender, receiver, clock, track = await _pair(camera)
+    sink = Sink()
+    reading = asyncio.create_task(read_track(track, sink, clock))
+    try:
+        for _ in range(100):  # 10 s at most: the first report comes 0.5-1.5 s in
+            await asyncio.sleep(0.1)
+            if clock.reports >= 2 and len(sink.pushed) >= 80:
+                break
+    finally:
+        await sender.close()
+        await receiver.close()
+        stats = await asyncio.wait_for(reading, 5)
+    assert clock.reports >= 1 and stats.sender_clock > 0 and stats.arrival_clock > 0, stats
+    # a frame's capture time (the sender's: aiortc's report pairs its send time with its last packet's timestamp)
+    # is its send time to within a frame; before the first report, its arrival time (loopback: milliseconds later)
+    errors = [capture - camera.sent_at[read_barcode(frame)] for frame, capture in sink.pushed]
+    sender_timed = errors[stats.arrival_clock:]
+    print(f"{stats.frames} frames: {stats.arrival_clock} on arrival, {stats.sender_clock} in the sender's clock; "
+          f"capture - sent: median {np.median(sender_timed) * 1e3:.1f} ms, worst {np.max(np.abs(sender_timed)) * 1e3:.1f}"
+          f" ms; {stats.decode_errors} decoder errors")
+    assert np.max(np.abs(sender_timed)) < 0.035, sender_timed
+    assert min(errors[: stats.arrival_clock]) >= 0  # arrival comes after sending
+    assert stats.decode_errors >= 1 and sink.errors == stats.decode_errors  # the junk access unit
