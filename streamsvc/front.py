@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http
+import inspect
 import logging
 import os
 import ssl
@@ -168,7 +169,8 @@ class Handlers:
     The `admit_*` hooks are where limits plug in (connections per address and in total, request rates): each
     answers None to let the connection, request or upgrade go on."""
 
-    route: Callable[[HttpRequest], HttpReply | None]  # a request's reply; None: the WebSocket upgrade goes on
+    # a request's reply (or an awaitable of it: a route that waits); None: the WebSocket upgrade goes on
+    route: Callable[[HttpRequest], HttpReply | Awaitable[HttpReply] | None]
     websocket: Callable[[Connection], Awaitable[None]]  # serves one upgraded connection until it ends
     client: Callable[[HttpRequest], str]  # the client address a request counts against (access.client_address)
     admit_connection: Callable[[str], str | None] = _no_refusal  # a new connection's peer -> why it is dropped
@@ -268,6 +270,8 @@ class HttpFront:
         if answer is None:
             try:
                 answer = self.handlers.route(request)
+                if inspect.isawaitable(answer):  # a route that waits (WHEP/WHIP: signaling, streamsvc/whep.py)
+                    answer = await answer
             except Exception:  # noqa: BLE001 - a bug: logged in full, the client learns nothing of it
                 log.exception("%s %s failed", raw.method, raw.raw_path[:200])
                 answer = reply(http.HTTPStatus.INTERNAL_SERVER_ERROR, b"internal error\n", "text/plain")

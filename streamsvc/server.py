@@ -48,6 +48,7 @@ from streamsvc.rtc import WebRtcConfig, server_ice_addresses
 from streamsvc.scheduling import SendSampler
 from streamsvc.streams import Streams, unknown_words, vocabulary
 from streamsvc.transport.webrtc import WebRtcTransport
+from streamsvc.whep import Endpoints
 
 # Metrics and the paths live in streamsvc/metrics.py and streamsvc/routes.py; importable from here as before
 __all__ = ["Metrics", "RECORDINGS_PATH", "Server", "ServerConfig", "WS_PATH", "run_server"]
@@ -128,6 +129,7 @@ class Server:
                              ready=lambda: self.engine.snapshot is not None and not self.engine.failure,
                              refresh_metrics=self._refresh_metrics,
                              metrics_apart=config.metrics_port is not None)
+        self.whep = Endpoints(self)  # WHEP and WHIP sessions: a POST's offer served as a connection of _handle's
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -254,7 +256,9 @@ class Server:
 
     def _route(self, request: HttpRequest) -> HttpReply | None:
         """The routes' reply to a request on the port; None: the WebSocket upgrade goes on (the gateway has its
-        own). Its CPU is stream-less work (self.streamless)."""
+        own). Its CPU is stream-less work (self.streamless). WHEP and WHIP: streamsvc/whep.py (the front awaits them)."""
+        if Endpoints.takes(request.path):
+            return self.whep.handle(request)
         with self.streamless.measure():
             return self.routes.handle(request)
 
