@@ -7,6 +7,18 @@ switch re-caches the window under the new prompt (LongLive) before the next chun
 
 Each forward is a method call (`recache`, `denoise`, `commit`) so a scheduler can
 interleave streams forward by forward; `stream()` strings them together for offline use.
+
+Video-to-video (issue 35; SDEdit inside the causal loop): a stream may give each chunk input video
+frames (`set_input`), which the model's encoder (models/encoder.py) turns into latents z; the chunk then
+starts at step k = `start_step(strength)` from x = (1 - sigma_k) z + sigma_k noise and runs steps
+k .. steps-1, committed and decoded as usual, so output frame i is input frame i restyled.
+
+Strength SNAPS to the schedule's sigmas, never an off-schedule first step: the models are few-step
+distilled and Self-Forcing trains the schedule's exits only, so a first step at another sigma is a
+timestep the model never saw (drift for nothing), and a snapped strength keeps a chunk's forward count
+an integer number of the trained steps. Strength s picks the step whose sigma is nearest s (ties: the
+noisier); strength 1.0 is step 0, the input pure noise (text-to-video). At least one step always runs;
+degrading drops steps after the start step (n steps with start k run k .. max(n, k+1) - 1).
 """
 
 from __future__ import annotations
@@ -26,8 +38,10 @@ import torch
 from kvcache import CacheSpec, HostCopier, ParkedCache, StreamCache, Transfer, Workspace, park_cache, restore_cache
 from kvcache.units import format_bytes
 from models.config import ModelConfig
-from models.decoder import DecoderState, StreamingDecoder, TinyStreamingDecoder, frames_per_chunk
+from models.decoder import DecoderState, NoDecoder, StreamingDecoder, TinyStreamingDecoder, frames_per_chunk
 from models.dit import CacheAccess, CausalWanModel, TextKV, in_place
+from models.encoder import BlockPCAEncoder, EncoderState, StreamingEncoder, check_frames
+from models.latent import BlockPCA
 from models.graphs import GraphedForward
 from models.text import HashTextEncoder, TextEncoder
 
@@ -123,7 +137,9 @@ class Chunk:
     frames: torch.Tensor  # [N, H, W, 3] uint8 video frames, on the model's device (the caller copies them out)
     latents: torch.Tensor  # [C, F, h, w] float32 clean latents, on the model's device
     prompt_version: int  # version of the prompt it was generated under
-    steps: int  # denoising steps it was made with (fewer than the schedule's when degraded)
+    steps: int  # the schedule's step it ends at (fewer than the schedule's steps when degraded)
+    input: str = "none"  # its input video: "none" (text-to-video), "frames" (set_input's), "missing" (set_input(None))
+    start_step: int = 0  # the step it started at (input frames at a strength < 1); it ran steps - start_step steps
 
 
 @dataclass
@@ -152,11 +168,17 @@ class StreamState:
     chunk_version: int = 0  # prompt version the chunk in progress is generated under
     chunks_done: int = 0
     frames_done: int = 0  # video frames emitted
+    # video-to-video (set_input / set_strength)
+    strength: float = 1.0  # the input's strength, snapped to a schedule sigma (1.0: step 0, text-to-video); next chunk on
+    encoder: EncoderState | None = None  # the input encoder's causal state (None: the model has no encoder)
+    input_latents: torch.Tensor | None = None  # [C, F, h, w] the next chunk's encoded input, kept until its commit
+    input: str = "none"  # the next (or in-progress) chunk's input: "none" | "frames" | "missing"
+    start: int = 0  # the step the chunk in progress started at (set at its first denoise)
     forwards: dict[str, int] = field(default_factory=lambda: {w.value: 0 for w in Work})
 
 
 # StreamState's fields that hold device tensors, moved to the host when the stream is parked (its cache apart)
-PARKED_FIELDS = ("text", "decoder", "clean", "x", "x0")
+PARKED_FIELDS = ("text", "decoder", "clean", "x", "x0", "encoder", "input_latents")
 
 
 @dataclass
@@ -211,7 +233,10 @@ class ChunkGenerator:
         cfg: GeneratorConfig = GeneratorConfig(),
         text_encoder: TextEncoder | None = None,
         decoder: StreamingDecoder | None = None,
+        encoder: StreamingEncoder | None = None,
     ) -> None:
+        """`encoder`: the input encoder of video-to-video (None: none, unless `decoder` is None too: the
+        built-in random decoder comes with a random BlockPCA encoder, `BlockPCAEncoder.random`)."""
         self.model, self.cfg = apply_speed_options(model, cfg), cfg
         # what `forward` runs: CUDA graphs on CUDA, the model itself elsewhere
         self.runner = GraphedForward(model) if cfg.cuda_graphs and model.device.type == "cuda" else model
@@ -220,7 +245,9 @@ class ChunkGenerator:
         self.text_encoder = text_encoder or HashTextEncoder(mc.text_dim, mc.text_len)
         if decoder is None:
             decoder = TinyStreamingDecoder(mc).init_weights(seed=0).to(model.device, model.dtype)
+            encoder = encoder or BlockPCAEncoder.random(mc, seed=0, device=model.device)
         self.decoder = decoder
+        self.encoder = encoder
         self.sigmas = cfg.sigmas
         self.device = model.device
         self._sigmas = torch.tensor(self.sigmas, dtype=torch.float64, device=self.device)  # [steps], read by index
@@ -249,6 +276,15 @@ class ChunkGenerator:
         """Device memory one stream's decoder state holds (the Wan VAE's causal cache: 1.9 GB at 480x832)."""
         return self.decoder.state_bytes(self.model_cfg.height, self.model_cfg.width)
 
+    @property
+    def can_take_input(self) -> bool:
+        """Whether streams may have input video (the model has an encoder)."""
+        return self.encoder is not None
+
+    def encoder_state_bytes(self) -> int:
+        """Device memory one stream's input encoder state holds (0 without an encoder, or a stateless one)."""
+        return 0 if self.encoder is None else self.encoder.state_bytes(self.model_cfg.height, self.model_cfg.width)
+
     def open_stream(self, stream_id: str, prompt: str, seed: int, cache: StreamCache | None = None) -> StreamState:
         """A new stream; `cache` comes from the device's pool (a private one is made if None)."""
         mc = self.model_cfg
@@ -263,11 +299,12 @@ class ChunkGenerator:
             decoder=self.decoder.init_state(),
             clean=torch.zeros(cache.spec.capacity_frames, mc.in_channels, mc.latent_height, mc.latent_width, device=self.device),
             steps=len(self.sigmas),
+            encoder=None if self.encoder is None else self.encoder.init_state(),
         )
 
     def close_stream(self, state: StreamState) -> None:
         """The stream is done: the workspace forgets it (its cache goes back to the pool)."""
-        if self.workspace is not None:
+        if self.workspace is not None and state.cache is not None:  # (a parked stream holds none)
             self.workspace.release(state.cache)
 
     # -- parking ------------------------------------------------------------------------------
@@ -346,7 +383,57 @@ class ChunkGenerator:
             state.recache_all = True
             state.cache.touch()
         state.reused_slots = None
-        state.step, state.steps, state.x, state.x0 = 0, len(self.sigmas), None, None
+        state.step, state.steps, state.x, state.x0, state.start = 0, len(self.sigmas), None, None, 0
+        # its input (set_input's latents) stays: the chunk restarts from the same frames
+
+    # -- video-to-video -----------------------------------------------------------------------
+
+    def input_strengths(self) -> tuple[float, ...]:
+        """The strengths a stream may have: the schedule's sigmas, noisiest (1.0, text-to-video) first."""
+        return tuple(self.sigmas)
+
+    def start_step(self, strength: float) -> int:
+        """The step a chunk of input at `strength` starts at: the one whose sigma is nearest (ties: the
+        noisier, i.e. the earlier step). Strength must be in [0, 1]; 0 still runs the last step."""
+        if not 0.0 <= strength <= 1.0:  # NaN too
+            raise ValueError(f"strength must be in [0, 1] (1: text-to-video, lower: closer to the input), got {strength}")
+        best = 0
+        for k, sigma in enumerate(self.sigmas):
+            if abs(sigma - strength) < abs(self.sigmas[best] - strength) - 1e-9:
+                best = k
+        return best
+
+    def set_strength(self, state: StreamState, strength: float) -> float:
+        """Steer the stream's strength (live): from its next chunk on, snapped to the schedule's sigmas.
+        Returns the snapped value."""
+        state.strength = self.sigmas[self.start_step(strength)]
+        return state.strength
+
+    def set_input(self, state: StreamState, frames: torch.Tensor | None) -> None:
+        """The next chunk's input video frames ([N, H, W, 3] uint8 at the model's frame size, any device, N =
+        `frames_in_chunk` of the chunk), encoded now (the encoder's causal state advances); or None: the
+        input is missing for that chunk, which runs as text-to-video, and the encoder state is reset, so the
+        next frames start a new causal run. Once per chunk, between chunks (before its first denoise); the
+        input stays with the chunk through `abandon_chunk` until its commit."""
+        if self.encoder is None:
+            raise ValueError(f"stream {state.stream_id}: this model has no encoder, it takes no input video")
+        if state.step != 0:
+            raise ValueError(f"stream {state.stream_id}: input for a chunk at step {state.step}: set it between chunks")
+        if state.input != "none":
+            raise ValueError(f"stream {state.stream_id}: chunk {state.chunks_done} has its input already ({state.input})")
+        if frames is None:
+            state.encoder, state.input_latents, state.input = self.encoder.init_state(), None, "missing"
+            return
+        mc = self.model_cfg
+        check_frames(frames, mc.height, mc.width)
+        want = self.frames_in_chunk(state.chunks_done)
+        if frames.shape[0] != want:
+            raise ValueError(f"stream {state.stream_id}: chunk {state.chunks_done} takes {want} input frames, got {frames.shape[0]}")
+        z = self.encoder.encode(frames, state.encoder)
+        shape = (mc.in_channels, self.cfg.frames_per_chunk, mc.latent_height, mc.latent_width)
+        if tuple(z.shape) != shape:
+            raise ValueError(f"the encoder gave latents {tuple(z.shape)} for a chunk of {tuple(shape)}")
+        state.input_latents, state.input = z.to(self.device, torch.float32), "frames"
 
     def set_steps(self, state: StreamState, steps: int) -> None:
         """Run the chunk in progress (or, between chunks, the next one) with `steps` denoising steps: the
@@ -355,6 +442,8 @@ class ChunkGenerator:
         full = len(self.sigmas)
         if steps != full and steps not in self.cfg.shorter_steps:
             raise ValueError(f"stream {state.stream_id}: {steps} steps; use {full} or one of {self.cfg.shorter_steps}")
+        if state.step > 0:  # a chunk that started at step k runs at least step k
+            steps = max(steps, state.start + 1)
         if state.step > 0 and not state.step <= steps <= state.steps:
             raise ValueError(
                 f"stream {state.stream_id}: {steps} steps for a chunk at step {state.step} of {state.steps}: "
@@ -515,10 +604,11 @@ class ChunkGenerator:
             s.forwards[Work.COMMIT.value] += s.reused_slots is None
             s.reused_slots = None
             frames = self.decoder.decode(x0[j], s.decoder)
-            chunks.append(Chunk(s.chunks_done, s.frames_done, frames, x0[j], s.chunk_version, s.steps))
+            chunks.append(Chunk(s.chunks_done, s.frames_done, frames, x0[j], s.chunk_version, s.steps, s.input, s.start))
             s.chunks_done += 1
             s.frames_done += frames.shape[0]
-            s.step, s.steps, s.x, s.x0 = 0, len(self.sigmas), None, None
+            s.step, s.steps, s.x, s.x0, s.start = 0, len(self.sigmas), None, None, 0
+            s.input, s.input_latents = "none", None
         return chunks
 
     @torch.inference_mode()
@@ -593,6 +683,13 @@ class ChunkGenerator:
         shape = (mc.in_channels, self.cfg.frames_per_chunk, mc.latent_height, mc.latent_width)
         state.x = torch.randn(shape, generator=state.noise, device=self.device)
         state.chunk_version = state.prompt_version
+        state.start = 0
+        if state.input_latents is not None:  # SDEdit: the input noised to the strength's step, which it starts at
+            k = self.start_step(state.strength)
+            sigma = self.sigmas[k]
+            state.x = ((1 - sigma) * state.input_latents.double() + sigma * state.x.double()).float()
+            state.start = state.step = k
+            state.steps = max(state.steps, k + 1)
 
 
 def _tensors(obj) -> list[torch.Tensor]:
@@ -670,6 +767,7 @@ def build_generator(
     decoder: str = "auto",
     taehv: str | None = None,
     weights: str | None = None,
+    dit_only: bool = False,
 ) -> ChunkGenerator:
     """A generator for a preset, everything from local files, nothing downloaded.
 
@@ -685,7 +783,8 @@ def build_generator(
     checkpoint, the folder's own DiT. `wan_dir` (either layout) also gives the umT5 text encoder and the
     Wan VAE. `decoder`: tiny (the built-in), wan-vae (from `wan_dir`), taehv (`taehv`, a taew2_1.pth),
     auto (wan-vae with `wan_dir`, else tiny). The DiT is made in `dtype` on `device` and filled there,
-    never whole in fp32 on the host (a 14B's would be 57 GB)."""
+    never whole in fp32 on the host (a 14B's would be 57 GB). `dit_only`: no umT5 and no decoder are loaded
+    (a group's worker rank, models/parallel.py): the hashing encoder and `NoDecoder` stand in."""
     from models.dit import Rope
     from models.weights import (
         dit_configs, infer_config, load_state_dict, merge_lora, read_state_dict, resolve_weights,
@@ -721,6 +820,8 @@ def build_generator(
         model = _empty_model(mc, device, dtype, None).init_weights(seed)
     model.rope = Rope(mc)  # its tables are plain tensors, not parameters: built on meta
     model = model.eval()
+    if dit_only:
+        return ChunkGenerator(model, cfg, None, NoDecoder(mc))
     text_encoder = _text_encoder(wan_dir, mc, device, dtype)
     return ChunkGenerator(model, cfg, text_encoder, _decoder(decoder, wan_dir, taehv, device))
 
@@ -761,7 +862,8 @@ def _from_model_file(
     decoder = decoder.to(device=device, dtype=dtype).eval()
     text_encoder = VocabTextEncoder(mc.text_dim, mc.text_len, mf.words, mf.vectors)
     log.info("model %s: %s preset, dim %d, %d layers, %d caption words", path, mf.preset, mc.dim, mc.num_layers, len(mf.words))
-    return ChunkGenerator(model, _file_schedule(cfg, mf.timesteps), text_encoder, decoder)
+    encoder = BlockPCAEncoder(BlockPCA.for_model(mc, mf.pca), device) if mf.pca else None
+    return ChunkGenerator(model, _file_schedule(cfg, mf.timesteps), text_encoder, decoder, encoder)
 
 
 def _file_schedule(cfg: GeneratorConfig, timesteps: tuple[float, ...] | None) -> GeneratorConfig:

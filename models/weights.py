@@ -22,7 +22,7 @@ import json
 import logging
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -588,8 +588,8 @@ WEIGHTS = ("auto", "builtin", "random")  # `weights=` choices besides a path to 
 @dataclass(frozen=True)
 class ModelFile:
     """A trained model in one safetensors file, as `python -m models.train --export` writes it: the DiT
-    (`dit.*`), its streaming decoder (`decoder.*`), the latent encoder it was trained with (`pca.*`, not
-    needed to generate) and the text vectors of the caption words (`text.vectors`, one row per word of
+    (`dit.*`), its streaming decoder (`decoder.*`), the latent encoder it was trained with (`pca.*`, the
+    encoder of video-to-video input) and the text vectors of the caption words (`text.vectors`, one row per word of
     the metadata's `text.words`); the metadata's `model` is the ModelConfig trained (JSON), `preset` its
     preset's name, `sampler.timesteps` (optional, JSON) the denoising schedule to sample it with."""
 
@@ -601,6 +601,7 @@ class ModelFile:
     words: tuple[str, ...]  # the caption words, in the order of `vectors`' rows
     vectors: torch.Tensor  # [len(words), text_dim] their text-encoder vectors, as the model was trained with
     timesteps: tuple[float, ...] | None = None  # the schedule it samples best with (None: the generator's default)
+    pca: dict[str, torch.Tensor] = field(default_factory=dict)  # BlockPCA's state dict (empty: none in the file)
 
 
 @functools.cache  # once per process: the CLI resolves before the server starts, the engine again
@@ -686,4 +687,4 @@ def read_model_file(path: str | Path) -> ModelFile:
         if head not in parts or not rest:
             raise CheckpointError(f"model file {path}: unexpected tensor {key!r} (expected dit.*, decoder.*, pca.*)")
         parts[head][rest] = t
-    return ModelFile(path, meta["preset"], config, parts["dit"], parts["decoder"], words, vectors, timesteps)
+    return ModelFile(path, meta["preset"], config, parts["dit"], parts["decoder"], words, vectors, timesteps, parts["pca"])
