@@ -154,7 +154,7 @@ class Streams:
                 f"'take' refused: it needs stream {session.stream_id}'s steer secret, which its steerer's 'ready' "
                 "carries (a watch link does not); the stream goes on")))
             return
-        if session.steerer is not None:
+        if session.steerer is not None and not _cannot_steer(session.steerer):
             holder = "you hold it" if session.steerer is viewer else f"{session.steerer.viewer_id} holds it"
             viewer.send(P.Error(code=P.ErrorCode.NOT_STEERER, request="take", message=(
                 f"the steer token of stream {session.stream_id} is taken ({holder}); its steerer can hand it over")))
@@ -310,6 +310,13 @@ class Streams:
             viewer.send(P.Closed(reason=reason))
             viewer.send(None)
             viewer.left = True
+
+
+def _cannot_steer(viewer: Viewer) -> bool:
+    """A steerer whose peer connection is up without a control channel (a WHEP player that offered none,
+    streamsvc/whep.py) cannot steer: a `take` with the steer secret takes the token from it."""
+    pc = viewer.rtc.pc if viewer.rtc is not None else None
+    return pc is not None and pc.sctp is None and pc.connectionState == "connected"
 
 
 _STEER_TYPES = (P.SetPrompt, P.Pause, P.Resume, P.Record, P.Handover)  # what only a stream's steerer may send
