@@ -273,6 +273,67 @@ async def read_track(
             clock.on_decode_error = None
 
 
+class CameraInput:
+    """A WebRTC viewer's camera into its stream's input, on the server: set up while the offer is answered, read
+    until the track ends or the input changes hands.
+
+    ``for_viewer(viewer)`` is None unless the viewer steers a stream that asked for input (``session.input``, an
+    ``InputFrames``): then the transport answers the offer's video m-line ``sendrecv`` (``answering``), which
+    starts aiortc's receiver, and reads the track (``start``). Otherwise the m-line is answered ``sendonly``, as
+    before: the viewer's browser sends nothing and no receiver or decoder runs, whatever its camera does. The
+    input is the steerer's alone: after a handover (``active()`` turns False) reading stops and the receiver is
+    disabled, so later packets are dropped before they are decoded (the peer connection cannot be renegotiated).
+    """
+
+    def __init__(self, stream_id: str, sink: InputSink, active: Callable[[], bool]) -> None:
+        self.stream_id = stream_id
+        self.sink = sink
+        self.active = active
+        self.clock = SenderClock()
+        self.stats = ReadStats()
+        self.receiver = None  # the video transceiver's receiver, once answering
+        self.hooked = False  # the clock is installed (else frames are timed on arrival)
+
+    @classmethod
+    def for_viewer(cls, viewer) -> CameraInput | None:
+        """The camera input of `viewer` (a ``Viewer``): None unless it steers a stream that takes input."""
+        session = getattr(viewer, "session", None)
+        sink = getattr(session, "input", None)
+        if sink is None or getattr(session, "steerer", None) is not viewer:
+            return None
+        return cls(viewer.stream_id, sink, lambda: session.steerer is viewer and not viewer.closed)
+
+    def answering(self, transceiver) -> bool:
+        """After ``setRemoteDescription`` and before ``createAnswer``: answer `transceiver` (the stream's video)
+        sendrecv and hook its receiver. False when the offer sends no video (its m-line is recvonly): then the
+        stream's input stays missing, and the answer is sendonly."""
+        track = transceiver.receiver.track
+        if track is None:
+            log.info("stream %s asked for input, but the viewer's offer sends no video (a recvonly m-line): the "
+                     "stream runs as text-to-video", self.stream_id)
+            return False
+        transceiver.direction = "sendrecv"
+        self.receiver = transceiver.receiver
+        self.hooked = self.clock.install(transceiver.receiver)
+        return True
+
+    def start(self) -> asyncio.Task:
+        """Read the camera's track into the stream's input (a task; cancel it, or close the peer connection)."""
+        return asyncio.create_task(self._read(), name=f"rtc-input-{self.stream_id}")
+
+    async def _read(self) -> None:
+        await read_track(self.receiver.track, self.sink, self.clock if self.hooked else None, active=self.active,
+                         stats=self.stats)
+        if self.stats.ended == "stopped":
+            self.receiver._enabled = False  # aiortc's own switch (a sendonly transceiver's): packets dropped undecoded
+            log.info("stream %s: the camera input stopped (its viewer no longer steers)", self.stream_id)
+
+    def summary(self) -> str:
+        s = self.stats
+        return (f"camera input: {s.frames} frames ({s.sender_clock} timed by the sender's reports, {s.arrival_clock} "
+                f"on arrival), {s.decode_errors} decoder errors, {self.clock.reports} sender reports")
+
+
 def _is_video(frame) -> bool:
     import av
 

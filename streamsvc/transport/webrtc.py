@@ -52,6 +52,11 @@ as a protocol error (``ProtocolErrors``; a refused oversized message too): the `
 window closes the peer connection and the viewer. The log lines bad input causes are at most one per peer
 every 10 s, with a count of those held back.
 
+Camera input (issue 35): the player always offers its video m-line sendrecv (the server refuses renegotiation, so
+turning the camera on later is the browser's ``replaceTrack``). The server answers it sendrecv only to the steerer of
+a stream that asked for input, and reads that track into the stream's ``InputFrames``
+(``streamsvc.transport.rtc_input.CameraInput``); to anyone else it answers sendonly: nothing is sent, nothing decoded.
+
 ICE: no STUN/TURN unless configured (``RTCConfiguration(iceServers=[])``; with
 ``None`` aiortc would ask a public STUN server). aioice gathers host
 candidates on every interface except 127.0.0.1; ``WebRtcConfig.ice_addresses``
@@ -92,6 +97,7 @@ from streamsvc.rtc import (
 )
 from streamsvc.session import SessionState
 from streamsvc.transport.datachannel import DataChannelLimits, ReassemblyGuard
+from streamsvc.transport.rtc_input import CameraInput
 from streamsvc.transport.sdp import CheckedOffer, check_offer, reject_media
 
 log = logging.getLogger("streamsvc.webrtc")
@@ -265,6 +271,7 @@ class WebRtcTransport:
         self._closed = False
         self._last_keyframe_request = float("-inf")
         self.keyframe_requests = 0
+        self.camera: CameraInput | None = None  # the steerer's camera into its stream's input (issue 35), if it takes one
         # the viewer holds the frame sent last and its jitter buffer beyond the queue: a stall only past those
         self._grace_s = 1.0 / session.fps + config.viewer_jitter_s
         self.track = PacketTrack(
@@ -304,6 +311,8 @@ class WebRtcTransport:
             raise
         self._tasks.append(asyncio.create_task(self._watch_connect(), name=f"rtc-connect-{self.stream_id}"))
         self._tasks.append(asyncio.create_task(self._run_inbox(), name=f"rtc-control-{self.stream_id}"))
+        if self.camera is not None:
+            self._tasks.append(self.camera.start())
         return sdp
 
     async def _answer(self, pc: RTCPeerConnection, offer: CheckedOffer) -> str:
@@ -327,6 +336,10 @@ class WebRtcTransport:
             raise SignalingError("the offer has no video m-line: add a recvonly video transceiver before createOffer()")
         if pc.sctp is not None:
             self.guard.install(pc.sctp)
+        # the stream's video m-line is answered sendrecv only for a steerer whose stream takes input (then its camera
+        # is read into the stream's input, streamsvc/transport/rtc_input.py), else sendonly: nothing is sent to us
+        camera = CameraInput.for_viewer(self.session)
+        self.camera = camera if camera is not None and camera.answering(transceiver) else None
         # Every other m-line (a microphone, a camera: input the server does not take yet) is answered inactive, so
         # no receiver decodes what the viewer sends; the answer rejects it (port 0) unless it holds the offer's
         # BUNDLE tag, whose transport the others share (rejecting that one would reject the whole group).
@@ -381,6 +394,8 @@ class WebRtcTransport:
         t = self.track
         log.info("stream %s: track sent %d frames, %d stalls (%.3f s), %d keyframe requests",
                  self.stream_id, t.frames_sent, t.stalls, t.stall_s, self.keyframe_requests)
+        if self.camera is not None:
+            log.info("stream %s: %s", self.stream_id, self.camera.summary())
         if self.errors.count:
             log.info("stream %s: the viewer's peer made %d protocol errors (%d messages refused, %d dropped from a "
                      "full inbox)", self.stream_id, self.errors.count, self.guard.refused, self.inbox_dropped)

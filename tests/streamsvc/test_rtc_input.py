@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from fractions import Fraction
+from types import SimpleNamespace
 
 import av
 import numpy as np
@@ -16,8 +17,10 @@ import pytest
 from aiortc import RTCPeerConnection, RTCSessionDescription, VideoStreamTrack
 from aiortc.mediastreams import MediaStreamError
 
-from streamsvc.rtc import complete_local_description, rtc_configuration
-from streamsvc.transport.rtc_input import NTP_UNIX_OFFSET_S, SenderClock, read_track
+from streamsvc.rtc import CONTROL_CHANNEL, WebRtcConfig, complete_local_description, h264_preferences, \
+    rtc_configuration
+from streamsvc.transport.rtc_input import NTP_UNIX_OFFSET_S, CameraInput, SenderClock, read_track
+from streamsvc.transport.webrtc import WebRtcTransport
 
 LOOPBACK = ("127.0.0.1",)
 
@@ -246,3 +249,112 @@ async def test_an_aiortc_senders_frames_are_timed_in_its_clock_through_its_repor
     assert np.max(np.abs(sender_timed)) < 0.035, sender_timed
     assert min(errors[: stats.arrival_clock]) >= 0  # arrival comes after sending
     assert stats.decode_errors >= 1 and sink.errors == stats.decode_errors  # the junk access unit
+
+
+# ---------------------------------------------------------------- the server's transport
+
+
+def _viewer(*, takes_input: bool, steers: bool = True):
+    """A steerer (or watcher) of a stream, as WebRtcTransport sees it, with the stream's input (a Sink) if it asked
+    for input."""
+    from streamsvc.session import SessionState
+
+    session = SimpleNamespace(stream_id="s1", fps=16, state=SessionState.PLAYING, closed=False,
+                              input=Sink() if takes_input else None, steerer=None)
+    viewer = SimpleNamespace(session=session, stream_id="s1", fps=16, state=SessionState.PLAYING, closed=False,
+                             outbox=asyncio.Queue(), buffer_report=lambda seconds: None)
+    session.steerer = viewer if steers else SimpleNamespace()
+    return viewer
+
+
+class _Engine:
+    def observe_buffer(self, stream_id, frames, grace_s=0.0) -> None:
+        pass
+
+    def request_keyframe(self, stream_id) -> None:
+        pass
+
+
+async def _camera_offer(camera: Camera):
+    """The player's offer, from aiortc: a sendrecv video transceiver (H.264) sending `camera`, a control channel."""
+    pc = RTCPeerConnection(rtc_configuration())
+    transceiver = pc.addTransceiver(camera, direction="sendrecv")
+    transceiver.setCodecPreferences(h264_preferences())
+    pc.createDataChannel(CONTROL_CHANNEL)
+    return pc, await complete_local_description(pc, await pc.createOffer(), LOOPBACK, 10)
+
+
+def _video_direction(sdp: str) -> str:
+    video = sdp[sdp.index("m=video"):]
+    video = video[: video.index("\nm=")] if "\nm=" in video else video
+    return next(d for d in ("sendrecv", "sendonly", "recvonly", "inactive") if f"a={d}" in video)
+
+
+async def _serve(viewer, camera: Camera):
+    """The server's transport answering a viewer whose player sends `camera`: (transport, the player's pc)."""
+    async def nothing(*args) -> None:
+        pass
+
+    transport = WebRtcTransport(viewer, _Engine(), WebRtcConfig(ice_addresses=LOOPBACK), on_control=nothing,
+                                on_lost=nothing)
+    pc, offer = await _camera_offer(camera)
+    answer = await transport.answer(offer)
+    await pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
+    return transport, pc, answer
+
+
+def test_only_a_steerer_whose_stream_takes_input_has_a_camera_input():
+    assert CameraInput.for_viewer(_viewer(takes_input=True)) is not None
+    assert CameraInput.for_viewer(_viewer(takes_input=False)) is None
+    assert CameraInput.for_viewer(_viewer(takes_input=True, steers=False)) is None  # a watcher's camera: never read
+
+
+@pytest.mark.slow
+async def test_the_steerers_camera_feeds_its_streams_input_until_it_hands_over():
+    viewer, camera = _viewer(takes_input=True), Camera()
+    transport, pc, answer = await _serve(viewer, camera)
+    sink = viewer.session.input
+    try:
+        assert _video_direction(answer) == "sendrecv"
+        for _ in range(100):  # 10 s at most
+            await asyncio.sleep(0.1)
+            if transport.camera.clock.reports and transport.camera.stats.sender_clock >= 10:
+                break
+        stats = transport.camera.stats
+        assert stats.sender_clock >= 10 and stats.frames == len(sink.pushed), stats
+        errors = [capture - camera.sent_at[read_barcode(frame)] for frame, capture in sink.pushed[stats.arrival_clock:]]
+        assert np.max(np.abs(errors)) < 0.035, errors  # the sender's clock, through its reports
+
+        viewer.session.steerer = SimpleNamespace()  # a handover: the input is the steerer's alone
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if stats.ended:
+                break
+        assert stats.ended == "stopped" and transport.camera.receiver._enabled is False
+        pushed = len(sink.pushed)
+        await asyncio.sleep(0.3)
+        assert len(sink.pushed) == pushed
+    finally:
+        await pc.close()
+        await transport.close()
+
+
+@pytest.mark.slow
+async def test_a_stream_without_input_answers_sendonly_and_nothing_is_sent_or_decoded():
+    for viewer in (_viewer(takes_input=False), _viewer(takes_input=True, steers=False)):
+        camera = Camera()
+        transport, pc, answer = await _serve(viewer, camera)
+        try:
+            assert _video_direction(answer) == "sendonly" and transport.camera is None
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                if pc.connectionState == "connected":
+                    break
+            await asyncio.sleep(0.5)
+            assert pc.connectionState == "connected"
+            assert camera.count == 0  # the player's sender never read its camera: nothing went on the wire
+            receiver = transport.pc.getTransceivers()[0].receiver
+            assert receiver._RTCRtpReceiver__decoder_thread is None  # and the server runs no decoder
+        finally:
+            await pc.close()
+            await transport.close()
