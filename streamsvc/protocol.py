@@ -13,7 +13,9 @@ messages; over WebRTC the same JSON travels on the data channel named
 
 Client -> server::
 
-    {"type": "start", "prompt": "...", "seed": 7, "fps": 16, "transport": "ws", "token": "..."}
+    {"type": "start", "prompt": "...", "seed": 7, "fps": 16, "transport": "ws", "token": "...", "input": true,
+     "strength": 0.6}
+    {"type": "set_strength", "strength": 0.8}
     {"type": "watch", "stream_id": "s3", "secret": "...", "transport": "ws", "token": "..."}
     {"type": "set_prompt", "prompt": "..."}
     {"type": "handover", "to": "v7"}  {"type": "take", "secret": "..."}  {"type": "record"}
@@ -25,15 +27,26 @@ Server -> client::
 
     {"type": "ready", "stream_id": "...", "fps": 16, "width": 832, "height": 480, "vocabulary": ["a", ...],
      "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0, "steps": 4, "unknown_words": ["fox"],
-     "role": "steer", "viewer_id": "v0", "watch_secret": "...", "steer_secret": "..."}
+     "role": "steer", "viewer_id": "v0", "watch_secret": "...", "steer_secret": "...",
+     "input": true, "strengths": [1.0, 0.83, 0.625, 0.357], "strength": 0.625, "input_latency_s": 0.5}
     {"type": "audience", "role": "watch", "watchers": 23, "steered": true}
     {"type": "recording", "url": "/recordings/s3-20250102T030405-SECRET.mp4", "chapters": "...vtt"}
     {"type": "chunk", "index": 3, "pts": 33, "frames": 12, "prompt_version": 1, "steps": 4,
-     "keyframe": false, "sizes": [2311, 187, ...]}
+     "keyframe": false, "sizes": [2311, 187, ...], "input": "frames", "capture_ms": [...], "strength": 0.625}
     {"type": "ack", "request": "set_prompt", "prompt_version": 1, "unknown_words": []}
     {"type": "error", "code": "invalid_field", "message": "...", "request": "set_prompt"}
     {"type": "closed", "reason": "..."}
     {"type": "answer", "sdp": "v=0..."}
+
+Input video (issue 35): a ``start`` with ``"input": true`` opens a stream that takes the viewer's video (a camera)
+and restyles it under the prompt, at ``strength`` (1: text-to-video, lower: closer to the input), snapped to the
+model's schedule (``ready`` lists ``strengths`` and the snapped ``strength``; ``set_strength`` steers it live, from
+the next chunk, acked with the snapped value). A model with no encoder refuses it at ``start`` (``refused``, with
+the reason). Over WebSocket the input is H.264 in binary messages of streamsvc/wire_input.py; over WebRTC it is
+the peer connection's video track. Each chunk's header says its ``input`` ("none", "frames", or "missing" when the
+input had stopped: that chunk is text-to-video) and, per frame, the ``capture_ms`` of the input frame it restyles
+(the sender's clock, echoed), so the viewer computes glass-to-glass latency in its own clock. A chunk is due to
+play ``input_latency_s`` after its last input frame was captured.
 
 ``offer`` and ``answer`` are exactly the JSON of a browser's
 ``RTCSessionDescription`` (``{"type": "offer", "sdp": ...}``): the message type
@@ -106,6 +119,8 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from streamsvc import wire_errors
 
 # ---------------------------------------------------------------- limits
 
@@ -217,8 +232,9 @@ Version = Annotated[int, Field(ge=0, description="an integer >= 0")]
 Dimension = Annotated[int, Field(ge=1, le=MAX_DIMENSION, description=f"an integer in [1, {MAX_DIMENSION}]")]
 FrameCount = Annotated[int, Field(ge=1, le=MAX_CHUNK_FRAMES, description=f"an integer in [1, {MAX_CHUNK_FRAMES}]")]
 Steps = Annotated[int, Field(ge=1, le=MAX_STEPS, description=f"an integer in [1, {MAX_STEPS}]")]
+Strength = Annotated[float, Field(ge=0.0, le=1.0, description="a number in [0, 1]")]
 ClientType = Literal["start", "watch", "set_prompt", "handover", "take", "record", "pause", "resume", "stats", "close",
-                     "offer"]
+                     "offer", "set_strength"]
 StreamId = Annotated[str, Field(min_length=1, max_length=MAX_STREAM_ID_CHARS, pattern=r"^[A-Za-z0-9_.-]+$",
                                 description=f"1 to {MAX_STREAM_ID_CHARS} letters, digits, '_', '.' or '-'")]
 ViewerId = StreamId
@@ -243,6 +259,8 @@ class Start(_Message):
     transport: Literal["ws", "webrtc"] | None = Field(None, description="'ws' or 'webrtc'")
     # Access token, for servers that require one (a browser cannot set an Authorization header).
     token: Token | None = None
+    input: bool = False  # the viewer sends input video (a camera) to restyle (issue 35)
+    strength: Strength | None = None  # with input: how far from the input (1: text-to-video); None: the server's
 
 
 class Watch(_Message):
@@ -261,6 +279,13 @@ class SetPrompt(_Message):
 
     type: Literal["set_prompt"] = "set_prompt"
     prompt: Prompt
+
+
+class SetStrength(_Message):
+    """Steerer only, a stream with input: its strength from the next chunk on; ``ack`` carries the snapped value."""
+
+    type: Literal["set_strength"] = "set_strength"
+    strength: Strength
 
 
 class Handover(_Message):
@@ -343,6 +368,10 @@ class Ready(_Message):
     unknown_words: UnknownWords = []  # words of the stream's prompt outside ``vocabulary`` (drawn as noise), each once
     watch_secret: Secret | None = None  # what a ``watch`` of the stream needs: the steerer's ready has it
     steer_secret: Secret | None = None  # what a ``take`` of its steer token needs: the steerer's ready has it
+    input: bool = False  # the stream takes the steerer's input video
+    strengths: Annotated[list[Strength], Field(max_length=MAX_STEPS)] | None = None  # allowed (the schedule's sigmas)
+    strength: Strength | None = None  # the stream's strength, snapped
+    input_latency_s: Seconds | None = None  # a chunk is due this long after its last input frame's capture
 
 
 class Audience(_Message):
@@ -375,20 +404,26 @@ class Chunk(_Message):
     # "fast": encoded cheaper (higher CRF, point-sampled chroma) because it would otherwise have reached the viewer late
     encode: Literal["normal", "fast"] = "normal"
     sizes: list[Annotated[int, Field(ge=1, le=MAX_CHUNK_BYTES)]]  # byte size of each frame's access unit
+    input: Literal["none", "frames", "missing"] = "none"  # its input video: none asked, restyled, or missing (t2v)
+    capture_ms: list[float] | None = None  # per frame: the capture time (sender's clock, ms) of its input frame
+    strength: Strength | None = None  # the strength it was made at (a stream with input)
 
     @model_validator(mode="after")
     def _one_size_per_frame(self) -> Chunk:
-        if len(self.sizes) != self.frames:
-            raise ValueError(f"sizes has {len(self.sizes)} entries but frames is {self.frames}; "
-                             "give one size per frame")
+        if len(self.sizes) != self.frames or (self.capture_ms is not None and len(self.capture_ms) != self.frames):
+            raise ValueError(f"sizes has {len(self.sizes)} entries (capture_ms: "
+                             f"{None if self.capture_ms is None else len(self.capture_ms)}) but frames is "
+                             f"{self.frames}; give one size per frame (and one capture time, with capture_ms)")
         return self
 
     @classmethod
     def describe(cls, access_units: list[bytes], *, index: int, pts: int, prompt_version: int, steps: int,
-                 keyframe: bool, fast: bool = False) -> Chunk:
-        """The header of a chunk made of ``access_units`` (sizes and frame count filled in)."""
+                 keyframe: bool, fast: bool = False, **extra) -> Chunk:
+        """The header of a chunk made of ``access_units`` (sizes and frame count filled in); ``extra``: input,
+        capture_ms, strength."""
         return cls(index=index, pts=pts, frames=len(access_units), prompt_version=prompt_version, steps=steps,
-                   keyframe=keyframe, encode="fast" if fast else "normal", sizes=[len(au) for au in access_units])
+                   keyframe=keyframe, encode="fast" if fast else "normal", sizes=[len(au) for au in access_units],
+                   **extra)
 
 
 class Ack(_Message):
@@ -398,6 +433,7 @@ class Ack(_Message):
     request: ClientType
     prompt_version: Version | None = None
     unknown_words: UnknownWords = []  # set_prompt: those of the prompt its version runs (not in ready's vocabulary)
+    strength: Strength | None = None  # set_strength: the strength snapped to the model's schedule
 
 
 class Error(_Message):
@@ -423,7 +459,7 @@ class Answer(_Message):
     sdp: Sdp
 
 
-_CLIENT_MODELS = (Start, Watch, SetPrompt, Handover, Take, Record, Pause, Resume, Stats, Close, Offer)
+_CLIENT_MODELS = (Start, Watch, SetPrompt, Handover, Take, Record, Pause, Resume, Stats, Close, Offer, SetStrength)
 _SERVER_MODELS = (Ready, Audience, Recording, Chunk, Ack, Error, Closed, Answer)
 ClientMessage = Annotated[Union[_CLIENT_MODELS], Field(discriminator="type")]
 ServerMessage = Annotated[Union[_SERVER_MODELS], Field(discriminator="type")]
@@ -438,7 +474,8 @@ _SERVER_TYPES = {m.model_fields["type"].default: m for m in _SERVER_MODELS}
 # ---------------------------------------------------------------- parsing
 
 
-def parse_client(data: str | bytes) -> Start | Watch | SetPrompt | Handover | Take | Record | Pause | Resume | Stats | Close | Offer:
+def parse_client(data: str | bytes) -> (Start | Watch | SetPrompt | Handover | Take | Record | Pause | Resume | Stats
+                                        | Close | Offer | SetStrength):
     """Parse one control message from a viewer. Raises ``ProtocolError`` and nothing else."""
     return _parse(data, _CLIENT, _CLIENT_TYPES)
 
@@ -482,78 +519,8 @@ def _too_large(size: int) -> ProtocolError:
 
 
 def _from_validation(exc: ValidationError, types: dict[str, type[_Message]]) -> ProtocolError:
-    """Turn pydantic's errors into one ProtocolError with a message a person can act on."""
-    errors = exc.errors(include_url=False)
-    first = errors[0]
-    kind = first["type"]
-    known = ", ".join(types)
-    if kind == "json_invalid":
-        return ProtocolError(ErrorCode.BAD_JSON, f"malformed JSON: {first['ctx']['error']}")
-    if kind in ("dict_type", "model_type", "model_attributes_type"):
-        return ProtocolError(ErrorCode.BAD_JSON, f"expected a JSON object, got {_json_kind(first['input'])}")
-    if kind == "union_tag_not_found":
-        return ProtocolError(ErrorCode.UNKNOWN_TYPE, f"message has no 'type' field; expected one of: {known}")
-    if kind == "union_tag_invalid":
-        tag = _short(first["input"].get("type") if isinstance(first["input"], dict) else None)
-        return ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {tag}; expected one of: {known}")
-    parts = [_describe_field_error(err, types) for err in errors[:3]]
-    if len(errors) > 3:
-        parts.append(f"and {len(errors) - 3} more")
-    return ProtocolError(ErrorCode.INVALID_FIELD, "; ".join(parts))
-
-
-def _describe_field_error(err: Any, types: dict[str, type[_Message]]) -> str:
-    loc = err["loc"]
-    msg_type = _clip(str(loc[0])) if loc else "?"
-    model = types.get(msg_type)
-    field = str(loc[1]) if len(loc) > 1 else None
-    path = _clip(".".join(str(p) for p in loc[1:]))
-    where = f"'{msg_type}' message"
-    if err["type"] == "extra_forbidden":
-        allowed = ", ".join(model.model_fields) if model else "?"
-        return f"unknown field '{path}' in {where}; its fields are: {allowed}"
-    if err["type"] == "missing":
-        return f"missing field '{path}' in {where}"
-    if len(loc) <= 1:  # a check on the whole message (e.g. chunk sizes vs frames)
-        return f"invalid {where}: {err['msg'].removeprefix('Value error, ')}"
-    hint = ""
-    if model is not None and field in model.model_fields:
-        description = _field_description(model, field)
-        if description:
-            hint = f"; allowed: {description}"
-    got = f"; got {_short(err['input'])}" if "input" in err else ""
-    return f"invalid field '{path}' in {where}: {err['msg']}{hint}{got}"
-
-
-def _field_description(model: type[_Message], field: str) -> str | None:
-    info = model.model_fields[field]
-    if info.description:
-        return info.description
-    for meta in info.metadata:  # Annotated[..., Field(description=...)] on optional fields
-        description = getattr(meta, "description", None)
-        if description:
-            return description
-    annotation = info.annotation
-    for arg in getattr(annotation, "__args__", ()):  # X | None where X carries the description
-        for meta in getattr(arg, "__metadata__", ()):
-            description = getattr(meta, "description", None)
-            if description:
-                return description + (" or null" if type(None) in annotation.__args__ else "")
-    return None
-
-
-def _short(value: Any, limit: int = 40) -> str:
-    """A value for an error message: its repr, cut short."""
-    return _clip(repr(value), limit)
-
-
-def _clip(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _json_kind(value: Any) -> str:
-    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
+    """Turn pydantic's errors into one ProtocolError with a message a person can act on (streamsvc/wire_errors.py)."""
+    return ProtocolError(*wire_errors.describe(exc, types))
 
 
 # ---------------------------------------------------------------- binary chunks
