@@ -148,3 +148,23 @@ def _frames(patches: torch.Tensor) -> torch.Tensor:
 def frames_per_chunk(latent_frames: int, first: bool, temporal_upsample: int = 4) -> int:
     """Video frames a chunk of `latent_frames` decodes to."""
     return latent_frames * temporal_upsample - (temporal_upsample - 1 if first else 0)
+
+
+class NoDecoder:
+    """A decoder that loads nothing and makes no frames, only their count, [N, 0, 0, 3] uint8: that of a
+    group's other ranks (models/parallel.py: the decode runs on rank 0 only, after the commit, not
+    overlapping the next chunk), so a rank's stream state (frames done, chunk boundaries) stays rank 0's."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.tu = cfg.temporal_upsample
+
+    def init_state(self) -> DecoderState:
+        return DecoderState()
+
+    def state_bytes(self, height: int, width: int) -> int:
+        return 0
+
+    def decode(self, latents: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        n = frames_per_chunk(latents.shape[1], state.frames_out == 0, self.tu)
+        state.frames_out += n
+        return torch.empty(n, 0, 0, 3, dtype=torch.uint8, device=latents.device)

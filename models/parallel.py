@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from kvcache import CacheSpec
 from models.config import ModelConfig
-from models.decoder import DecoderState, StreamingDecoder, frames_per_chunk
+from models.decoder import NoDecoder, StreamingDecoder
 from models.dit import KERNELS, AttentionKV, CacheAccess, CausalWanModel, SelfAttention, TextKV
 from models.generator import ChunkGenerator, GeneratorConfig, build_generator
 from models.text import TextEncoder
@@ -228,26 +228,6 @@ class ReceivedTextEncoder:
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # what a text encoder's output may be
 
 
-class NoDecoder:
-    """The decoder of the group's other ranks (the decode runs on rank 0 only, after the commit, not
-    overlapping the next chunk): no frames, only their count, [N, 0, 0, 3] uint8, so a rank's stream
-    state (frames done, chunk boundaries) stays rank 0's."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.tu = cfg.temporal_upsample
-
-    def init_state(self) -> DecoderState:
-        return DecoderState()
-
-    def state_bytes(self, height: int, width: int) -> int:
-        return 0
-
-    def decode(self, latents: torch.Tensor, state: DecoderState) -> torch.Tensor:
-        n = frames_per_chunk(latents.shape[1], state.frames_out == 0, self.tu)
-        state.frames_out += n
-        return torch.empty(n, 0, 0, 3, dtype=torch.uint8, device=latents.device)
-
-
 class ShardedGenerator(ChunkGenerator):
     """A `ChunkGenerator` on one rank of a group: its forwards are split across the group (`ShardedModel`)
     and its streams' caches, workspace and pool hold this rank's heads (`cache_spec`).
@@ -299,9 +279,17 @@ def shard_generator(base: ChunkGenerator, cfg: GeneratorConfig, group: dist.Proc
         mc, device = base.model_cfg, base.device
         if dist.get_rank() == root_rank(group):
             text = RootTextEncoder(text, group, device)
-        else:  # the umT5 weights were loaded and are dropped here (build_generator has no way to skip them yet)
+        else:  # a worker's base (`build_worker_generator`'s) loaded neither
             text, decoder = ReceivedTextEncoder(mc.text_dim, mc.text_len, group, device), NoDecoder(mc)
     return ShardedGenerator(base.model, replace(base.cfg, stage_kv=cfg.stage_kv), text, decoder, group)
+
+
+def build_worker_generator(preset: str = "tiny", *, group: dist.ProcessGroup | None = None,
+                           cfg: GeneratorConfig = GeneratorConfig(), **kw) -> ShardedGenerator:
+    """A rank other than the group's rank 0, with `root_only`: `build_generator`'s DiT alone (`dit_only`: the
+    umT5 text encoder and the VAE or TAEHV decoder are never loaded; rank 0 encodes and decodes)."""
+    base = build_generator(preset, cfg=replace(cfg, stage_kv=False, cuda_graphs=False), dit_only=True, **kw)
+    return shard_generator(base, cfg, group, root_only=True)
 
 
 def init_rank(rank: int, world_size: int, init_method: str, backend: str = "gloo", timeout_s: float = 60.0) -> None:

@@ -20,8 +20,10 @@ import torch.distributed as dist
 from kvcache import CachePool
 from models import ModelConfig
 from models.generator import ChunkGenerator, GeneratorConfig, build_generator
+from models.decoder import NoDecoder
 from models.parallel import (
-    PARALLEL_ENV, allowed_degrees, build_sharded_generator, check_degree, init_rank, parallel_env, shard_spec, spawn_ranks,
+    PARALLEL_ENV, ReceivedTextEncoder, RootTextEncoder, allowed_degrees, build_sharded_generator, build_worker_generator,
+    check_degree, init_rank, parallel_env, shard_spec, spawn_ranks,
 )
 
 PROMPTS = ("a red ball rolls on green grass", "a blue cube on sand", "a yellow star in the night sky")
@@ -175,3 +177,40 @@ def test_each_rank_allocates_and_counts_its_heads_of_a_cache():
 def test_the_spawn_environment_turns_multicast_off():
     env = parallel_env({"NCCL_NVLS_ENABLE": "1"})
     assert env == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _loading_main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """Rank 0 builds as a group's rank 0 does, rank 1 as a worker (streamsvc/lockstep.py, offline.py), each
+    recording the calls that load a text encoder or a decoder; both then open a stream (rank 0 encodes its
+    prompt and broadcasts it)."""
+    import models.generator as g
+
+    torch.set_num_threads(1)
+    loads = []
+    for name in ("_text_encoder", "_decoder"):
+        real = getattr(g, name)
+        setattr(g, name, lambda *a, _n=name, _real=real, **k: loads.append(_n) or _real(*a, **k))
+    init_rank(rank, world_size, f"file://{init_file}", timeout_s=60)
+    try:
+        build = build_sharded_generator if rank == 0 else build_worker_generator
+        gen = build("tiny", weights="random", cfg=RING, **({"root_only": True} if rank == 0 else {}))
+        state = gen.open_stream("a", PROMPTS[0], seed=1)
+        torch.save({"loads": loads, "text": type(gen.text_encoder).__name__, "decoder": type(gen.decoder).__name__,
+                    "text_kv": state.text}, f"{out_dir}/load-rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_worker_loads_no_text_encoder_and_no_decoder(tmp_path):
+    """The umT5 text encoder and the VAE/TAEHV decoder load on rank 0 only: a worker's build never calls their
+    loaders (build_generator's dit_only), and its prompts' K/V come from rank 0's encoding."""
+    spawn_ranks(_loading_main, 2, (str(tmp_path / "init"), str(tmp_path)), timeout_s=90)
+    root, worker = (torch.load(tmp_path / f"load-rank{r}.pt") for r in range(2))
+    assert sorted(root["loads"]) == ["_decoder", "_text_encoder"]
+    assert (root["text"], root["decoder"]) == (RootTextEncoder.__name__, "TinyStreamingDecoder")
+    assert worker["loads"] == []
+    assert (worker["text"], worker["decoder"]) == (ReceivedTextEncoder.__name__, NoDecoder.__name__)
+    assert len(root["text_kv"]) == len(worker["text_kv"]) > 0
+    assert all(torch.equal(ka, kb) and torch.equal(va, vb)
+               for (ka, va), (kb, vb) in zip(root["text_kv"], worker["text_kv"]))
