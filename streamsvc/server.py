@@ -49,6 +49,7 @@ from streamsvc.scheduling import SendSampler
 from streamsvc.streams import Streams, unknown_words, vocabulary
 from streamsvc.transport.webrtc import WebRtcTransport
 from streamsvc.whep import Endpoints
+from streamsvc.whip import Ingest
 
 # Metrics and the paths live in streamsvc/metrics.py and streamsvc/routes.py; importable from here as before
 __all__ = ["Metrics", "RECORDINGS_PATH", "Server", "ServerConfig", "WS_PATH", "run_server"]
@@ -129,7 +130,7 @@ class Server:
                              ready=lambda: self.engine.snapshot is not None and not self.engine.failure,
                              refresh_metrics=self._refresh_metrics,
                              metrics_apart=config.metrics_port is not None)
-        self.whep = Endpoints(self)  # WHEP and WHIP sessions: a POST's offer served as a connection of _handle's
+        self.whep = Endpoints(self, whip=Ingest(self))  # WHEP (a POST's offer served as a connection) and WHIP
 
     # -- lifecycle ----------------------------------------------------------------------------
 

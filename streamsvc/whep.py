@@ -4,7 +4,7 @@ watches a stream with one HTTP POST of its SDP offer (draft-ietf-wish-whep; issu
 The endpoints (paths under WHEP_PATH; `Endpoints.handle` answers them, the front awaits its reply):
 
 - ``POST /whep?prompt=...`` (optional ``&fps=``, ``&seed=``) with an SDP offer (``Content-Type: application/sdp``):
-  a new stream, steered by this session. ``201 Created``, the answer, ``Location`` (the session, SESSION_PATH + a
+  a new stream, steered by this session (``&input=1``, optional ``&strength=``: it takes a WHIP publisher's video). ``201 Created``, the answer, ``Location`` (the session, SESSION_PATH + a
   128-bit secret), and the stream's capabilities in headers: ``X-Stream-Id``, ``X-Watch-Url`` (a WHEP URL that
   watches it), ``X-Watch-Secret``, ``X-Steer-Secret``. With a data channel named ``control`` in the offer, the
   player steers over it with the protocol's JSON as our player does (streamsvc/transport/webrtc.py). Without one
@@ -239,7 +239,7 @@ class Endpoints:
             return refusal
         try:
             offer = request.body.decode("utf-8")
-            check_offer(offer, max_candidates=MAX_REMOTE_CANDIDATES)
+            check_offer(offer, max_candidates=MAX_REMOTE_CANDIDATES, publish=path.startswith("/whip"))
         except (UnicodeDecodeError, SignalingError) as e:
             return _text(http.HTTPStatus.BAD_REQUEST, f"bad offer: {e if isinstance(e, SignalingError) else 'not UTF-8'}")
         if path.startswith("/whip"):
@@ -257,8 +257,12 @@ class Endpoints:
                 return P.encode(P.Watch(stream_id=stream, secret=query.get("secret"), transport="webrtc"))
             if "prompt" not in query:
                 return _text(http.HTTPStatus.BAD_REQUEST, "a new stream needs its prompt: POST /whep?prompt=...")
-            return P.encode(P.Start(prompt=query["prompt"], transport="webrtc",
-                                    **{k: int(query[k]) for k in ("fps", "seed") if k in query}))
+            extra = {k: int(query[k]) for k in ("fps", "seed") if k in query}
+            if query.get("input", "0").lower() in ("1", "true", "yes"):  # a WHIP publisher's (streamsvc/whip.py)
+                extra["input"] = True
+                if "strength" in query:
+                    extra["strength"] = float(query["strength"])
+            return P.encode(P.Start(prompt=query["prompt"], transport="webrtc", **extra))
         except ValueError as e:  # pydantic's ValidationError, or int()
             status = http.HTTPStatus.NOT_FOUND if stream else http.HTTPStatus.BAD_REQUEST
             if isinstance(e, ValidationError) and stream:  # a stream id or secret no stream has: as a wrong one

@@ -65,10 +65,12 @@ class CheckedOffer:
     dropped: Counter[str] = field(default_factory=Counter)  # candidate lines dropped, by reason
 
 
-def check_offer(sdp: str, *, max_candidates: int = MAX_REMOTE_CANDIDATES, allow_loopback: bool = False) -> CheckedOffer:
+def check_offer(sdp: str, *, max_candidates: int = MAX_REMOTE_CANDIDATES, allow_loopback: bool = False,
+                publish: bool = False) -> CheckedOffer:
     """The offer aiortc may be given, or ``SignalingError`` saying why not. ``allow_loopback``: keep candidates on
     loopback addresses (only when the server itself gathers there; else a remote peer could aim our checks at
-    this host's own services)."""
+    this host's own services). ``publish``: a WHIP publisher's offer (streamsvc/whip.py), whose first video m-line
+    sends (sendonly or sendrecv) H.264 or VP8, rather than a viewer's, which receives the stream's H.264."""
     media = sdp.count("\nm=") + sdp.startswith("m=")  # first, and cheap: the flood the issue saw says so
     if media > MAX_MEDIA:
         raise SignalingError(
@@ -92,7 +94,7 @@ def check_offer(sdp: str, *, max_candidates: int = MAX_REMOTE_CANDIDATES, allow_
         if _CONTROL.search(line):
             raise SignalingError(f"line {number} of the offer holds a control character")
     sections = _sections(lines)
-    _check_media(sections)
+    _check_media(sections, publish)
     kept, dropped, candidates = _filter_candidates(sections, max_candidates, allow_loopback)
     return CheckedOffer(
         sdp="\r\n".join(kept) + "\r\n",
@@ -148,7 +150,7 @@ def _sections(lines: list[str]) -> list[_Section]:
     return sections
 
 
-def _check_media(sections: list[_Section]) -> None:
+def _check_media(sections: list[_Section], publish: bool = False) -> None:
     media = sections[1:]
     kinds = Counter(s.kind for s in media)
     for kind, count in kinds.items():
@@ -169,6 +171,11 @@ def _check_media(sections: list[_Section]) -> None:
                 f"sends H.264 only (packetization-mode {H264_PACKETIZATION_MODE}, profile-level-id "
                 f"{H264_PROFILE_LEVEL_ID}) and takes {' or '.join(INPUT_VIDEO_CODECS)}")
     stream = video[0]
+    if publish:
+        if stream.direction not in ("sendonly", "sendrecv"):
+            raise SignalingError(f"the first video m-line (line {stream.number}) is {stream.direction}: a WHIP offer "
+                                 "sends its video, so it must be sendonly (or sendrecv)")
+        return
     if stream.direction not in ("recvonly", "sendrecv"):
         raise SignalingError(f"the first video m-line (line {stream.number}) is {stream.direction}: it carries the "
                              "stream, so it must be recvonly (or sendrecv)")
