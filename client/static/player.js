@@ -25,6 +25,14 @@
 //    caption words and draws noise for others; null for a model that reads any text) and the unknown words
 //    of the stream's prompt, a set_prompt's "ack" those of the new prompt; shown under the prompt box.
 //
+// 7. The camera as input (issue 35): the video transceiver is always sendrecv (the server refuses renegotiation), so
+//    turning the camera on is transceiver.sender.replaceTrack(track) (camera.js: picker, preview, strength). A stream
+//    takes input only if its start asked for it ({"input": true, "strength": s}): a camera turned on before Start
+//    does; turned on during a stream without input, the page starts a new one with it. The server answers the video
+//    m-line sendrecv only then. "strength" steers live (set_strength, acked with the value snapped to the model's
+//    schedule). Each chunk header's capture_ms (the input frame's capture time, this browser's clock as its RTCP
+//    sender reports carry it) gives the frame on screen its glass-to-glass latency.
+//
 // window.player holds the page's state (read by the end-to-end test).
 "use strict";
 
@@ -38,6 +46,7 @@
   const GATHER_TIMEOUT_MS = 5000;
   const ANSWER_TIMEOUT_MS = 15000;
   const MAX_HEADERS = 256;
+  const GLASS_KEPT = 256;
 
   const $ = (id) => document.getElementById(id);
   const video = $("video");
@@ -69,9 +78,15 @@
     recording: null,        // the recording's MP4 address, once one runs
     vocabulary: null,       // the words the model knows (ready); null: it reads any text
     unknownWords: [],       // words of the latest prompt outside the vocabulary (ready, then set_prompt's ack)
+    input: false,           // the stream takes this page's camera (ready.input)
+    strengths: null,        // the strengths the model allows (ready), the schedule's sigmas
+    strength: null,         // the stream's strength, snapped (ready, then set_strength's ack)
+    inputOnScreen: null,    // the frame on screen's input: "none", "frames", "missing" (its chunk header)
+    glassToGlassMs: null,   // the frame on screen: its input frame's capture -> shown, in this browser's clock
+    glassToGlass: [],       // the last GLASS_KEPT of those
   };
 
-  let ws = null, pc = null, channel = null;
+  let ws = null, pc = null, channel = null, videoTransceiver = null;
   // the stream's capabilities: its watch secret (the steerer's ready, or this watch link's) and its steer secret
   // (the steerer's ready, or a steer link's); kept out of window.player, and never sent but to the server
   let watchSecret = null, steerSecret = null;
@@ -142,6 +157,10 @@
     $("o-fps").textContent = player.framesPresented ? player.presentedFps.toFixed(1) : "-";
     $("o-version").textContent = player.versionOnScreen === null ? "-" : "v" + player.versionOnScreen;
     $("o-freezes").textContent = `${player.freezeCount} (${player.totalFreezesDuration.toFixed(2)} s)`;
+    const g2g = player.glassToGlass.slice(-16).sort((a, b) => a - b);
+    $("o-g2g").textContent = g2g.length ? (g2g[g2g.length >> 1] / 1000).toFixed(2) + " s" : "-";
+    $("o-input").textContent = player.input ? `${player.inputOnScreen || "-"}, strength ${fmt(player.strength, 3, "")}`
+      : "none";
     const lat = player.steerLatenciesMs;
     $("o-steer").textContent = lat.length ? (lat[lat.length - 1] / 1000).toFixed(2) + " s" : "-";
     $("o-frames").textContent = `${player.framesPresented} shown, ${player.framesDecoded} decoded`;
@@ -161,6 +180,7 @@
       freezeCount: 0, totalFreezesDuration: 0, versionOnScreen: null, promptVersion: 0,
       steerLatenciesMs: [], chunks: 0, acks: [], errors: [], closedReason: null,
       role: null, viewerId: null, watchers: 0, steered: true, recording: null, vocabulary: null, unknownWords: [],
+      input: false, strengths: null, strength: null, inputOnScreen: null, glassToGlassMs: null, glassToGlass: [],
     });
     renderVocabulary();
     banner(null);
@@ -168,7 +188,7 @@
 
   function start(prompt) {
     watchSecret = steerSecret = null;  // the new stream's come with its ready
-    connect({ type: "start", prompt });
+    connect({ type: "start", prompt, ...camera.startFields() });
   }
 
   // the stream the page's watch link names, with its watch secret (and a steer link's steer secret, for "take")
@@ -199,7 +219,8 @@
     pc = new RTCPeerConnection({ iceServers: [] });
     channel = pc.createDataChannel("control");
     channel.onmessage = (e) => onMessage(e.data);
-    const transceiver = pc.addTransceiver("video", { direction: "recvonly" });
+    // sendrecv always: the camera goes on later with replaceTrack, never a renegotiation (the server refuses those)
+    const transceiver = videoTransceiver = pc.addTransceiver("video", { direction: "sendrecv" });
     const codecs = RTCRtpReceiver.getCapabilities("video").codecs;
     const h264 = codecs.filter((c) => c.mimeType.toLowerCase() === "video/h264"
       && /packetization-mode=1/.test(c.sdpFmtpLine || "") && (c.sdpFmtpLine || "").includes("profile-level-id=" + H264_PROFILE));
@@ -219,6 +240,7 @@
       else if (s === "disconnected") banner("The video connection is interrupted; waiting for it to come back...", "info");
       else if (s === "connected" && player.message && player.message.startsWith("The video connection is interrupted")) banner(null);
     };
+    await camera.attach(transceiver.sender);  // a camera already on sends from the start
     await pc.setLocalDescription(await pc.createOffer());
     await gatheringComplete(pc, GATHER_TIMEOUT_MS);
     if (ended) return;
@@ -265,6 +287,10 @@
         if (msg.steer_secret) steerSecret = msg.steer_secret;
         player.vocabulary = Array.isArray(msg.vocabulary) ? msg.vocabulary : null;
         player.unknownWords = msg.unknown_words || [];
+        player.input = !!msg.input;
+        player.strengths = msg.strengths || null;
+        player.strength = msg.strength === undefined ? null : msg.strength;
+        camera.streamReady();
         renderAudience();
         renderVocabulary();
         document.querySelector(".stage").style.aspectRatio = `${msg.width} / ${msg.height}`;
@@ -307,6 +333,9 @@
           player.unknownWords = msg.unknown_words || [];
           renderVocabulary();
           $("prompt-status").textContent = `Prompt v${msg.prompt_version} accepted; it shows up within a chunk or two.`;
+        } else if (msg.request === "set_strength" && msg.strength !== undefined && msg.strength !== null) {
+          player.strength = msg.strength;
+          camera.streamReady();
         }
         break;
       case "error":
@@ -361,18 +390,34 @@
       ws.onclose = null; ws.onmessage = null;
       ws.close();  // the server closes the stream and frees it
     }
-    channel = null; pc = null; ws = null;
+    channel = null; pc = null; ws = null; videoTransceiver = null;
   }
 
   // ------------------------------------------------------------ frames and stats
 
-  function versionOf(index) {
+  function headerOf(index) {
     for (let i = headers.length - 1; i >= 0; i--) {
       const h = headers[i];
-      if (h.pts <= index && index < h.pts + h.frames) return h.prompt_version;
+      if (h.pts <= index && index < h.pts + h.frames) return h;
       if (h.pts + h.frames <= index) return null;
     }
     return null;
+  }
+
+  function versionOf(index) {
+    const h = headerOf(index);
+    return h === null ? null : h.prompt_version;
+  }
+
+  // the frame on screen's input and glass-to-glass latency: its input frame's capture time (the header's capture_ms,
+  // this browser's clock) to the time it is shown (epoch ms); null without input
+  function glassToGlass(index, shownAt) {
+    const h = headerOf(index);
+    if (h === null) return null;
+    player.inputOnScreen = h.input || "none";
+    const capture = Array.isArray(h.capture_ms) ? h.capture_ms[index - h.pts] : null;
+    if (capture === null || capture === undefined || h.input !== "frames") return null;
+    return performance.timeOrigin + shownAt - capture;
   }
 
   function onVideoFrame(now, meta) {
@@ -387,6 +432,13 @@
       if (rtp0 === null) rtp0 = meta.rtpTimestamp;
       const index = pts0 + Math.round(((meta.rtpTimestamp - rtp0) >>> 0) * player.fps / RTP_CLOCK_HZ);
       const version = versionOf(index);
+      const g2g = glassToGlass(index, meta.expectedDisplayTime || now);
+      if (g2g !== null) {
+        player.glassToGlassMs = g2g;
+        player.glassToGlass.push(g2g);
+        if (player.glassToGlass.length > GLASS_KEPT) player.glassToGlass.shift();
+      }
+      grabbed(index, g2g);
       if (version !== null) {
         player.versionOnScreen = version;
         pendingSteers = pendingSteers.filter((s) => {
@@ -397,6 +449,29 @@
       }
     }
     video.requestVideoFrameCallback(onVideoFrame);
+  }
+
+  // player.grab(n): the next n frames shown, drawn into a canvas as they are presented: [{index, captureMs, width,
+  // height, rgb (base64, row-major RGB)}] (the end-to-end test reads them with client/pixels.py)
+  const grabCanvas = document.createElement("canvas");
+  let grabbing = null;
+  player.grab = (n) => new Promise((resolve) => { grabbing = { left: n, frames: [], resolve }; });
+
+  function grabbed(index, g2g) {
+    if (grabbing === null || !video.videoWidth) return;
+    const w = grabCanvas.width = video.videoWidth, h = grabCanvas.height = video.videoHeight;
+    const ctx = grabCanvas.getContext("2d", { willReadFrequently: true });
+    ctx.drawImage(video, 0, 0, w, h);
+    const rgba = ctx.getImageData(0, 0, w, h).data;
+    const rgb = new Uint8Array(w * h * 3);
+    for (let i = 0, j = 0; i < rgba.length; i += 4, j += 3) { rgb[j] = rgba[i]; rgb[j + 1] = rgba[i + 1]; rgb[j + 2] = rgba[i + 2]; }
+    let text = "";
+    for (let i = 0; i < rgb.length; i += 0x8000) text += String.fromCharCode.apply(null, rgb.subarray(i, i + 0x8000));
+    const hdr = headerOf(index);
+    const captureMs = hdr && Array.isArray(hdr.capture_ms) ? hdr.capture_ms[index - hdr.pts] : null;
+    grabbing.frames.push({ index, captureMs, input: hdr ? hdr.input || "none" : null, g2gMs: g2g, width: w, height: h,
+      rgb: btoa(text) });
+    if (--grabbing.left <= 0) { const done = grabbing; grabbing = null; done.resolve(done.frames); }
   }
 
   async function pollStats() {
@@ -428,12 +503,25 @@
   window.addEventListener("hashchange", () => { if (watchTarget()) watch(watchTarget()); });
   $("take").addEventListener("click", () => send({ type: "take", ...(steerSecret ? { secret: steerSecret } : {}) }));
   $("record").addEventListener("click", () => send({ type: "record" }));
+  // the camera (camera.js) asks: the stream's sender, a message to the server, a new stream with input
+  const camera = window.streamsvcCamera({
+    sender: () => (videoTransceiver ? videoTransceiver.sender : null),
+    send,
+    canSteer: () => player.streamId !== null && !ended && player.role === "steer",
+    restartWithInput: () => start(input.value.trim() || "a red ball moving right"),
+    player,
+  });
   window.addEventListener("pagehide", teardown);
   setInterval(renderOverlay, 250);
   renderOverlay();
 
   const params = new URLSearchParams(location.search);
   if (params.has("prompt")) input.value = params.get("prompt");
-  if (watchTarget()) watch(watchTarget());
-  else if (params.get("autostart") !== "0") start(input.value.trim());
+  if (params.has("strength")) camera.setStrength(Number(params.get("strength")));
+  const begin = () => {
+    if (watchTarget()) watch(watchTarget());
+    else if (params.get("autostart") !== "0") start(input.value.trim());
+  };
+  if (params.get("camera") === "1" && !watchTarget()) camera.turnOn().then(begin, begin);  // ?camera=1: with input
+  else begin();
 })();
