@@ -15,7 +15,8 @@ formats are the real ones):
     longlive_base.pt       {"generator"}: a DiT state dict with a `model.` prefix, bf16
     lora.pt                {"generator_lora", "critic_lora", "step"}: PEFT lora_A / lora_B of every Linear
                            of each block, rank 256, bf16
-    taew2_1.pth            TAEHV's decoder (`decoder.N.*`), fp32
+    taew2_1.pth            TAEHV's encoder and decoder (`encoder.N.*`, `decoder.N.*`, as madebyollin/taehv's
+                           nn.Sequentials name them), fp32; the encoder 64 channels wide (the tiny size: 8)
 
 The DiTs are `CausalWanModel.init_weights` (base: seed, Self-Forcing's generator_ema: seed + 1,
 LongLive's generator: seed + 2); Self-Forcing's `generator` is its generator_ema's tensors reversed along
@@ -55,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.config import ModelConfig  # noqa: E402
 from models.dit import CausalWanModel  # noqa: E402
-from models.taehv import TAEHV_FILE, TAEHVDecoder  # noqa: E402
+from models.taehv import TAEHV_FILE, TAEHVDecoder, TAEHVEncoder  # noqa: E402
 from models.umt5 import WAN_CHECKPOINT, WAN_TOKENIZER, XXL, wan_key_map  # noqa: E402
 from models.wan_vae import WAN_VAE_FILE, diffusers_key_to_wan, wan_key_to_diffusers, wan21_vae_config  # noqa: E402
 from models.weights import DIT_INDEX  # noqa: E402
@@ -246,8 +247,10 @@ def write_wan_vae(path: Path, base_dim: int, seed: int) -> None:
 
 def write_taehv(path: Path, n_f: tuple[int, ...], seed: int) -> None:
     torch.manual_seed(_seed(seed, "taehv") % (1 << 32))
-    model = TAEHVDecoder(n_f=n_f)  # PyTorch's default init
-    torch.save({k: v.detach().float().contiguous() for k, v in model.state_dict().items()}, path)
+    decoder = TAEHVDecoder(n_f=n_f)  # PyTorch's default init
+    encoder = TAEHVEncoder(width=n_f[3])  # TAEHV's is 64 wide, as its decoder's last stage
+    sd = encoder.state_dict() | decoder.state_dict()  # `encoder.N.*` then `decoder.N.*`, as TAEHV's file
+    torch.save({k: v.detach().float().contiguous() for k, v in sd.items()}, path)
 
 
 # ---------------------------------------------------------------------------------------------- DiT, LoRA

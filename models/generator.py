@@ -823,7 +823,8 @@ def build_generator(
     if dit_only:
         return ChunkGenerator(model, cfg, None, NoDecoder(mc))
     text_encoder = _text_encoder(wan_dir, mc, device, dtype)
-    return ChunkGenerator(model, cfg, text_encoder, _decoder(decoder, wan_dir, taehv, device))
+    dec, enc = _decoder(decoder, wan_dir, taehv, device)
+    return ChunkGenerator(model, cfg, text_encoder, dec, enc)
 
 
 def _empty_model(mc: ModelConfig, device: torch.device, dtype: torch.dtype, numel: int | None) -> CausalWanModel:
@@ -907,20 +908,33 @@ def _check_free_memory(what: str, need_bytes: int, device: torch.device) -> None
         )
 
 
-def _decoder(kind: str, wan_dir: str | None, taehv: str | None, device: torch.device) -> StreamingDecoder | None:
-    """The streaming decoder `kind` names (None: the built-in tiny one)."""
+def _decoder(
+    kind: str, wan_dir: str | None, taehv: str | None, device: torch.device
+) -> tuple[StreamingDecoder | None, StreamingEncoder | None]:
+    """The streaming decoder `kind` names and the encoder of the same autoencoder (video-to-video input):
+    (None, None) for the built-in tiny decoder (ChunkGenerator makes both); the TAEHV file's encoder, or None
+    for a file without one (can_take_input is then False)."""
     if kind == "auto":
         kind = "wan-vae" if wan_dir else "taehv" if taehv else "tiny"
     if kind == "tiny":
-        return None
+        return None, None
     if kind == "wan-vae":
         if not wan_dir:
             raise ValueError("the wan-vae decoder loads from the Wan2.1 folder: give --wan-dir PATH")
-        from models.wan_vae import WanVAEDecoder
+        from models.wan_vae import WanVAEDecoder, WanVAEEncoder
 
-        return WanVAEDecoder.from_path(wan_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        decoder = WanVAEDecoder.from_path(wan_dir, device, dtype)
+        return decoder, WanVAEEncoder(decoder.vae)  # the same VAE's encoder: loaded once
     if not taehv:
         raise ValueError("the taehv decoder loads TAEHV's taew2_1.pth: give --taehv PATH")
-    from models.taehv import TAEHVDecoder
+    from models.taehv import TAEHVDecoder, TAEHVEncoder
+    from models.weights import CheckpointError
 
-    return TAEHVDecoder.from_path(taehv, device, torch.float16 if device.type == "cuda" else torch.float32)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    try:
+        encoder = TAEHVEncoder.from_path(taehv, device, dtype)
+    except CheckpointError as e:
+        log.warning("no input video with this TAEHV file: %s", e)
+        encoder = None
+    return TAEHVDecoder.from_path(taehv, device, dtype), encoder

@@ -6,6 +6,10 @@ modules the way `AutoencoderKLWan._decode` does, one latent frame at a time, but
 cache instead of the model's, so nothing is lost between chunks and streams never mix.
 `vae.decode` is never called on the serving path: it clears the cache on every call.
 
+The encoder (`WanVAEEncoder`, video-to-video input, issue 35) runs the same way: the VAE's encoder, as
+`AutoencoderKLWan._encode` does (a causal run's frame 0 alone, then groups of 4), chunk by chunk, with
+the stream's own feature cache (`EncoderState.memory`), never `vae.encode`, which clears the model's.
+
 Weights load from a local path only: Wan's original `Wan2.1_VAE.pth` (its key names renamed to
 diffusers' here) or a Diffusers folder (`vae/config.json` + safetensors).
 """
@@ -20,6 +24,7 @@ import torch
 from torch import nn
 
 from models.decoder import DecoderState
+from models.encoder import EncoderState, check_frames
 from models.weights import CheckpointError, check_state_dict
 
 WAN_VAE_FILE = "Wan2.1_VAE.pth"
@@ -291,3 +296,78 @@ def wan_vae_state_bytes(
     h, w = height // 8, width // 8
     dec.decode_float(torch.zeros(vae.config.z_dim, 3, h, w, device="meta"), state)
     return state.nbytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming encode
+
+
+class WanVAEEncoder(nn.Module):
+    """`StreamingEncoder` over diffusers' AutoencoderKLWan: uint8 frames [N, H, W, 3] -> the DiT's normalized
+    latents [16, F, H/8, W/8], the posterior's mean ((mu - latents_mean) / latents_std). A stream's first chunk
+    (1 + 4k frames) starts its causal run with frame 0 alone; a run restarted mid-stream (a fresh state,
+    4k frames) drops the chunk's first 3 frames so that its 4th stands alone for its first latent frame."""
+
+    def __init__(self, vae) -> None:
+        super().__init__()
+        if getattr(vae.config, "patch_size", None):
+            raise ValueError("a patchified Wan VAE (Wan2.2's) is not supported by the streaming encoder")
+        self.vae = vae
+        cfg = vae.config
+        self.register_buffer("mean", torch.tensor(cfg.latents_mean, dtype=torch.float32).view(-1, 1, 1, 1))
+        self.register_buffer("std", torch.tensor(cfg.latents_std, dtype=torch.float32).view(-1, 1, 1, 1))
+        self.num_convs = sum(type(m).__name__ == "WanCausalConv3d" for m in vae.encoder.modules())
+
+    @classmethod
+    def from_path(
+        cls, path: str | Path, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16
+    ) -> WanVAEEncoder:
+        vae = load_wan_vae(path, dtype).eval().requires_grad_(False)
+        return cls(vae).to(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.vae.quant_conv.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.vae.quant_conv.weight.dtype
+
+    def init_state(self) -> EncoderState:
+        return EncoderState(memory=[None] * self.num_convs)
+
+    def state_bytes(self, height: int, width: int) -> int:
+        """One stream's causal cache at this video size, once steady (measured on the meta device)."""
+        vae = nn.Module.to(_meta_vae({k: v for k, v in self.vae.config.items() if not k.startswith("_")}), self.dtype)
+        enc = WanVAEEncoder(vae).to("meta")
+        state = enc.init_state()
+        enc.encode_raw(torch.zeros(3, 9, height, width, device="meta", dtype=self.dtype), state)
+        return state.nbytes()
+
+    @torch.no_grad()
+    def encode_raw(self, video: torch.Tensor, state: EncoderState) -> torch.Tensor:
+        """video [3, T, H, W] in [-1, 1] (T = 1 + 4k at a run's start, else 4k) -> the posterior's mean [C, F, h, w]
+        (not normalized), in float32; updates state."""
+        x = video[None].to(self.device, self.dtype)  # [1, 3, T, H, W]
+        first = state.frames_in == 0
+        groups = ([x[:, :, :1]] if first else []) + list(x[:, :, 1 if first else 0 :].split(4, dim=2))
+        outs = []
+        for g in groups:  # as AutoencoderKLWan._encode: frame 0 alone, then 4 at a time
+            idx = [0]
+            outs.append(self.vae.encoder(g, feat_cache=state.memory, feat_idx=idx))
+        state.frames_in += video.shape[1]
+        h = self.vae.quant_conv(torch.cat(outs, dim=2))  # [1, 2C, F, h, w]: mean and log-variance
+        return h[0, : h.shape[1] // 2].float()
+
+    @torch.no_grad()
+    def encode(self, frames: torch.Tensor, state: EncoderState) -> torch.Tensor:
+        """frames [N, H, W, 3] uint8 -> latents [C, F, h, w] float32 (normalized, as the DiT's); updates state."""
+        check_frames(frames, frames.shape[1], frames.shape[2])
+        n = frames.shape[0]
+        if n % 4 == 0 and state.frames_in == 0:  # a run restarted mid-stream: its first latent frame is one frame
+            frames = frames[3:]
+        elif n % 4 != (1 if state.frames_in == 0 else 0):
+            raise ValueError(f"{n} input frames after {state.frames_in}: a causal run takes 1 + 4k frames, then 4k")
+        video = frames.to(self.device).permute(3, 0, 1, 2).to(self.dtype).div_(127.5).sub_(1)  # [3, T, H, W]
+        mu = self.encode_raw(video, state)
+        return (mu - self.mean.to(mu.device)) / self.std.to(mu.device)

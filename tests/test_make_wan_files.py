@@ -62,6 +62,7 @@ def test_self_forcing_and_the_wan_folder_load_and_generate(files):
     base = read_state_dict(wan)
     gen = build_generator("tiny", wan_dir=str(wan), checkpoint=str(files / "self_forcing_dmd.pt"))
     assert type(gen.text_encoder).__name__ == "UMT5TextEncoder" and type(gen.decoder).__name__ == "WanVAEDecoder"
+    assert type(gen.encoder).__name__ == "WanVAEEncoder" and gen.encoder.vae is gen.decoder.vae  # one VAE, both ways
     assert gen.text_encoder.tokenizer.pad_token_id == 0 and gen.text_encoder.tokenizer.eos_token_id == 1
     w = _weights(gen)
     assert _same(w, ema) and not _same(w, raw) and not _same(w, base)  # generator_ema's, not the others'
@@ -82,7 +83,9 @@ def test_longlive_base_and_lora_load_with_taehv(files):
     gen = build_generator("tiny", wan_dir=str(files / WAN_DIR), checkpoint=str(files / "longlive_base.pt"),
                           wrapper="generator", lora=str(files / "lora.pt"), decoder="taehv",
                           taehv=str(files / "taew2_1.pth"))
-    assert type(gen.decoder).__name__ == "TAEHVDecoder"
+    assert type(gen.decoder).__name__ == "TAEHVDecoder" and type(gen.encoder).__name__ == "TAEHVEncoder"
+    tae = torch.load(files / "taew2_1.pth", weights_only=True)  # TAEHV's layout: encoder.N.* and decoder.N.*
+    assert {k.split(".")[0] for k in tae} == {"encoder", "decoder"} and tae["encoder.17.weight"].shape == (16, 8, 3, 3)
     w = _weights(gen)
     a, b = pairs["blocks.1.ffn.2"]
     merged = base["blocks.1.ffn.2.weight"].float() + b.float() @ a.float()  # merged in fp32 (the CPU model's dtype)
@@ -91,6 +94,11 @@ def test_longlive_base_and_lora_load_with_taehv(files):
     assert torch.equal(w["head.head.weight"], base["head.head.weight"].float())
     chunk = next(gen.stream(gen.open_stream("s", "a blue boat at night", seed=1)))
     assert chunk.frames.shape == (9, 128, 128, 3)
+    state = gen.open_stream("v2v", "a blue boat at night", seed=1)  # video-to-video through TAEHV's encoder
+    gen.set_strength(state, 0.6)
+    gen.set_input(state, chunk.frames)
+    out = next(gen.stream(state))
+    assert out.input == "frames" and out.start_step == 3 and out.frames.shape == (9, 128, 128, 3)
 
 
 # ---- Wan2.1-T2V-14B's layout ----

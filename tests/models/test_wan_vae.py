@@ -1,5 +1,6 @@
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("diffusers")
 from diffusers import AutoencoderKLWan  # noqa: E402
@@ -8,6 +9,7 @@ from models.weights import CheckpointError  # noqa: E402
 from models.wan_vae import (  # noqa: E402
     WAN_VAE_FILE,
     WanVAEDecoder,
+    WanVAEEncoder,
     diffusers_key_to_wan,
     wan21_vae_config,
     wan_key_to_diffusers,
@@ -222,3 +224,55 @@ def test_state_bytes_match_a_real_stream(tiny_vae):
     dec.decode(z[:, 3:], state)
     assert state.nbytes() == first  # steady after the first chunk: two frames per causal conv
     assert state.nbytes() == wan_vae_state_bytes(8 * H, 8 * W, torch.float32, config=tiny_vae.config)
+
+
+# -- the streaming encoder (video-to-video input, issue 35) -----------------------------------------
+
+
+def video(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n, 8 * H, 8 * W, 3), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+
+
+def test_streaming_encode_equals_the_whole_video_encode(tiny_vae):
+    enc = WanVAEEncoder(tiny_vae)
+    frames = video(1, 33)  # a stream's first chunk (9 frames) and two more (12 each)
+    state = enc.init_state()
+    chunks = [enc.encode(frames[a:b], state) for a, b in ((0, 9), (9, 21), (21, 33))]
+    assert [tuple(c.shape) for c in chunks] == [(16, 3, H, W)] * 3
+    x = frames.permute(3, 0, 1, 2).float().div(127.5).sub(1)[None]  # [1, 3, 33, H, W] in [-1, 1]
+    with torch.no_grad():
+        mu = tiny_vae.encode(x).latent_dist.mean[0]  # diffusers' own whole-clip encode: [16, 9, h, w]
+    whole = (mu - enc.mean) / enc.std
+    assert whole.shape == (16, 9, H, W) and whole.std() > 0.05
+    torch.testing.assert_close(torch.cat(chunks, dim=1), whole, atol=1e-4, rtol=1e-4)
+    assert state.frames_in == 33 and state.nbytes() == enc.state_bytes(8 * H, 8 * W)
+
+
+def test_a_restarted_run_starts_from_the_chunks_fourth_frame(tiny_vae):
+    enc = WanVAEEncoder(tiny_vae)
+    frames = video(2, 12)
+    got = enc.encode(frames, enc.init_state())  # a fresh state mid-stream: 12 frames
+    assert torch.equal(got, enc.encode(frames[3:], enc.init_state()))
+    with pytest.raises(ValueError, match="takes 1 \\+ 4k frames"):
+        state = enc.init_state()
+        enc.encode(frames[:9], state)
+        enc.encode(frames[:9], state)
+
+
+def test_encoder_streams_stay_isolated(tiny_vae):
+    enc = WanVAEEncoder(tiny_vae)
+    a, b = video(3, 21), video(4, 21)
+    sa, sb = enc.init_state(), enc.init_state()
+    za = [enc.encode(a[:9], sa)]
+    zb = [enc.encode(b[:9], sb)]
+    za.append(enc.encode(a[9:], sa))
+    zb.append(enc.encode(b[9:], sb))
+    s = enc.init_state()
+    alone = [enc.encode(a[:9], s), enc.encode(a[9:], s)]
+    assert all(torch.equal(x, y) for x, y in zip(za, alone)) and not torch.equal(za[1], zb[1])
+
+
+def test_full_size_encoder_state_bytes():
+    enc = WanVAEEncoder(nn.Module.to(AutoencoderKLWan(**wan21_vae_config(base_dim=8)), torch.bfloat16))
+    small = enc.state_bytes(8 * H, 8 * W)
+    assert 0 < small < enc.state_bytes(16 * H, 16 * W)
