@@ -24,6 +24,10 @@ and the replica checks it (as it checks a `take`'s steer secret, relayed with th
 messages); an id that names no replica gets the replica's own answer to a wrong secret, so that ids
 cannot be probed through the gateway either.
 
+WHEP and WHIP (issue 36): a WHEP POST is a connection of this handler (streamsvc/whep.py), so a new stream is placed
+as a /ws start is and a watch goes to its stream's replica; its DELETE closes that connection, which ends the session
+on the replica. A WHIP POST and its DELETE are forwarded to the stream's replica (streamsvc/cluster/whip_relay.py).
+
 WebRTC: signaling rides the relayed WebSocket; the answer comes from the replica's own peer
 connection with its host's candidates, so media flows between the browser and the replica directly.
 """
@@ -46,11 +50,13 @@ from streamsvc.access import Refusal, StreamLimits, exposure_warning
 from streamsvc.cluster.placement import ReplicaStats
 from streamsvc.cluster.replica import stream_prefix
 from streamsvc.cluster.router import Board, board
+from streamsvc.cluster.whip_relay import RelayedIngest
 from streamsvc.cpumeter import CpuMeter
 from streamsvc.front import Connection, ConnectionClosed
 from streamsvc.guard import Guard, raise_fd_limit
 from streamsvc.routes import HttpReply, HttpRequest, check_origin, metrics_refusal, reply, static_file
 from streamsvc.server import RECORDINGS_PATH, WS_PATH, Metrics, Server, ServerConfig
+from streamsvc.whep import Endpoints
 
 log = logging.getLogger("streamsvc.cluster.gateway")
 
@@ -97,6 +103,8 @@ class Gateway(Server):
         self._front = self._metrics_front = None  # the port (streamsvc/front.py), --metrics-port's
         self._renewer: asyncio.Task | None = None
         self._relays: set[asyncio.Task] = set()
+        # WHEP sessions are connections of _handle (placed and relayed as /ws viewers); WHIP goes to the stream's replica
+        self.whep = Endpoints(self, whip=RelayedIngest(self))
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -127,6 +135,8 @@ class Gateway(Server):
         path = request.path
         if path == WS_PATH:
             return check_origin(request, self.config.access, self.metrics)
+        if Endpoints.takes(path):  # WHEP and WHIP (streamsvc/whep.py, streamsvc/cluster/whip_relay.py)
+            return self.whep.handle(request)
         if path == "/healthz":
             ready = [s for s in self.board.stats() if s.ready and not s.draining]
             ok = bool(ready)

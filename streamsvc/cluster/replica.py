@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import sys
@@ -33,6 +34,7 @@ from multidict import CIMultiDict
 from streamsvc import protocol as P
 from streamsvc.engine import EngineConfig
 from streamsvc.front import ConnectionClosed
+from streamsvc.routes import HttpRequest
 from streamsvc.server import Server, ServerConfig
 
 log = logging.getLogger("streamsvc.cluster.replica")
@@ -198,6 +200,15 @@ class EngineReplica:
             return False
         conn.inbox.put_nowait(message)
         return True
+
+    async def http(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes, address: str,
+                   replica: str) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
+        """A WHIP request (POST, or its session's DELETE) the gateway forwards to the replica that runs its stream
+        (streamsvc/cluster/whip_relay.py): the server's answer (status, headers, body)."""
+        answer = self.server.whep.handle(HttpRequest(method, target, CIMultiDict(headers), address, body))
+        if inspect.isawaitable(answer):
+            answer = await answer
+        return answer.status.value, answer.headers, answer.body
 
     async def renew(self, gateway: str, replica: str) -> int:
         """The gateway is alive: its sessions here keep their lease. Returns how many it has here."""

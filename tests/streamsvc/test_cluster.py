@@ -196,6 +196,64 @@ async def test_webrtc_signaling_is_relayed_and_the_media_comes_from_the_replica(
         assert r.chunks >= 2 and r.frames_decoded >= 2 * r.chunk_frames  # RTP from the replica's peer connection
 
 
+async def test_whep_and_whip_through_the_gateway(ray_cluster, monkeypatch):
+    """Issue 36: a WHEP POST at the gateway is placed as a /ws start and plays from the replica (aiortc as a plain
+    WHEP client); its watch URL watches through the gateway; a WHIP POST is answered by the stream's replica (the
+    watch secret's 403, and the steer secret's answer); DELETE ends the stream on its replica."""
+    import aiohttp
+    import aioice.ice
+    from aiortc import RTCPeerConnection, RTCSessionDescription
+
+    monkeypatch.setattr(aioice.ice, "get_host_addresses", lambda use_ipv4, use_ipv6: ["127.0.0.1"])
+    sdp_type = {"Content-Type": "application/sdp"}
+    async with gateway(ray_cluster) as g, aiohttp.ClientSession() as http:
+        base = f"http://127.0.0.1:{g.port}"
+        pc, watcher, publisher = RTCPeerConnection(), RTCPeerConnection(), RTCPeerConnection()
+        tracks: asyncio.Queue = asyncio.Queue()
+        pc.on("track", tracks.put_nowait)
+        try:
+            for p in (pc, watcher):
+                p.addTransceiver("video", direction="recvonly")
+                await p.setLocalDescription(await p.createOffer())
+            async with http.post(f"{base}/whep?prompt=a+red+ball&input=1", data=pc.localDescription.sdp,
+                                 headers=sdp_type) as r:
+                assert r.status == 201, await r.text()
+                location, stream_id = r.headers["Location"], r.headers["X-Stream-Id"]
+                watch_url, steer = r.headers["X-Watch-Url"], r.headers["X-Steer-Secret"]
+                await pc.setRemoteDescription(RTCSessionDescription(await r.text(), "answer"))
+            assert sum(streams_by_replica(g).values()) in (0, 1)  # (the stats may lag)
+            track = await asyncio.wait_for(tracks.get(), T)
+            frames = 0
+            for _ in range(24):
+                await asyncio.wait_for(track.recv(), T)
+                frames += 1
+            assert frames == 24
+            async with http.post(base + watch_url, data=watcher.localDescription.sdp, headers=sdp_type) as r:
+                assert r.status == 201 and r.headers["X-Stream-Id"] == stream_id, await r.text()
+                await watcher.setRemoteDescription(RTCSessionDescription(await r.text(), "answer"))
+            publisher.addTransceiver("video", direction="sendonly")
+            await publisher.setLocalDescription(await publisher.createOffer())
+            watch_secret = watch_url.rsplit("=", 1)[1]
+            async with http.post(f"{base}/whip/{stream_id}?secret={watch_secret}", data=publisher.localDescription.sdp,
+                                 headers=sdp_type) as r:
+                assert r.status == 403, await r.text()  # the replica's answer: a watch secret feeds no input
+            async with http.post(f"{base}/whip/{stream_id}?secret={steer}", data=publisher.localDescription.sdp,
+                                 headers=sdp_type) as r:
+                text = await r.text()
+                # 201 where the replica's start takes input (issue 35's server part), else its 409 saying why not
+                assert r.status == 201 or (r.status == 409 and "takes no input" in text), text
+                if r.status == 201:
+                    async with http.delete(base + r.headers["Location"]) as d:
+                        assert d.status == 200
+            async with http.delete(base + location) as r:
+                assert r.status == 200
+            assert await wait_for(lambda: sum(streams_by_replica(g).values()) == 0)
+            assert not g.sessions and not g.whep.sessions or await wait_for(lambda: not g.whep.sessions)
+        finally:
+            for p in (pc, watcher, publisher):
+                await p.close()
+
+
 async def test_a_killed_replica_s_viewer_gets_worker_lost_at_once_and_is_placed_again(ray_cluster):
     async with gateway(ray_cluster) as g:
         clients, runs = await start_runs(g, 2, 12.0)

@@ -1,0 +1,57 @@
+"""WHIP through the cluster's gateway (issue 36): a POST /whip/{stream} goes to the replica that runs the stream (its
+id names it, as a watch's does), whose server answers it (streamsvc/whip.py, through `EngineReplica.http`); the
+media then flows between the encoder and that replica. The gateway keeps the session's Location (its own secret) and
+forwards its DELETE to the replica. WHEP needs none of this: a WHEP session is a connection of the gateway's own
+handler (streamsvc/whep.py), placed and relayed as a /ws viewer is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http
+import logging
+
+from streamsvc.cluster.replica import stream_prefix
+from streamsvc.routes import HttpReply, HttpRequest
+from streamsvc.whep import HttpSession, _text
+
+log = logging.getLogger("streamsvc.cluster.gateway")
+
+FORWARDED = ("content-type", "x-forwarded-for", "user-agent")  # the POST's headers the replica sees (no token:
+# the gateway checked it)
+
+
+class RelayedIngest:
+    """The gateway's WHIP endpoint (whep.Endpoints calls `publish` once it has checked the token, content type,
+    rate and offer)."""
+
+    def __init__(self, gateway) -> None:
+        self.gateway = gateway
+
+    async def publish(self, endpoints, request: HttpRequest, stream_id: str, offer: str) -> HttpReply:
+        g = self.gateway
+        prefix = stream_id.partition("-")[0] + "-"
+        uid = next((u for u in g.board.replicas if stream_prefix(u) == prefix and u not in g.board.lost), None)
+        if uid is None:  # the replica's answer to a stream it does not run
+            return _text(http.HTTPStatus.NOT_FOUND, f"no open stream {stream_id[:64]!r} here with this steer secret")
+        address = g.guard.client(request)
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() in FORWARDED]
+        try:
+            status, answer_headers, body = await g._call("http", "POST", request.target, headers, request.body,
+                                                         address, replica=uid, timeout_s=g.gateway.place_timeout_s)
+        except Exception as e:  # noqa: BLE001 - the replica is gone or does not answer
+            log.warning("WHIP into %s on %s failed (%s: %s)", stream_id, uid, type(e).__name__, e)
+            return _text(http.HTTPStatus.SERVICE_UNAVAILABLE, f"the worker of stream {stream_id[:64]} does not "
+                         f"answer ({type(e).__name__}); the stream may be gone")
+        answer_headers = list(answer_headers)
+        if status == http.HTTPStatus.CREATED:
+            there = dict(answer_headers)["Location"]
+
+            async def close() -> None:
+                endpoints.forget(here)
+                with contextlib.suppress(Exception):
+                    await g._call("http", "DELETE", there, [], b"", address, replica=uid)
+
+            here = endpoints.register(HttpSession("whip", stream_id, False, None, close))
+            answer_headers = [(k, f"/whip/session/{here}" if k == "Location" else v) for k, v in answer_headers]
+        return HttpReply(http.HTTPStatus(status), tuple(answer_headers), body)
