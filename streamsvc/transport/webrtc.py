@@ -336,6 +336,8 @@ class WebRtcTransport:
             raise SignalingError("the offer has no video m-line: add a recvonly video transceiver before createOffer()")
         if pc.sctp is not None:
             self.guard.install(pc.sctp)
+        else:  # no data channel offered (a WHEP player, streamsvc/whep.py): the first frame waits for none
+            self._channel_open.set()
         # the stream's video m-line is answered sendrecv only for a steerer whose stream takes input (then its camera
         # is read into the stream's input, streamsvc/transport/rtc_input.py), else sendonly: nothing is sent to us
         camera = CameraInput.for_viewer(self.session)

@@ -298,3 +298,23 @@ async def test_a_session_whose_peer_vanished_ends_by_its_ice_timeout(monkeypatch
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(pc.close(), 5)
+
+
+async def test_without_a_data_channel_the_first_frame_waits_for_none():
+    """The track holds its first frame for the control channel (channel_wait_s, 15 s here); an offer without a data
+    channel (a WHEP player) gets it as soon as it is made."""
+    async with running(webrtc=WebRtcConfig(ice_addresses=("127.0.0.1",), channel_wait_s=15.0)) as server, \
+            aiohttp.ClientSession() as http:
+        pc = RTCPeerConnection()
+        tracks: asyncio.Queue = asyncio.Queue()
+        pc.on("track", tracks.put_nowait)
+        try:
+            status, _, answer = await post(http, f"{base(server)}/whep?prompt=a+ball", await offer(pc))
+            assert status == 201, answer
+            await pc.setRemoteDescription(RTCSessionDescription(answer, "answer"))
+            track = await asyncio.wait_for(tracks.get(), 10)
+            began = time.monotonic()
+            await asyncio.wait_for(track.recv(), 10)
+            assert time.monotonic() - began < 10
+        finally:
+            await pc.close()
