@@ -62,7 +62,8 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
                    help="split each forward over K processes, one per device (Ulysses sequence parallelism, exact): "
                         "K must divide the model's heads and tokens per frame; gloo on the CPU, NCCL on GPUs")
     p.add_argument("--devices", default=None, metavar="LIST",
-                   help="the group's GPUs, one per rank (e.g. 0,1,2,3; default: all of them when there are exactly K)")
+                   help="the group's GPUs, one per rank (e.g. 0,1,2,3; default: all of them when there are exactly K; "
+                        "on the CPU the count K or ids 0..K-1; with --cluster Ray picks them)")
     p.add_argument("--parallel-timeout", type=float, default=15.0, metavar="SECONDS",
                    help="a collective of the group waiting longer fails: a rank died or hung (default 15)")
 
@@ -268,12 +269,10 @@ def cmd_serve(args) -> int:
         return 2
     config = ServerConfig(host=args.host, port=args.port, static_dir=str(static) if static.is_dir() else None,
                           webrtc=webrtc, access=access, **audience, **front)
-    if args.cluster is not None and args.parallel != 1:
-        print("streamsvc serve: --parallel with --cluster (a replica per group of K GPUs) is not built yet: serve "
-              "one group without --cluster", file=sys.stderr)
-        return 2
     if args.cluster is not None:  # beyond one GPU: this front as the gateway of Ray Serve engine replicas
         return _serve_cluster(args, config)
+    from streamsvc.group import GroupError
+
     try:
         asyncio.run(Server(_engine_config(args), config).serve_forever())
     except KeyboardInterrupt:
@@ -281,6 +280,9 @@ def cmd_serve(args) -> int:
     except (ValueError, OSError) as e:  # the engine could not start: bad weight files or flags (logged in full)
         print(f"streamsvc serve: {e}", file=sys.stderr)
         return 2
+    except GroupError as e:  # --parallel K: a rank died or hung while the group started
+        print(f"streamsvc serve: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -291,8 +293,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
                         "auto = the Ray cluster `ray start` made on this machine, local = a new one-machine Ray "
                         "instance on 127.0.0.1, or the head's HOST:PORT (default: none, one engine in this process)")
     g.add_argument("--gpus", type=int, default=1, metavar="N",
-                   help="engine replicas, one GPU each (default 1; 0 = attach this gateway to the replicas "
-                        "another gateway started)")
+                   help="GPUs for engine replicas, one GPU each, or K each with --parallel K (G/K replicas, one "
+                        "group each; default 1; 0 = attach this gateway to the replicas another gateway started)")
     g.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
                    help="seconds a stopping replica's streams play on before it is stopped (Serve's "
                         "graceful_shutdown_timeout_s; its viewers are then placed again; default 60)")
@@ -305,13 +307,18 @@ def _serve_cluster(args, front) -> int:
     import functools
 
     try:
-        from streamsvc.cluster.launch import DeployConfig, replica_config, serve_cluster
+        from streamsvc.cluster.launch import DeployConfig, group_replicas, replica_config, serve_cluster
     except ImportError as e:
         print(f"streamsvc serve: --cluster needs the cluster extra (pip install -e '.[cluster]'): {e}", file=sys.stderr)
         return 2
+    try:  # --parallel K: a replica per group of K GPUs, G/K of them
+        replicas, gpus_each = group_replicas(args.gpus, args.parallel, args.devices)
+    except ValueError as e:
+        print(f"streamsvc serve: {e}", file=sys.stderr)
+        return 2
     # each replica builds its engine config on its own host (its device decides the defaults)
     replica = replica_config(functools.partial(_engine_config, args), front, warmup_nice=args.warmup_nice)
-    deploy = DeployConfig(replicas=args.gpus, drain_timeout_s=args.drain_timeout)
+    deploy = DeployConfig(replicas=replicas, num_gpus=gpus_each, drain_timeout_s=args.drain_timeout)
     return serve_cluster(args.cluster, args.gpus, replica, front, deploy)
 
 

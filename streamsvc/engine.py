@@ -581,7 +581,7 @@ class Engine:
         st = self._streams.pop(stream_id, None)
         self.sched.remove(stream_id)
         self.parking.drop(stream_id)  # a paused stream's host memory goes (with the parked copies)
-        if st is not None and st.state.cache is not None:
+        if st is not None:  # a paused one's too: a group's workers forget its parked copy (streamsvc/lockstep.py)
             self.gen.close_stream(st.state)
         self.pool.release(stream_id)  # launched forwards that write it run first on the device's one queue
         self.kv_used_bytes = self.pool.used_bytes

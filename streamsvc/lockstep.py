@@ -4,9 +4,12 @@ Rank 0 (the server's process) runs the scheduler, the server and the output stag
 engine's generator is a `LockstepGenerator`: each call that changes a stream or runs a forward (open, close,
 prompt, steps, recache, denoise, commit, park, restore, and the warm-up's run) is first broadcast to the
 group as a `Call` (the method, and its arguments with each stream named by its id), then made on rank 0's
-`ShardedGenerator`. Ranks 1..K-1 run `serve_rank`: build the same sharded generator, then replay each call
-on their own stream states (caches of their heads, outside any pool: rank 0's pool admits for the group),
-so every forward's collectives meet. The group's cost is rank 0's timing of its forwards: admission treats
+`ShardedGenerator`. Ranks 1..K-1 run `serve_rank`: build the same sharded generator (the DiT only: rank 0
+encodes prompts and decodes chunks), then replay each call on their own stream states (caches of their
+heads, outside any pool: rank 0's pool admits for the group), so every forward's collectives meet. A
+stream closed while paused is closed on the workers too: its parked copy goes (`worker_holdings` says
+what each worker holds). Start-up waits for every worker's generator, and fails at once when one is gone
+(streamsvc/group.py). The group's cost is rank 0's timing of its forwards: admission treats
 the group as one device.
 
 The calls and the forwards' collectives time out after --parallel-timeout (gloo's broadcast waits for its
@@ -29,12 +32,13 @@ import torch.distributed as dist
 
 from kvcache import StreamCache
 from models.generator import ParkedStream, StreamState
-from models.parallel import build_base, check_degree, root_rank, shard_generator
-from streamsvc.group import Group, GroupConfig, GroupError
+from models.parallel import build_base, build_worker_generator, check_degree, root_rank, shard_generator
+from streamsvc.group import Group, GroupConfig, GroupError, worker_ready
 
 log = logging.getLogger("streamsvc.lockstep")
 
 PING = "ping"  # a call that keeps idle workers waiting (no generator method)
+HOLDINGS = "holdings"  # a call that asks each worker what it holds (`LockstepGenerator.worker_holdings`)
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,20 @@ class LockstepGenerator:
 
         return call
 
+    def worker_holdings(self) -> list[dict]:
+        """What ranks 1..K-1 hold, one dict each: streams (open, on the device), parked (streams parked in host
+        memory) and parked_bytes (their host memory). Raises GroupError when the group has failed."""
+        if self.failure is not None:
+            raise GroupError(self.failure)
+        with self._lock:
+            self._send(Call(HOLDINGS, (), {}))
+            out = [None] * self.group.cfg.size
+            try:
+                dist.gather_object(None, out, dst=root_rank(self.group.group), group=self.group.group)
+            except RuntimeError as e:
+                self._failed(e)
+        return out[1:]
+
     def close(self) -> None:
         """The workers stop (a None call) and the group is left; after a failure, the workers are killed."""
         self._closed.set()
@@ -146,7 +164,7 @@ def group_generator(preset: str, group_cfg: GroupConfig, cfg, kw: dict) -> Locks
     group = Group(group_cfg, serve_rank, (preset, cfg, kw))
     try:
         gen = shard_generator(base, cfg, group.group, root_only=True)
-        dist.barrier()  # the default group's (long) timeout: every rank has built its generator
+        group.wait_ready()  # every rank has built its generator; a rank gone meanwhile is a GroupError at once
     except Exception:
         group.close(kill=True)
         raise
@@ -159,8 +177,8 @@ def serve_rank(rank: int, group: dist.ProcessGroup, device: str, preset: str, cf
     """Rank 1..K-1 of a serving group: replay rank 0's calls until it says stop (None)."""
     if torch.device(device).type == "cpu":
         torch.set_num_threads(1)
-    gen = shard_generator(build_base(preset, cfg=cfg, **{**kw, "device": torch.device(device)}), cfg, group, root_only=True)
-    dist.barrier()  # rank 0's calls start once every rank is built
+    gen = build_worker_generator(preset, group=group, cfg=cfg, **{**kw, "device": torch.device(device)})
+    worker_ready(group)  # rank 0's calls start once every rank is built
     states: dict[str, StreamState] = {}
     parked: dict[str, ParkedStream] = {}
 
@@ -179,6 +197,15 @@ def serve_rank(rank: int, group: dist.ProcessGroup, device: str, preset: str, cf
             return
         if call.method == PING:
             continue
+        if call.method == HOLDINGS:
+            held = {"streams": len(states), "parked": len(parked), "parked_bytes": sum(p.nbytes for p in parked.values())}
+            dist.gather_object(held, None, dst=root_rank(group), group=group)
+            continue
+        if call.method == "close_stream":  # open or parked (a stream closed while paused): forgotten either way
+            sid = call.args[0][1]
+            parked.pop(sid, None)
+            if sid not in states:
+                continue
         try:
             args, kwargs = [resolve(a) for a in call.args], {k: resolve(v) for k, v in call.kwargs.items()}
             if call.method == "restore":

@@ -154,10 +154,15 @@ def generate_parallel(args, changes: list[PromptChange], strip: Path | None, gen
         print(f"streamsvc generate: {e}", file=sys.stderr)
         return 2
     video = (args.prompt, args.seconds, args.fps, args.seed, list(changes))
-    group = Group(cfg, _generate_rank, (args, video, generator_args))
+    try:
+        group = Group(cfg, _generate_rank, (args, video, generator_args))
+        gen = shard_generator(base, kw["cfg"], group.group, root_only=True)
+        group.wait_ready()  # the workers' generators built: a rank gone at start-up is a GroupError at once
+    except GroupError as e:  # the workers are killed
+        print(f"streamsvc generate: {e}", file=sys.stderr)
+        return 1
     ok = False
     try:
-        gen = shard_generator(base, kw["cfg"], group.group, root_only=True)
         n = generate_video(gen, *video[:4], Path(args.output), video[4], not args.quiet, strip=strip,
                            strip_every=args.strip_every, dump=Path(args.dump) if args.dump else None)
         ok = True
@@ -175,9 +180,11 @@ def generate_parallel(args, changes: list[PromptChange], strip: Path | None, gen
 
 def _generate_rank(rank: int, group, device: str, args, video: tuple, generator_args: Callable) -> None:
     """Rank 1..K-1 of `generate_parallel`: the same generator calls on its shard, nothing written."""
-    from models.parallel import build_sharded_generator
+    from models.parallel import build_worker_generator
+    from streamsvc.group import worker_ready
 
     _, kw = generator_args(args, device)
-    gen = build_sharded_generator(args.preset, group=group, root_only=True, **kw)
+    gen = build_worker_generator(args.preset, group=group, **kw)
+    worker_ready(group)
     for _ in video_chunks(gen, *video):
         pass

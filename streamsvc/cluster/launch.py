@@ -13,6 +13,7 @@ import logging
 import os
 from dataclasses import dataclass, replace
 
+from models.parallel import PARALLEL_ENV, parallel_env
 from streamsvc.cluster.replica import EngineReplica, ReplicaConfig
 from streamsvc.server import ServerConfig
 
@@ -24,8 +25,8 @@ DEPLOYMENT = "engine"  # its one deployment: an engine per GPU
 
 @dataclass(frozen=True)
 class DeployConfig:
-    replicas: int = 1  # engine replicas, one per GPU
-    num_gpus: float = 1.0  # GPUs per replica
+    replicas: int = 1  # engine replicas, one per GPU (--parallel K: one per group of K GPUs)
+    num_gpus: float = 1.0  # GPUs per replica (--parallel K: K, its ranks' devices)
     num_cpus: float = 1.0  # CPU cores Ray reserves per replica
     drain_timeout_s: float = 60.0  # Serve's graceful_shutdown_timeout_s: a stopping replica's streams play this long
     health_period_s: float = 2.0  # Serve calls check_health this often
@@ -37,6 +38,21 @@ class DeployConfig:
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 """Ray's own switch that keeps every node address on loopback (its default on macOS and Windows): Ray
 otherwise advertises the host's first routable address even for a one-machine instance."""
+
+
+def group_replicas(gpus: int, parallel: int, devices: str | None = None) -> tuple[int, float]:
+    """(replicas, GPUs each) for `--gpus G --parallel K`: G/K replicas of K GPUs, each one group of K ranks
+    (0 replicas for --gpus 0: attach). ValueError, with the values that work, when K does not divide G."""
+    if devices:
+        raise ValueError(f"--devices {devices} with --cluster: Ray gives each replica its GPUs (num_gpus="
+                         f"{parallel}); drop --devices")
+    if parallel < 1 or gpus < 0:
+        raise ValueError(f"--parallel takes 1 or more and --gpus 0 or more, got {parallel} and {gpus}")
+    if gpus % parallel:
+        fits = ", ".join(str(parallel * n) for n in range(1, 4))
+        raise ValueError(f"--gpus {gpus} does not split into groups of --parallel {parallel}: each replica holds "
+                         f"{parallel} GPUs, so --gpus must be a multiple of {parallel} ({fits}, ...)")
+    return gpus // parallel, float(parallel)
 
 
 def ray_defaults(loopback: bool = False) -> None:
@@ -56,6 +72,7 @@ def connect(address: str, local_gpus: int | None = None, num_cpus: int | None = 
     # a head on a loopback address is a one-machine cluster: the driver must stay on loopback too (Ray would
     # otherwise look for it at the host's routable address)
     ray_defaults(loopback=address == "local" or address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"))
+    parallel_env()  # a local instance's raylet and workers inherit it (the replicas also set it: `deploy`)
     import ray
 
     if address == "local":
@@ -77,7 +94,8 @@ def deploy(replica: ReplicaConfig, config: DeployConfig = DeployConfig()):
     serve.start(proxy_location="Disabled")
     deployment = serve.deployment(
         EngineReplica, name=DEPLOYMENT, num_replicas=config.replicas,
-        ray_actor_options={"num_gpus": config.num_gpus, "num_cpus": config.num_cpus},
+        ray_actor_options={"num_gpus": config.num_gpus, "num_cpus": config.num_cpus,
+                           "runtime_env": {"env_vars": dict(PARALLEL_ENV)}},  # no NVLink multicast, on any cluster
         max_ongoing_requests=config.max_streams, max_queued_requests=-1,
         graceful_shutdown_timeout_s=config.drain_timeout_s, graceful_shutdown_wait_loop_s=0.5,
         health_check_period_s=config.health_period_s, health_check_timeout_s=config.health_timeout_s,
@@ -111,7 +129,8 @@ def serve_cluster(address: str, gpus: int, replica: ReplicaConfig, front: Server
 
     joined = connect(address, local_gpus=gpus)
     if gpus > 0:
-        log.info("joined %s; starting %d engine replicas (one GPU each)", joined, deploy_config.replicas)
+        log.info("joined %s; starting %d engine replicas (%g GPUs each)", joined, deploy_config.replicas,
+                 deploy_config.num_gpus)
         handle = deploy(replica, deploy_config)
     else:
         log.info("joined %s; attaching to the running engine replicas", joined)

@@ -57,7 +57,8 @@ def test_a_degree_that_does_not_divide_the_heads_is_refused_before_any_rank_star
     assert main(RUN + ["--parallel", "3", "-o", "/nonexistent/x.mp4"]) == 2  # the built-in model: 4 heads
     assert "use one of 1, 2, 4" in capsys.readouterr().err
     assert main(RUN + ["--parallel", "2", "--devices", "0,1,2", "-o", "/nonexistent/x.mp4"]) == 2
-    assert "--devices names 3 devices but --parallel is 2" in capsys.readouterr().err
+    assert "--devices 0,1,2: on the CPU every rank runs on the CPU; give the count 2, or 2 different ids from 0, 1" \
+        in capsys.readouterr().err
 
 
 def _workers(pid: int) -> list[int]:
