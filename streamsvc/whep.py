@@ -118,6 +118,8 @@ class SignalingConnection:
             raise ConnectionClosed("the WHEP session has ended")
         if isinstance(data, bytes):  # a chunk on the socket: never asked for (transport webrtc)
             return
+        if self.set_up and '"closed"' not in data:  # a chunk header, audience...: not parsed, dropped (cheap)
+            return
         try:
             msg = P.parse_server(data)
         except P.ProtocolError:

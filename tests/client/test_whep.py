@@ -153,6 +153,8 @@ async def test_watching_and_each_refusal_is_a_status_with_text():
             async with http.patch(url + headers["Location"], data="a=end-of-candidates\r\n",
                                   headers={"Content-Type": "application/trickle-ice-sdpfrag"}) as r:
                 assert r.status == 405 and "DELETE" in r.headers["Allow"]
+            # a trickling client's PATCH is refused, and it connects with the candidates of its offer
+            assert "a=candidate:" in sdp and await until(lambda: good.connectionState == "connected", 20)
             assert await until(lambda: server.sessions[stream_id].watchers == 1)
             async with http.delete(url + headers["Location"]) as r:  # a watcher leaves; the stream goes on
                 assert r.status == 200
