@@ -126,6 +126,9 @@ def cmd_generate(args) -> int:
         print("streamsvc generate: --strip-every must be >= 1", file=sys.stderr)
         return 2
     strip = Path(args.strip) if args.strip else None
+    if args.input and args.parallel != 1:
+        print("streamsvc generate: --input runs on one process: drop --parallel", file=sys.stderr)
+        return 2
     if args.parallel != 1:
         from streamsvc.offline import generate_parallel
 
@@ -135,8 +138,19 @@ def cmd_generate(args) -> int:
     except (ValueError, OSError) as e:  # bad weight files or flags (CheckpointError is a ValueError)
         print(f"streamsvc generate: {e}", file=sys.stderr)
         return 2
+    from streamsvc.offline_input import open_input
+
+    try:
+        inputs = open_input(gen, args.input, args.strength, args.fps)
+    except ValueError as e:
+        print(f"streamsvc generate: {e}", file=sys.stderr)
+        return 2
     n = generate_video(gen, args.prompt, args.seconds, args.fps, args.seed, Path(args.output), changes, not args.quiet,
-                       strip=strip, strip_every=args.strip_every, dump=Path(args.dump) if args.dump else None)
+                       strip=strip, strip_every=args.strip_every, dump=Path(args.dump) if args.dump else None,
+                       inputs=inputs, strength=args.strength)
+    if inputs is not None:
+        inputs.close()
+        print(inputs.summary())
     print(f"wrote {n} frames ({gen.model_cfg.width}x{gen.model_cfg.height}, {args.fps} fps, H.264) to {args.output}")
     if strip is not None:
         print(f"wrote a strip of frames 0, {args.strip_every}, ... to {strip}")
@@ -491,6 +505,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.add_argument("--dump", default=None, metavar="FILE",
                    help="also save every chunk's clean latents and decoded frames to FILE (torch.save), to compare runs exactly")
+    g.add_argument("--input", default=None, metavar="VIDEO",
+                   help="restyle this video (video-to-video): centre-cropped and scaled to the model's size, resampled "
+                        "to --fps; output frame i is input frame i under the prompt")
+    g.add_argument("--strength", type=float, default=0.6,
+                   help="with --input: how much of it is redrawn, 0..1 (1: none of it is kept, text-to-video); snapped "
+                        "to the nearest of the schedule's noise levels (default 0.6)")
     _model_args(g)
     _parallel_args(g)
     g.set_defaults(func=cmd_generate)

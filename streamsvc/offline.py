@@ -44,12 +44,16 @@ def chunk_for_time(gen: ChunkGenerator, seconds: float, fps: float) -> int:
 
 
 def video_chunks(gen: ChunkGenerator, prompt: str, seconds: float, fps: int, seed: int,
-                 changes: list[PromptChange] = ()) -> Iterator[tuple[Chunk, int]]:
+                 changes: list[PromptChange] = (), inputs=None, strength: float = 1.0) -> Iterator[tuple[Chunk, int]]:
     """The generator calls of `seconds` of one stream, as (chunk, frames of it the video keeps). Every
-    rank of a group (`streamsvc generate --parallel K`) runs this, so they make the same calls."""
+    rank of a group (`streamsvc generate --parallel K`) runs this, so they make the same calls. `inputs`:
+    the input video (streamsvc/offline_input.py `InputVideo`), each chunk's frames restyled at `strength`."""
     total = max(1, math.ceil(seconds * fps))
     state = gen.open_stream("offline", prompt, seed)
     prompt_at = {chunk_for_time(gen, c.at_s, fps): c.prompt for c in sorted(changes, key=lambda c: c.at_s)}
+    if inputs is not None:  # between chunks: before the first, and after each commit
+        gen.set_strength(state, strength)
+        gen.set_input(state, inputs.chunk(gen.frames_in_chunk(0)))
     written = 0
     for chunk in gen.stream(state, prompt_at):
         n = min(chunk.frames.shape[0], total - written)
@@ -57,6 +61,8 @@ def video_chunks(gen: ChunkGenerator, prompt: str, seconds: float, fps: int, see
         yield chunk, n
         if written >= total:
             return
+        if inputs is not None:
+            gen.set_input(state, inputs.chunk(gen.frames_in_chunk(state.chunks_done)))
 
 
 def generate_video(
@@ -71,6 +77,8 @@ def generate_video(
     strip: Path | None = None,
     strip_every: int = 8,
     dump: Path | None = None,
+    inputs=None,
+    strength: float = 1.0,
 ) -> int:
     """Generate `seconds` of video and write it; returns the number of frames written. With `strip`, also
     write every `strip_every`-th frame (from the first) side by side as one PNG (`write_strip`). With
@@ -86,7 +94,7 @@ def generate_video(
         vs = container.add_stream("libx264", rate=fps)
         vs.width, vs.height, vs.pix_fmt = mc.width, mc.height, "yuv420p"
         vs.options = {"crf": "18", "preset": "veryfast"}
-        for chunk, n in video_chunks(gen, prompt, seconds, fps, seed, changes):
+        for chunk, n in video_chunks(gen, prompt, seconds, fps, seed, changes, inputs, strength):
             kept = chunk.frames[:n].cpu()
             if dump is not None:
                 latents.append(chunk.latents.cpu())
