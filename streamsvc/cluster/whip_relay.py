@@ -17,6 +17,8 @@ from streamsvc.whep import HttpSession, _text
 
 log = logging.getLogger("streamsvc.cluster.gateway")
 
+MAX_RELAYED = 4096  # WHIP sessions the gateway keeps a Location of; past it the oldest is forgotten (one that ended
+# on its replica, by ICE or with its stream, is only forgotten so: the replica does not tell the gateway)
 FORWARDED = ("content-type", "x-forwarded-for", "user-agent")  # the POST's headers the replica sees (no token:
 # the gateway checked it)
 
@@ -52,6 +54,9 @@ class RelayedIngest:
                 with contextlib.suppress(Exception):
                     await g._call("http", "DELETE", there, [], b"", address, replica=uid)
 
+            relayed = [key for key, session in endpoints.sessions.items() if session.kind == "whip"]
+            for key in relayed[: max(0, len(relayed) - MAX_RELAYED + 1)]:  # the oldest first (dicts keep order)
+                endpoints.sessions.pop(key, None)
             here = endpoints.register(HttpSession("whip", stream_id, False, None, close))
             answer_headers = [(k, f"/whip/session/{here}" if k == "Location" else v) for k, v in answer_headers]
         return HttpReply(http.HTTPStatus(status), tuple(answer_headers), body)
