@@ -102,6 +102,7 @@ class PlaybackBuffer:
         self._now = float("-inf")  # latest time seen
         self._connected_at: float | None = None
         self._first_frame_at: float | None = None
+        self._hold_until: float | None = None  # a stream of input video: the first frames play from then (see push)
 
         # Buffer: runs of (frames, prompt_version), oldest first.
         self._queue: deque[list[int]] = deque()
@@ -154,8 +155,10 @@ class PlaybackBuffer:
         self._connected_at = now
         self._state = PlaybackState.WAITING
 
-    def push(self, frames: int, prompt_version: int, now: float) -> None:
-        """``frames`` frames generated under ``prompt_version`` arrived and are decoded."""
+    def push(self, frames: int, prompt_version: int, now: float, play_from: float | None = None) -> None:
+        """``frames`` frames generated under ``prompt_version`` arrived and are decoded. ``play_from``: the first
+        frames play no earlier than then (a stream of input video plays each frame a fixed time after its capture,
+        so that its next chunks, which come as their input comes, arrive in time)."""
         if frames < 1:
             raise ValueError(f"frames must be >= 1, got {frames}")
         self._require_live("push")
@@ -169,7 +172,10 @@ class PlaybackBuffer:
         if self._first_frame_at is None:
             self._first_frame_at = now
         if self._state is PlaybackState.WAITING:
-            self._start_playing(now)
+            if play_from is not None and play_from > now:
+                self._hold_until = play_from if self._hold_until is None else self._hold_until
+            else:
+                self._start_playing(now)
         elif self._state is PlaybackState.STALLED:
             self._end_stall(self._stall_acc + (now - self._stall_since))
             self._start_playing(now)
@@ -320,6 +326,8 @@ class PlaybackBuffer:
     def _advance(self, now: float) -> None:
         """Move the clock to ``now``, playing the frames due by then."""
         self._clock(now)
+        if self._state is PlaybackState.WAITING and self._hold_until is not None and now >= self._hold_until:
+            self._start_playing(self._hold_until)
         if self._state is not PlaybackState.PLAYING:
             return
         while (due := self._next_due()) <= now:

@@ -58,10 +58,12 @@ from av.video.reformatter import VideoReformatter
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
+from client.camera import FrameSource, GlassToGlass, H264Camera
 from client.playback import PlaybackBuffer, PlaybackState, PlaybackStats
 from client.verify import PixelLatency, PixelStats
 from client.decode import FrameDecoder
 from streamsvc import protocol as P
+from streamsvc.wire_input import InputHeader, pack_input
 
 WS_PATH = "/ws"
 
@@ -117,6 +119,10 @@ class ClientConfig:
     # time each prompt sent to the first played frame showing the prompt's colour (client/verify.py; the built-in
     # model's scenes): needs decoded frames
     verify_pixels: bool = False
+    # input video (issue 35): the camera this viewer sends (frame i of its video, any size), H.264 over the socket
+    # paced in real time at the stream's fps; the stream restyles it at `strength` (None: the server's default)
+    input: FrameSource | None = None
+    strength: float | None = None
 
     def __post_init__(self) -> None:
         if self.watch is not None and (self.prompt or self.seed is not None or self.fps is not None):
@@ -136,6 +142,8 @@ class ClientConfig:
             raise ValueError(f"ca_file={self.ca_file!r} and insecure: give one (insecure checks no certificate)")
         if self.stats_every_s < 0:
             raise ValueError(f"stats_every_s={self.stats_every_s}: must be >= 0 (0 turns stats off)")
+        if self.watch is not None and self.input is not None:
+            raise ValueError("a watcher sends no input: the input video is its stream's steerer's")
         if self.verify_pixels and self.decode is DecodeMode.NONE:
             raise ValueError("verify_pixels reads the frames: it needs decode inline or thread, not none")
 
@@ -147,7 +155,8 @@ class ClientConfig:
 
     def start_message(self, transport: str | None = None) -> P.Start:
         """The ``start`` message that opens this viewer's stream."""
-        return P.Start(prompt=self.prompt, seed=self.seed, fps=self.fps, transport=transport, token=self.token)
+        return P.Start(prompt=self.prompt, seed=self.seed, fps=self.fps, transport=transport, token=self.token,
+                       input=self.input is not None, strength=self.strength)
 
     def first_message(self, transport: str | None = None) -> P.Start | P.Watch:
         """What the viewer sends first: ``watch`` of ``self.watch``, or the ``start`` of its own stream."""
@@ -195,6 +204,10 @@ class StreamResult:
     not_steerer: int = 0  # `not_steerer` errors: requests only the steerer may make (the stream went on)
     recording_url: str | None = None  # where the stream's recording is, from a `recording` message
     ignored_messages: int = 0  # server messages this client does not use (newer types included); none was fatal
+    # input video: per played frame with an echoed capture time, played - captured (s, this client's clock)
+    glass_to_glass: tuple[float, ...] = ()
+    input_missing: int = 0  # chunks whose header said input "missing" (text-to-video: its input had stopped)
+    input_sent: int = 0  # input frames sent
 
 
 class ViewerClient:
@@ -243,6 +256,9 @@ class ViewerClient:
         self.not_steerer = 0  # not_steerer errors received
         self.ignored_messages = 0  # server messages not used (see the module docstring)
         self._opened = asyncio.Event()  # ready came, or the opening failed (see wait_opened)
+        self.g2g = GlassToGlass(clock)  # glass-to-glass of the frames whose chunk echoed capture times
+        self.input_sent = 0  # input frames sent (config.input)
+        self.input_paused = False  # stop sending input for a while (tests: an input that stops, then resumes)
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -315,7 +331,14 @@ class ViewerClient:
         plays to `self.pixels`, which reads frames with `to_rgb` (the transport's frames in, [H, W, 3] out)."""
         if self.config.verify_pixels:
             self.pixels = PixelLatency(to_rgb, clock=time.perf_counter)
-        buf = PlaybackBuffer(self.ready.fps, on_render=self.pixels.played if self.pixels is not None else None)
+        pixels, g2g = self.pixels, self.g2g
+
+        def played(t: float) -> None:
+            g2g.played(t)
+            if pixels is not None:
+                pixels.played(t)
+
+        buf = PlaybackBuffer(self.ready.fps, on_render=played)
         buf.connect(self._connected_at)
         return buf
 
@@ -460,6 +483,9 @@ class ViewerClient:
             not_steerer=self.not_steerer,
             recording_url=self.recording.url if self.recording is not None else None,
             ignored_messages=self.ignored_messages,
+            glass_to_glass=tuple(self.g2g.samples),
+            input_missing=sum(1 for h in self.headers if h.input == "missing"),
+            input_sent=self.input_sent,
         )
 
     def _parse(self, raw: str):
@@ -589,6 +615,8 @@ class StreamClient(ViewerClient):
         ]
         if cfg.stats_every_s > 0:
             self._tasks.append(asyncio.create_task(self._report(), name=f"stats-{self.ready.stream_id}"))
+        if cfg.input is not None:
+            self._tasks.append(asyncio.create_task(self._send_input(), name=f"input-{self.ready.stream_id}"))
 
     async def _reconnect(self) -> bool:
         self._retry = False
@@ -684,6 +712,29 @@ class StreamClient(ViewerClient):
             if self.clock() - self._last_report >= 2 * period:
                 await self._send_stats()
 
+    async def _send_input(self) -> None:
+        """The camera: frame i captured at start + i / fps (paced in real time), encoded and sent at once, its
+        capture time in the header (wall clock, ms). Skipped while `input_paused`."""
+        camera, fps, index = H264Camera(self.ready.fps), self.ready.fps, 0
+        start = self.clock()
+        for i in range(_max_count(self.config.max_session_s, 1.0 / fps)):
+            delay = start + i / fps - self.clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if self._ended_at is not None or self._ended.is_set():
+                return
+            if self.input_paused:
+                continue
+            captured = self.g2g.now_ms()
+            out = camera.encode(self.config.input(i))
+            if out is None:
+                continue
+            au, key = out
+            header = InputHeader.describe([au], [captured], index=index, pts=i, keyframe=key)
+            index += 1
+            self.input_sent += 1
+            await self._send(pack_input(header, [au]))
+
     async def _send_stats(self) -> None:
         now = self.clock()
         self._last_report = now
@@ -732,7 +783,12 @@ class StreamClient(ViewerClient):
         self.frames_decoded += frames
         for f in kept or ():
             self.pixels.arrived(f)  # before the push, which may play the first of them
-        buf.push(frames, header.prompt_version, now)
+        self.g2g.arrived(header.capture_ms, frames)
+        play_from = None  # input video: each frame plays input_latency_s after the chunk's last capture (see push)
+        if header.capture_ms and self.ready.input_latency_s is not None:
+            last = header.capture_ms[0] + (self.ready.chunk_frames - 1) * 1000.0 / self.ready.fps
+            play_from = self.g2g.to_clock(last) + self.ready.input_latency_s
+        buf.push(frames, header.prompt_version, now, play_from=play_from)
         if stalled:  # this chunk ends a stall
             total = buf.stats().stall_s
             self.stall_events.append((now - self._connected_at, total - self._stall_s_seen))

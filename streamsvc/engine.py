@@ -44,6 +44,7 @@ from models import ChunkGenerator, StreamState, build_generator, fidelity
 from streamsvc.encode import EncoderSpec
 from streamsvc.engine_config import EngineConfig
 from streamsvc.errors import EngineError
+from streamsvc.input_stage import InputStage, seed_input_stage
 from streamsvc.output import ChunkOut, OutputStage, StreamOutput
 from streamsvc.parking import ParkResult, Parking
 from streamsvc.scheduling import Admission, Plan, Scheduler, SchedulerStats, Stage, StreamRequest, WorkKind, \
@@ -57,6 +58,11 @@ log = logging.getLogger("streamsvc.engine")
 __all__ = ["ChunkOut", "Engine", "EngineConfig", "EngineError", "ParkResult", "keep_freed_memory", "log_attention"]
 
 
+def _parking(name: str, default=None) -> property:
+    """One of Parking's figures as a read-only property of the engine (`default` before it is built)."""
+    return property(lambda self: getattr(self.parking, name) if self.parking else default)
+
+
 @dataclass
 class _Stream:
     state: StreamState
@@ -66,6 +72,7 @@ class _Stream:
     chunk_started_at: float = 0.0  # launch of the chunk in progress's first forward
     recached: bool = False  # a recache launched the chunk about to start (its time counts from there)
     keyframe: bool = True  # next chunk starts with an IDR (a viewer joined)
+    has_input: bool = False  # it takes input video (streamsvc/input_stage.py)
 
 
 @dataclass
@@ -113,6 +120,7 @@ class Engine:
         self.sched: Scheduler | None = None
         self.output: OutputStage | None = None
         self.parking: Parking | None = None  # paused streams (streamsvc/parking.py)
+        self.inputs: InputStage | None = None  # streams' input video (issue 35): releases, frames to the generator
 
     # output-stage figures, read by the event loop (metrics)
     @property
@@ -132,38 +140,11 @@ class Engine:
     def chunk_latency_max_s(self) -> float:
         return self.output.latency_max_s if self.output else 0.0
 
-    # paused streams' figures (Parking's), read by the event loop (metrics)
-    @property
-    def parked_streams(self) -> int:
-        return self.parking.parked_streams if self.parking else 0
-
-    @property
-    def parked_bytes(self) -> int:
-        return self.parking.parked_bytes if self.parking else 0
-
-    @property
-    def parks(self) -> int:
-        return self.parking.parks if self.parking else 0
-
-    @property
-    def restores(self) -> int:
-        return self.parking.restores if self.parking else 0
-
-    @property
-    def park_seconds(self) -> float:
-        return self.parking.park_seconds if self.parking else 0.0
-
-    @property
-    def restore_seconds(self) -> float:
-        return self.parking.restore_seconds if self.parking else 0.0
-
-    @property
-    def last_park_seconds(self) -> float | None:
-        return self.parking.last_park_seconds if self.parking else None
-
-    @property
-    def last_restore_seconds(self) -> float | None:
-        return self.parking.last_restore_seconds if self.parking else None
+    # paused streams' figures (Parking's: 0, or None for the last ones, before it is built), read by the event loop
+    parked_streams, parked_bytes, parks, restores = (_parking(n, 0) for n in ("parked_streams", "parked_bytes",
+                                                                              "parks", "restores"))
+    park_seconds, restore_seconds = _parking("park_seconds", 0.0), _parking("restore_seconds", 0.0)
+    last_park_seconds, last_restore_seconds = _parking("last_park_seconds"), _parking("last_restore_seconds")
 
     @property
     def failure(self) -> str | None:
@@ -194,9 +175,15 @@ class Engine:
 
     # -- commands (any thread; answered by the engine thread between launches) ---------------
 
-    def open_stream(self, stream_id: str, prompt: str, seed: int, fps: int) -> Future:
-        """Future[Admission]: admitted streams start generating at once."""
-        return self._submit(self._open, stream_id, prompt, seed, fps)
+    def open_stream(self, stream_id: str, prompt: str, seed: int, fps: int, input=None,
+                    strength: float | None = None) -> Future:
+        """Future[Admission]: admitted streams start generating at once; with `input` (an InputFrames) they restyle
+        it at `strength` (refused, with the reason, by a model without an encoder)."""
+        return self._submit(self._open, stream_id, prompt, seed, fps, input, strength)
+
+    def set_strength(self, stream_id: str, strength: float) -> Future:
+        """Future[float]: a stream with input restyles it at `strength` from its next chunk on (snapped)."""
+        return self._submit(lambda: self.inputs.set_strength(self._get(stream_id).state.stream_id, strength))
 
     def set_prompt(self, stream_id: str, prompt: str) -> Future:
         """Future[int]: the new prompt's version."""
@@ -325,6 +312,9 @@ class Engine:
             n = gen.capture_graphs()
             log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
         self._cheap_encode = warm_up(gen, self.sched, cfg.warmup_chunks, self.clock)
+        self.inputs = InputStage(gen, self.sched, self.clock, lambda: self._commands.put(_Command(int, ())),
+                                 cfg.input_latency_s)
+        seed_input_stage(gen, self.sched)
         self.snapshot = self.sched.stats(self.clock())
 
     # -- engine thread: the loop ------------------------------------------------------------------
@@ -358,6 +348,7 @@ class Engine:
             now = self.clock()
             self.parking.tend(now)
             self._end_overloaded(now)
+            missing_at = self.inputs.poll(now)  # input video: chunks released by their input (or its absence)
             plan = self.sched.next(now)
             if plan is not None:
                 if len(self._in_flight) >= 2:  # the device has a forward running and one queued
@@ -369,6 +360,7 @@ class Engine:
                 self._retire(wait=True)
                 continue
             wake = self.sched.wake_at(now)
+            wake = wake if missing_at is None else min(wake or missing_at, missing_at)
             timeout = 0.5 if wake is None else min(0.5, max(0.0, wake - now))
             if self.parking.pending():
                 timeout = min(timeout, 0.002)  # copies to poll, or a stream to park once its chunk is committed
@@ -405,7 +397,8 @@ class Engine:
             self.degraded_chunks += chunk.steps < len(self.gen.sigmas)
             self.output.submit(st.output, chunk.frames, index=chunk.index, first_frame=chunk.first_frame,
                                prompt_version=chunk.prompt_version, steps=chunk.steps, keyframe=keyframe,
-                               started_at=st.chunk_started_at, encode_by=self._encode_by(st.state.stream_id))
+                               started_at=st.chunk_started_at, encode_by=self._encode_by(st.state.stream_id),
+                               extra=self.inputs.header(st.state.stream_id, chunk) if st.has_input else None)
         self.snapshot = self.sched.stats(now)
 
     def _retire(self, wait: bool) -> None:
@@ -440,13 +433,16 @@ class Engine:
 
     def _run(self, plan: Plan, streams: list[_Stream], now: float) -> list[tuple[_Stream, object]]:
         gen = self.gen
-        for st, seq, restart, steps in zip(streams, plan.prompt_seqs, plan.restart, plan.steps):
+        for st, seq, restart, steps, index in zip(streams, plan.prompt_seqs, plan.restart, plan.steps,
+                                                  plan.chunk_index):
             state = st.state
             if seq > state.prompt_version:
                 gen.set_prompt(state, st.prompts[seq], version=seq)
             if restart or (plan.kind is not WorkKind.COMMIT and plan.step <= 0 and state.step != 0):
                 gen.abandon_chunk(state)
-            if plan.kind is WorkKind.DENOISE and plan.step > 0 and state.step != plan.step:
+            if st.has_input and plan.kind is WorkKind.DENOISE and plan.step == 0:  # its input, before its first step
+                self.inputs.before_denoise(state.stream_id, state, index)
+            if plan.kind is WorkKind.DENOISE and plan.step > 0 and state.step != plan.step + state.start:
                 raise EngineError(f"stream {state.stream_id}: plan step {plan.step}, generator at step {state.step}")
             if plan.kind is not WorkKind.RECACHE:
                 gen.set_steps(state, steps)
@@ -517,16 +513,18 @@ class Engine:
             raise EngineError(f"stream {stream_id!r} is not open")
         return self._streams[stream_id]
 
-    def _open(self, stream_id: str, prompt: str, seed: int, fps: int) -> Admission:
+    def _open(self, stream_id: str, prompt: str, seed: int, fps: int, input=None, strength=None) -> Admission:
         if stream_id in self._streams:
             raise EngineError(f"stream {stream_id!r} is already open")
-        if self.failure:
-            return Admission(False, f"this server cannot generate: {self.failure}", 0.0)
+        if self.failure or (input is not None and self.inputs.refusal()):
+            return Admission(False, self.inputs.refusal() if not self.failure else
+                             f"this server cannot generate: {self.failure}", 0.0)
         gen = self.gen
         spec = gen.cache_spec()
         req = StreamRequest(
-            stream_id, fps=float(fps), first_chunk_frames=gen.frames_in_chunk(0), chunk_frames=gen.frames_in_chunk(1)
-        )
+            stream_id, fps=float(fps), first_chunk_frames=gen.frames_in_chunk(0), chunk_frames=gen.frames_in_chunk(1),
+            input_start_step=None if input is None else self.inputs.start_step(strength)[0],
+            input_latency_s=self.config.input_latency_s)
         admission = self.sched.admit(req, self.clock(), kv_refusal=self.pool.refusal(spec, self.decoder_bytes))
         if not admission.accepted:
             return admission
@@ -539,7 +537,10 @@ class Engine:
             self.sched.remove(stream_id)
             self.pool.release(stream_id)
             raise
-        self._streams[stream_id] = _Stream(state, fps, self.output.open(stream_id, spec), {0: prompt})
+        self._streams[stream_id] = _Stream(state, fps, self.output.open(stream_id, spec), {0: prompt},
+                                           has_input=input is not None)
+        if input is not None:
+            self.inputs.open(stream_id, input, state, strength, fps)
         self.kv_used_bytes = self.pool.used_bytes
         return admission
 
@@ -580,6 +581,7 @@ class Engine:
     def _close(self, stream_id: str) -> bool:
         st = self._streams.pop(stream_id, None)
         self.sched.remove(stream_id)
+        self.inputs.close(stream_id)
         self.parking.drop(stream_id)  # a paused stream's host memory goes (with the parked copies)
         if st is not None:  # a paused one's too: a group's workers forget its parked copy (streamsvc/lockstep.py)
             self.gen.close_stream(st.state)

@@ -50,11 +50,14 @@ class EngineConfig:
     # (a wan2.1-1.3b stream at sink 3 + window 9: 3.2 GiB of KV); a pause beyond it is refused. 0: no pausing.
     park_budget_bytes: int = 8 * 2**30
     park_timeout_s: float = 300.0  # a stream parked longer is ended ("park_expired")
+    input_latency_s: float = 0.5  # input video: a chunk is due this long after its last input frame (--input-latency)
     # --parallel K: each forward split over a group of K ranks, this process rank 0 on `device` (streamsvc/lockstep.py)
     group: "GroupConfig | None" = None
 
     def __post_init__(self) -> None:
         if self.park_budget_bytes < 0:
             raise ValueError(f"park_budget_bytes={self.park_budget_bytes}: must be >= 0 (0 refuses every pause)")
+        if not 0 < self.input_latency_s < 60:
+            raise ValueError(f"input_latency_s={self.input_latency_s}: must be in (0, 60) s (e.g. 0.5)")
         if not self.park_timeout_s > 0:
             raise ValueError(f"park_timeout_s={self.park_timeout_s}: must be > 0 s (e.g. 300)")

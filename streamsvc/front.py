@@ -135,6 +135,29 @@ class WebSocketConnection:
     def closed(self) -> bool:
         return self._ws.closed
 
+    def allow_messages(self, max_bytes: int) -> bool:
+        """Raise this connection's message limit to `max_bytes` (issue 35: a stream whose `start` asked for input
+        video; every other connection keeps the front's limit and its 1009). aiohttp fixes the limit in the frame
+        parser it makes at the upgrade, so a new parser with the new limit takes over (between messages: this runs
+        while the `start` is handled, before the viewer has its `ready`). False (the limit unchanged) where this
+        aiohttp's internals differ."""
+        ws = self._ws
+        try:
+            from aiohttp._websocket.reader import WebSocketReader
+
+            protocol = ws._req.protocol
+            parser = WebSocketReader(ws._reader, max_bytes + 1, compress=bool(ws._compress),
+                                     decode_text=getattr(ws, "_decode_text", True))
+            callback = protocol._data_received_cb
+            protocol._payload_parser = None
+            ws._parser = parser
+            protocol.set_parser(parser, data_received_cb=callback)
+        except (AttributeError, ImportError, TypeError, AssertionError):
+            log.warning("this aiohttp's WebSocket cannot raise its message limit: input messages over the control "
+                        "limit close the connection (1009)", exc_info=True)
+            return False
+        return True
+
 
 @dataclass(frozen=True)
 class FrontConfig:

@@ -102,6 +102,9 @@ class InputFrames:
         self._waiting_for: int | None = None  # the slot whose frame releases the chunk the engine waits on
         self.paused = False
         self.closed = False
+        self._work_s = 0.0  # decode and scale time of frames pushed since the last `take_work` (the INPUT stage)
+        self._scaler = None  # this stream's av VideoReformatter (its swscale context is kept from frame to frame)
+        self._scale_lock = threading.Lock()
 
     # -- transports (any thread) ----------------------------------------------------------------
 
@@ -115,7 +118,20 @@ class InputFrames:
 
     def push_av(self, frame, capture_s: float) -> None:
         """One `av.VideoFrame` (any size and pixel format) captured at `capture_s` (the sender's clock, s)."""
-        self._place(lambda: scale_crop_av(frame, self.width, self.height), capture_s)
+        self._place(lambda: self._scale_av(frame), capture_s)
+
+    def _scale_av(self, frame) -> np.ndarray:
+        with self._scale_lock:  # one swscale context per stream, kept: making one costs more than a scale
+            if self._scaler is None:
+                from av.video.reformatter import VideoReformatter
+
+                self._scaler = VideoReformatter()
+            return scale_crop_av(frame, self.width, self.height, self._scaler)
+
+    def add_work(self, seconds: float) -> None:
+        """Time spent on this input (decoding, scaling): a sample of the input stage, per chunk, by `take_work`."""
+        with self._lock:
+            self._work_s += max(0.0, seconds)
 
     def decode_error(self) -> None:
         """The transport could not decode some input (counted; the stream goes on)."""
@@ -141,8 +157,10 @@ class InputFrames:
             if slot >= self._cursor + self.max_frames:
                 self.counts.dropped += 1
                 return
+        t0 = time.perf_counter()
         try:
             image = scaled()  # outside the lock: scaling is the costly part (PyAV releases the GIL)
+            self.add_work(time.perf_counter() - t0)
         except Exception:  # noqa: BLE001 - a frame PyAV cannot convert is bad input, counted
             log.debug("an input frame could not be scaled", exc_info=True)
             self.decode_error()
@@ -192,6 +210,17 @@ class InputFrames:
                 return True
             self._waiting_for = last
             return False
+
+    def has_any(self, first: int, n: int) -> bool:
+        """Whether any slot of the chunk [first, first + n) holds a frame."""
+        with self._lock:
+            return any(s in self._slots for s in range(first, first + n))
+
+    def take_work(self) -> float:
+        """The decode and scale time spent since the last call (and forget it)."""
+        with self._lock:
+            work, self._work_s = self._work_s, 0.0
+            return work
 
     def missing_at(self, first: int, n: int, wait_s: float) -> float:
         """When the chunk [first, first + n)'s input counts as missing if no frame has come for its last slot:
@@ -297,12 +326,16 @@ def scale_crop(frame: np.ndarray, width: int, height: int) -> np.ndarray:
     return crop.reformat(width=width, height=height, format="rgb24", interpolation="AREA").to_ndarray()
 
 
-def scale_crop_av(frame, width: int, height: int) -> np.ndarray:
+def scale_crop_av(frame, width: int, height: int, reformatter=None) -> np.ndarray:
     """An av.VideoFrame (any size and format) -> [height, width, 3] uint8 RGB: scaled in one pass (swscale) to
-    cover width x height with its own aspect, then centre-cropped."""
+    cover width x height with its own aspect, then centre-cropped. `reformatter`: an av VideoReformatter to reuse
+    (its swscale context is cached while the sizes stay the same)."""
     w, h = frame.width, frame.height
     scale = max(width / w, height / h)
     sw, sh = max(width, math.ceil(w * scale - 1e-6)), max(height, math.ceil(h * scale - 1e-6))
-    rgb = frame.reformat(width=sw, height=sh, format="rgb24", interpolation="AREA").to_ndarray()
+    if reformatter is None:
+        rgb = frame.reformat(width=sw, height=sh, format="rgb24", interpolation="AREA").to_ndarray()
+    else:
+        rgb = reformatter.reformat(frame, width=sw, height=sh, format="rgb24", interpolation="AREA").to_ndarray()
     x, y = (sw - width) // 2, (sh - height) // 2
     return np.ascontiguousarray(rgb[y : y + height, x : x + width])

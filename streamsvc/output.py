@@ -74,6 +74,7 @@ class _Job:
     keyframe: bool
     started_at: float  # launch of the chunk's first forward (engine clock)
     encode_by: float | None  # a normal encode must start by then (engine clock), else a cheaper one; None: no limit
+    extra: dict | None = None  # more header fields: a stream with input video's input, capture_ms, strength
 
 
 class OutputStage:
@@ -113,7 +114,8 @@ class OutputStage:
         return StreamOutput(stream_id, spec, next(self._next_worker) % len(self._queues), encoder)
 
     def submit(self, stream: StreamOutput, frames: torch.Tensor, *, index: int, first_frame: int, prompt_version: int,
-               steps: int, keyframe: bool, started_at: float, encode_by: float | None = None) -> None:
+               steps: int, keyframe: bool, started_at: float, encode_by: float | None = None,
+               extra: dict | None = None) -> None:
         """Queue a chunk whose frames ([N, H, W, 3] uint8, maybe still being computed on the device) are launched."""
         ready = None
         if frames.is_cuda:
@@ -126,7 +128,8 @@ class OutputStage:
                 ready.record(cs)
             frames.record_stream(cs)  # the decoder's output is not reused before the copy has read it
             frames = host
-        job = _Job(stream, frames, ready, index, first_frame, prompt_version, steps, keyframe, started_at, encode_by)
+        job = _Job(stream, frames, ready, index, first_frame, prompt_version, steps, keyframe, started_at, encode_by,
+                   extra)
         self._queues[stream.worker].put(job)
 
     def close(self, stream: StreamOutput) -> None:
@@ -188,7 +191,7 @@ class OutputStage:
         aus = [bytes(p) for p in packets]
         keyframe = job.keyframe or packets[0].is_keyframe
         header = ChunkHeader.describe(aus, index=job.index, pts=job.first_frame, prompt_version=job.prompt_version,
-                                      steps=job.steps, keyframe=keyframe, fast=fast)
+                                      steps=job.steps, keyframe=keyframe, fast=fast, **(job.extra or {}))
         payload = pack_chunk(header, aus)
         now = self.clock()
         out = ChunkOut(job.stream.stream_id, header, aus, packets, payload, now - job.started_at, now - t0, fast)

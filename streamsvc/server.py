@@ -40,6 +40,7 @@ from streamsvc.access import AccessConfig, Refusal, StreamLimits, TokenBucket, b
 from streamsvc.engine import ChunkOut, Engine, EngineConfig
 from streamsvc.front import Connection, ConnectionClosed, FrontConfig, Handlers, HttpFront, tls_context
 from streamsvc.guard import Guard, raise_fd_limit
+from streamsvc.input_ws import Upstream, allow_input, input_frames, ready_fields
 from streamsvc.metrics import Metrics
 from streamsvc.record import RecordingStore
 from streamsvc.routes import RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequest, Routes
@@ -286,8 +287,12 @@ class Server:
         viewer: Viewer | None = None
         sender: asyncio.Task | None = None
         guard = self.guard.connection(ws, self._address(ws))  # its start deadline, pre-start rate, protocol errors
+        upstream: Upstream | None = None  # its input video, if it steers a stream that takes input over it
         try:
             async for raw in ws:
+                if upstream is not None and isinstance(raw, bytes):
+                    await upstream.receive(raw)  # input video: decoded into its stream's input (errors answered)
+                    continue
                 if viewer is None:
                     self.streamless.event()  # a junk flood's parsing is mostly aiohttp's: counted, if not timed
                     if not guard.message():
@@ -308,6 +313,7 @@ class Server:
                         continue
                     viewer = await (self._start(ws, msg) if isinstance(msg, P.Start) else self._watch(ws, msg))
                     conn.viewer = viewer
+                    upstream = Upstream.for_viewer(viewer)
                     if viewer is not None:
                         guard.started()
                         sender = asyncio.create_task(self._sender(ws, viewer), name=f"send-{viewer.viewer_id}")
@@ -395,8 +401,10 @@ class Server:
     async def _open(self, ws: Connection, msg: P.Start, session: Session, seed: int) -> Viewer | None:
         """Admission in the engine, then `ready` (or the refusal) to the viewer, who steers the stream."""
         stream_id, fps = session.stream_id, session.fps
+        session.input = input_frames(self.engine, msg, fps)  # input video (issue 35), if it asked for it
         try:
-            admission = await asyncio.wrap_future(self.engine.open_stream(stream_id, msg.prompt, seed, fps))
+            admission = await asyncio.wrap_future(self.engine.open_stream(stream_id, msg.prompt, seed, fps,
+                                                                          session.input, msg.strength))
         except Exception as e:  # noqa: BLE001 - reported to the client, the server goes on
             log.exception("open_stream failed")
             admission = None
@@ -411,6 +419,7 @@ class Server:
             return None
         self.metrics.admitted.inc()
         viewer = self._new_viewer(ws, session, Role.STEER, session.token)
+        allow_input(ws, session)  # with input: before its ready, its input messages may be larger than control ones
         await ws.send(P.encode(self._ready(viewer)))
         self._connect(viewer, msg.transport)
         session.join(viewer)
@@ -429,7 +438,7 @@ class Server:
             # the stream's capabilities go to its steerer alone (a watcher came with the watch secret; neither grants
             # a watcher steering)
             **({"watch_secret": viewer.session.watch_secret, "steer_secret": viewer.session.steer_secret}
-               if viewer.role is Role.STEER else {}),
+               if viewer.role is Role.STEER else {}), **ready_fields(self.engine, viewer.session),
         )
 
     def _connect(self, viewer: Viewer, transport: str | None) -> None:

@@ -207,6 +207,7 @@ class Session:
     address: str = ""  # the client address that opened it (it counts against the address's limit)
     track_queues: dict[str, float] = field(default_factory=dict)  # frames queued in each WebRTC viewer's track
     audience_due: bool = False  # an `audience` message to every viewer is on its way
+    input: object | None = None  # its input video's timeline (streamsvc.inputs.InputFrames), if its start asked for it
     _paused_from: SessionState = SessionState.PLAYING
 
     def may_watch(self, secret: str | None) -> bool:
@@ -283,6 +284,8 @@ class Session:
         before = self.steerer
         if before is not None:
             before.role = Role.WATCH
+        if self.input is not None and before is not to:  # the input is the steerer's: the old one's stops here
+            self.input.stop()
         to.role = Role.STEER
         self.steerer, self.orphaned_at = to, None
         return before
@@ -302,8 +305,12 @@ class Session:
 
     def pause(self) -> None:
         self.transition(SessionState.PAUSED)
+        if self.input is not None:  # input frames that come while paused are dropped (counted)
+            self.input.pause()
 
     def resume(self) -> None:
+        if self.input is not None:
+            self.input.resume()
         if self.state is SessionState.PAUSED:
             self.transition(SessionState.PLAYING if self._paused_from is not SessionState.STARTING else SessionState.STARTING)
 
@@ -328,6 +335,8 @@ class Session:
             return False
         self.close_reason = reason
         self.transition(SessionState.CLOSED)
+        if self.input is not None:
+            self.input.close()
         return True
 
     @property

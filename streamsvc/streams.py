@@ -82,6 +82,13 @@ class Streams:
                     await self.end(session, "closed by client")
                 else:
                     await self.leave(viewer, "closed by client")
+            elif isinstance(msg, P.SetStrength):  # input video (issue 35): from its next chunk on, snapped
+                if session.input is None:
+                    viewer.send(P.Error(code=P.ErrorCode.INVALID_FIELD, request="set_strength", message=(
+                        "this stream takes no input video: start it with \"input\": true to set a strength")))
+                    return
+                strength = await asyncio.wrap_future(self.engine.set_strength(sid, msg.strength))
+                viewer.send(P.Ack(request="set_strength", strength=strength))
             elif isinstance(msg, P.Handover):
                 self._handover(viewer, msg.to)
             elif isinstance(msg, P.Take):
@@ -319,7 +326,7 @@ def _cannot_steer(viewer: Viewer) -> bool:
     return pc is not None and pc.sctp is None and pc.connectionState == "connected"
 
 
-_STEER_TYPES = (P.SetPrompt, P.Pause, P.Resume, P.Record, P.Handover)  # what only a stream's steerer may send
+_STEER_TYPES = (P.SetPrompt, P.Pause, P.Resume, P.Record, P.Handover, P.SetStrength)  # only a stream's steerer
 
 
 def unknown_words(engine: Engine, prompt: str) -> list[str]:

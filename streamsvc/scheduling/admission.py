@@ -8,7 +8,8 @@ margin) and a chunk no longer fit under `buffer_cap_s`.
 
 Admission counts every stage a chunk passes (`Stage`): the device (its forwards), the
 output stage (frames to the host, x264 and packing, on `output_capacity` workers) and
-the transports' send (the event loop). The device's load counts the streams' prompt
+the transports' send (the event loop), and for streams with input video the input stage (its decode, scale and
+encode; issue 35). The device's load counts the streams' prompt
 switches as measured: the recaches of the last RECACHE_WINDOW_S, at a recache's cost.
 Each stage's cost per chunk is seeded by the warm-up (`seed_stage`) and then follows the
 `cost_percentile` of what serving measures (`observe_stage`); a stream is admitted only
@@ -44,8 +45,11 @@ from .types import EPS_S, Admission, Late, Stage, StreamLoad, StreamRequest
 
 
 def _rate(stream: StreamLoad, stage: Stage) -> float:
-    """Chunks a second `stream` puts through `stage`: the send sends each chunk to each of its viewers."""
+    """Chunks a second `stream` puts through `stage`: the send sends each chunk to each of its viewers, the input
+    stage only a stream's with input."""
     rate = stream.request.fps / stream.request.chunk_frames
+    if stage is Stage.INPUT and stream.request.input_start_step is None:
+        return 0.0
     return rate * stream.viewers if stage is Stage.SEND else rate
 
 
@@ -75,6 +79,8 @@ class AdmissionControl:
         """Predicted busy fraction of `stage` with `streams` (and `extra`, if given, with `extra_viewers` viewers)."""
         chunk_s = self.costs.stage_chunk_s(stage, len(streams) + (extra is not None))
         extra_rate = extra.fps / extra.chunk_frames if extra is not None else 0.0
+        if stage is Stage.INPUT and extra is not None and extra.input_start_step is None:
+            extra_rate = 0.0
         if stage is Stage.SEND:
             extra_rate *= extra_viewers
         return (sum(_rate(s, stage) for s in streams) + extra_rate) * chunk_s
@@ -82,7 +88,8 @@ class AdmissionControl:
     def target(self, stage: Stage) -> float:
         """The busy fraction admission keeps `stage` under."""
         cfg = self.config
-        targets = {Stage.DEVICE: cfg.utilization_target, Stage.OUTPUT: cfg.output_target, Stage.SEND: cfg.send_target}
+        targets = {Stage.DEVICE: cfg.utilization_target, Stage.OUTPUT: cfg.output_target, Stage.SEND: cfg.send_target,
+                   Stage.INPUT: cfg.input_target}
         return targets[stage]
 
     def closed(self, late: Late | None, now: float) -> bool:
@@ -169,7 +176,8 @@ class AdmissionControl:
         """The output stage and the send, with `req` admitted: over their targets? (The device is checked apart.)"""
         cfg = self.config
         reasons = []
-        stages = ((Stage.OUTPUT, f"{cfg.output_capacity:g} output worker(s)"), (Stage.SEND, "the event loop"))
+        stages = ((Stage.OUTPUT, f"{cfg.output_capacity:g} output worker(s)"), (Stage.SEND, "the event loop"),
+                  (Stage.INPUT, "the input stage (decode, scale, encode)"))
         for stage, what in stages:
             load, target = self.stage_load(stage, streams, req, viewers), self.target(stage)
             if load > target + EPS_S:
@@ -200,6 +208,8 @@ class AdmissionControl:
         n = len(streams) + 1
         others = [s for s in streams if not s.chunks_delivered < cfg.confirm_chunks]
         for stage in Stage:
+            if stage is Stage.INPUT and req.input_start_step is None:
+                continue
             chunk_s, target = self.costs.stage_chunk_s(stage, n), self.target(stage)
             busy = sum(_rate(s, stage) for s in others) * chunk_s
             room_s = max(0.0, target - busy) * window_s + chunk_s

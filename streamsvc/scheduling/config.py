@@ -61,6 +61,7 @@ class SchedulerConfig:
     output_capacity: float = 1.0
     output_target: float = 0.7
     send_target: float = 0.5  # busy fraction of the event loop admission keeps the transports' send under
+    input_target: float = 0.5  # busy fraction admission keeps the input stage (decode, scale, encode) under
     # A cost sample (the send's CPU per chunk; a CPU forward's wall time) less the event loop's work for clients
     # without a stream over the same time; dropped instead where that work was over this share of it (see costs).
     streamless_max_share: float = 0.1
@@ -122,7 +123,7 @@ class SchedulerConfig:
             raise ValueError(f"pressure_hold_s={self.pressure_hold_s}: must be a finite number of seconds >= 0")
         if not (self.output_capacity > 0 and math.isfinite(self.output_capacity)):
             raise ValueError(f"output_capacity={self.output_capacity}: must be a finite number of workers > 0")
-        for name in ("output_target", "send_target"):
+        for name in ("output_target", "send_target", "input_target"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0 (e.g. 0.7; math.inf turns the check off)")
         if not 0 < self.streamless_max_share <= 1:

@@ -132,10 +132,11 @@ class CostEstimates:
         steps = self.config.denoise_steps if steps is None else steps
         return steps * self.forward.estimate(WorkKind.DENOISE, batch) + self.forward.estimate(WorkKind.COMMIT, batch)
 
-    def stream_chunk_s(self, streams: int) -> float:
-        """One stream's share of a chunk's forwards when `streams` streams batch up to max_batch together."""
+    def stream_chunk_s(self, streams: int, req: StreamRequest | None = None) -> float:
+        """One stream's share of a chunk's forwards when `streams` streams batch up to max_batch together; `req`'s
+        chunks, whose input (if any) makes them start at a later step, with fewer forwards."""
         batch = max(1, min(streams, self.config.max_batch))
-        return self.chunk_s(batch) / batch
+        return self.chunk_s(batch, steps=None if req is None else input_steps(req, self.config.denoise_steps)) / batch
 
     def queue_work_s(self, streams: int) -> float:
         """One chunk of each of `streams` streams, in batches of up to max_batch: what a chunk may wait for."""
@@ -145,7 +146,7 @@ class CostEstimates:
     def stream_load(self, req: StreamRequest, streams: int = 1) -> float:
         """Busy fraction of the device one stream needs in steady state among `streams` streams (chunks/s x
         its share of a chunk's forwards at the batch size that many streams run at)."""
-        return req.fps / req.chunk_frames * self.stream_chunk_s(streams)
+        return req.fps / req.chunk_frames * self.stream_chunk_s(streams, req)
 
     def stage_chunk_s(self, stage: Stage, streams: int) -> float:
         """One stream's chunk on `stage`, as a share of the stage's time (the device's batched at `streams`)."""
@@ -165,6 +166,13 @@ class CostEstimates:
             while self._recaches and self._recaches[0] < now - RECACHE_WINDOW_S:
                 self._recaches.popleft()
         return len(self._recaches) / RECACHE_WINDOW_S * self.recache_s()
+
+
+def input_steps(req: StreamRequest, denoise_steps: int) -> int:
+    """Denoising forwards of `req`'s chunks at full quality: all of them, or with input from its start step on (at
+    least one). (A chunk whose input went missing runs all of them: degrading covers it.)"""
+    k = req.input_start_step
+    return denoise_steps if k is None else max(denoise_steps, k + 1) - k
 
 
 def without_streamless(total_s: float, streamless_s: float, max_share: float, events: int = 0,

@@ -44,6 +44,17 @@ carries the choice; the engine tags the chunk with it. A degraded chunk is laten
 closed loop), and one that ran its fewest steps short is evidence for the last resort
 (see `overload`).
 
+Input video (issue 35). A chunk of a stream with input starts only once released (`Scheduler.release`: its last
+input frame came, or its input was declared missing), and then at once, whatever its lead (the viewer plays it
+`input_latency_s` after its release; the cap still bounds it): it cannot run ahead of its input, and waiting for
+the lead would only spend its deadline. It starts at its release's start step (the stream's strength, snapped;
+0 when its input was missing), so it runs fewer forwards (`_Stream.forwards`): steps k .. max(n, k + 1) - 1 for a
+chunk of n steps (degrading drops steps after the start step). Plan.step counts a chunk's forwards from 0 (the
+engine adds k); Plan.steps is n, the schedule's step the chunk ends at. A chunk is degraded when it runs fewer
+forwards than its full count from its start step. The first chunk with input frames plays from its release +
+input_latency_s + (chunk_frames - first_chunk_frames) / fps: from then on chunk c (c >= 1) is due exactly
+input_latency_s after its release when the input comes in real time.
+
 Parking: a stream held for parking (`_Stream.parking`) starts no new chunk nor RECACHE, and
 a new prompt does not restart its chunk in progress; once that chunk is committed and the
 stream is in no outstanding plan it is `parkable`.
@@ -125,12 +136,13 @@ class Planner:
         )
         floor = min(cfg.degrade_steps, default=cfg.denoise_steps)
         for s, w in batch:
-            if w.steps < cfg.denoise_steps:
+            if s.forwards(w.steps) < s.forwards(cfg.denoise_steps):
                 self._pressure_until = now + cfg.pressure_hold_s
                 self.overload.mark_late(s.request.stream_id, now,
                                         f"a chunk ran {w.steps} of {cfg.denoise_steps} steps to stay ahead")
             playing = s.playback.started and not s.playback.paused
-            if playing and w.kind is not WorkKind.RECACHE and w.steps <= floor and w.slack_s < cfg.degrade_margin_s:
+            fewest = s.forwards(w.steps) <= s.forwards(floor)
+            if playing and w.kind is not WorkKind.RECACHE and fewest and w.slack_s < cfg.degrade_margin_s:
                 self.overload.exhausted(now)  # the fewest steps it may run do not leave it the margin
         self._outstanding = _Outstanding(
             plan=plan,
@@ -179,13 +191,18 @@ class Planner:
                         s.deferred_seq = s.prompt_seq
                 s.step = plan.step + 1
             else:
-                frames = s.request.first_chunk_frames if s.chunks_done == 0 else s.request.chunk_frames
-                chunk = _InFlight(frames, now if s.chunk_due_at is None else s.chunk_due_at, s.chunk_sampled)
+                req = s.request
+                frames = req.first_chunk_frames if s.chunks_done == 0 else req.chunk_frames
+                s.degraded += s.forwards(chunk_steps) < s.forwards(self.config.denoise_steps)
+                release = s.releases.pop(s.chunks_done, None)
+                play_from = None
+                if release is not None and release[2] and s.chunks_done == 0:  # the first chunk of input frames
+                    play_from = release[1] + req.input_latency_s + (req.chunk_frames - req.first_chunk_frames) / req.fps
+                chunk = _InFlight(frames, now if s.chunk_due_at is None else s.chunk_due_at, s.chunk_sampled, play_from)
                 s.chunk_due_at = None
                 s.last_commit_at = now
                 s.chunks_done += 1
                 s.cache_seq = s.chunk_seq  # the committed frames' K/V were computed under the chunk's prompt
-                s.degraded += chunk_steps < self.config.denoise_steps
                 s.step = 0
                 if deliver:
                     self._credit(s, chunk, now)
@@ -227,6 +244,8 @@ class Planner:
             work = self._work(s, now)
             if work.runnable:
                 return now
+            if s.step == 0 and not s.released():  # waits for its input (the engine's release), not for the clock
+                continue
             if s.playback.paused or s.playback.dry_at() is None or s.parking:  # not draining, or held for parking
                 continue
             buffered = s.playback.seconds(now)
@@ -284,7 +303,7 @@ class Planner:
         if s.playback.dry_counted:
             self.overload.stalled(s.request.stream_id, now, f"chunk {s.chunks_done - len(s.in_flight) - 1} reached "
                                   f"its viewer {now - s.playback.dry_since:.2f} s after the buffer ran dry")
-        s.playback.deliver(chunk.frames, now)
+        s.playback.deliver(chunk.frames, now, hold_until=chunk.play_from)
         if s.first_delivered_at is None:
             s.first_delivered_at = now
         latency = max(0.0, now - chunk.due_at)
@@ -323,6 +342,8 @@ class Planner:
         dry_at = pb.dry_at()
         if pb.paused:
             return now
+        if s.chunks_done in s.releases:  # input video: due at its release
+            return max(s.last_commit_at, min(now, s.releases[s.chunks_done][1]))
         if dry_at is None:  # not started: due since its previous chunk (or admission)
             return s.last_commit_at
         ahead_until = dry_at + s.in_flight_s()  # when buffered + in flight would run out
@@ -341,14 +362,18 @@ class Planner:
         can be cut down to the steps it has run (its COMMIT next). A stream with slack to spare, one not
         yet playing (nothing can stall) or a paused one keeps its steps.
         """
-        options = sorted((n for n in self.config.degrade_steps if done <= n < steps), reverse=True)
+        options, seen = [], {s.forwards(steps)}  # (with input, several counts may run the same forwards: the most)
+        for n in sorted(self.config.degrade_steps, reverse=True):
+            if n < steps and done <= s.forwards(n) and s.forwards(n) not in seen:
+                options.append(n)
+                seen.add(s.forwards(n))
         pb = s.playback
         if not options or pb.paused or not (pb.started or s.in_flight):
             return steps
         dry_in = self._slack(s, now, 0.0, plain=False)
         margin = self.config.degrade_margin_s
         for n in (steps, *options):
-            if dry_in - self.costs.chunk_s(steps=n - done) - extra_s >= margin:
+            if dry_in - self.costs.chunk_s(steps=s.forwards(n) - done) - extra_s >= margin:
                 return n
         return options[-1]
 
@@ -392,11 +417,12 @@ class Planner:
             restart = self._slack(s, now, redo_s, plain) >= cfg.restart_margin_chunks * chunk_s
         if s.step > 0 and not restart:  # go on with the chunk in progress (or cut it short)
             steps = self._steps(s, now, s.step, s.steps, 0.0)
-            kind = WorkKind.DENOISE if s.step < steps else WorkKind.COMMIT
+            forwards = s.forwards(steps)
+            kind = WorkKind.DENOISE if s.step < forwards else WorkKind.COMMIT
             step = s.step if kind is WorkKind.DENOISE else cfg.denoise_steps
             prompt_seq = s.chunk_seq
-            remaining_s = self.costs.chunk_s(steps=steps - s.step)
-            forwards_left = steps - s.step + 1
+            remaining_s = self.costs.chunk_s(steps=forwards - s.step)
+            forwards_left = forwards - s.step + 1
         else:  # a fresh chunk
             recache = s.recache_pending()
             if recache and not restart and s.deferred_seq < s.prompt_seq:
@@ -413,8 +439,8 @@ class Planner:
             else:  # a committed stream's chunk runs under the prompt its cache holds
                 prompt_seq = s.cache_seq if s.chunks_done > 0 else s.prompt_seq
                 kind, step = WorkKind.DENOISE, 0
-            remaining_s = self.costs.chunk_s(steps=steps) + extra_s
-            forwards_left = steps + 1
+            remaining_s = self.costs.chunk_s(steps=s.forwards(steps)) + extra_s
+            forwards_left = s.forwards(steps) + 1
         work = _Work(
             kind=kind,
             step=step,
@@ -428,8 +454,12 @@ class Planner:
             steps=steps,
         )
         ahead_s = s.playback.seconds(now) + s.in_flight_s()
-        if ahead_s > self.lead_s(s) + EPS_S:
+        gated = s.has_input and kind is WorkKind.DENOISE and s.step == 0  # a fresh chunk of input video
+        if gated and not s.released():
+            return replace(work, runnable=False, due=False)
+        if ahead_s > self.lead_s(s) + EPS_S and not gated:
             work = replace(work, due=False)
-        if ahead_s > self._start_threshold_s(s, kind, step, now) + EPS_S or (s.parking and step <= 0):
+        threshold = cfg.buffer_cap_s - s.next_chunk_s() if gated else self._start_threshold_s(s, kind, step, now)
+        if ahead_s > threshold + EPS_S or (s.parking and step <= 0):
             work = replace(work, runnable=False)  # above the threshold, or held for parking between chunks
         return work

@@ -50,11 +50,14 @@ class PlaybackModel:
             self.updated_at = now
         self._count_dry(now)
 
-    def deliver(self, frames: int, now: float) -> None:
-        """`frames` arrive at `now`: a dry spell in progress ends, and playback starts if it had not."""
+    def deliver(self, frames: int, now: float, hold_until: float | None = None) -> None:
+        """`frames` arrive at `now`: a dry spell in progress ends, and playback starts if it had not (the first
+        frames: at `hold_until` if later, a viewer that holds a stream of input video until its playout is due)."""
         self.advance(now)
         self._end_stall(now)
         self.buffered_frames += frames
+        if not self.started and hold_until is not None and hold_until > now:
+            self.updated_at = hold_until  # nothing is consumed before then
         self.started = True
 
     def observe(self, frames: float, now: float) -> None:

@@ -172,6 +172,31 @@ class Scheduler:
         s.prompt_at = now
         return s.prompt_seq
 
+    def release(self, stream_id: str, chunk_index: int, start_step: int, now: float, frames: bool = True) -> None:
+        """Input video (issue 35): chunk `chunk_index` of the stream may start at `now`, at `start_step` (its
+        strength's step; 0 with `frames` False: its input was missing, it runs as text-to-video). Chunks are
+        released in order, each once, and not before the chunk before it has started."""
+        s = self._get(stream_id)
+        if not s.has_input:
+            raise SchedulerError(f"stream {stream_id!r} takes no input video: nothing to release")
+        if chunk_index in s.releases or chunk_index < s.chunks_done or chunk_index > s.chunks_done + 1:
+            raise SchedulerError(f"stream {stream_id!r}: chunk {chunk_index} cannot be released (committed "
+                                 f"{s.chunks_done}, released {sorted(s.releases)})")
+        if not 0 <= start_step < self.config.denoise_steps:
+            raise ValueError(f"start_step={start_step}: must be a step of the schedule, 0..{self.config.denoise_steps - 1}")
+        s.releases[chunk_index] = (start_step, now, frames)
+
+    def releasable(self, stream_id: str) -> int | None:
+        """Input video: the index of the stream's next chunk to release (its next one not released yet, the one
+        after its chunk in progress at most); None when there is none now (or it takes no input)."""
+        s = self._streams.get(stream_id) or self._parked.get(stream_id)
+        if s is None or not s.has_input:
+            return None
+        for c in (s.chunks_done, s.chunks_done + 1):
+            if c not in s.releases:
+                return c if c == s.chunks_done or s.step > 0 else None
+        return None
+
     def pause(self, stream_id: str, now: float) -> None:
         """The viewer stopped consuming; generation goes on until the buffer reaches the start rule's lead."""
         self._get(stream_id).playback.pause(now)

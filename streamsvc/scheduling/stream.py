@@ -23,6 +23,7 @@ class _InFlight:
     frames: int  # frames the chunk holds
     due_at: float  # when the chunk became due (its latency runs from here to its delivery)
     sampled: bool  # its latency is a sample of the start rule (it started due, not running ahead)
+    play_from: float | None = None  # its viewer starts playing it no earlier than this (a first chunk of input video)
 
 
 @dataclass
@@ -51,11 +52,33 @@ class _Stream:
     degraded: int = 0  # chunks committed with fewer steps than the schedule's
     viewers: int = 1  # connections each of its chunks is sent to (its steerer and its watchers): the send's load
     parking: bool = False  # held for parking: no new chunk starts, the one in progress is committed (see `hold`)
+    # input video (issue 35): by chunk index, the released chunks' (start step, release time, with frames: not
+    # missing); a chunk of a stream with input starts only once released (see planner)
+    releases: dict[int, tuple[int, float, bool]] = field(default_factory=dict)
 
     @property
     def stream_id(self) -> str:
         """The stream's id (its request's)."""
         return self.request.stream_id
+
+    @property
+    def has_input(self) -> bool:
+        """The stream takes input video: its chunks start once released, at their start step."""
+        return self.request.input_start_step is not None
+
+    def released(self) -> bool:
+        """Its chunk in progress (or next one) may run: released by its input, or a stream without input."""
+        return not self.has_input or self.chunks_done in self.releases
+
+    def start_step(self) -> int:
+        """The step its chunk in progress (or next one) starts at: 0 but for a chunk with input frames."""
+        return self.releases.get(self.chunks_done, (0, 0.0, False))[0]
+
+    def forwards(self, steps: int) -> int:
+        """DENOISE forwards of its chunk in progress (or next one) run with `steps` (the schedule's step it ends at:
+        the full count, or a degraded one): from its start step on, at least one."""
+        k = self.start_step()
+        return max(steps, k + 1) - k
 
     @property
     def chunks_delivered(self) -> int:

@@ -25,6 +25,7 @@ class Stage(enum.Enum):
     DEVICE = "device"  # the forwards (the scheduler's CostModel by kind and batch)
     OUTPUT = "output"  # frames to the host, x264 and packing, on the output workers
     SEND = "send"  # the transports' send, on the event loop
+    INPUT = "input"  # a stream's input video (issue 35): decode, scale and encode; streams with input only
 
 
 class WorkKind(enum.Enum):
@@ -41,6 +42,9 @@ class StreamRequest:
     fps: float  # playback rate of the stream's video
     first_chunk_frames: int = 9  # frames the first chunk delivers (a causal VAE decodes its first latent frame to 1)
     chunk_frames: int = 12  # frames every later chunk delivers
+    # Input video (issue 35): the step its chunks start at (the stream's strength, snapped); None: no input
+    input_start_step: int | None = None
+    input_latency_s: float = 0.5  # with input: a chunk is due this long after its last input frame came (its release)
 
     def __post_init__(self) -> None:
         if not (self.fps > 0 and math.isfinite(self.fps)):
