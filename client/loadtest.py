@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from client.camera import FileSource
 from client.pixels import PALETTE
 from client.verify import PixelStats
 from client.webrtc_client import WebRtcClient
@@ -114,6 +115,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a wss:// --url: check no certificate at all (a self-signed one on a LAN; not on the internet)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON to FILE")
     p.add_argument("--progress-every", type=float, default=3.0, help="seconds between progress lines (default 3; 0 = quiet)")
+    p.add_argument("--input", default=None, metavar="synthetic|FILE",
+                   help="each viewer sends input video over its WebSocket (H.264, paced in real time at the stream's "
+                        "fps) for its stream to restyle: 'synthetic' (a scene of models/scenes.py rendered by the "
+                        "command line, one per viewer) or a video FILE (looped); reports glass-to-glass latency")
+    p.add_argument("--strength", type=float, default=None,
+                   help="with --input: how far from the input each stream goes, 0..1 (1: text-to-video; default: the "
+                        "server's, snapped to the model's schedule)")
     p.add_argument("--verify-pixels", action="store_true",
                    help="time each prompt from its send to the first played frame whose colour matches the prompt's "
                         "colour word (client/verify.py), reported beside the header-based control latency; the prompts "
@@ -434,6 +442,7 @@ def summarize(results: Sequence[StreamResult], *, duration_s: float, watchers: S
         "decode": seen["decode"],
         "errors": {"count": sum(errors.values()), "messages": dict(errors.most_common(20))},
         "pixel_latency_s": pixel_summary([r.pixels for r in admitted if r.pixels is not None]),
+        "glass_to_glass_s": glass_to_glass([r for r in admitted]),
         "per_stream": [
             {"stream_id": r.stream_id, "ttff_s": _r(r.playback.ttff_s), "stalls": r.playback.stalls,
              "stall_s": _r(r.playback.stall_s), "delivered_fps": _r(r.playback.delivered_fps, 3),
@@ -449,6 +458,18 @@ def summarize(results: Sequence[StreamResult], *, duration_s: float, watchers: S
         report["watchers"] = summarize_watchers(watchers, per_stream=watchers_per_stream,
                                                 not_started=watchers_not_started, steerers=results)
     return report
+
+
+def glass_to_glass(admitted: Sequence[StreamResult]) -> dict | None:
+    """Input video: capture -> played of every played frame with an echoed capture time, all viewers together; None
+    when no viewer sent input."""
+    g2g = [x for r in admitted for x in r.glass_to_glass]
+    sent = sum(r.input_sent for r in admitted)
+    if not sent and not g2g:
+        return None
+    return {"n": len(g2g), "p50": _r(percentile(g2g, 50)), "p95": _r(percentile(g2g, 95)),
+            "max": _r(max(g2g, default=None)), "input_frames_sent": sent,
+            "missing_chunks": sum(r.input_missing for r in admitted)}
 
 
 def summarize_watchers(watchers: Sequence[StreamResult], *, per_stream: int, not_started: int,
@@ -522,6 +543,9 @@ def format_table(report: dict) -> str:
             + f" s (n={px['n']}, never matched {px['unmatched']}, superseded {px['superseded']}, "
             f"{px['frames_read']} frames read at {f(px['read_ms_per_frame'], 3)} ms)")]
           if (px := report.get("pixel_latency_s")) else []),
+        *([("glass-to-glass p50 / p95 / max", " / ".join(f(g[k], 3) for k in ("p50", "p95", "max"))
+            + f" s (n={g['n']} frames; {g['input_frames_sent']} input frames sent, {g['missing_chunks']} chunks "
+            "with the input missing)")] if (g := report.get("glass_to_glass_s")) else []),
         ("delivered fps mean / min", f"{f(fps['mean'], 2)} / {f(fps['min'], 2)}"),
         ("min headroom at arrival", f(report["min_headroom_s"]["min"], 3, " s")),
         ("decode per frame", f(report["decode"]["per_frame_ms"], 3, " ms")),
@@ -790,12 +814,17 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
         print("prompts: captions (the probe stream was refused, so the server's model is unknown)", flush=True)
     elif not captions:
         print("prompts: free text (the server's model reads any text)", flush=True)
+    sources = getattr(args, "input_sources", None)  # input video: one frame source a viewer (--input)
+    if sources is None and getattr(args, "input", None) not in (None, "synthetic"):
+        sources = [FileSource(args.input)]
     clients = []
     for i in range(args.streams):
         prompt = viewer_prompt(i, 0, captions, vocabulary)
+        camera = {"input": sources[i % len(sources)], "strength": args.strength} if sources else {}
         cfg = ClientConfig(prompt=prompt, seed=args.seed + i, fps=args.fps, token=args.token,
                            stats_every_s=args.stats_every, decode=DecodeMode(args.decode),
-                           open_timeout_s=max(10.0, 0.25 * args.streams), verify_pixels=args.verify_pixels, **tls)
+                           open_timeout_s=max(10.0, 0.25 * args.streams), verify_pixels=args.verify_pixels,
+                           **camera, **tls)
         clients.append(cls(url, cfg))
 
     def make_watcher(ready):  # a watcher of the stream its steerer's ready names, by its watch link (id and secret)
@@ -863,7 +892,18 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run(args) -> int:
+def run(args, input_sources: list | None = None) -> int:
+    """The load test; `input_sources`: with --input synthetic, one frame source per viewer (the command line renders
+    them: the client imports no models)."""
+    args.input_sources = input_sources
+    if getattr(args, "input", None) == "synthetic" and not input_sources:
+        print("streamsvc loadtest: --input synthetic needs the command line's rendered scenes (run `streamsvc "
+              "loadtest`); or give --input FILE", file=sys.stderr)
+        return 2
+    if getattr(args, "input", None) is not None and args.transport != "ws":
+        print("streamsvc loadtest: --input is sent over the WebSocket: use --transport ws (a WebRTC camera is the "
+              "player's)", file=sys.stderr)
+        return 2
     if args.streams < 1 or args.duration <= 0 or args.watchers_per_stream < 0:
         print("streamsvc loadtest: --streams must be >= 1, --duration > 0 and --watchers-per-stream >= 0",
               file=sys.stderr)
@@ -931,7 +971,8 @@ def run(args) -> int:
                         "preset": args.preset, "weights": args.weights, "device": args.device, "policy": args.policy,
                         "buffer_cap_s": args.buffer_cap, "prompt_every_s": args.prompt_every,
                         "decode": args.decode, "stats_every_s": args.stats_every, "server_args": args.server_arg,
-                        "verify_pixels": args.verify_pixels, "watchers_per_stream": args.watchers_per_stream}
+                        "verify_pixels": args.verify_pixels, "watchers_per_stream": args.watchers_per_stream,
+                        "input": getattr(args, "input", None), "strength": getattr(args, "strength", None)}
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

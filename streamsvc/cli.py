@@ -532,7 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     lt = sub.add_parser("loadtest", help="run N viewers against a server and report TTFF, stalls and control latency")
     loadtest.add_arguments(lt)
-    lt.set_defaults(func=loadtest.run)
+    from streamsvc.synthetic_input import loadtest_sources  # --input synthetic: scenes rendered here, not in client
+
+    lt.set_defaults(func=lambda args: loadtest.run(args, input_sources=loadtest_sources(args)))
     return parser
 
 
