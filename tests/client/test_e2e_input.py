@@ -1,0 +1,150 @@
+"""Input video over the WebSocket, end to end (issue 35): the in-process server (tiny preset, CPU) and real clients
+over loopback. Every wait is bounded."""
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from client.ws_client import ClientConfig, DecodeMode, StreamClient
+from streamsvc import protocol as P
+from streamsvc.wire_input import InputHeader, pack_input
+from tests.client.servers import running, url
+
+T = 15.0
+
+
+def camera(w: int = 160, h: int = 96):
+    """A moving bar on grey, another size and aspect than the model's (128x128)."""
+    def frame(i: int) -> np.ndarray:
+        img = np.full((h, w, 3), 90, np.uint8)
+        x = (4 * i) % (w - 16)
+        img[:, x : x + 16] = (230, 40, 40)
+        return img
+    return frame
+
+
+@pytest.fixture
+async def server():
+    async with running() as s:
+        yield s
+
+
+async def test_chunks_echo_the_capture_times_sent_and_say_when_the_input_went_missing(server):
+    c = StreamClient(url(server), ClientConfig(prompt="a blue ball", seed=3, input=camera(), strength=0.9,
+                                               decode=DecodeMode.NONE))
+    sent: list[float] = []
+    now_ms = c.g2g.now_ms
+
+    def recording_now_ms() -> float:  # every capture time the camera stamps
+        t = now_ms()
+        sent.append(t)
+        return t
+
+    c.g2g.now_ms = recording_now_ms
+    async with c:
+        ready = c.ready
+        assert ready.input is True and ready.strength in ready.strengths and ready.input_latency_s == 0.5
+        snapped = min(ready.strengths, key=lambda s: (abs(s - 0.9), -s))
+        assert ready.strength == snapped
+        assert await c.wait_until(lambda: sum(h.input == "frames" for h in c.headers) >= 3, T)
+        c.input_paused = True  # the camera stops for 2.5 s
+        assert await c.wait_until(lambda: c.headers[-1].input == "missing", T)
+        await asyncio.sleep(2.5)
+        c.input_paused = False
+        n = len(c.headers)
+        assert await c.wait_until(lambda: any(h.input == "frames" for h in c.headers[n:]), T)
+        stats = server.sessions[ready.stream_id].input.stats()
+    statuses = [h.input for h in c.headers]
+    first_missing = statuses.index("missing")
+    assert "frames" in statuses[first_missing:], statuses  # picked up again
+    for h in c.headers:
+        assert h.strength == snapped
+        if h.input == "frames":
+            assert len(h.capture_ms) == h.frames
+            assert set(h.capture_ms) <= set(sent)  # echoed: each one a capture time the camera sent
+            assert h.capture_ms == sorted(h.capture_ms)
+        else:
+            assert h.input == "missing" and h.capture_ms is None
+    steady = c.headers[1]  # a whole chunk of the camera at the stream's rate: one sent frame a frame, in order
+    i = sent.index(steady.capture_ms[0])
+    assert steady.capture_ms == sent[i : i + steady.frames]
+    assert 3 * 12 <= stats["received"] <= len(sent)  # every frame decoded (one access unit a frame)
+    assert stats["decode_errors"] == 0 and stats["missing_chunks"] >= 1
+    assert c.result().glass_to_glass and c.errors == []
+
+
+async def test_strength_is_steerable_and_only_for_a_stream_with_input(server):
+    async with StreamClient(url(server), ClientConfig(prompt="a red ball", seed=1, input=camera(),
+                                                      decode=DecodeMode.NONE)) as c:
+        await c.send_raw(P.encode(P.SetStrength(strength=1.0)))
+        assert await c.wait_until(lambda: any(a.request == "set_strength" for a in c.acks), T)
+        ack = next(a for a in c.acks if a.request == "set_strength")
+        assert ack.strength == 1.0
+        n = len(c.headers)
+        assert await c.wait_until(lambda: any(h.strength == 1.0 for h in c.headers[n:]), T)
+    async with StreamClient(url(server), ClientConfig(prompt="a red ball", seed=1, decode=DecodeMode.NONE)) as plain:
+        await plain.send_raw(P.encode(P.SetStrength(strength=0.5)))
+        assert await plain.wait_until(lambda: plain.server_errors, T)
+        err = plain.server_errors[0]
+        assert err.code is P.ErrorCode.INVALID_FIELD and err.request == "set_strength" and "input" in err.message
+        assert await plain.wait_until(lambda: plain.chunks >= 1, T)
+        assert all(h.input == "none" and h.capture_ms is None for h in plain.headers)
+
+
+async def test_a_model_without_an_encoder_refuses_input_with_the_reason(server, monkeypatch):
+    monkeypatch.setattr(server.engine.gen, "encoder", None)
+    c = StreamClient(url(server), ClientConfig(prompt="a red ball", seed=1, input=camera()))
+    async with c:
+        assert c.ready is None
+    assert "no encoder" in c.refused_reason and "input" in c.refused_reason
+    async with StreamClient(url(server), ClientConfig(prompt="a red ball", seed=1)) as plain:  # without: admitted
+        assert plain.ready is not None
+
+
+async def _start(server, start: dict) -> tuple:
+    ws = await connect(url(server), max_size=None, compression=None)
+    await ws.send(json.dumps(start))
+    ready = P.parse_server(await asyncio.wait_for(ws.recv(), T))
+    assert isinstance(ready, P.Ready), ready
+    return ws, ready
+
+
+async def test_the_larger_limit_is_the_input_connections_alone_and_garbage_input_is_counted(server):
+    big = b"\x00\x00\x00\x01\x65" + bytes(200_000)  # 200 KB: over the 64 KiB control limit
+    ws, ready = await _start(server, {"type": "start", "prompt": "a red ball", "input": True})
+    try:
+        header = InputHeader.describe([big], [1.0e12], index=0, pts=0, keyframe=True)
+        await ws.send(pack_input(header, [big]))  # framed, but not H.264 the decoder can use
+        await ws.send(b"SSC1\x00\x00\x00\x02{}")  # not even framed
+        errors, chunks = [], 0
+        for _ in range(200):
+            raw = await asyncio.wait_for(ws.recv(), T)
+            if isinstance(raw, bytes):
+                chunks += 1
+                header, _ = P.unpack_chunk(raw)
+                assert header.input == "missing"  # nothing decoded: the stream goes on as text-to-video
+            else:
+                msg = P.parse_server(raw)
+                if isinstance(msg, P.Error):
+                    errors.append(msg)
+            if chunks >= 2 and errors:
+                break
+        assert chunks >= 2
+        assert [e.code for e in errors] == [P.ErrorCode.BAD_CHUNK] and "missing field" in errors[0].message
+        stats = server.sessions[ready.stream_id].input.stats()
+        assert stats["decode_errors"] >= 2  # the undecodable access unit and the unframed message
+    finally:
+        await ws.close()
+    ws, ready = await _start(server, {"type": "start", "prompt": "a red ball"})  # no input: the control limit
+    try:
+        await ws.send(pack_input(InputHeader.describe([big], [1.0e12], index=0, pts=0, keyframe=True), [big]))
+        with pytest.raises(ConnectionClosed):
+            for _ in range(200):
+                await asyncio.wait_for(ws.recv(), T)
+        assert ws.close_code == 1009
+    finally:
+        await ws.close()
