@@ -1,0 +1,98 @@
+"""Input video in the scheduler (issue 35): a chunk starts once released by its input, from its start step, and its
+viewer plays it input_latency_s after its release; admission counts the input stage and the fewer forwards."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from streamsvc.scheduling import Scheduler, SchedulerConfig, SchedulerError, Stage, StreamRequest
+from tests.streamsvc.scheduling.helpers import COST, FPS, C, Clock, D, make
+
+LATENCY = 0.5
+
+
+def admit_input(sched: Scheduler, stream_id: str = "a", start_step: int = 2, now: float = 0.0) -> None:
+    req = StreamRequest(stream_id, FPS, input_start_step=start_step, input_latency_s=LATENCY)
+    assert sched.admit(req, now).accepted
+
+
+def test_a_chunk_waits_for_its_release_then_runs_from_its_start_step():
+    sched = make()
+    admit_input(sched)
+    assert sched.next(0.0) is None and sched.wake_at(0.0) is None  # no input yet: nothing to run, no wake by time
+    assert sched.releasable("a") == 0
+    sched.release("a", 0, 2, 0.5625)  # its 9th frame came at 0.5625
+    clock = Clock(sched, now=0.5625)
+    plans = clock.run(3)  # steps 2 and 3 (the plan counts forwards from 0), then the commit
+    assert [(k, s) for k, _, s in plans] == [(D, 0), (D, 1), (C, 4)]
+    assert clock.delivered == [(0.5625 + 3 * COST, "a")]
+    assert sched.next(clock.now) is None  # chunk 1 not released: its input has not come
+    assert sched.releasable("a") == 1
+    with pytest.raises(SchedulerError):
+        sched.release("a", 0, 2, clock.now)  # released (and committed) already
+    with pytest.raises(ValueError):
+        sched.release("a", 1, 4, clock.now)  # no step 4 in a 4-step schedule
+
+
+def test_the_viewer_plays_the_first_chunk_of_input_from_its_release_plus_the_latency():
+    sched = make()
+    admit_input(sched)
+    sched.release("a", 0, 2, 0.5625)
+    clock = Clock(sched, now=0.5625)
+    clock.run(3)  # delivered at 0.75
+    # it plays from 0.5625 + 0.5 + (12 - 9) / 16 = 1.25: until then it holds all 9 frames
+    assert sched.stream_stats("a", 1.0).buffered_s == 9 / FPS
+    assert sched.stream_stats("a", 1.25 + 0.25).buffered_s == 9 / FPS - 0.25
+    # chunk 1 (frames 9..20) is released as its 21st frame comes (0.5625 + 0.75) and due 0.5 s later, when the
+    # first chunk has played out: 1.25 + 0.5625 = 1.8125 = 1.3125 + 0.5
+    assert sched.stream_stats("a", 1.3125).buffered_s == pytest.approx(1.8125 - 1.3125)
+    sched.release("a", 1, 2, 1.3125)
+    plan = sched.next(1.3125)
+    assert plan is not None and plan.kind is D and plan.chunk_index == (1,)  # at once, whatever the lead
+
+
+def test_a_missing_input_runs_every_step_and_a_chunk_of_input_is_no_degraded_one():
+    sched = make()
+    admit_input(sched, start_step=3)
+    sched.release("a", 0, 0, 0.6, frames=False)  # missing: text-to-video, from step 0
+    clock = Clock(sched, now=0.6)
+    assert [(k, s) for k, _, s in clock.run(5)] == [(D, 0), (D, 1), (D, 2), (D, 3), (C, 4)]
+    sched.release("a", 1, 3, clock.now)  # frames again, at the last step: one forward
+    assert [(k, s) for k, _, s in clock.run(2)] == [(D, 0), (C, 4)]
+    stats = sched.stats(clock.now)
+    assert stats.degraded_chunks == 0 and not stats.pressure
+
+
+def test_a_chunk_of_input_degrades_only_the_steps_after_its_start():
+    sched = make(degrade_steps=(3, 2), degrade_margin_s=0.125)
+    admit_input(sched, start_step=1)
+    sched.release("a", 0, 1, 0.5625)
+    clock = Clock(sched, now=0.5625)
+    clock.run(4)  # steps 1, 2, 3 and the commit: no hurry, nothing degraded
+    # chunk 1 released late: its viewer (playing chunk 0 since 1.25) runs dry 0.1 s later, short of any chunk
+    late = 1.25 + 0.5625 - 0.1
+    sched.release("a", 1, 1, late)
+    plan = sched.next(late)
+    assert plan.kind is D and plan.step == 0 and plan.steps == (2,)  # n = 2 of (3, 2): step 1 alone, the fewest
+    sched.complete(plan, late + COST, COST)
+    clock.now = late + COST
+    assert [(k, s) for k, _, s in clock.run(1)] == [(C, 4)]
+    assert sched.stats(clock.now).degraded_chunks == 1
+
+
+def test_admission_counts_the_fewer_forwards_and_the_input_stage_of_streams_with_input():
+    cfg = SchedulerConfig(initial_forward_s=COST, input_target=0.5)
+    sched = Scheduler(cfg)
+    full = sched.stream_load(StreamRequest("t", FPS))
+    one = sched.stream_load(StreamRequest("i", FPS, input_start_step=3))
+    assert full == pytest.approx(16 / 12 * 5 * COST) and one == pytest.approx(16 / 12 * 2 * COST)
+    sched.seed_stage(Stage.INPUT, 0.2)  # 0.2 s of decode, scale and encode a chunk: 0.27 of the stage a stream
+    assert sched.admit(StreamRequest("t1", FPS), 0.0).accepted  # no input: the input stage is not its
+    assert sched.stage_load(Stage.INPUT) == 0.0
+    assert sched.admit(StreamRequest("i1", FPS, input_start_step=3), 0.0).accepted
+    assert sched.stage_load(Stage.INPUT) == pytest.approx(16 / 12 * 0.2)
+    refused = sched.admit(StreamRequest("i2", FPS, input_start_step=3), 0.0)
+    assert not refused.accepted and "input" in refused.reason and "decode" in refused.reason
+    assert math.isclose(sched.stage_load(Stage.INPUT, StreamRequest("t2", FPS)), 16 / 12 * 0.2)
