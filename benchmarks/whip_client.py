@@ -2,7 +2,7 @@
 simple-whip-client, GStreamer's webrtcbin) publishes a .y4m rendered from models/scenes.py over loopback
 (`filesrc ! y4mdec ! x264enc tune=zerolatency ! rtph264pay`) into a stream opened with input.
 
-The server runs in this process (tiny preset, CPU, ICE on 127.0.0.1). A stream is opened with `start` and `"input":
+The server runs in this process (tiny preset, CPU; ICE on this host's addresses and loopback, see below). A stream is opened with `start` and `"input":
 true` over /ws (its steer secret in `ready`); then `whip-client -u http://127.0.0.1:PORT/whip/ID?secret=STEER` runs,
 once with -n (every candidate in the offer) and once without (trickle: its PATCHes get 405, and it connects with
 the candidates its offer has). Per run: whip-client's exit, the 201's time, the time to the first input frame, the
@@ -15,10 +15,15 @@ InputFrames is attached to the session (as tests/client/test_whip.py does) and o
 
 Prints a line per run; ends with one JSON line.
 
-On Debian 12 (bookworm) the packaged whip-client (0.0~git20230131-1, installed in about 21 s) aborts at start:
-it links libsoup-2.4 while GStreamer's nice plugin (libnice -> gupnp-igd -> gssdp) loads libsoup-3, and GLib refuses
-both in one process ("libsoup2 symbols detected"). The script says so; CI uses an aiortc publisher instead
-(tests/client/test_whip.py).
+Two things stood between Debian 12's whip-client (0.0~git20230131-1, installed in about 21 s) and this server:
+- it aborts at start as installed: it links libsoup-2.4, while GStreamer's nice plugin loads libsoup-3 (libnice ->
+  gupnp-igd -> gupnp -> gssdp), and GLib refuses both in one process ("libsoup2 symbols detected"). The script builds
+  a stand-in libgupnp-igd-1.0.so.4 (IGD_STUB: UPnP port mapping, of no use on loopback) with the system's C compiler
+  and puts it first on whip-client's LD_LIBRARY_PATH (--no-igd-stub: as installed);
+- DTLS: aiortc as a DTLS client offers ECDSA cipher suites only and GStreamer 1.22's DTLS serves an RSA certificate
+  ("no shared cipher"); the server's WHIP answer is therefore setup:passive (streamsvc/whip.py).
+libnice offers no loopback candidate: the server gathers on this host's addresses too (ICE_ADDRESSES); the media
+stays on the host. tests/client/test_whip_client.py runs this script in CI (skipped without whip-client or cc).
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +54,9 @@ from streamsvc.rtc import WebRtcConfig  # noqa: E402
 from streamsvc.server import Server, ServerConfig  # noqa: E402
 
 WIDTH, HEIGHT, FPS = 320, 240, 30
+# the server gathers on this host's interfaces as well as loopback: libnice (whip-client's ICE) offers no loopback
+# candidate, so the pairs that work are between this host's own addresses (its traffic stays on the host)
+ICE_ADDRESSES = ("*", "127.0.0.1")
 
 
 def render_y4m(path: Path, seconds: float) -> int:
@@ -64,6 +74,32 @@ def render_y4m(path: Path, seconds: float) -> int:
         for packet in stream.encode():
             out.mux(packet)
     return n
+
+
+IGD_STUB = r"""
+/* A stand-in for libgupnp-igd-1.0.so.4 (UPnP port mapping, of no use on loopback). libnice needs these four symbols;
+   with this library first on LD_LIBRARY_PATH nothing in whip-client's process loads libsoup-3 (gupnp-igd -> gupnp ->
+   gssdp -> soup3), which GLib refuses beside whip-client's own libsoup-2.4. */
+#include <stddef.h>
+void *gupnp_simple_igd_thread_new(void) { return NULL; }
+unsigned long gupnp_simple_igd_get_type(void) { return 20UL << 2; /* G_TYPE_OBJECT */ }
+void gupnp_simple_igd_add_port(void *self, const char *protocol, unsigned int external_port, const char *local_ip,
+                               unsigned int local_port, unsigned int lease_duration, const char *description) {}
+void gupnp_simple_igd_remove_port_local(void *self, const char *protocol, const char *local_ip,
+                                        unsigned int local_port) {}
+"""
+
+
+def build_igd_stub(folder: Path) -> Path | None:
+    """libgupnp-igd-1.0.so.4 without UPnP (IGD_STUB), built with the system's C compiler; None without one."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    source = folder / "igd_stub.c"
+    source.write_text(IGD_STUB)
+    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libgupnp-igd-1.0.so.4", "-o",
+                    str(folder / "libgupnp-igd-1.0.so.4"), str(source)], check=True, timeout=60)
+    return folder
 
 
 def pipeline(y4m: Path) -> str:
@@ -98,7 +134,7 @@ async def open_stream(server: Server):
     return ready["stream_id"], ready["steer_secret"], ws, headers, reader
 
 
-async def one_run(server: Server, y4m: Path, seconds: float, trickle: bool) -> dict:
+async def one_run(server: Server, y4m: Path, seconds: float, trickle: bool, stub: Path | None) -> dict:
     stream_id, steer, ws, headers, reader = await open_stream(server)
     session = server.sessions[stream_id]
     attached = getattr(session, "input", None) is None
@@ -108,7 +144,11 @@ async def one_run(server: Server, y4m: Path, seconds: float, trickle: bool) -> d
     url = f"http://127.0.0.1:{server.port}/whip/{stream_id}?secret={steer}"
     args = ["whip-client", "-u", url, "-V", pipeline(y4m), "-l", "4", "-o"] + ([] if trickle else ["-n"])
     started = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    env = dict(os.environ)
+    if stub is not None:
+        env["LD_LIBRARY_PATH"] = f"{stub}{os.pathsep}{env.get('LD_LIBRARY_PATH', '')}"
+    proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                                                env=env)
     first_frame = created = None
     log_lines: list[str] = []
 
@@ -141,12 +181,14 @@ async def one_run(server: Server, y4m: Path, seconds: float, trickle: bool) -> d
     return {"trickle": trickle, "exit": proc.returncode, "created_s": created, "first_input_frame_s": first_frame,
             "input_received": stats["received"], "decode_errors": stats["decode_errors"], "chunks": len(headers),
             "chunks_restyling_input": None if attached else restyled, "patch_405_lines": patches,
-            "log_tail": log_lines[-6:]}
+            "log_tail": log_lines[-8:]}
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="length of the .y4m and of each run")
+    parser.add_argument("--no-igd-stub", action="store_true", help="run whip-client as installed (on Debian 12 it "
+                        "aborts: libsoup-2.4 and libsoup-3 in one process) instead of with the UPnP stub first")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if shutil.which("whip-client") is None:
@@ -159,10 +201,12 @@ async def main() -> None:
         frames = render_y4m(y4m, args.seconds)
         print(f"rendered {frames} frames {WIDTH}x{HEIGHT} at {FPS} fps into {y4m.name} ({y4m.stat().st_size >> 10} KiB)")
         server = Server(EngineConfig(preset="tiny", device="cpu"),
-                        ServerConfig(port=0, webrtc=WebRtcConfig(ice_addresses=("127.0.0.1",))))
+                        ServerConfig(port=0, webrtc=WebRtcConfig(ice_addresses=ICE_ADDRESSES)))
         await server.start()
         try:
-            runs = [await one_run(server, y4m, args.seconds, trickle) for trickle in (False, True)]
+            stub = None if args.no_igd_stub else build_igd_stub(Path(tmp))
+            print(f"whip-client runs {'with the UPnP stub first on LD_LIBRARY_PATH' if stub else 'as installed'}")
+            runs = [await one_run(server, y4m, args.seconds, trickle, stub) for trickle in (False, True)]
         finally:
             await asyncio.wait_for(server.stop(), 30)
     for run in runs:
@@ -172,7 +216,7 @@ async def main() -> None:
               f"restyling input), exit {run['exit']}")
         for line in run["log_tail"]:
             print("    |", line[:160])
-    ok = all(r["input_received"] >= 0.5 * frames and r["decode_errors"] == 0 for r in runs)
+    ok = all(r["input_received"] >= 0.5 * frames and r["decode_errors"] == 0 and r["exit"] == 0 for r in runs)
     # Debian 12's whip-client links libsoup-2.4, and webrtcbin's libnice pulls libsoup-3 in (gupnp-igd): GLib aborts
     clash = any("libsoup2 symbols detected" in line for r in runs for line in r["log_tail"])
     if clash:

@@ -152,6 +152,11 @@ class Ingest:
             for other in pc.getTransceivers():
                 if other is not video:
                     other.direction = "inactive"
+            # the offer's setup:actpass: answered passive (this side the DTLS server). aiortc as a DTLS client offers
+            # ECDSA cipher suites only, and GStreamer's DTLS (webrtcbin 1.22: whip-client, whipclientsink) serves an
+            # RSA certificate: "no shared cipher". As the server, aiortc's ECDSA certificate suits every client.
+            if video.receiver.transport._role == "auto":
+                video.receiver.transport._set_role("server")
             clock = SenderClock()
             hooked = clock.install(video.receiver)
             try:

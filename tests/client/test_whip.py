@@ -91,6 +91,7 @@ async def test_an_aiortc_whip_publisher_feeds_the_streams_input():
                     location, answer = r.headers["Location"], await r.text()
                 assert location.startswith("/whip/session/") and len(location.rsplit("/", 1)[1]) >= 22
                 assert re.search(rf"a=rtpmap:\d+ {codec}/90000", answer) and "a=recvonly" in answer
+                assert "a=setup:passive" in answer  # the server is the DTLS server (GStreamer's DTLS needs it)
                 await pc.setRemoteDescription(RTCSessionDescription(answer, "answer"))
                 assert await until(lambda: session.input.stats()["received"] >= received + 30, 20), \
                     session.input.stats()
