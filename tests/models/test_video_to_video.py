@@ -187,3 +187,36 @@ def test_the_builtin_model_file_brings_its_pca_encoder():
     z = gen.encoder.encode(scene_frames(gen, 0, 9), gen.encoder.init_state())
     # the PCA is whitened on rendered scenes: their latents have about unit spread
     assert z.shape == (16, 3, 16, 16) and 0.3 < float(z.std()) < 3
+
+
+def taehv_generator():
+    """The tiny preset with a causal encoder (TAEHV's layout, 6 channels, random weights) in place of the PCA."""
+    from models.taehv import TAEHVEncoder
+
+    base = tiny_generator()
+    torch.manual_seed(0)
+    enc = TAEHVEncoder(width=6).eval()
+    return type(base)(base.model, base.cfg, base.text_encoder, base.decoder, enc)
+
+
+def test_parking_between_chunks_carries_a_causal_encoders_memory():
+    want_gen = taehv_generator()
+    want = stream_chunks(want_gen, want_gen.open_stream("s", "a cat", seed=5), 3, strength=0.6)
+    gen = taehv_generator()
+    state = gen.open_stream("s", "a cat", seed=5)
+    got = stream_chunks(gen, state, 1, strength=0.6)
+    memory = dict(state.encoder.memory)
+    assert len(memory) == 9 and state.encoder.frames_in == 9  # the 9 MemBlocks' last inputs
+    parked = gen.park(state)
+    assert state.encoder is None and parked.nbytes >= sum(t.numel() * 4 for t in memory.values())
+    assert all(torch.equal(parked.fields["encoder"].memory[i], m) for i, m in memory.items())
+    gen.restore(parked, StreamCache(gen.cache_spec(), gen.device))
+    first = 9
+    for c in (1, 2):
+        got.append(chunk(gen, state, scene_frames(gen, first, 12)))
+        first += 12
+    for a, b in zip(want, got):
+        assert torch.equal(a.latents, b.latents)
+    # a missing chunk resets the causal run: the next input starts a new one (an empty memory)
+    chunk(gen, state, None)
+    assert state.encoder.frames_in == 0 and state.encoder.memory == {}
