@@ -350,7 +350,8 @@ class WanVAEEncoder(nn.Module):
         (not normalized), in float32; updates state."""
         x = video[None].to(self.device, self.dtype)  # [1, 3, T, H, W]
         first = state.frames_in == 0
-        groups = ([x[:, :, :1]] if first else []) + list(x[:, :, 1 if first else 0 :].split(4, dim=2))
+        rest = x[:, :, 1 if first else 0 :]
+        groups = ([x[:, :, :1]] if first else []) + (list(rest.split(4, dim=2)) if rest.shape[2] else [])
         outs = []
         for g in groups:  # as AutoencoderKLWan._encode: frame 0 alone, then 4 at a time
             idx = [0]
