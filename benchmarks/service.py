@@ -4,6 +4,7 @@
     python benchmarks/service.py --preset tiny --device cpu --max-streams 2 --duration 8     # a CPU smoke run
     python benchmarks/service.py --url ws://127.0.0.1:8000/ws --max-streams 4                # a running server
     python benchmarks/service.py --preset wan2.1-1.3b --fidelity exact,quantized,approximate --start 2 --max-streams 5
+    python benchmarks/service.py --preset tiny --device cpu --input synthetic --start 6 --max-streams 16 --step 2
 
 What it does, in one invocation:
 
@@ -19,6 +20,10 @@ What it does, in one invocation:
    (every viewer connects at once, a new prompt every --prompt-every seconds) and reads its JSON report.
    It stops raising N after the first run with stalls, refusals (the admitted count stops growing) or a
    failed load test, then stops the server (SIGINT, bounded wait, then SIGKILL).
+
+With `--input synthetic` (or `--input FILE`) every viewer sends its camera (a rendered scene of models/scenes.py, or
+the file, looped) as the stream's input video (issue 35, `loadtest --input`), at `--strength`; the rows then carry
+glass-to-glass p50 / p95 (capture -> played) too.
 
 For each N it reports admitted / refused (and the first refusal's reason), stalls and the stall ratio,
 TTFF and control latency p50 / p95, delivered fps (mean per stream and the sum), chunk latency mean / max
@@ -89,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speed-options", default=None, metavar="LIST",
                    help="`--speed-options LIST` for every tier's server and benchmark (default: each tier's own)")
     p.add_argument("--start", type=int, default=1, help="first N of viewers tried (default 1)")
+    p.add_argument("--input", default=None, metavar="synthetic|FILE",
+                   help="every viewer sends input video for its stream to restyle (loadtest --input): streams per "
+                        "device at 0 stalls with input, and glass-to-glass latency")
+    p.add_argument("--strength", type=float, default=None, help="with --input: the streams' strength (loadtest --strength)")
     args = p.parse_args(argv)
     if args.max_streams < 1 or args.step < 1 or args.duration <= 0 or not 1 <= args.start <= args.max_streams:
         p.error(f"--max-streams and --step must be >= 1, --start in [1, --max-streams] and --duration > 0; got "
@@ -282,6 +291,8 @@ def loadtest(args, url: str, n: int, logdir: Path) -> dict | None:
     report_path = logdir / f"loadtest-{n}.json"
     cmd = [sys.executable, "-m", "streamsvc.cli", "loadtest", "--url", url, "--streams", str(n),
            "--duration", str(args.duration), "--prompt-every", str(args.prompt_every), "--json", str(report_path)]
+    if getattr(args, "input", None):
+        cmd += ["--input", args.input] + ([] if args.strength is None else ["--strength", str(args.strength)])
     timeout_s = args.duration * 1.5 + 90.0 + 0.5 * n  # viewers' open timeouts and the report on top of the watching
     code = run_child(cmd, logdir / f"loadtest-{n}.log", timeout_s, f"the load test with {n} viewers")
     try:
@@ -347,6 +358,8 @@ def row(n: int, report: dict, bench: dict | None, steps: int = DEFAULT_STEPS) ->
         "gpu_vs_bench": round(gpu_ms / bench_ms, 3) if gpu_ms and bench_ms else None,
         "engine_busy": srv.get("engine_busy"),
         "errors": report["errors"]["count"],
+        "g2g_p50_s": (report.get("glass_to_glass_s") or {}).get("p50"),  # with --input: capture -> played
+        "g2g_p95_s": (report.get("glass_to_glass_s") or {}).get("p95"),
     }
 
 
@@ -376,7 +389,7 @@ COLUMNS = (  # header, row key, format
     ("lat_max", "chunk_latency_max_s", "{:.3f}"), (">1s", "chunks_over_1s", "{:.0f}"),
     ("gpu_ms", "engine_gpu_ms_per_chunk", "{:.1f}"), ("wall_ms", "engine_wall_ms_per_chunk", "{:.1f}"),
     ("enc_ms", "encode_ms_per_chunk", "{:.1f}"), ("bench_ms", "bench_chunk_ms", "{:.1f}"),
-    ("gpu/bench", "gpu_vs_bench", "{:.2f}"),
+    ("gpu/bench", "gpu_vs_bench", "{:.2f}"), ("g2g50", "g2g_p50_s", "{:.3f}"), ("g2g95", "g2g_p95_s", "{:.3f}"),
 )
 
 

@@ -215,7 +215,8 @@ def _park(args) -> dict:
     if not args.park_budget_gib >= 0 or not args.park_timeout > 0:
         raise ValueError(f"--park-budget-gib takes a number >= 0 (0: no pausing) and --park-timeout one > 0, got "
                          f"{args.park_budget_gib:g} and {args.park_timeout:g}")
-    return dict(park_budget_bytes=int(args.park_budget_gib * 2**30), park_timeout_s=args.park_timeout)
+    return dict(park_budget_bytes=int(args.park_budget_gib * 2**30), park_timeout_s=args.park_timeout,
+                input_latency_s=getattr(args, "input_latency", 0.5))  # (and input video's latency, issue 35)
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -258,6 +259,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "budget is refused; 0 refuses every pause")
     p.add_argument("--park-timeout", type=float, default=300.0, metavar="S",
                    help="seconds a stream may stay paused (default 300); then it is closed and its host memory freed")
+    p.add_argument("--input-latency", type=float, default=0.5, metavar="S",
+                   help="input video (issue 35): a chunk plays this long after its last input frame came (default "
+                        "0.5); one later is a stall. Glass-to-glass is about a chunk's duration plus this")
 
 
 def cmd_serve(args) -> int:

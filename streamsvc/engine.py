@@ -313,7 +313,7 @@ class Engine:
             log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
         self._cheap_encode = warm_up(gen, self.sched, cfg.warmup_chunks, self.clock)
         self.inputs = InputStage(gen, self.sched, self.clock, lambda: self._commands.put(_Command(int, ())),
-                                 cfg.input_latency_s)
+                                 cfg.input_latency_s, parallel=cfg.group is not None)
         seed_input_stage(gen, self.sched)
         self.snapshot = self.sched.stats(self.clock())
 

@@ -13,8 +13,9 @@ seeds (`seed_input_stage`). Each committed chunk's header gets its input ("frame
 of each frame's input frame and its strength (`header`).
 
 If a chunk released with frames finds none when it starts (the sender handed over or the stream paused in
-between), it runs on black frames at its release's step, its header says "missing": the scheduler's forward count
-for it was already planned.
+between), it runs on the last frame taken (black if none) at its release's step, and its header says "missing": the
+scheduler's forward count for it was already planned. Input is refused with --parallel (the group's workers do not
+replay set_input: not built).
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ class InputStage:
     """Releases and input frames for the engine's streams with input (engine thread only)."""
 
     def __init__(self, gen, sched: Scheduler, clock: Callable[[], float], wake: Callable[[], None],
-                 latency_s: float) -> None:
+                 latency_s: float, parallel: bool = False) -> None:
         self.gen, self.sched, self.clock, self.wake = gen, sched, clock, wake
+        self.parallel = parallel  # --parallel K: the group's workers do not replay set_input (not built)
         self.latency_s = latency_s  # --input-latency: a chunk is due this long after its release
         self.streams: dict[str, InputStream] = {}
 
@@ -74,6 +76,9 @@ class InputStage:
 
     def refusal(self) -> str | None:
         """Why a stream cannot take input on this model; None when it can."""
+        if self.parallel:
+            return ("input video is not built for a stream split over a group of devices (--parallel): serve "
+                    "without --parallel to take input")
         if not getattr(self.gen, "can_take_input", False):
             return ("this model has no encoder, so it cannot take input video (start without \"input\"); the "
                     "built-in model and those with a Wan VAE or TAEHV encoder can")
@@ -149,10 +154,13 @@ class InputStage:
             self.gen.set_input(state, None)
             stream.captures[chunk_index] = None
             return
-        if taken is None:  # released with frames that went (a handover, a pause): black, at the planned step
-            log.info("stream %s: chunk %d's input went before it started; it runs on black frames", stream_id,
-                     chunk_index)
-            frames = torch.zeros(n, self.gen.model_cfg.height, self.gen.model_cfg.width, 3, dtype=torch.uint8)
+        if taken is None:  # released with frames that went (a handover, a pause): the last one, or black
+            log.info("stream %s: chunk %d's input went before it started; it runs on the last frame taken (or "
+                     "black)", stream_id, chunk_index)
+            last = stream.frames.last_frame()
+            mc = self.gen.model_cfg
+            frames = torch.zeros(n, mc.height, mc.width, 3, dtype=torch.uint8) if last is None else \
+                torch.from_numpy(last).expand(n, -1, -1, -1).contiguous()
             stream.captures[chunk_index] = None
         else:
             frames = torch.from_numpy(taken.frames)

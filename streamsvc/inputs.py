@@ -216,6 +216,11 @@ class InputFrames:
         with self._lock:
             return any(s in self._slots for s in range(first, first + n))
 
+    def last_frame(self) -> np.ndarray | None:
+        """The frame of the newest slot taken (what an empty slot would repeat); None after a gap or before any."""
+        with self._lock:
+            return None if self._last is None else self._last.frame
+
     def take_work(self) -> float:
         """The decode and scale time spent since the last call (and forget it)."""
         with self._lock:

@@ -189,8 +189,8 @@ class Scheduler:
     def releasable(self, stream_id: str) -> int | None:
         """Input video: the index of the stream's next chunk to release (its next one not released yet, the one
         after its chunk in progress at most); None when there is none now (or it takes no input)."""
-        s = self._streams.get(stream_id) or self._parked.get(stream_id)
-        if s is None or not s.has_input:
+        s = self._streams.get(stream_id)  # (a parked stream's next chunk is released once it is back)
+        if s is None or not s.has_input or s.parking:
             return None
         for c in (s.chunks_done, s.chunks_done + 1):
             if c not in s.releases:
