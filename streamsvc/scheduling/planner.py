@@ -51,7 +51,9 @@ the lead would only spend its deadline. It starts at its release's start step (t
 0 when its input was missing), so it runs fewer forwards (`_Stream.forwards`): steps k .. max(n, k + 1) - 1 for a
 chunk of n steps (degrading drops steps after the start step). Plan.step counts a chunk's forwards from 0 (the
 engine adds k); Plan.steps is n, the schedule's step the chunk ends at. A chunk is degraded when it runs fewer
-forwards than its full count from its start step. The first chunk with input frames plays from its release +
+forwards than its full count from its start step. A new prompt never restarts a chunk of input video in progress
+(the next chunk takes it): its deadline is short, and streams with input released together (viewers started
+together) have theirs at the same time, so the redone work would come when every stream needs the device. The first chunk with input frames plays from its release +
 input_latency_s + (chunk_frames - first_chunk_frames) / fps: from then on chunk c (c >= 1) is due exactly
 input_latency_s after its release when the input comes in real time.
 
@@ -411,7 +413,7 @@ class Planner:
         chunk_s = self.costs.chunk_s()
         recache_s = self.costs.recache_s()
         restart = False
-        if s.step > 0 and s.prompt_seq > s.chunk_seq and cfg.restart_on_prompt and not s.parking:
+        if s.step > 0 and s.prompt_seq > s.chunk_seq and cfg.restart_on_prompt and not s.parking and not s.has_input:
             # A new prompt arrived mid-chunk: start over under it if the buffer lasts that long.
             redo_s = chunk_s + (recache_s if s.chunks_done > 0 else 0.0)
             restart = self._slack(s, now, redo_s, plain) >= cfg.restart_margin_chunks * chunk_s

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from streamsvc.scheduling import Scheduler, SchedulerConfig, SchedulerError, Stage, StreamRequest
-from tests.streamsvc.scheduling.helpers import COST, FPS, C, Clock, D, make
+from tests.streamsvc.scheduling.helpers import COST, FPS, C, Clock, D, admit, make
 
 LATENCY = 0.5
 
@@ -96,3 +96,20 @@ def test_admission_counts_the_fewer_forwards_and_the_input_stage_of_streams_with
     refused = sched.admit(StreamRequest("i2", FPS, input_start_step=3), 0.0)
     assert not refused.accepted and "input" in refused.reason and "decode" in refused.reason
     assert math.isclose(sched.stage_load(Stage.INPUT, StreamRequest("t2", FPS)), 16 / 12 * 0.2)
+
+
+def test_a_new_prompt_does_not_restart_a_chunk_of_input_in_progress():
+    sched = make(startup_slack_s=10.0)  # slack to spare: a stream without input would restart (below)
+    admit_input(sched, start_step=0)
+    sched.release("a", 0, 0, 0.5625)
+    clock = Clock(sched, now=0.5625)
+    clock.run(1)  # step 0 of 4
+    sched.set_prompt("a", clock.now)
+    plan = sched.next(clock.now)
+    assert plan.kind is D and plan.step == 1 and plan.restart == (False,)
+    plain = make(startup_slack_s=10.0)
+    admit(plain, "b")
+    clock = Clock(plain)
+    clock.run(1)
+    plain.set_prompt("b", clock.now)
+    assert plain.next(clock.now).restart == (True,)
