@@ -42,6 +42,8 @@ class Metrics:
         self.orphans = Gauge("streamsvc_orphaned_streams", "Open streams whose steerer left (watchers remain)",
                              registry=r)
         self.recordings = Gauge("streamsvc_recordings", "Streams being recorded", registry=r)
+        self.input = Gauge("streamsvc_input", "Input video of the open streams (issue 35): frames received, dropped, "
+                           "repeated, decode errors, chunks taken with frames and missing", ["kind"], registry=r)
         self.recording_bytes = Gauge("streamsvc_recordings_bytes", "Disk the recordings use", registry=r)
         self.chunk_latency = Histogram("streamsvc_chunk_latency_seconds", "First denoising step to chunk ready",
                                        registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
@@ -98,6 +100,9 @@ class Metrics:
         m.watchers.set(sum(s.watchers for s in sessions))
         m.orphans.set(sum(1 for s in sessions if s.steerer is None))
         m.recordings.set(sum(1 for s in sessions if s.recorder is not None))
+        inputs = [s.input.stats() for s in sessions if s.input is not None]
+        for kind in ("received", "dropped", "repeated", "decode_errors", "chunks", "missing_chunks"):
+            m.input.labels(kind).set(sum(i[kind] for i in inputs))
         m.recording_bytes.set(recording_bytes)
         m.kv_budget.set(engine.kv_budget_bytes)
         for kind, n in engine.forwards.items():
