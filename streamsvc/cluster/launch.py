@@ -84,6 +84,16 @@ def connect(address: str, local_gpus: int | None = None, num_cpus: int | None = 
     return "the Ray cluster running on this machine" if address == "auto" else f"the Ray cluster at {address}"
 
 
+def actor_options(config: DeployConfig) -> dict:
+    """A replica's Ray actor options: its GPUs and CPUs, and for a group's replica (--parallel K, K GPUs) the
+    environment that keeps NVLink multicast off in its process and its ranks, on any cluster (a local instance's
+    workers inherit it from `connect` too)."""
+    options = {"num_gpus": config.num_gpus, "num_cpus": config.num_cpus}
+    if config.num_gpus > 1:
+        options["runtime_env"] = {"env_vars": dict(PARALLEL_ENV)}
+    return options
+
+
 def deploy(replica: ReplicaConfig, config: DeployConfig = DeployConfig()):
     """Run the engine deployment (Serve without its HTTP proxy); returns its handle once every replica is up."""
     from ray import serve
@@ -93,9 +103,7 @@ def deploy(replica: ReplicaConfig, config: DeployConfig = DeployConfig()):
 
     serve.start(proxy_location="Disabled")
     deployment = serve.deployment(
-        EngineReplica, name=DEPLOYMENT, num_replicas=config.replicas,
-        ray_actor_options={"num_gpus": config.num_gpus, "num_cpus": config.num_cpus,
-                           "runtime_env": {"env_vars": dict(PARALLEL_ENV)}},  # no NVLink multicast, on any cluster
+        EngineReplica, name=DEPLOYMENT, num_replicas=config.replicas, ray_actor_options=actor_options(config),
         max_ongoing_requests=config.max_streams, max_queued_requests=-1,
         graceful_shutdown_timeout_s=config.drain_timeout_s, graceful_shutdown_wait_loop_s=0.5,
         health_check_period_s=config.health_period_s, health_check_timeout_s=config.health_timeout_s,

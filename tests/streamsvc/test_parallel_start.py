@@ -195,9 +195,13 @@ def test_on_the_cpu_devices_takes_the_count_or_one_id_per_rank(gpus):
 
 
 def test_a_cluster_of_groups_deploys_g_over_k_replicas_of_k_gpus(capsys):
-    from streamsvc.cluster.launch import group_replicas
+    from models.parallel import PARALLEL_ENV
+    from streamsvc.cluster.launch import DeployConfig, actor_options, group_replicas
 
     assert group_replicas(8, 4) == (2, 4.0)
+    assert actor_options(DeployConfig(replicas=2, num_gpus=4.0)) == {
+        "num_gpus": 4.0, "num_cpus": 1.0, "runtime_env": {"env_vars": PARALLEL_ENV}}  # multicast off, any cluster
+    assert actor_options(DeployConfig(replicas=2)) == {"num_gpus": 1.0, "num_cpus": 1.0}
     assert group_replicas(2, 1) == (2, 1.0)
     assert group_replicas(0, 4) == (0, 4.0)  # --gpus 0: attach to the running replicas
     with pytest.raises(ValueError, match=r"^--gpus 6 does not split into groups of --parallel 4: each replica holds 4 "
