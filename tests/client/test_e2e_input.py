@@ -150,3 +150,32 @@ async def test_the_larger_limit_is_the_input_connections_alone_and_garbage_input
         assert ws.close_code == 1009
     finally:
         await ws.close()
+
+
+async def test_the_input_is_the_steerers_a_handover_stops_it_and_a_pause_drops_it(server):
+    steerer = StreamClient(url(server), ClientConfig(prompt="a red ball", seed=2, input=camera(),
+                                                     decode=DecodeMode.NONE))
+    async with steerer:
+        ready = steerer.ready
+        session = server.sessions[ready.stream_id]
+        assert await steerer.wait_until(lambda: any(h.input == "frames" for h in steerer.headers), T)
+        await steerer.pause()
+        assert await steerer.wait_until(lambda: any(a.request == "pause" for a in steerer.acks), T)
+        await asyncio.sleep(0.5)
+        assert session.input.stats()["paused"] > 0  # frames sent while paused: dropped, counted
+        await steerer.resume()
+        n = len(steerer.headers)
+        assert await steerer.wait_until(lambda: any(h.input == "frames" for h in steerer.headers[n:]), T)
+        watcher = StreamClient(url(server), ClientConfig(watch=ready.stream_id, secret=ready.watch_secret,
+                                                         decode=DecodeMode.NONE))
+        async with watcher:
+            await steerer.send_raw(P.encode(P.Handover(to=watcher.ready.viewer_id)))
+            assert await steerer.wait_until(lambda: any(e.code is P.ErrorCode.NOT_STEERER
+                                                        for e in steerer.server_errors), T)
+            assert "input" in next(e for e in steerer.server_errors if e.code is P.ErrorCode.NOT_STEERER).message
+            n = len(watcher.headers)
+            assert await watcher.wait_until(lambda: any(h.input == "missing" for h in watcher.headers[n:]), T)
+            late = len(watcher.headers)
+            await asyncio.sleep(1.0)  # the old steerer still sends: none of it is restyled any more
+            assert all(h.input == "missing" for h in watcher.headers[late + 1:])
+    assert steerer.result().input_sent > 0
