@@ -21,6 +21,17 @@ Stages, run in order by one command that stops after `--minutes` and checkpoints
    the object was: the rendered chunk is moved to continue from where the model's object is at the end
    of the chunk before, so a stream that drifted is taught to go on from there, not to jump back).
 
+5. follow (video-to-video, issue 35; off unless `follow_steps`, usually from a shipped model with
+   `--init FILE`): teacher forcing where a noisy chunk's position is not the prompt's. The objects
+   start anywhere and move at any velocity (what the prompt does not say), and the noisy chunk is made
+   from an input rendering of the same trajectory in another colour and background (sometimes shape):
+   x_t = (1 - sigma) z_input + sigma eps at one of the sampler's levels below 1, its x0 regressed onto
+   the prompt's look at the input's positions; the caption names no motion. Half its noisy chunks come
+   from the target itself instead (the later steps of an input chunk re-noise the model's own x0). The
+   rest of each batch is the teacher's own text-to-video clips, so that path stays. What changes:
+   before it, the model's x0 ignored x_t's layout (in the scenes nothing is random once the prompts
+   are known, so the context and the prompt fixed the position) and no strength followed an input.
+
 `--smoke` runs a few steps of each on the CPU in seconds (CI runs it). `--export FILE` writes the
 weights as one safetensors file (DiT, decoder, encoder and the text vectors of the caption words).
 """
@@ -44,10 +55,12 @@ from models.decoder import DecoderState, TinyStreamingDecoder, frames_per_chunk
 from models.dit import CacheAccess, CausalWanModel, TextKV
 from models.generator import ChunkGenerator, GeneratorConfig
 from models.latent import BlockPCA, video_frames
-from models.scenes import Clip, draw, sample_clip, vocabulary
+from models.scenes import (
+    BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, Clip, Scene, draw, sample_clip, sample_scene, vocabulary,
+)
 from models.text import HashTextEncoder
 
-STAGES = ("pca", "decoder", "teacher", "rollout")
+STAGES = ("pca", "decoder", "teacher", "rollout", "follow")
 LOSS_WEIGHTS = {"none": 0, "std": 1, "var": 2}  # TrainConfig.loss_weight -> the power of each channel's std
 
 
@@ -89,6 +102,13 @@ class TrainConfig:
     # object went astray continues from there), "absolute" the stream's rendered truth from its first frame
     # (which asks a model that drifted to jump back: a target its context contradicts)
     rollout_truth: str = "history"
+    # video-to-video (stage 5): steps, clips per step (plus as many text-to-video ones), peak learning rate, and
+    # the sampler's schedule whose levels below 1 an input chunk starts at (the built-in model's)
+    follow_steps: int = 0
+    follow_batch: int = 32
+    follow_lr: float = 5e-4
+    follow_timesteps: str = "1000,500,250,100"
+    follow_pool: int = 256  # pairs (and text-to-video clips) rendered and encoded once, each step's batch drawn from them
 
     def __post_init__(self) -> None:
         if self.loss_weight not in LOSS_WEIGHTS:
@@ -98,7 +118,8 @@ class TrainConfig:
 
     @classmethod
     def smoke(cls) -> TrainConfig:
-        return cls(pca_clips=4, decoder_steps=3, teacher_steps=3, batch=2, rollout_steps=2, rollout_batch=2, rollout_chunks=3)
+        return cls(pca_clips=4, decoder_steps=3, teacher_steps=3, batch=2, rollout_steps=2, rollout_batch=2, rollout_chunks=3,
+                   follow_steps=2, follow_batch=2, follow_pool=3)
 
 
 def parse_overrides(text: str) -> dict:
@@ -261,14 +282,15 @@ class Trainer:
         self.rng = np.random.default_rng(cfg.seed)
         self.opt = self._optimizer()
         self.skipped_steps = 0  # steps whose loss was not finite (not stepped), this run
+        self._pool: dict[str, torch.Tensor | list] | None = None  # the follow stage's data (not checkpointed: redrawn)
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
-        params = {"decoder": self.decoder, "teacher": self.model, "rollout": self.model}.get(self.stage)
+        params = {"decoder": self.decoder, "teacher": self.model, "rollout": self.model, "follow": self.model}.get(self.stage)
         return None if params is None else torch.optim.AdamW(params.parameters(), lr=self._peak_lr, weight_decay=0.01)
 
     @property
     def _peak_lr(self) -> float:
-        return self.cfg.rollout_lr if self.stage == "rollout" else self.cfg.lr
+        return {"rollout": self.cfg.rollout_lr, "follow": self.cfg.follow_lr}.get(self.stage, self.cfg.lr)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -313,7 +335,8 @@ class Trainer:
     # -- stages -------------------------------------------------------------------------------
 
     def steps_of(self, stage: str) -> int:
-        return {"pca": 1, "decoder": self.cfg.decoder_steps, "teacher": self.cfg.teacher_steps, "rollout": self.cfg.rollout_steps}[stage]
+        return {"pca": 1, "decoder": self.cfg.decoder_steps, "teacher": self.cfg.teacher_steps, "rollout": self.cfg.rollout_steps,
+                "follow": self.cfg.follow_steps}[stage]
 
     def run(self, minutes: float, save_minutes: float) -> bool:
         """Train for up to `minutes`; returns whether every stage is done."""
@@ -406,6 +429,95 @@ class Trainer:
         loss = (per_frame * weight).sum() / weight.sum().clamp_min(1)
         self._update(loss, self.model)
         return loss.item()
+
+    def follow_step(self) -> float:
+        """Teacher forcing on video-to-video pairs, plus as many text-to-video clips (module doc, stage 5)."""
+        self._lr()
+        cfg, fpc = self.cfg, self.gen.frames_per_chunk
+        b = cfg.follow_batch
+        pool = self._follow_pool()
+        pick_pairs = torch.randint(len(pool["pairs"]), (b,)).tolist()
+        pick_clips = torch.randint(len(pool["clips"]), (b,)).tolist()
+        clips = [pool["clips"][i] for i in pick_clips]
+        clean = torch.cat([pool["target"][pick_pairs], pool["clean"][pick_clips]])  # [2B, C, F, h, w]
+        source = pool["source"][pick_pairs]
+        target = clean[:b]
+        captions = [[pool["pairs"][i]] * (2 * clean.shape[2]) for i in pick_pairs] + [clip_captions(c, fpc) for c in clips]
+        nc = clean.shape[2] // fpc
+        levels = torch.tensor(GeneratorConfig(timesteps=tuple(float(t) for t in cfg.follow_timesteps.split(","))).sigmas,
+                              device=self.device)
+        pick = torch.randint(len(levels), (2 * b, nc), device=self.device)
+        pick[:b] = torch.randint(1, len(levels), (b, nc), device=self.device)  # an input chunk starts below 1
+        sigma = levels[pick].float().repeat_interleave(fpc, dim=1)  # [2B, F]
+        s = sigma[:, None, :, None, None]
+        start = clean.clone()
+        from_input = torch.rand(b, 1, nc, 1, 1, device=self.device).repeat_interleave(fpc, dim=2) < 0.5
+        start[:b] = torch.where(from_input, source, target)  # its first step starts from the input, later ones from x0
+        noisy = (1 - s) * start + s * torch.randn_like(clean)
+        ctx = torch.rand(2 * b, 1, 1, 1, 1, device=self.device) * cfg.context_noise
+        context = (1 - ctx) * clean + ctx * torch.randn_like(clean)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            text = frame_text(self.model, self.encoder, captions)
+            v = teacher_forward(self.model, context, noisy, 1000 * sigma, text, fpc).float()
+        weight = torch.tensor([[1.0] * nc] * b + [chunk_weights(c) for c in clips], device=self.device)
+        weight = weight.repeat_interleave(fpc, dim=1)
+        per_frame = ((noisy - s * v - clean).pow(2) * self._channel_weights()).mean(dim=(1, 3, 4))  # [2B, F]
+        loss = (per_frame * weight).sum() / weight.sum().clamp_min(1)
+        self._update(loss, self.model)
+        return loss.item()
+
+    def _follow_pool(self) -> dict:
+        """`follow_pool` video-to-video pairs and as many text-to-video clips, encoded (rendering and encoding
+        cost a CPU step more than the model's forward and backward)."""
+        if self._pool is None:
+            n, fpc = self.cfg.follow_pool, self.gen.frames_per_chunk
+            target, source, captions = [], [], []
+            for _ in range(n):
+                t, s, c = self._pair(fpc)
+                target.append(self.pca.encode(t[None]))
+                source.append(self.pca.encode(s[None]))
+                captions.append(c)
+            clips = self._clips(n)
+            clean = torch.cat([self.pca.encode(self._render(clips[i : i + 16])) for i in range(0, n, 16)])
+            self._pool = {"target": torch.cat(target), "source": torch.cat(source), "pairs": captions, "clips": clips, "clean": clean}
+        return self._pool
+
+    def _pair(self, fpc: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """One video-to-video clip: (the target frames [F, tu, H, W, 3], the input frames, the caption). Both
+        are one trajectory from a random start at a random velocity (up to 4 px a frame each way); the
+        input differs in colour and background, and a third of the time in shape and size; the caption
+        names the target's colour and shape and no motion (as a restyling prompt does, "a blue ball"): a
+        motion phrase against the trajectory taught the model to drop motion words, and its text-to-video
+        prompt switches to a new motion stopped following (issue 15's pixel test: 0 % after the switch)."""
+        rng, mc = self.rng, self.mc
+        target = sample_scene(rng)
+        colour = str(rng.choice([c for c in COLOURS if c != target.colour]))
+        background = str(rng.choice([g for g in BACKGROUNDS if g != colour]))
+        look = dict(shape=str(rng.choice(SHAPES)), size=target.size) if rng.random() < 1 / 3 else {}
+        source = Scene(colour, look.get("shape", target.shape), look.get("size", target.size), target.motion, background)
+        still = Scene(target.colour, target.shape, target.size, "still", target.background)
+        caption = still.caption(rng)
+        while any(phrase in caption for phrase in MOTION_PHRASES["still"]):  # half the still captions name it
+            caption = still.caption(rng)
+        frames = video_frames(list(range(self.cfg.chunks * fpc)), mc.temporal_upsample)
+        start = rng.uniform(0, (mc.width, mc.height))
+        velocity = rng.uniform(-4, 4, size=2) * (rng.random() < 0.9)
+        centres = np.mod(start + np.asarray(frames)[:, None] * velocity, (mc.width, mc.height))
+        out = [draw(centres, [sc], mc.height, mc.width, self.device, np.zeros(len(frames), dtype=int)) for sc in (target, source)]
+        return *(o.view(-1, mc.temporal_upsample, *o.shape[1:]) for o in out), caption
+
+    def init_from(self, path: Path) -> None:
+        """Start the follow stage from a model file's weights (`python -m models.train --export`'s)."""
+        from models.weights import read_model_file
+
+        mf = read_model_file(path)
+        if mf.config != self.mc:
+            raise ValueError(f"{path} is a {mf.config} model, this run trains {self.mc}")
+        self.model.load_state_dict(mf.dit)
+        self.decoder.load_state_dict(mf.decoder)
+        self.pca = BlockPCA.for_model(self.mc, mf.pca).to(self.device)
+        self.stage, self.step = "follow", 0
+        self.opt = self._optimizer()
 
     def rollout_step(self) -> float:
         """Streams rolled out by the ChunkGenerator up to chunk k (switching prompt where their timelines
@@ -510,6 +622,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the sampling schedule the export names (timesteps before the shift; default: the sampler's "
                         "levels training drew from). The built-in model ships with 1000,500,250,100: a lower last "
                         "level than Self-Forcing's 250 gives it sharper edges")
+    p.add_argument("--init", type=Path, metavar="FILE",
+                   help="start from a model file's weights (e.g. models/assets/tiny.safetensors) at the follow stage "
+                        "(video-to-video; set follow_steps) instead of from scratch")
     p.add_argument("--amp", choices=("bf16", "off"), default="off",
                    help="the teacher stage's forward in bf16 autocast (float32 weights and loss; resumes either way)")
     args = p.parse_args(argv)
@@ -526,6 +641,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = Trainer(cfg, args.out, torch.device(args.device), amp=args.amp == "bf16")
     if trainer.resume():
         print(f"resumed {trainer.checkpoint_path} at {trainer.stage} step {trainer.step}", flush=True)
+    elif args.init:
+        trainer.init_from(args.init)
     done = trainer.run(args.minutes, args.save_minutes)
     print("done" if done else f"stopped at {trainer.stage} step {trainer.step}: run again to resume", flush=True)
     if args.export and trainer.pca is not None:

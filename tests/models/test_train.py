@@ -1,12 +1,14 @@
 """Training the built-in model: the teacher-forcing forward equals serving's, and a smoke run resumes."""
 
 import json
+import math
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
+from client import pixels
 from models.latent import BlockPCA, video_frames
 from models import train
 from models.scenes import Clip, Scene, Timeline, draw, sample_clip
@@ -126,7 +128,7 @@ def test_smoke_run_trains_every_stage_resumes_and_exports(tmp_path, capsys):
     assert main(args + ["--export", str(weights)]) == 0
     assert "done" in capsys.readouterr().out
     stages = [json.loads(line)["stage"] for line in (out / "log.jsonl").read_text().splitlines()]
-    assert sorted(set(stages)) == sorted(STAGES) and len(stages) == 1 + 3 + 3 + 2
+    assert sorted(set(stages)) == sorted(STAGES) and len(stages) == 1 + 3 + 3 + 2 + 2
     with safe_open(str(weights), "pt") as f:
         keys = set(f.keys())
     assert {"pca.basis", "text.vectors", "decoder.conv_in.weight", "dit.patch_embedding.weight"} <= keys
@@ -287,3 +289,38 @@ def test_a_stage_of_zero_steps_is_skipped(tmp_path):
     assert trainer.run(minutes=5, save_minutes=60)
     stages = [json.loads(line)["stage"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert "teacher" in stages and "rollout" not in stages and trainer.stage == "done"
+
+
+def test_a_follow_pair_is_one_trajectory_in_two_looks_under_a_caption_without_motion(tmp_path):
+    from models.scenes import MOTION_PHRASES
+
+    trainer = Trainer(TrainConfig.smoke(), out=tmp_path, device=torch.device("cpu"))
+    mc = trainer.mc
+    for _ in range(6):
+        target, source, caption = trainer._pair(3)
+        assert target.shape == source.shape == (15, 4, mc.height, mc.width, 3)
+        frames_t, frames_s = target.flatten(0, 1).float() / 127.5 - 1, source.flatten(0, 1).float() / 127.5 - 1
+        ct, cs = object_centres(frames_t), object_centres(frames_s)  # the same place in both, frame by frame
+        both = ~(ct.isnan().any(1) | cs.isnan().any(1))
+        assert both.float().mean() > 0.9
+        d = (ct[both] - cs[both]).abs()
+        assert float(torch.minimum(d, torch.tensor([mc.width, mc.height]) - d).max()) < 6  # a triangle's centroid: r/3 off
+        look_t, look_s = pixels.read_frame(target[2, 0].numpy()), pixels.read_frame(source[2, 0].numpy())
+        assert look_t.colour != look_s.colour and look_t.background != look_s.background
+        words = [p for ps in MOTION_PHRASES.values() for p in ps]
+        assert not any(p in caption for p in words), caption
+
+
+def test_the_follow_stage_starts_from_a_model_file_and_trains_the_dit(tmp_path):
+    smoke = Trainer(TrainConfig.smoke(), out=tmp_path, device=torch.device("cpu"))
+    assert smoke.run(minutes=5, save_minutes=60)
+    smoke.export(tmp_path / "m.safetensors")
+    trainer = Trainer(TrainConfig.smoke(), out=tmp_path, device=torch.device("cpu"))
+    trainer.init_from(tmp_path / "m.safetensors")
+    assert (trainer.stage, trainer.step) == ("follow", 0)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    assert all(torch.equal(before[k], v) for k, v in smoke.model.state_dict().items())
+    loss = trainer.follow_step()
+    assert math.isfinite(loss) and loss > 0
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    assert len(trainer._follow_pool()["pairs"]) == 3
