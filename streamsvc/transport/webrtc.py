@@ -338,6 +338,12 @@ class WebRtcTransport:
             self.guard.install(pc.sctp)
         else:  # no data channel offered (a WHEP player, streamsvc/whep.py): the first frame waits for none
             self._channel_open.set()
+        # An offer's setup:actpass is answered passive: this side is the DTLS server. As a client aiortc offers ECDSA
+        # cipher suites only, which GStreamer 1.22's DTLS (webrtcbin: whepsrc, whepclientsrc) does not share with its
+        # RSA certificate ("no shared cipher"); as the server its ECDSA certificate suits every client.
+        for dtls in {t.receiver.transport for t in pc.getTransceivers()} | ({pc.sctp.transport} if pc.sctp else set()):
+            if dtls._role == "auto":
+                dtls._set_role("server")
         # the stream's video m-line is answered sendrecv only for a steerer whose stream takes input (then its camera
         # is read into the stream's input, streamsvc/transport/rtc_input.py), else sendonly: nothing is sent to us
         camera = CameraInput.for_viewer(self.session)

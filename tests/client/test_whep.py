@@ -74,6 +74,7 @@ async def test_a_plain_aiortc_whep_client_plays_five_seconds_and_deletes():
                 steer_secret = r.headers["X-Steer-Secret"]
                 assert "Link" not in r.headers  # no ICE servers (test_ice_servers_are_link_headers)
             assert location.startswith("/whep/session/") and len(location.rsplit("/", 1)[1]) >= 22  # 128 bits
+            assert "a=candidate:" in sdp and "a=setup:passive" in answer  # the DTLS server (GStreamer needs it)
             session = server.sessions[stream_id]
             assert session.steer_secret == steer_secret and watch_url == f"/whep/{stream_id}?secret={session.watch_secret}"
             await pc.setRemoteDescription(RTCSessionDescription(answer, "answer"))
