@@ -136,6 +136,8 @@ class InputStage:
             k = self.gen.start_step(stream.strength) if frames else 0
             stream.releases[index] = _Release(k, stream.strength, frames)
             self.sched.release(stream_id, index, k, now, frames)
+            if frames and inp.play_from is None and index == 0:  # what the scheduler's viewer model plays it from
+                inp.play_from = now + self.latency_s + (self.gen.frames_in_chunk(1) - n) / stream.fps
         return soonest
 
     def before_denoise(self, stream_id: str, state, chunk_index: int) -> None:

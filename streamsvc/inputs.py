@@ -104,6 +104,10 @@ class InputFrames:
         self.closed = False
         self._work_s = 0.0  # decode and scale time of frames pushed since the last `take_work` (the INPUT stage)
         self._scaler = None  # this stream's av VideoReformatter (its swscale context is kept from frame to frame)
+        # this server's clock (the engine's, time.monotonic) from which the viewer plays the stream's first chunk of
+        # input frames (set by the engine at its release: release + input latency + (chunk - first chunk) / fps);
+        # a transport that paces frames itself (a WebRTC track) holds the first frame until then. None: not yet
+        self.play_from: float | None = None
         self._scale_lock = threading.Lock()
 
     # -- transports (any thread) ----------------------------------------------------------------

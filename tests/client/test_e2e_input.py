@@ -58,6 +58,8 @@ async def test_chunks_echo_the_capture_times_sent_and_say_when_the_input_went_mi
         n = len(c.headers)
         assert await c.wait_until(lambda: any(h.input == "frames" for h in c.headers[n:]), T)
         stats = server.sessions[ready.stream_id].input.stats()
+        play_from = server.sessions[ready.stream_id].input.play_from  # for a transport that paces frames itself
+        assert play_from is not None and server.engine.clock() - 15 < play_from < server.engine.clock()
     statuses = [h.input for h in c.headers]
     first_missing = statuses.index("missing")
     assert "frames" in statuses[first_missing:], statuses  # picked up again
