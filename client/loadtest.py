@@ -116,9 +116,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON to FILE")
     p.add_argument("--progress-every", type=float, default=3.0, help="seconds between progress lines (default 3; 0 = quiet)")
     p.add_argument("--input", default=None, metavar="synthetic|FILE",
-                   help="each viewer sends input video over its WebSocket (H.264, paced in real time at the stream's "
-                        "fps) for its stream to restyle: 'synthetic' (a scene of models/scenes.py rendered by the "
-                        "command line, one per viewer) or a video FILE (looped); reports glass-to-glass latency")
+                   help="each viewer sends input video for its stream to restyle, paced in real time at the stream's "
+                        "fps (over ws: H.264 on its WebSocket; over webrtc: a camera track on its peer connection): "
+                        "'synthetic' (a scene of models/scenes.py rendered by the command line, one per viewer) or a "
+                        "video FILE (looped); reports glass-to-glass latency")
     p.add_argument("--strength", type=float, default=None,
                    help="with --input: how far from the input each stream goes, 0..1 (1: text-to-video; default: the "
                         "server's, snapped to the model's schedule)")
@@ -899,10 +900,6 @@ def run(args, input_sources: list | None = None) -> int:
     if getattr(args, "input", None) == "synthetic" and not input_sources:
         print("streamsvc loadtest: --input synthetic needs the command line's rendered scenes (run `streamsvc "
               "loadtest`); or give --input FILE", file=sys.stderr)
-        return 2
-    if getattr(args, "input", None) is not None and args.transport != "ws":
-        print("streamsvc loadtest: --input is sent over the WebSocket: use --transport ws (a WebRTC camera is the "
-              "player's)", file=sys.stderr)
         return 2
     if args.streams < 1 or args.duration <= 0 or args.watchers_per_stream < 0:
         print("streamsvc loadtest: --streams must be >= 1, --duration > 0 and --watchers-per-stream >= 0",

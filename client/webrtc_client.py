@@ -43,6 +43,12 @@ default loopback only when the server's URL is on loopback (tests and local
 load tests stay on 127.0.0.1), else aioice's choice (every interface but
 loopback).
 
+Input video (issue 35): with ``ClientConfig.input`` (a frame source), the ``start`` asks for input and the video
+transceiver is sendrecv, sending the source as a camera (``client.rtc_camera.FrameTrack``, paced at the stream's
+fps): the server times each frame in this process's clock through aiortc's RTCP sender reports and echoes it in the
+chunk headers' ``capture_ms``; each frame played out of the playback buffer gets its glass-to-glass latency
+(``StreamResult.glass_to_glass``), played - captured, in this client's clock.
+
 Every wait is bounded (``open_timeout_s`` for start + signaling,
 ``close_timeout_s`` for the end, ``max_session_s`` for the session).
 """
@@ -64,7 +70,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from client.playback import PlaybackState
-from client.ws_client import ClientConfig, ClientState, ViewerClient
+from client.rtc_camera import FrameTrack
+from client.ws_client import ClientConfig, ClientState, StreamResult, ViewerClient
 from streamsvc import protocol as P
 from streamsvc.rtc import (
     CONTROL_CHANNEL,
@@ -133,7 +140,9 @@ class WebRtcClient(ViewerClient):
         self._track = None
         self._answer: asyncio.Future | None = None
         self._pending: deque[tuple[int, float]] = deque()  # (pts on the 90 kHz clock, arrival) awaiting a header
-        self._held: list[int] = []  # versions of frames waiting out the playout delay (start, or after a stall)
+        self._held: list[tuple[int, float | None]] = []  # (version, capture ms) of frames waiting out the playout
+        # delay (start, or after a stall)
+        self._camera: FrameTrack | None = None  # config.input as the camera, once negotiating
         self._holding = False  # frames go to _held until the playout delay is over
 
     # ------------------------------------------------------------ lifecycle
@@ -189,7 +198,11 @@ class WebRtcClient(ViewerClient):
         pc.on("connectionstatechange", self._on_connection_state)
         self._channel = pc.createDataChannel(CONTROL_CHANNEL)
         self._channel.on("message", self._on_channel_message)
-        transceiver = pc.addTransceiver("video", direction="recvonly")
+        if self.config.input is not None:  # the camera goes up the stream's own transceiver: sendrecv, as the player's
+            self._camera = FrameTrack(self.config.input, self.ready.fps, paused=lambda: self.input_paused)
+            transceiver = pc.addTransceiver(self._camera, direction="sendrecv")
+        else:
+            transceiver = pc.addTransceiver("video", direction="recvonly")
         transceiver.setCodecPreferences(h264_preferences())
         self._answer = asyncio.get_running_loop().create_future()
         sdp = await complete_local_description(pc, await pc.createOffer(), self.ice_addresses,
@@ -204,6 +217,11 @@ class WebRtcClient(ViewerClient):
             self._fail("the server's answer has no video track")
             return False
         return True
+
+    def result(self) -> StreamResult:
+        if self._camera is not None:
+            self.input_sent = self._camera.frames  # frames the camera handed to aiortc
+        return super().result()
 
     async def close(self) -> None:
         """End the session: freeze the measures, send ``close``, wait for ``closed`` (bounded), tear down."""
@@ -315,19 +333,29 @@ class WebRtcClient(ViewerClient):
         """Stream frame index of a frame whose pts (90 kHz, 0 at the first packet) is ``pts``."""
         return self.headers[0].pts + round(pts * self.ready.fps / RTP_CLOCK_HZ)
 
-    def _version_of(self, index: int) -> int | None:
+    def _header_of(self, index: int) -> P.Chunk | None:
         for h in reversed(self.headers):
             if h.pts <= index < h.pts + h.frames:
-                return h.prompt_version
+                return h
             if h.pts + h.frames <= index:
                 return None  # its header has not come yet
         return None
+
+    def _version_of(self, index: int) -> int | None:
+        h = self._header_of(index)
+        return None if h is None else h.prompt_version
+
+    def _capture_ms(self, index: int) -> float | None:
+        """The capture time (ms, this client's wall clock) of the input frame stream frame `index` restyles."""
+        h = self._header_of(index)
+        return h.capture_ms[index - h.pts] if h is not None and h.capture_ms else None
 
     def _map_pending(self, now: float) -> None:
         """Give frames their versions, in order; a frame waiting past HEADER_WAIT_S takes the newest known."""
         for _ in range(len(self._pending)):
             pts, arrived = self._pending[0]
-            version = self._version_of(self._frame_index(pts)) if self.headers else None
+            index = self._frame_index(pts) if self.headers else None
+            version = self._version_of(index) if index is not None else None
             if version is None:
                 if now - arrived < HEADER_WAIT_S:
                     return
@@ -336,9 +364,9 @@ class WebRtcClient(ViewerClient):
                     self._fail(f"a frame (pts {pts}) had no chunk header after {HEADER_WAIT_S:g} s")
                 version = self.headers[-1].prompt_version if self.headers else 0
             self._pending.popleft()
-            self._play(version, now)
+            self._play(version, now, self._capture_ms(index) if index is not None else None)
 
-    def _play(self, version: int, now: float) -> None:
+    def _play(self, version: int, now: float, capture_ms: float | None = None) -> None:
         """A frame is available: into the playback buffer, or held for the playout delay (start, after a stall)."""
         if self._ended_at is not None:
             return
@@ -350,10 +378,11 @@ class WebRtcClient(ViewerClient):
             self._holding = True
             asyncio.get_running_loop().call_later(self.playout_delay_s, self._release_held)
         if self._holding:
-            self._held.append(version)
+            self._held.append((version, capture_ms))
             return
         left = buf.stats(now).buffered_s
         self.min_headroom_s = left if self.min_headroom_s is None else min(self.min_headroom_s, left)
+        self.g2g.arrived(None if capture_ms is None else [capture_ms], 1)  # before the push, which may play it
         buf.push(1, version, now)
 
     def _release_held(self) -> None:
@@ -364,8 +393,10 @@ class WebRtcClient(ViewerClient):
         now = self.clock()
         buf = self._buffer
         stalled = buf.state is PlaybackState.STALLED
+        for _, capture_ms in self._held:  # in the order they are pushed (and played)
+            self.g2g.arrived(None if capture_ms is None else [capture_ms], 1)
         runs: list[list[int]] = []
-        for v in self._held:
+        for v, _ in self._held:
             if runs and runs[-1][0] == v:
                 runs[-1][1] += 1
             else:

@@ -65,6 +65,9 @@ RTP_VIDEO_CLOCK_HZ = 90_000
 NTP_UNIX_OFFSET_S = 2_208_988_800
 """Seconds from the NTP epoch (1900-01-01) to the Unix epoch (1970-01-01)."""
 _MANGLED = "_RTCRtpReceiver__"
+MAX_HOLD_S = 10.0
+"""The longest a track holds its first chunk of input frames for its due time (a bound, never reached: it is the
+input latency and a chunk's duration)."""
 _HOOKS = ("_handle_rtcp_packet", f"{_MANGLED}timestamp_mapper", f"{_MANGLED}decoder_error")
 
 
@@ -293,6 +296,7 @@ class CameraInput:
         self.stats = ReadStats()
         self.receiver = None  # the video transceiver's receiver, once answering
         self.hooked = False  # the clock is installed (else frames are timed on arrival)
+        self.held_s: float | None = None  # how long the first chunk of input frames was held (see hold_first_chunk)
 
     @classmethod
     def for_viewer(cls, viewer) -> CameraInput | None:
@@ -327,6 +331,27 @@ class CameraInput:
         if self.stats.ended == "stopped":
             self.receiver._enabled = False  # aiortc's own switch (a sendonly transceiver's): packets dropped undecoded
             log.info("stream %s: the camera input stopped (its viewer no longer steers)", self.stream_id)
+
+    async def hold_first_chunk(self, track, max_wait_s: float) -> None:
+        """Before the stream's track sends its first frame: if its first chunk was made from input frames, hold it
+        until the time the scheduler's model of the viewer plays it from (``InputFrames.play_from``, set by the
+        engine at the chunk's release: the release + the input latency + (chunk - first chunk frames) / fps, in
+        ``time.monotonic()``, the track's clock). From there on each chunk, released by its last input frame, has
+        the input latency to be made and sent; played at once, every later chunk would come just in time, or late.
+        `track` is the stream's ``PacketTrack`` (its queue: this package's); waits at most `max_wait_s` for its
+        first chunk."""
+        queued = getattr(track, "_queue", None)
+        for _ in range(int(max_wait_s / 0.01) + 1):
+            if queued or track.readyState != "live":
+                break
+            await asyncio.sleep(0.01)
+        play_from = getattr(self.sink, "play_from", None)
+        if not queued or play_from is None or queued[0][1] is None or queued[0][1].input != "frames":
+            return
+        delay = play_from - time.monotonic()
+        if 0 < delay <= MAX_HOLD_S:
+            self.held_s = delay
+            await asyncio.sleep(delay)
 
     def summary(self) -> str:
         s = self.stats

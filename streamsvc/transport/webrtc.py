@@ -450,6 +450,8 @@ class WebRtcTransport:
     async def _wait_for_channel(self) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._channel_open.wait(), self.config.channel_wait_s)
+        if self.camera is not None:  # input video: the first chunk plays when the scheduler plans it to
+            await self.camera.hold_first_chunk(self.track, self.config.max_frame_wait_s)
 
     # -- peer connection events ------------------------------------------------------------------
 

@@ -246,7 +246,9 @@ async def test_an_aiortc_senders_frames_are_timed_in_its_clock_through_its_repor
     print(f"{stats.frames} frames: {stats.arrival_clock} on arrival, {stats.sender_clock} in the sender's clock; "
           f"capture - sent: median {np.median(sender_timed) * 1e3:.1f} ms, worst {np.max(np.abs(sender_timed)) * 1e3:.1f}"
           f" ms; {stats.decode_errors} decoder errors")
-    assert np.max(np.abs(sender_timed)) < 0.035, sender_timed
+    # within a frame (33 ms at aiortc's 30 fps): a frame's worth of error would be a mapping off by one frame; the
+    # worst one is bounded loosely (a busy host delays a packet's sending, and the report's pairing with it)
+    assert abs(np.median(sender_timed)) < 0.010 and np.max(np.abs(sender_timed)) < 0.1, sender_timed
     assert min(errors[: stats.arrival_clock]) >= 0  # arrival comes after sending
     assert stats.decode_errors >= 1 and sink.errors == stats.decode_errors  # the junk access unit
 
@@ -323,7 +325,7 @@ async def test_the_steerers_camera_feeds_its_streams_input_until_it_hands_over()
         stats = transport.camera.stats
         assert stats.sender_clock >= 10 and stats.frames == len(sink.pushed), stats
         errors = [capture - camera.sent_at[read_barcode(frame)] for frame, capture in sink.pushed[stats.arrival_clock:]]
-        assert np.max(np.abs(errors)) < 0.035, errors  # the sender's clock, through its reports
+        assert abs(np.median(errors)) < 0.010 and np.max(np.abs(errors)) < 0.1, errors  # the sender's clock
 
         viewer.session.steerer = SimpleNamespace()  # a handover: the input is the steerer's alone
         for _ in range(50):
