@@ -13,6 +13,9 @@ InputFrames is attached to the session (as tests/client/test_whip.py does) and o
     apt-get install -y simple-whip-client gstreamer1.0-plugins-bad gstreamer1.0-plugins-ugly gstreamer1.0-libav
     python benchmarks/whip_client.py [--seconds 8]
 
+Per run it also reads the stream's pixels (client/pixels.py): the object's velocity in the chunks that restyle input
+against the input ball's (+3.0 px a stream frame) and its colour against the prompt's (blue).
+
 Prints a line per run; ends with one JSON line.
 
 Two things stood between Debian 12's whip-client (0.0~git20230131-1, installed in about 21 s) and this server:
@@ -109,12 +112,12 @@ def pipeline(y4m: Path) -> str:
             "application/x-rtp,media=video,encoding-name=H264,payload=96")
 
 
-async def open_stream(server: Server):
-    """A stream with input over /ws: (its id, steer secret, the socket, the chunk headers it gets)."""
+async def open_stream(server: Server, strength: float = 0.3):
+    """A stream with input over /ws: (its id, steer secret, the socket, the chunks it gets: header and access units)."""
     from websockets.asyncio.client import connect
 
     ws = await connect(f"ws://127.0.0.1:{server.port}/ws", max_size=P.MAX_CHUNK_BYTES)
-    await ws.send(json.dumps({"type": "start", "prompt": "a blue ball", "input": True}))
+    await ws.send(json.dumps({"type": "start", "prompt": "a blue ball", "input": True, "strength": strength}))
     ready = None
     for _ in range(20):
         msg = json.loads(await asyncio.wait_for(ws.recv(), 30))
@@ -128,14 +131,44 @@ async def open_stream(server: Server):
     async def read() -> None:
         async for raw in ws:
             if isinstance(raw, bytes):
-                headers.append(P.unpack_chunk(raw)[0])
+                headers.append(P.unpack_chunk(raw))  # (header, access units)
 
     reader = asyncio.create_task(read())
+    print(f"stream {ready['stream_id']}: input {ready.get('input')}, strength {ready.get('strength')} of "
+          f"{ready.get('strengths')}")
     return ready["stream_id"], ready["steer_secret"], ws, headers, reader
 
 
-async def one_run(server: Server, y4m: Path, seconds: float, trickle: bool, stub: Path | None) -> dict:
-    stream_id, steer, ws, headers, reader = await open_stream(server)
+def motion_of(chunks: list) -> dict:
+    """Read the stream's pixels (client/pixels.py): the object's median velocity (px per frame, model space) in the
+    chunks restyling input and in the others, and the colour it shows in the restyled ones. The input's red ball
+    moves right 3 px a frame at 30 fps: centre-cropped to 240x240, scaled to 128 and resampled to 16 fps, that is
+    +3.0 px a stream frame; the prompt ("a blue ball") asks for no motion."""
+    from client import pixels
+
+    decoder = av.CodecContext.create("h264", "r")
+    by_kind: dict[str, list] = {"frames": [], "other": []}
+    colours: list[str] = []
+    for header, units in chunks:
+        readings = []
+        for unit in units:
+            for frame in decoder.decode(av.Packet(unit)):
+                readings.append(pixels.read_frame(frame.to_ndarray(format="rgb24")))
+        kind = "frames" if getattr(header, "input", "none") == "frames" else "other"
+        v = pixels.velocity(readings, header.width if hasattr(header, "width") else 128, 128) if readings else None
+        if v is not None:
+            by_kind[kind].append(v[0])
+        if kind == "frames":
+            colours += [r.colour for r in readings if r.colour is not None]
+    median = lambda xs: round(float(np.median(xs)), 2) if xs else None  # noqa: E731
+    return {"dx_per_frame_restyled": median(by_kind["frames"]), "dx_per_frame_other": median(by_kind["other"]),
+            "expected_dx_per_frame": round(3 * 30 / 16 * 128 / 240, 2),
+            "restyled_colour": max(set(colours), key=colours.count) if colours else None}
+
+
+async def one_run(server: Server, y4m: Path, seconds: float, trickle: bool, stub: Path | None,
+                  strength: float) -> dict:
+    stream_id, steer, ws, headers, reader = await open_stream(server, strength)
     session = server.sessions[stream_id]
     attached = getattr(session, "input", None) is None
     if attached:  # the server's start-with-input (issue 35) not in this tree: the benchmark attaches one
@@ -174,19 +207,22 @@ async def one_run(server: Server, y4m: Path, seconds: float, trickle: bool, stub
             await proc.wait()
     await asyncio.wait_for(log_task, 5)
     stats = session.input.stats()
-    restyled = sum(1 for h in headers if getattr(h, "input", "none") == "frames")
+    restyled = sum(1 for h, _ in headers if getattr(h, "input", "none") == "frames")
+    follow = motion_of(headers)
     await ws.close()
     reader.cancel()
     patches = sum("405" in line for line in log_lines)
     return {"trickle": trickle, "exit": proc.returncode, "created_s": created, "first_input_frame_s": first_frame,
             "input_received": stats["received"], "decode_errors": stats["decode_errors"], "chunks": len(headers),
-            "chunks_restyling_input": None if attached else restyled, "patch_405_lines": patches,
+            "chunks_restyling_input": None if attached else restyled, "patch_405_lines": patches, **follow,
             "log_tail": log_lines[-8:]}
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="length of the .y4m and of each run")
+    parser.add_argument("--strength", type=float, default=0.3, help="the stream's input strength (snapped by the "
+                        "server to the schedule's; 1: text-to-video)")
     parser.add_argument("--no-igd-stub", action="store_true", help="run whip-client as installed (on Debian 12 it "
                         "aborts: libsoup-2.4 and libsoup-3 in one process) instead of with the UPnP stub first")
     args = parser.parse_args()
@@ -200,20 +236,22 @@ async def main() -> None:
         y4m = Path(tmp) / "red_ball.y4m"
         frames = render_y4m(y4m, args.seconds)
         print(f"rendered {frames} frames {WIDTH}x{HEIGHT} at {FPS} fps into {y4m.name} ({y4m.stat().st_size >> 10} KiB)")
-        server = Server(EngineConfig(preset="tiny", device="cpu"),
+        server = Server(EngineConfig(preset="tiny", device="cpu", weights="builtin"),
                         ServerConfig(port=0, webrtc=WebRtcConfig(ice_addresses=ICE_ADDRESSES)))
         await server.start()
         try:
             stub = None if args.no_igd_stub else build_igd_stub(Path(tmp))
             print(f"whip-client runs {'with the UPnP stub first on LD_LIBRARY_PATH' if stub else 'as installed'}")
-            runs = [await one_run(server, y4m, args.seconds, trickle, stub) for trickle in (False, True)]
+            runs = [await one_run(server, y4m, args.seconds, trickle, stub, args.strength) for trickle in (False, True)]
         finally:
             await asyncio.wait_for(server.stop(), 30)
     for run in runs:
         print(f"whip-client {'(trickle)' if run['trickle'] else '-n'}: 201 after {run['created_s']} s, first input "
               f"frame after {run['first_input_frame_s']} s, {run['input_received']} frames into the input, "
               f"{run['decode_errors']} decode errors, {run['chunks']} chunks ({run['chunks_restyling_input']} "
-              f"restyling input), exit {run['exit']}")
+              f"restyling input), exit {run['exit']}; the object moves {run['dx_per_frame_restyled']} px a frame in "
+              f"the restyled chunks ({run['restyled_colour']}), {run['dx_per_frame_other']} in the others (the input: "
+              f"{run['expected_dx_per_frame']})")
         for line in run["log_tail"]:
             print("    |", line[:160])
     ok = all(r["input_received"] >= 0.5 * frames and r["decode_errors"] == 0 and r["exit"] == 0 for r in runs)
