@@ -103,6 +103,7 @@ class GlassToGlass:
             self._pending.append(self.to_clock(capture_ms[i]) if capture_ms and i < len(capture_ms) else None)
 
     def played(self, t: float) -> None:
+        """The oldest frame not yet played is on screen at `t` (this client's clock)."""
         if self._pending:
             captured = self._pending.popleft()
             if captured is not None and len(self.samples) < 1_000_000:

@@ -784,10 +784,12 @@ class StreamClient(ViewerClient):
         for f in kept or ():
             self.pixels.arrived(f)  # before the push, which may play the first of them
         self.g2g.arrived(header.capture_ms, frames)
-        play_from = None  # input video: each frame plays input_latency_s after the chunk's last capture (see push)
+        # input video: the first chunk plays from its last capture + input_latency_s (+ a later chunk's extra frames:
+        # then every later chunk is due input_latency_s after its last capture); see push
+        play_from = None
         if header.capture_ms and self.ready.input_latency_s is not None:
-            last = header.capture_ms[0] + (self.ready.chunk_frames - 1) * 1000.0 / self.ready.fps
-            play_from = self.g2g.to_clock(last) + self.ready.input_latency_s
+            extra_s = (self.ready.chunk_frames - header.frames) / self.ready.fps
+            play_from = self.g2g.to_clock(header.capture_ms[-1]) + self.ready.input_latency_s + extra_s
         buf.push(frames, header.prompt_version, now, play_from=play_from)
         if stalled:  # this chunk ends a stall
             total = buf.stats().stall_s

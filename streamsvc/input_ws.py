@@ -7,13 +7,16 @@ connection's message limit rises to `wire_input.MAX_INPUT_BYTES` (`allow_input`;
 control limit and its 1009). Its binary messages are input (`Upstream`): unpacked (a message that breaks the
 framing is answered with `bad_chunk` and dropped), decoded by PyAV in a small pool of threads off the event loop,
 one message at a time per connection, and pushed with their capture times; H.264 that does not decode is counted
-as decode errors. The input is the steerer's: after a handover the old steerer's messages are refused
+as decode errors. A flood is not decoded: frames beyond `FLOOD_RATE` times the stream's fps (bursts of a second's
+frames) are dropped undecoded (counted), and so is what follows them up to the next keyframe (a P-frame without
+its reference would not decode anyway), so one sender cannot take the decoder threads every stream shares. The input is the steerer's: after a handover the old steerer's messages are refused
 (`not_steerer`), and the stream goes on either way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,14 +28,19 @@ from streamsvc.wire_input import MAX_INPUT_BYTES, InputHeader, unpack_input
 log = logging.getLogger("streamsvc.server")
 
 _DECODERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="input-decode")  # PyAV releases the GIL
+PHASE_STEP = 4  # stream n's first input frame goes to slot PHASE_STEP * n mod the first chunk's frames
+_streams = itertools.count()  # streams with input opened so far (their phases)
+FLOOD_RATE = 2.0  # input frames a second a connection may send, in times its stream's fps (more are not decoded)
 
 
 def input_frames(engine, msg: P.Start, fps: int) -> InputFrames | None:
-    """The timeline of a stream whose start asked for input (None when it did not)."""
+    """The timeline of a stream whose start asked for input (None when it did not), at the next phase: stream n's
+    first frame goes to slot 4 n mod (the first chunk's frames), so that streams started together are released at
+    phases spread over a chunk (InputFrames's docstring)."""
     if not msg.input:
         return None
-    mc = engine.gen.model_cfg
-    return InputFrames(mc.width, mc.height, fps)
+    mc, first = engine.gen.model_cfg, engine.gen.frames_in_chunk(0)
+    return InputFrames(mc.width, mc.height, fps, phase=(PHASE_STEP * next(_streams)) % first)
 
 
 def allow_input(ws, session) -> None:
@@ -65,6 +73,10 @@ class Upstream:
         self._decoder.thread_count = 1  # no frame threading: a frame out for each frame in, no added delay
         self.messages = 0
         self.frames_in = 0
+        fps = float(viewer.session.fps)
+        self._rate, self._burst = FLOOD_RATE * fps, fps  # the flood's bound: frames a second, and a second's worth
+        self._tokens, self._at = self._burst, time.monotonic()
+        self._need_keyframe = False  # frames were dropped undecoded: the next ones wait for a keyframe
 
     @classmethod
     def for_viewer(cls, viewer) -> Upstream | None:
@@ -86,7 +98,23 @@ class Upstream:
                 "input dropped: the stream's input is its steerer's, and you handed the steer token over")))
             return
         self.messages += 1
+        if not self._admit(header):
+            return
         await asyncio.get_running_loop().run_in_executor(_DECODERS, self._decode, header, units)
+
+    def _admit(self, header: InputHeader) -> bool:
+        """Whether the message's frames are decoded: within the flood bound, and not waiting for a keyframe."""
+        now = time.monotonic()
+        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        if self._need_keyframe and not header.keyframe or self._tokens < header.frames:
+            self._need_keyframe = True
+            for _ in range(header.frames):
+                self.frames.drop()
+            return False
+        self._need_keyframe = False
+        self._tokens -= header.frames
+        return True
 
     def _decode(self, header: InputHeader, units: list[bytes]) -> None:
         import av

@@ -15,6 +15,11 @@ What it does to a frame (the lead's decisions, CONTRACT35.md):
   anchor frame's arrival + slot / fps); two frames in a row whose capture-time slot is more than `REANCHOR_S`
   off their arrival-time slot (a sender's clock that jumped, a new sender) re-anchor (one alone is a straggler). While paused, frames are dropped;
   after `resume` the next frame re-anchors at the first free slot.
+- Phase: the stream's first frame goes to slot `phase` (the slots before it repeat it), not 0. Viewers that start
+  together send cameras that start together, and every chunk of theirs would be released by its last frame at the
+  same moment, all due input_latency_s later: the server gives each stream another phase (streamsvc/input_ws.py),
+  so their releases spread over a chunk's duration instead of queueing behind one another. Glass-to-glass does not
+  change (each chunk is still due input_latency_s after its own release); the first chunk shows `phase` repeats.
 - Bounded memory: only slots in [cursor, cursor + max_frames) are held (cursor: the first slot the engine has not
   taken); a frame for a slot already taken (late) or beyond that window (a sender far ahead of real time) is
   dropped and counted. So at most `max_frames` frames are ever held, whatever a sender does.
@@ -70,6 +75,7 @@ class InputCounts:
     decode_errors: int = 0  # input the transport could not decode (garbage, a broken stream), and bad frames
     late: int = 0  # of `dropped`: frames for a slot the engine had already taken
     paused: int = 0  # of `dropped`: frames pushed while the stream was paused
+    flood: int = 0  # of `dropped`: frames the transport dropped undecoded (beyond its flood bound)
     chunks: int = 0  # chunks taken with input frames
     missing_chunks: int = 0  # chunks taken with none (text-to-video)
     reanchors: int = 0  # times the capture clock was re-anchored (the first frame, a jump, a resume)
@@ -81,7 +87,8 @@ class InputFrames:
     engine takes from its own."""
 
     def __init__(self, width: int, height: int, fps: float, *, clock: Callable[[], float] = time.monotonic,
-                 max_frames: int = DEFAULT_MAX_FRAMES, notify: Callable[[], None] | None = None) -> None:
+                 max_frames: int = DEFAULT_MAX_FRAMES, notify: Callable[[], None] | None = None,
+                 phase: int = 0) -> None:
         if width < 1 or height < 1 or not (fps > 0 and math.isfinite(fps)):
             raise ValueError(f"input frames need a size >= 1x1 and a finite fps > 0, got {width}x{height} at {fps}")
         if max_frames < 1:
@@ -89,6 +96,9 @@ class InputFrames:
         self.width, self.height, self.fps = width, height, float(fps)
         self.clock = clock
         self.max_frames = max_frames
+        if not 0 <= phase < max_frames:
+            raise ValueError(f"phase={phase}: the first frame's slot must be in [0, max_frames={max_frames})")
+        self.phase = phase  # the slot of the stream's first frame (the slots before it repeat it): see the docstring
         self.notify = notify  # called (from the pushing thread) when a frame reaches the slot the engine waits for
         self.counts = InputCounts()
         self._lock = threading.Lock()
@@ -131,6 +141,13 @@ class InputFrames:
 
                 self._scaler = VideoReformatter()
             return scale_crop_av(frame, self.width, self.height, self._scaler)
+
+    def drop(self) -> None:
+        """A frame the transport dropped undecoded (a flood): counted as received and dropped."""
+        with self._lock:
+            self.counts.received += 1
+            self.counts.dropped += 1
+            self.counts.flood += 1
 
     def add_work(self, seconds: float) -> None:
         """Time spent on this input (decoding, scaling): a sample of the input stage, per chunk, by `take_work`."""
@@ -197,7 +214,8 @@ class InputFrames:
             if self._off < 2:  # one frame off: a straggler (late, or one bad timestamp), taken by its capture time
                 return slot
         self._off = 0
-        slot = max(self._cursor, by_arrival)  # the first frame, a clock that jumped, a resume: from here on
+        first = self.counts.reanchors == 0  # the stream's first frame: at its phase (see `phase`)
+        slot = max(self._cursor + (self.phase if first else 0), by_arrival)  # (else a clock that jumped, a resume)
         self._anchor = (capture_s, slot)
         self._origin = now - slot / self.fps
         self.counts.reanchors += 1
@@ -302,12 +320,12 @@ class InputFrames:
             return len(self._slots)
 
     def stats(self) -> dict:
-        """The counts (received, dropped, repeated, decode_errors, late, paused, chunks, missing_chunks,
+        """The counts (received, dropped, repeated, decode_errors, late, paused, flood, chunks, missing_chunks,
         reanchors) and the frames held now."""
         with self._lock:
             c = self.counts
             return dict(received=c.received, dropped=c.dropped, repeated=c.repeated, decode_errors=c.decode_errors,
-                        late=c.late, paused=c.paused, chunks=c.chunks, missing_chunks=c.missing_chunks,
+                        late=c.late, paused=c.paused, flood=c.flood, chunks=c.chunks, missing_chunks=c.missing_chunks,
                         reanchors=c.reanchors, held=len(self._slots))
 
 

@@ -181,3 +181,32 @@ async def test_the_input_is_the_steerers_a_handover_stops_it_and_a_pause_drops_i
             await asyncio.sleep(1.0)  # the old steerer still sends: none of it is restyled any more
             assert all(h.input == "missing" for h in watcher.headers[late + 1:])
     assert steerer.result().input_sent > 0
+
+
+async def test_a_flood_of_input_is_dropped_undecoded_beyond_twice_the_fps(server):
+    from client.camera import H264Camera
+
+    ws, ready = await _start(server, {"type": "start", "prompt": "a red ball", "input": True})
+    try:
+        cam, frame = H264Camera(ready.fps), camera()
+        t0 = asyncio.get_running_loop().time()
+        for i in range(160):  # 10 s of video sent at once
+            au, key = cam.encode(frame(i))
+            await ws.send(pack_input(InputHeader.describe([au], [1.0e12 + i * 62.5], index=i, pts=i, keyframe=key),
+                                     [au]))
+        session = server.sessions[ready.stream_id]
+        for _ in range(200):  # bounded: until the server has read them all
+            if session.input.stats()["received"] >= 160:
+                break
+            await asyncio.sleep(0.05)
+        elapsed = asyncio.get_running_loop().time() - t0
+        stats = session.input.stats()
+        assert stats["received"] == 160
+        # a second's burst and twice the fps since were decoded, the rest dropped undecoded
+        assert 160 - (ready.fps + 2 * ready.fps * elapsed) <= stats["flood"] <= 160 - ready.fps
+        assert stats["decode_errors"] == 0  # what follows a dropped frame waits for a keyframe: nothing broken decoded
+        raw = await asyncio.wait_for(ws.recv(), T)  # the stream goes on
+        while not isinstance(raw, bytes):
+            raw = await asyncio.wait_for(ws.recv(), T)
+    finally:
+        await ws.close()

@@ -170,3 +170,18 @@ def test_a_jump_of_the_senders_clock_reanchors_at_the_free_slot():
     taken = inp.take(0, 5)
     assert [int(f[0, 0, 0]) for f in taken.frames] == [0, 1, 2, 3, 99]
     assert inp.stats()["reanchors"] == 2
+
+
+def test_the_first_frame_goes_to_the_streams_phase_and_the_slots_before_repeat_it():
+    clock = ManualClock()
+    inp = make(clock, phase=4)
+    send(inp, clock, range(5))  # frames 0..4 captured at the stream's rate: slots 4..8
+    assert inp.released(0, 9)  # released by its 5th frame, 4 frames earlier than at phase 0
+    taken = inp.take(0, 9)
+    assert [int(f[0, 0, 0]) for f in taken.frames] == [0, 0, 0, 0, 0, 1, 2, 3, 4]
+    assert taken.capture_ms[-1] - taken.capture_ms[0] == pytest.approx(4 / FPS * 1000)
+    assert inp.stats()["repeated"] == 4
+    send(inp, clock, range(5, 17), capture0=50.0 + 5 / FPS)  # later ones follow their capture times
+    assert [int(f[0, 0, 0]) for f in inp.take(9, 12).frames] == list(range(5, 17))
+    with pytest.raises(ValueError):
+        make(clock, phase=64)
