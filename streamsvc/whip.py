@@ -14,7 +14,8 @@ as a /ws watch of no stream), and the server's access token (``Authorization: Be
 publisher per stream at a time (409 while one is on). The limits of a WHEP POST apply (streamsvc/whep.py:
 --http-rate, --connect-rate, a connection of --max-connections-per-client held until the session ends).
 
-A session ends on DELETE, when the stream ends, when its peer connection fails or closes (ICE consent lost: about
+What a publisher's frames may cost (InputGuard): a frame over 1920x1080 ends its session, frames over 60 a second are
+dropped (counted) before they are scaled. A session ends on DELETE, when the stream ends, when its peer connection fails or closes (ICE consent lost: about
 30 s after the encoder vanished), or when it never connects (--connect-timeout's WebRtcConfig.connect_timeout_s).
 Its input then stops (InputFrames.stop: frames that come later, from another publisher, anchor afresh).
 
@@ -30,9 +31,11 @@ import http
 import ipaddress
 import logging
 import re
+import time
 
 from aiortc import RTCPeerConnection, RTCRtpReceiver, RTCSessionDescription
 
+from streamsvc.access import Rate, TokenBucket
 from streamsvc.routes import HttpReply, HttpRequest
 from streamsvc.rtc import ANY_INTERFACE, SignalingError, WebRtcConfig, complete_local_description, rtc_configuration
 from streamsvc.transport.rtc_input import ReadStats, SenderClock, read_track
@@ -42,6 +45,39 @@ from streamsvc.whep import HttpSession, _text
 log = logging.getLogger("streamsvc.whip")
 
 _WATCH_S = 0.5  # how often a publisher checks that its stream is still open
+MAX_INPUT_PIXELS = 1920 * 1080  # a publisher's frame may be at most this large (the model takes 832x480 at most)
+MAX_INPUT_FPS = 60.0  # frames a second a publisher's input takes (a second's burst); the rest are dropped, counted
+
+
+class InputGuard:
+    """What a publisher's frames may cost (a sink for read_track in front of the stream's InputFrames): a frame over
+    MAX_INPUT_PIXELS ends the session (`refused` says why; the decoder's cost is the encoder's choice, so the
+    session goes rather than the frames), frames over MAX_INPUT_FPS are dropped before their scale and crop. Pure:
+    `now` is the caller's clock."""
+
+    def __init__(self, sink, now=time.monotonic, max_pixels: int = MAX_INPUT_PIXELS,
+                 max_fps: float = MAX_INPUT_FPS) -> None:
+        self.sink = sink
+        self.now = now
+        self.max_pixels = max_pixels
+        self.rate = TokenBucket(Rate(max_fps, max(1, int(max_fps))), now())
+        self.refused: str | None = None  # why the session must end (a frame too large), once it must
+        self.dropped = 0  # frames over the rate
+
+    def push_av(self, frame, capture_s: float) -> None:
+        if self.refused is not None:
+            return
+        if frame.width * frame.height > self.max_pixels:
+            self.refused = (f"a {frame.width}x{frame.height} frame: this server takes at most {self.max_pixels} "
+                            "pixels a frame (1920x1080)")
+            return
+        if not self.rate.take(self.now()):
+            self.dropped += 1
+            return
+        self.sink.push_av(frame, capture_s)
+
+    def decode_error(self) -> None:
+        self.sink.decode_error()
 
 
 class Publisher:
@@ -176,7 +212,15 @@ class Ingest:
 
     async def _read(self, publisher: Publisher, receiver, clock: SenderClock | None, active) -> None:
         try:
-            await read_track(receiver.track, publisher.sink, clock, active=active, stats=publisher.stats)
+            guard = InputGuard(publisher.sink)
+            await read_track(receiver.track, guard, clock, active=lambda: active() and guard.refused is None,
+                             stats=publisher.stats)
+            if guard.refused is not None:
+                log.info("WHIP into stream %s refused: %s", publisher.stream_id, guard.refused)
+                publisher.stats.ended = guard.refused
+            if guard.dropped:
+                log.info("WHIP into stream %s: %d frames over %g a second dropped", publisher.stream_id,
+                         guard.dropped, MAX_INPUT_FPS)
         finally:
             await publisher.close(publisher.stats.ended or "its track ended")
 

@@ -116,3 +116,60 @@ async def test_an_aiortc_whip_publisher_feeds_the_streams_input():
         finally:
             for pc in pcs + [viewer]:
                 await pc.close()
+
+
+def test_the_input_guard_drops_frames_over_the_rate_and_refuses_large_ones():
+    from types import SimpleNamespace
+
+    from streamsvc.whip import InputGuard
+
+    pushed = []
+    sink = SimpleNamespace(push_av=lambda frame, capture_s: pushed.append(capture_s), decode_error=lambda: None)
+    t = [0.0]
+    guard = InputGuard(sink, now=lambda: t[0], max_pixels=640 * 480, max_fps=10)
+    small = SimpleNamespace(width=640, height=480)
+    for i in range(30):  # 30 frames in 1 s: the burst of 10, and 10 more as the bucket refills
+        t[0] = i / 30
+        guard.push_av(small, t[0])
+    assert len(pushed) == 10 + 9 and guard.dropped == 11 and guard.refused is None
+    guard.push_av(SimpleNamespace(width=641, height=480), 2.0)
+    assert guard.refused is not None and "641x480" in guard.refused
+    t[0] = 100.0
+    guard.push_av(small, 100.0)  # nothing after a refusal
+    assert len(pushed) == 19
+
+
+class BigCamera(Camera):
+    async def recv(self) -> av.VideoFrame:
+        pts, time_base = await self.next_timestamp()
+        frame = av.VideoFrame.from_ndarray(np.zeros((1088, 1936, 3), np.uint8), format="rgb24")
+        frame.pts, frame.time_base = pts, time_base
+        return frame
+
+
+async def test_a_publisher_over_1920x1080_loses_its_session():
+    async with running(webrtc=WebRtcConfig(ice_addresses=("127.0.0.1",))) as server, aiohttp.ClientSession() as http:
+        base = f"http://127.0.0.1:{server.port}"
+        viewer = RTCPeerConnection()
+        viewer.addTransceiver("video", direction="recvonly")
+        await viewer.setLocalDescription(await viewer.createOffer())
+        async with http.post(f"{base}/whep?prompt=a+ball&input=1", data=viewer.localDescription.sdp, headers=SDP) as r:
+            assert r.status == 201, await r.text()
+            stream_id, steer = r.headers["X-Stream-Id"], r.headers["X-Steer-Secret"]
+        session = server.sessions[stream_id]
+        if getattr(session, "input", None) is None:
+            session.input = InputFrames(128, 128, session.fps)
+        pc = RTCPeerConnection()
+        try:
+            pc.addTransceiver(BigCamera(), direction="sendonly")
+            await pc.setLocalDescription(await pc.createOffer())
+            async with http.post(f"{base}/whip/{stream_id}?secret={steer}", data=pc.localDescription.sdp,
+                                 headers=SDP) as r:
+                assert r.status == 201, await r.text()
+                await pc.setRemoteDescription(RTCSessionDescription(await r.text(), "answer"))
+            assert await until(lambda: stream_id in server.whep.whip.publishers, 2)
+            assert await until(lambda: not server.whep.whip.publishers, 30)  # refused at its first frame
+            assert session.input.stats()["received"] == 0 and stream_id in server.sessions  # the stream goes on
+        finally:
+            await pc.close()
+            await viewer.close()
