@@ -130,6 +130,11 @@ window.streamsvcCamera = ({ sender, send, canSteer, restartWithInput, player }) 
     startFields: () => (player.cameraOn ? { input: true, ...(strength !== null ? { strength } : {}) } : {}),
     // before the offer: a camera already on sends from the first packet
     attach: async (s) => { if (stream && player.cameraOn) await s.replaceTrack(stream.getVideoTracks()[0]); },
+    // the viewer's role changed (audience): a watcher's camera is not the stream's input, so it goes off
+    roleChanged: () => {
+      if (player.role === "watch" && player.cameraOn) turnOff("You no longer steer this stream: your camera is off.");
+      render();
+    },
     // ready or an ack changed the stream's input or strength
     streamReady: () => {
       if (ticks && player.strengths) ticks.replaceChildren(...player.strengths.map((v) => new Option("", v)));

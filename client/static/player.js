@@ -314,6 +314,7 @@
         player.watchers = msg.watchers;
         player.steered = msg.steered;
         renderAudience();
+        camera.roleChanged();  // the input is the steerer's: handed over, the camera goes off
         break;
       case "recording": {
         // the recording page plays the MP4 with its chapters (it is complete once the stream has ended); the file

@@ -118,6 +118,11 @@ async def _camera_session(tmp_path, monkeypatch) -> dict:
             stream_id = await page.evaluate("player.streamId")
             stats = server.sessions[stream_id].input.stats()
             rtc = server.webrtc[server.sessions[stream_id].steerer.viewer_id].camera
+            # the slider steers live: set_strength, acked with the value snapped to the schedule, shown by the page
+            await page.evaluate("""() => { const s = document.getElementById('strength');
+                s.value = '0.4'; s.dispatchEvent(new Event('change')); }""")
+            await page.wait_for_function("player.strength !== null && player.strength < 0.5", timeout=10_000)
+            steered = (await page.evaluate("player.strength"), await page.inner_text("#strength-value"))
 
     readings = []  # (output reading, input reading, width, height) of each grabbed frame made from input
     for f in frames:
@@ -127,7 +132,7 @@ async def _camera_session(tmp_path, monkeypatch) -> dict:
     errors = [float(np.hypot(_wrapped_dx(out.centre[0], given.centre[0], w), _wrapped_dx(out.centre[1], given.centre[1], h)))
               if out.centre is not None else float("inf") for out, given, w, h in readings]
     _SESSION.update(frames=frames, readings=readings, errors=errors, g2g=g2g, overlay=overlay, stats=stats,
-                    strength=strength, read=rtc.stats, clock_reports=rtc.clock.reports, held_s=rtc.held_s)
+                    strength=strength, steered=steered, read=rtc.stats, clock_reports=rtc.clock.reports, held_s=rtc.held_s)
     print(f"camera in Chromium: {len(readings)} of {len(frames)} frames grabbed were made from input; object position "
           f"error mean {np.mean(errors):.1f} px (median {np.median(errors):.1f}); colours "
           f"{sorted({str(out.colour) for out, _, _, _ in readings})}; glass-to-glass p50 {np.median(g2g) / 1000:.2f} s, "
@@ -139,6 +144,8 @@ async def _camera_session(tmp_path, monkeypatch) -> dict:
 async def test_the_player_sends_its_camera_as_the_streams_input_and_shows_glass_to_glass(tmp_path, monkeypatch):
     got = await _camera_session(tmp_path, monkeypatch)
     assert got["strength"] == pytest.approx(STRENGTH)  # the server's snapped value, from ready
+    snapped = min((1.0, 0.8333, 0.625, 0.3571), key=lambda s: abs(s - 0.4))  # the built-in model's schedule
+    assert got["steered"][0] == pytest.approx(snapped, abs=1e-3) and got["steered"][1] == f"{got['steered'][0]:.3f}"
     assert got["read"].sender_clock > 0 and got["clock_reports"] > 0  # Chromium's RTCP sender reports timed them
     assert got["stats"]["received"] >= 32 and got["stats"]["decode_errors"] == 0, got["stats"]
     # the frames on screen were made from the camera: each one's header echoes the capture time of an input frame
