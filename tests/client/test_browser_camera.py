@@ -181,3 +181,25 @@ async def test_without_a_secure_context_the_page_says_why_there_is_no_camera(tmp
         assert await page.is_disabled("#camera")
         text = await page.inner_text("#camera-status")
         assert "secure context" in text and "localhost" in text, text
+
+
+async def test_turning_the_camera_on_during_a_stream_without_input_starts_one_with_it(tmp_path):
+    """A stream started without the camera takes no input (the server answered its video m-line sendonly); turning
+    the camera on starts a new stream with it, whose frames come from the camera."""
+    async with serving() as (server, base):
+        cfg = server.engine.gen.model_cfg
+        y4m = input_y4m(tmp_path / "camera.y4m", cfg.width, cfg.height)
+        async with chromium_with_camera(tmp_path, y4m) as browser:
+            page = await browser.new_page()
+            await page.goto(f"{base}/?prompt=a%20blue%20ball", timeout=15_000)
+            await page.wait_for_function("player.framesPresented > 0", timeout=20_000)
+            first = await page.evaluate("({id: player.streamId, input: player.input})")
+            assert first["input"] is False and server.webrtc[next(iter(server.webrtc))].camera is None
+            await page.click("#camera")
+            await page.wait_for_function(f"player.streamId !== {first['id']!r} && player.input && player.phase === "
+                                         "'playing'", timeout=20_000)
+            assert "starting a new one with your camera" in await page.inner_text("#camera-status")
+            await page.wait_for_function("player.inputOnScreen === 'frames'", timeout=20_000)
+            stream_id = await page.evaluate("player.streamId")
+            assert server.sessions[stream_id].input.stats()["received"] > 0
+            assert first["id"] not in server.sessions  # the stream without input ended
