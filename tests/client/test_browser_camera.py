@@ -123,6 +123,14 @@ async def _camera_session(tmp_path, monkeypatch) -> dict:
                 s.value = '0.4'; s.dispatchEvent(new Event('change')); }""")
             await page.wait_for_function("player.strength !== null && player.strength < 0.5", timeout=10_000)
             steered = (await page.evaluate("player.strength"), await page.inner_text("#strength-value"))
+            # the camera off (replaceTrack(null)) and on again (replaceTrack(track)), no renegotiation: the stream goes
+            # on from the prompt alone ("missing") and picks the camera up again
+            await page.click("#camera")
+            await page.wait_for_function("player.inputOnScreen === 'missing'", timeout=15_000)
+            await page.click("#camera")
+            await page.wait_for_function("player.cameraOn && player.inputOnScreen === 'frames'", timeout=15_000)
+            gap = {"missing": server.sessions[stream_id].input.stats()["missing_chunks"], "phase": await page.evaluate(
+                "player.phase"), "stream": await page.evaluate("player.streamId") == stream_id}
 
     readings = []  # (output reading, input reading, width, height) of each grabbed frame made from input
     for f in frames:
@@ -132,7 +140,7 @@ async def _camera_session(tmp_path, monkeypatch) -> dict:
     errors = [float(np.hypot(_wrapped_dx(out.centre[0], given.centre[0], w), _wrapped_dx(out.centre[1], given.centre[1], h)))
               if out.centre is not None else float("inf") for out, given, w, h in readings]
     _SESSION.update(frames=frames, readings=readings, errors=errors, g2g=g2g, overlay=overlay, stats=stats,
-                    strength=strength, steered=steered, read=rtc.stats, clock_reports=rtc.clock.reports, held_s=rtc.held_s)
+                    strength=strength, steered=steered, gap=gap, read=rtc.stats, clock_reports=rtc.clock.reports, held_s=rtc.held_s)
     print(f"camera in Chromium: {len(readings)} of {len(frames)} frames grabbed were made from input; object position "
           f"error mean {np.mean(errors):.1f} px (median {np.median(errors):.1f}); colours "
           f"{sorted({str(out.colour) for out, _, _, _ in readings})}; glass-to-glass p50 {np.median(g2g) / 1000:.2f} s, "
@@ -146,6 +154,8 @@ async def test_the_player_sends_its_camera_as_the_streams_input_and_shows_glass_
     assert got["strength"] == pytest.approx(STRENGTH)  # the server's snapped value, from ready
     snapped = min((1.0, 0.8333, 0.625, 0.3571), key=lambda s: abs(s - 0.4))  # the built-in model's schedule
     assert got["steered"][0] == pytest.approx(snapped, abs=1e-3) and got["steered"][1] == f"{got['steered'][0]:.3f}"
+    assert got["gap"] == {"missing": got["gap"]["missing"], "phase": "playing", "stream": True} and \
+        got["gap"]["missing"] >= 1, got["gap"]  # the camera went off and on within the same stream
     assert got["read"].sender_clock > 0 and got["clock_reports"] > 0  # Chromium's RTCP sender reports timed them
     assert got["stats"]["received"] >= 32 and got["stats"]["decode_errors"] == 0, got["stats"]
     # the frames on screen were made from the camera: each one's header echoes the capture time of an input frame
@@ -153,10 +163,10 @@ async def test_the_player_sends_its_camera_as_the_streams_input_and_shows_glass_
     assert len(got["readings"]) >= GRAB // 2, [f["input"] for f in got["frames"]]
     assert all(given.colour == "red" and given.centre is not None for _, given, _, _ in got["readings"])
     assert len({round(given.centre[0]) for _, given, _, _ in got["readings"]}) > 4  # it moved under the grabs
-    # glass-to-glass: one host, one clock (the capture times are Chromium's own, through its sender reports): at
-    # least a chunk's last capture + the input latency (the first chunk plays then), within a few seconds
+    # glass-to-glass: one host, one clock (the capture times are Chromium's own, through its sender reports): in a
+    # steady stream a chunk's last capture + the input latency (the first chunk plays then), within a few seconds
     g2g = np.array(got["g2g"]) / 1000
-    assert np.all(g2g > 0.75) and np.percentile(g2g, 95) < 5.0, g2g
+    assert np.all(g2g > 0) and np.median(g2g) > 0.75 and np.percentile(g2g, 95) < 5.0, g2g
     assert re.fullmatch(r"\d+\.\d\d s", got["overlay"]), got["overlay"]
 
 
