@@ -61,7 +61,8 @@ class H264Camera:
 
 
 class FileSource:
-    """A video file's frames, looped (decoded once, at most `max_frames` kept): `--input FILE` of the load test."""
+    """A video file's frames, looped (decoded once, at most `max_frames` kept, scaled down to `width` if wider):
+    `--input FILE` of the load test."""
 
     def __init__(self, path: str, max_frames: int = 256, width: int | None = None) -> None:
         frames = []

@@ -817,7 +817,7 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
         print("prompts: free text (the server's model reads any text)", flush=True)
     sources = getattr(args, "input_sources", None)  # input video: one frame source a viewer (--input)
     if sources is None and getattr(args, "input", None) not in (None, "synthetic"):
-        sources = [FileSource(args.input)]
+        sources = [FileSource(args.input, max_frames=128, width=480)]  # (at most 480 wide: 50 MB held, looped)
     clients = []
     for i in range(args.streams):
         prompt = viewer_prompt(i, 0, captions, vocabulary)

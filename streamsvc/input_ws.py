@@ -40,7 +40,8 @@ def input_frames(engine, msg: P.Start, fps: int) -> InputFrames | None:
     if not msg.input:
         return None
     mc, first = engine.gen.model_cfg, engine.gen.frames_in_chunk(0)
-    return InputFrames(mc.width, mc.height, fps, phase=(PHASE_STEP * next(_streams)) % first)
+    return InputFrames(mc.width, mc.height, fps, phase=(PHASE_STEP * next(_streams)) % first,
+                       max_frames=4 * engine.gen.frames_in_chunk(1))  # 4 chunks ahead of the engine at most
 
 
 def allow_input(ws, session) -> None:
