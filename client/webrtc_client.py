@@ -125,8 +125,12 @@ class WebRtcClient(ViewerClient):
         ice_servers: Sequence[IceServer] = (),
         playout_delay_s: float = PLAYOUT_DELAY_S,
         clock: Callable[[], float] = time.monotonic,
+        camera_fps: float | None = None,
     ) -> None:
+        """`camera_fps`: the rate of ``config.input``'s camera (None: the stream's fps; a browser's camera runs at
+        30 whatever the stream's, and the server drops what is beyond the stream's)."""
         super().__init__(url, config, clock)
+        self.camera_fps = camera_fps
         if playout_delay_s < 0:
             raise ValueError(f"playout_delay_s={playout_delay_s}: must be >= 0")
         self.ice_addresses = default_ice_addresses(url) if ice_addresses == LOOPBACK else ice_addresses
@@ -199,7 +203,8 @@ class WebRtcClient(ViewerClient):
         self._channel = pc.createDataChannel(CONTROL_CHANNEL)
         self._channel.on("message", self._on_channel_message)
         if self.config.input is not None:  # the camera goes up the stream's own transceiver: sendrecv, as the player's
-            self._camera = FrameTrack(self.config.input, self.ready.fps, paused=lambda: self.input_paused)
+            self._camera = FrameTrack(self.config.input, self.camera_fps or self.ready.fps,
+                                      paused=lambda: self.input_paused)
             transceiver = pc.addTransceiver(self._camera, direction="sendrecv")
         else:
             transceiver = pc.addTransceiver("video", direction="recvonly")
