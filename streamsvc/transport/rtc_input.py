@@ -42,6 +42,12 @@ decoder thread is given the event then): right after ``setRemoteDescription``, a
 ``install`` returns False (and frames are timed on arrival, errors not counted) if a later aiortc lacks what
 it uses (``_HOOKS``); ``tests/streamsvc/test_rtc_input.py`` fails loudly then.
 
+A frame as soon as it is whole: aiortc's jitter buffer hands a video frame to the decoder only when a packet of the
+next frame arrives (its ``_remove_frame``), one frame period late (62 ms at 16 fps, 33 ms from a 30 fps camera),
+which delays every chunk's release by as much. ``MarkerJitterBuffer`` also hands it over on the packet that carries
+the RTP marker bit (the last packet of an access unit: RFC 6184 for H.264, RFC 7741 for VP8) once every packet from
+the frame's first is there; ``prompt_frames(receiver)`` puts one in a receiver before it starts.
+
 Audio is not read: a track of kind ``audio`` returns at once (the camera's audio is dropped; the server
 answers a microphone's m-line inactive anyway, so no audio receiver runs).
 """
@@ -56,6 +62,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.mediastreams import MediaStreamError
 
 log = logging.getLogger("streamsvc.webrtc")
@@ -69,6 +76,39 @@ MAX_HOLD_S = 10.0
 """The longest a track holds its first chunk of input frames for its due time (a bound, never reached: it is the
 input latency and a chunk's duration)."""
 _HOOKS = ("_handle_rtcp_packet", f"{_MANGLED}timestamp_mapper", f"{_MANGLED}decoder_error")
+
+
+class MarkerJitterBuffer(JitterBuffer):
+    """aiortc's video jitter buffer that also hands a frame over on its marker packet (see the module docstring)."""
+
+    def __init__(self, capacity: int = 512) -> None:  # aiortc's own video capacity
+        super().__init__(capacity=capacity, is_video=True)
+        self.early = 0  # frames handed over on their marker packet (before the next frame's first packet)
+
+    def _remove_frame(self, sequence_number: int) -> JitterFrame | None:
+        packets = []
+        for count in range(self.capacity):
+            packet = self._packets[(self._origin + count) % self.capacity]
+            if packet is None or packets and packet.timestamp != packets[0].timestamp:
+                break  # a gap (a packet to come, or lost) or the next frame: aiortc's own rule
+            packets.append(packet)
+            if packet.marker:
+                frame = JitterFrame(data=b"".join(p._data for p in packets), timestamp=packet.timestamp)
+                self.remove(count + 1)
+                self.early += 1
+                return frame
+        return super()._remove_frame(sequence_number)
+
+
+def prompt_frames(receiver) -> MarkerJitterBuffer | None:
+    """Give a video `receiver` (not started yet) a ``MarkerJitterBuffer``; None if this aiortc keeps it elsewhere."""
+    name = f"{_MANGLED}jitter_buffer"
+    if not isinstance(getattr(receiver, name, None), JitterBuffer):
+        log.warning("aiortc %s keeps no %s: input frames reach the decoder a frame late", _aiortc_version(), name)
+        return None
+    buffer = MarkerJitterBuffer()
+    setattr(receiver, name, buffer)
+    return buffer
 
 
 class InputSink(Protocol):
@@ -296,6 +336,7 @@ class CameraInput:
         self.stats = ReadStats()
         self.receiver = None  # the video transceiver's receiver, once answering
         self.hooked = False  # the clock is installed (else frames are timed on arrival)
+        self.jitter: MarkerJitterBuffer | None = None  # the receiver's jitter buffer, once answering
         self.held_s: float | None = None  # how long the first chunk of input frames was held (see hold_first_chunk)
 
     @classmethod
@@ -319,6 +360,7 @@ class CameraInput:
         transceiver.direction = "sendrecv"
         self.receiver = transceiver.receiver
         self.hooked = self.clock.install(transceiver.receiver)
+        self.jitter = prompt_frames(transceiver.receiver)
         return True
 
     def start(self) -> asyncio.Task:

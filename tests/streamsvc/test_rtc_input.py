@@ -19,7 +19,8 @@ from aiortc.mediastreams import MediaStreamError
 
 from streamsvc.rtc import CONTROL_CHANNEL, WebRtcConfig, complete_local_description, h264_preferences, \
     rtc_configuration
-from streamsvc.transport.rtc_input import NTP_UNIX_OFFSET_S, CameraInput, SenderClock, read_track
+from streamsvc.transport.rtc_input import NTP_UNIX_OFFSET_S, CameraInput, MarkerJitterBuffer, SenderClock, \
+    prompt_frames, read_track
 from streamsvc.transport.webrtc import WebRtcTransport
 
 LOOPBACK = ("127.0.0.1",)
@@ -110,6 +111,41 @@ def test_a_report_with_no_ntp_time_is_ignored():
     assert clock.last is None and clock.ignored_reports == 1 and clock.capture_s(100) is None
 
 
+# ---------------------------------------------------------------- the jitter buffer
+
+
+def _packet(seq: int, timestamp: int, data: bytes, marker: bool = False):
+    from aiortc.rtp import RtpPacket
+
+    packet = RtpPacket(payload_type=96, marker=int(marker), sequence_number=seq, timestamp=timestamp, ssrc=1)
+    packet._data = data
+    return packet
+
+
+def test_a_frame_goes_to_the_decoder_on_its_marker_packet_not_a_frame_later():
+    from aiortc.jitterbuffer import JitterBuffer
+
+    ours, aiortcs = MarkerJitterBuffer(), JitterBuffer(capacity=512, is_video=True)
+    frame = [_packet(10, 3000, b"a"), _packet(11, 3000, b"b"), _packet(12, 3000, b"c", marker=True)]
+    assert [ours.add(p)[1] for p in frame[:2]] == [None, None]
+    got = ours.add(frame[2])[1]
+    assert (got.data, got.timestamp) == (b"abc", 3000) and ours.early == 1
+    assert [aiortcs.add(p)[1] for p in frame] == [None, None, None]  # aiortc's waits for the next frame
+    assert aiortcs.add(_packet(13, 6000, b"d"))[1].data == b"abc"
+
+    # a packet missing: nothing until it comes (a retransmission), then the whole frame
+    assert ours.add(_packet(13, 6000, b"d"))[1] is None
+    assert ours.add(_packet(15, 6000, b"f", marker=True))[1] is None
+    got = ours.add(_packet(14, 6000, b"e"))[1]
+    assert got.data == b"def" and ours.early == 2
+    # a frame whose marker packet is lost: handed over by aiortc's rule, on the next frame's first packet
+    assert ours.add(_packet(16, 9000, b"g"))[1] is None
+    got = ours.add(_packet(18, 12000, b"i"))[1]
+    assert got is None  # 17 (the marker) missing, and the next frame's first packet is not contiguous either
+    got = ours.add(_packet(17, 12000, b"h"))[1]
+    assert got.data == b"g" and ours.early == 2
+
+
 # ---------------------------------------------------------------- read_track with a fake track
 
 
@@ -194,6 +230,7 @@ class Camera(VideoStreamTrack):
         self.sent_at: dict[int, float] = {}  # frame number -> time.time() when aiortc took it
         self.garbage_at = garbage_at
         self.count = 0
+        self.jitter = None  # the receiving side's MarkerJitterBuffer (set by _pair)
 
     async def recv(self):
         pts, time_base = await self.next_timestamp()
@@ -218,6 +255,8 @@ async def _pair(camera: Camera):
     clock = SenderClock()
     (transceiver,) = receiver.getTransceivers()
     assert clock.install(transceiver.receiver), "this aiortc lacks what rtc_input hooks"
+    camera.jitter = prompt_frames(transceiver.receiver)
+    assert camera.jitter is not None
     answer = await complete_local_description(receiver, await receiver.createAnswer(), LOOPBACK, 10)
     await sender.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
     return sender, receiver, clock, transceiver.receiver.track
@@ -251,6 +290,7 @@ async def test_an_aiortc_senders_frames_are_timed_in_its_clock_through_its_repor
     assert abs(np.median(sender_timed)) < 0.010 and np.max(np.abs(sender_timed)) < 0.1, sender_timed
     assert min(errors[: stats.arrival_clock]) >= 0  # arrival comes after sending
     assert stats.decode_errors >= 1 and sink.errors == stats.decode_errors  # the junk access unit
+    assert camera.jitter.early >= stats.frames - 5  # each frame decoded on its marker packet, not a frame later
 
 
 # ---------------------------------------------------------------- the server's transport
