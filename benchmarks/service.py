@@ -332,6 +332,9 @@ def row(n: int, report: dict, bench: dict | None, steps: int = DEFAULT_STEPS) ->
     """One table row from a load test's report (and the generator benchmark's chunk, whose steps win)."""
     srv = report.get("server") or {}
     steps = (bench or {}).get("steps", steps)
+    forwards = srv.get("forwards") or {}
+    if report.get("glass_to_glass_s") and forwards.get("commit"):  # input video: chunks start at the strength's step
+        steps = forwards.get("denoise", 0) / forwards["commit"]  # the denoise forwards a chunk took, measured
     gpu_ms = _per_chunk(srv.get("gpu_ms"), steps)
     bench_ms = (bench or {}).get("dit_chunk_ms")
     reasons = report["refused"]["reasons"]
@@ -461,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         tier = f", fidelity {result['fidelity']}" if result["fidelity"] else ""
         print(f"service at {args.preset} on {args.device}{tier}: {args.duration:g} s per run, prompt every "
               f"{args.prompt_every:g} s; ms per chunk = {(bench or {}).get('steps', result['steps'])} denoise + 1 commit "
-              "forwards (a commit without a forward under commit-reuse)")
+              "forwards (a commit without a forward under commit-reuse; with --input, the denoise forwards a chunk "
+              "took while serving: chunks of input start at the strength's step)")
         print(format_table(result["rows"]))
     if len(results) > 1:
         print("streams at 0 stalls by fidelity: " + ", ".join(f"{r['fidelity']} {r['largest_stall_free_n']}" for r in results))
