@@ -69,7 +69,8 @@ class FileSource:
         with av.open(path) as container:
             for frame in container.decode(video=0):
                 if width is not None and frame.width > width:
-                    frame = frame.reformat(width=width, height=max(2, round(frame.height * width / frame.width / 2) * 2))
+                    height = max(2, round(frame.height * width / frame.width / 2) * 2)
+                    frame = frame.reformat(width=width, height=height)
                 frames.append(frame.to_ndarray(format="rgb24"))
                 if len(frames) >= max_frames:
                     break

@@ -100,7 +100,8 @@ class InputStage:
         """The stream's strength from its next release on; returns it snapped."""
         stream = self.streams.get(stream_id)
         if stream is None:
-            raise ValueError(f"stream {stream_id!r} takes no input video: start it with \"input\": true to set a strength")
+            raise ValueError(f"stream {stream_id!r} takes no input video: start it with \"input\": true to set a "
+                             "strength")
         stream.strength = self.start_step(strength)[1]
         return stream.strength
 

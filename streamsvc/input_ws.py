@@ -1,16 +1,17 @@
 """Input video over the WebSocket, on the server (issue 35): a stream's timeline made at `start`, the connection's
 larger message limit, and its H.264 upstream decoded into the timeline.
 
-A `start` with ``"input": true`` gets an `InputFrames` at the model's frame size (`input_frames`; the engine
-refuses it, with the reason, on a model without an encoder). Once admitted, and before its `ready` goes out, its
+A `start` with ``"input": true`` gets an `InputFrames` at the model's frame size (`input_frames`; the engine refuses
+it, with the reason, on a model without an encoder). Once admitted, and before its `ready` goes out, its
 connection's message limit rises to `wire_input.MAX_INPUT_BYTES` (`allow_input`; every other connection keeps the
-control limit and its 1009). Its binary messages are input (`Upstream`): unpacked (a message that breaks the
-framing is answered with `bad_chunk` and dropped), decoded by PyAV in a small pool of threads off the event loop,
-one message at a time per connection, and pushed with their capture times; H.264 that does not decode is counted
-as decode errors. A flood is not decoded: frames beyond `FLOOD_RATE` times the stream's fps (bursts of a second's
-frames) are dropped undecoded (counted), and so is what follows them up to the next keyframe (a P-frame without
-its reference would not decode anyway), so one sender cannot take the decoder threads every stream shares. The input is the steerer's: after a handover the old steerer's messages are refused
-(`not_steerer`), and the stream goes on either way.
+control limit and its 1009). Its binary messages are input (`Upstream`): unpacked (a message that breaks the framing
+is answered with `bad_chunk` and dropped), decoded by PyAV in a small pool of threads off the event loop, one
+message at a time per connection, and pushed with their capture times; H.264 that does not decode is counted as
+decode errors. A flood is not decoded: frames beyond `FLOOD_RATE` times the stream's fps (bursts of a second's
+frames) are dropped undecoded (counted), and so is what follows them up to the next keyframe (a P-frame without its
+reference would not decode anyway), so one sender cannot take the decoder threads every stream shares. The input is
+the steerer's: after a handover the old steerer's messages are refused (`not_steerer`), and the stream goes on
+either way.
 """
 
 from __future__ import annotations

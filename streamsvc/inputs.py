@@ -10,11 +10,11 @@ What it does to a frame (the lead's decisions, CONTRACT35.md):
   clock, seconds). A newer frame replaces an older one in the same slot (the older is `dropped`); a slot with no
   frame repeats the previous frame (`repeated`). Output frame i is input slot i restyled: chunk c takes the slots
   [first_frame, first_frame + frames_in_chunk(c)).
-- Capture times map to slots through an anchor: the first frame goes to the first slot not yet taken, and later
-  ones by their capture time from it. The slots also have a nominal arrival time in this server's clock (the
-  anchor frame's arrival + slot / fps); two frames in a row whose capture-time slot is more than `REANCHOR_S`
-  off their arrival-time slot (a sender's clock that jumped, a new sender) re-anchor (one alone is a straggler). While paused, frames are dropped;
-  after `resume` the next frame re-anchors at the first free slot.
+- Capture times map to slots through an anchor: the first frame goes to the first slot not yet taken, and later ones
+  by their capture time from it. The slots also have a nominal arrival time in this server's clock (the anchor
+  frame's arrival + slot / fps); two frames in a row whose capture-time slot is more than `REANCHOR_S` off their
+  arrival-time slot (a sender's clock that jumped, a new sender) re-anchor (one alone is a straggler). While paused,
+  frames are dropped; after `resume` the next frame re-anchors at the first free slot.
 - Phase: the stream's first frame goes to slot `phase` (the slots before it repeat it), not 0. Viewers that start
   together send cameras that start together, and every chunk of theirs would be released by its last frame at the
   same moment, all due input_latency_s later: the server gives each stream another phase (streamsvc/input_ws.py),
@@ -41,7 +41,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -79,7 +79,6 @@ class InputCounts:
     chunks: int = 0  # chunks taken with input frames
     missing_chunks: int = 0  # chunks taken with none (text-to-video)
     reanchors: int = 0  # times the capture clock was re-anchored (the first frame, a jump, a resume)
-    extra: dict = field(default_factory=dict)
 
 
 class InputFrames:
