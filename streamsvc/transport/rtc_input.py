@@ -48,6 +48,11 @@ which delays every chunk's release by as much. ``MarkerJitterBuffer`` also hands
 the RTP marker bit (the last packet of an access unit: RFC 6184 for H.264, RFC 7741 for VP8) once every packet from
 the frame's first is there; ``prompt_frames(receiver)`` puts one in a receiver before it starts.
 
+On the server (``CameraInput``, used by streamsvc/transport/webrtc.py): a steerer's stream with input answers the
+player's sendrecv video m-line sendrecv, hooks its receiver (clock, decoder errors, jitter buffer), reads the track
+into ``session.input`` until the input changes hands (then the receiver is disabled: packets dropped undecoded), and
+holds the track's first chunk of input frames until ``InputFrames.play_from`` (the scheduler's plan for it).
+
 Audio is not read: a track of kind ``audio`` returns at once (the camera's audio is dropped; the server
 answers a microphone's m-line inactive anyway, so no audio receiver runs).
 """
