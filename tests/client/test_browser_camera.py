@@ -213,3 +213,16 @@ async def test_turning_the_camera_on_during_a_stream_without_input_starts_one_wi
             stream_id = await page.evaluate("player.streamId")
             assert server.sessions[stream_id].input.stats()["received"] > 0
             assert first["id"] not in server.sessions  # the stream without input ended
+
+
+async def test_a_link_with_camera_1_starts_with_the_camera_at_its_strength(tmp_path):
+    """/?camera=1&strength=S: the page turns the camera on first, then starts the stream with input at S."""
+    async with serving() as (server, base):
+        cfg = server.engine.gen.model_cfg
+        y4m = input_y4m(tmp_path / "camera.y4m", cfg.width, cfg.height)
+        async with chromium_with_camera(tmp_path, y4m) as browser:
+            page = await browser.new_page()
+            await page.goto(f"{base}/?camera=1&strength=0.3&prompt=a%20blue%20ball", timeout=15_000)
+            await page.wait_for_function("player.input && player.inputOnScreen === 'frames'", timeout=20_000)
+            state = await page.evaluate("({strength: player.strength, camera: player.cameraOn})")
+            assert state == {"strength": pytest.approx(min(server.engine.gen.input_strengths())), "camera": True}
