@@ -24,7 +24,7 @@ Stages, run in order by one command that stops after `--minutes` and checkpoints
 5. follow (video-to-video, issue 35; off unless `follow_steps`, usually from a shipped model with
    `--init FILE`): teacher forcing where a noisy chunk's position is not the prompt's. The objects
    start anywhere and move at any velocity (what the prompt does not say), and the noisy chunk is made
-   from an input rendering of the same trajectory in another colour and background (sometimes shape):
+   from an input rendering of the same trajectory in another colour and background (often shape):
    x_t = (1 - sigma) z_input + sigma eps at one of the sampler's levels below 1, its x0 regressed onto
    the prompt's look at the input's positions; the caption names no motion. Half its noisy chunks come
    from the target itself instead (the later steps of an input chunk re-noise the model's own x0). The
@@ -56,7 +56,8 @@ from models.dit import CacheAccess, CausalWanModel, TextKV
 from models.generator import ChunkGenerator, GeneratorConfig
 from models.latent import BlockPCA, video_frames
 from models.scenes import (
-    BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, Clip, Scene, draw, sample_clip, sample_scene, vocabulary,
+    BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, Clip, Scene, chunks_of_frames, draw, sample_clip, sample_scene,
+    vocabulary,
 )
 from models.text import HashTextEncoder
 
@@ -109,6 +110,13 @@ class TrainConfig:
     follow_lr: float = 5e-4
     follow_timesteps: str = "1000,500,250,100"
     follow_pool: int = 256  # pairs (and text-to-video clips) rendered and encoded once, each step's batch drawn from them
+    # share of pairs whose input is another shape: at 1/3 the model came to keep x_t's shape, and after a
+    # text-to-video prompt switch the old shape stayed two chunks (issue 15's test failed)
+    follow_shape_share: float = 0.75
+    follow_t2v: int = 0  # text-to-video clips per step beside the follow_batch pairs (0: as many)
+    # share of pairs whose prompt switches at a chunk boundary (the input goes on): without them the model's
+    # text-to-video switches kept the old shape for chunks, as its pairs' context and prompt always agreed
+    follow_switch: float = 0.5
 
     def __post_init__(self) -> None:
         if self.loss_weight not in LOSS_WEIGHTS:
@@ -437,31 +445,32 @@ class Trainer:
         b = cfg.follow_batch
         pool = self._follow_pool()
         pick_pairs = torch.randint(len(pool["pairs"]), (b,)).tolist()
-        pick_clips = torch.randint(len(pool["clips"]), (b,)).tolist()
+        pick_clips = torch.randint(len(pool["clips"]), (cfg.follow_t2v or b,)).tolist()
         clips = [pool["clips"][i] for i in pick_clips]
-        clean = torch.cat([pool["target"][pick_pairs], pool["clean"][pick_clips]])  # [2B, C, F, h, w]
+        clean = torch.cat([pool["target"][pick_pairs], pool["clean"][pick_clips]])  # [B + T, C, F, h, w]
         source = pool["source"][pick_pairs]
         target = clean[:b]
-        captions = [[pool["pairs"][i]] * (2 * clean.shape[2]) for i in pick_pairs] + [clip_captions(c, fpc) for c in clips]
+        captions = [pool["pairs"][i][0] for i in pick_pairs] + [clip_captions(c, fpc) for c in clips]
         nc = clean.shape[2] // fpc
         levels = torch.tensor(GeneratorConfig(timesteps=tuple(float(t) for t in cfg.follow_timesteps.split(","))).sigmas,
                               device=self.device)
-        pick = torch.randint(len(levels), (2 * b, nc), device=self.device)
+        n = clean.shape[0]
+        pick = torch.randint(len(levels), (n, nc), device=self.device)
         pick[:b] = torch.randint(1, len(levels), (b, nc), device=self.device)  # an input chunk starts below 1
-        sigma = levels[pick].float().repeat_interleave(fpc, dim=1)  # [2B, F]
+        sigma = levels[pick].float().repeat_interleave(fpc, dim=1)  # [B + T, F]
         s = sigma[:, None, :, None, None]
         start = clean.clone()
         from_input = torch.rand(b, 1, nc, 1, 1, device=self.device).repeat_interleave(fpc, dim=2) < 0.5
         start[:b] = torch.where(from_input, source, target)  # its first step starts from the input, later ones from x0
         noisy = (1 - s) * start + s * torch.randn_like(clean)
-        ctx = torch.rand(2 * b, 1, 1, 1, 1, device=self.device) * cfg.context_noise
+        ctx = torch.rand(n, 1, 1, 1, 1, device=self.device) * cfg.context_noise
         context = (1 - ctx) * clean + ctx * torch.randn_like(clean)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             text = frame_text(self.model, self.encoder, captions)
             v = teacher_forward(self.model, context, noisy, 1000 * sigma, text, fpc).float()
-        weight = torch.tensor([[1.0] * nc] * b + [chunk_weights(c) for c in clips], device=self.device)
+        weight = torch.tensor([pool["pairs"][i][1] for i in pick_pairs] + [chunk_weights(c) for c in clips], device=self.device)
         weight = weight.repeat_interleave(fpc, dim=1)
-        per_frame = ((noisy - s * v - clean).pow(2) * self._channel_weights()).mean(dim=(1, 3, 4))  # [2B, F]
+        per_frame = ((noisy - s * v - clean).pow(2) * self._channel_weights()).mean(dim=(1, 3, 4))  # [B + T, F]
         loss = (per_frame * weight).sum() / weight.sum().clamp_min(1)
         self._update(loss, self.model)
         return loss.item()
@@ -482,29 +491,47 @@ class Trainer:
             self._pool = {"target": torch.cat(target), "source": torch.cat(source), "pairs": captions, "clips": clips, "clean": clean}
         return self._pool
 
-    def _pair(self, fpc: int) -> tuple[torch.Tensor, torch.Tensor, str]:
-        """One video-to-video clip: (the target frames [F, tu, H, W, 3], the input frames, the caption). Both
-        are one trajectory from a random start at a random velocity (up to 4 px a frame each way); the
-        input differs in colour and background, and a third of the time in shape and size; the caption
-        names the target's colour and shape and no motion (as a restyling prompt does, "a blue ball"): a
-        motion phrase against the trajectory taught the model to drop motion words, and its text-to-video
-        prompt switches to a new motion stopped following (issue 15's pixel test: 0 % after the switch)."""
-        rng, mc = self.rng, self.mc
-        target = sample_scene(rng)
+    def _pair(self, fpc: int) -> tuple[torch.Tensor, torch.Tensor, tuple[list[str], list[float]]]:
+        """One video-to-video clip: (the target frames [F, tu, H, W, 3], the input frames, (the caption of each
+        frame of [clean | noisy], the loss weight of each noisy chunk)). Both are one trajectory from a random
+        start at a random velocity (up to 4 px a frame each way); the input differs in colour and background,
+        and often in shape (`follow_shape_share`). The captions name the target's colour and shape and no
+        motion (as a restyling prompt does, "a blue ball"): a motion phrase against the trajectory taught the
+        model to drop motion words, and its text-to-video switches to a new motion stopped following (issue
+        15's pixel test: 0 % after the switch). With `follow_switch` the prompt switches at a chunk boundary
+        while the input goes on; the frames' captions and the chunks the loss counts are a cache's after the
+        switch's recache, as the teacher's (`clip_captions`, `chunk_weights`)."""
+        rng, mc, nc = self.rng, self.mc, self.cfg.chunks
+        looks = [sample_scene(rng)]
+        switch = int(rng.integers(1, nc)) if rng.random() < self.cfg.follow_switch else None
+        if switch is not None:
+            while (new := sample_scene(rng)).triple[:2] == looks[0].triple[:2]:  # another colour or shape
+                pass
+            looks.append(new)
+        target = looks[0]
         colour = str(rng.choice([c for c in COLOURS if c != target.colour]))
         background = str(rng.choice([g for g in BACKGROUNDS if g != colour]))
-        look = dict(shape=str(rng.choice(SHAPES)), size=target.size) if rng.random() < 1 / 3 else {}
-        source = Scene(colour, look.get("shape", target.shape), look.get("size", target.size), target.motion, background)
-        still = Scene(target.colour, target.shape, target.size, "still", target.background)
-        caption = still.caption(rng)
-        while any(phrase in caption for phrase in MOTION_PHRASES["still"]):  # half the still captions name it
+        others = [sh for sh in SHAPES if sh != target.shape]
+        shape = str(rng.choice(others)) if rng.random() < self.cfg.follow_shape_share else target.shape
+        source = Scene(colour, shape, target.size, target.motion, background)
+        captions = []
+        for look in looks:
+            still = Scene(look.colour, look.shape, look.size, "still", look.background)
             caption = still.caption(rng)
-        frames = video_frames(list(range(self.cfg.chunks * fpc)), mc.temporal_upsample)
+            while any(phrase in caption for phrase in MOTION_PHRASES["still"]):  # half the still captions name it
+                caption = still.caption(rng)
+            captions.append(caption)
+        frames = np.asarray(video_frames(list(range(nc * fpc)), mc.temporal_upsample))
         start = rng.uniform(0, (mc.width, mc.height))
         velocity = rng.uniform(-4, 4, size=2) * (rng.random() < 0.9)
-        centres = np.mod(start + np.asarray(frames)[:, None] * velocity, (mc.width, mc.height))
-        out = [draw(centres, [sc], mc.height, mc.width, self.device, np.zeros(len(frames), dtype=int)) for sc in (target, source)]
-        return *(o.view(-1, mc.temporal_upsample, *o.shape[1:]) for o in out), caption
+        centres = np.mod(start + frames[:, None] * velocity, (mc.width, mc.height))
+        which = (chunks_of_frames(frames) >= switch).astype(int) if switch is not None else np.zeros(len(frames), int)
+        out = [draw(centres, looks, mc.height, mc.width, self.device, which),
+               draw(centres, [source], mc.height, mc.width, self.device, np.zeros(len(frames), dtype=int))]
+        nf = nc * fpc
+        frame_captions = [captions[0]] * fpc + [captions[-1]] * (2 * nf - fpc)  # the sinks keep the first prompt
+        weights = [float(switch is None or c >= switch) for c in range(nc)]  # chunks under the last prompt
+        return *(o.view(-1, mc.temporal_upsample, *o.shape[1:]) for o in out), (frame_captions, weights)
 
     def init_from(self, path: Path) -> None:
         """Start the follow stage from a model file's weights (`python -m models.train --export`'s)."""

@@ -296,8 +296,10 @@ def test_a_follow_pair_is_one_trajectory_in_two_looks_under_a_caption_without_mo
 
     trainer = Trainer(TrainConfig.smoke(), out=tmp_path, device=torch.device("cpu"))
     mc = trainer.mc
-    for _ in range(6):
-        target, source, caption = trainer._pair(3)
+    for _ in range(12):
+        target, source, (captions, weights) = trainer._pair(3)
+        assert len(captions) == 2 * 15 and len(weights) == 5 and weights[-1] == 1.0
+        caption = " ".join(set(captions))
         assert target.shape == source.shape == (15, 4, mc.height, mc.width, 3)
         frames_t, frames_s = target.flatten(0, 1).float() / 127.5 - 1, source.flatten(0, 1).float() / 127.5 - 1
         ct, cs = object_centres(frames_t), object_centres(frames_s)  # the same place in both, frame by frame
@@ -307,6 +309,11 @@ def test_a_follow_pair_is_one_trajectory_in_two_looks_under_a_caption_without_mo
         assert float(torch.minimum(d, torch.tensor([mc.width, mc.height]) - d).max()) < 6  # a triangle's centroid: r/3 off
         look_t, look_s = pixels.read_frame(target[2, 0].numpy()), pixels.read_frame(source[2, 0].numpy())
         assert look_t.colour != look_s.colour and look_t.background != look_s.background
+        if weights[0] == 0:  # a prompt switch: the target's look changes at the first counted chunk, the input's not
+            at = weights.index(1.0) * 3
+            a, b = pixels.read_frame(target[at - 1, -1].numpy()), pixels.read_frame(target[at, -1].numpy())
+            assert (a.colour, a.shape) != (b.colour, b.shape) or a.background != b.background
+            assert captions[0] != captions[-1] and captions[:3] == [captions[0]] * 3
         words = [p for ps in MOTION_PHRASES.values() for p in ps]
         assert not any(p in caption for p in words), caption
 
