@@ -25,6 +25,17 @@ a newcomer is admitted only while every stage can make the starting streams' fir
 streams leave it; measurement confirms the room (their chunks arrive, the costs follow
 them) before the next tranche.
 
+A stream with input video is refused when one chunk of it cannot reach its viewer within its input latency
+(`input_latency_s`, serve --input-latency): a chunk is due at its release (its last input frame came) and plays
+`input_latency_s` later, so its predicted latency (the input stage's decode, scale and encode, its denoising
+forwards from its start step and the commit, which decodes, at the batch size the streams with it run at, and
+the output stage's encode on one worker, each at its cost estimate) must be at most that, or every chunk of it
+is late until its viewer's playout has slid (a Wan VAE encoder and decoder on one H100: 0.62 s a chunk against
+the default 0.5 s, 9 stalls in its first 7 s). The reason names the figures, the latency that would do (the
+prediction plus `start_margin_s`, what the estimates miss) and the faster encoder/decoder. Waiting behind other
+streams' forwards is left to the device's target and the spread phases of the streams' input. The warm-up
+asks the same of one stream alone (`input_refusal`) and logs it as a warning.
+
 A parked stream comes back (`unpark`) only if it would be admitted again now, as a
 newcomer with its viewers; one more viewer of a stream (`admit_viewer`) is refused only
 by the send. A KV-pool refusal is the caller's (`kv_refusal`), passed through as it is.
@@ -40,7 +51,7 @@ import math
 from collections.abc import Sequence
 
 from .config import SchedulerConfig
-from .costs import CostEstimates
+from .costs import CostEstimates, input_steps
 from .types import EPS_S, Admission, Late, Stage, StreamLoad, StreamRequest
 
 
@@ -122,6 +133,8 @@ class AdmissionControl:
             )
         elif math.isfinite(cfg.start_margin_s) and math.isfinite(cfg.utilization_target):
             reasons += self._start_rule_refusals(req, streams)
+        if math.isfinite(cfg.utilization_target):
+            reasons += self.input_refusals(req, len(streams) + 1)
         if total > cfg.utilization_target + EPS_S:
             cost_ms = self.costs.stream_chunk_s(n) * 1e3
             reasons.append(
@@ -170,6 +183,33 @@ class AdmissionControl:
             f"{cfg.start_margin_s:g} s margin) and a {chunk_s:.3f} s chunk must fit above that: "
             f"{lead_s + chunk_s:.3f} s > the {cfg.buffer_cap_s:g} s buffer cap; raise the buffer cap "
             f"(--buffer-cap, buffer_cap_s) to {fix:g} s or try again when a stream closes"
+        ]
+
+    def input_refusals(self, req: StreamRequest, streams: int = 1) -> list[str]:
+        """Can one chunk of `req`'s input video (if it has any) reach its viewer within its input latency, among
+        `streams` streams (it included)? The predicted latency from its release to its delivery: the input stage,
+        its forwards from its start step and the commit at the batch size that many streams run at, and the
+        output stage's encode (one worker's)."""
+        if req.input_start_step is None:
+            return []
+        cfg, costs = self.config, self.costs
+        batch = max(1, min(streams, cfg.max_batch))
+        steps = input_steps(req, cfg.denoise_steps)
+        input_s, output_s = costs.stage.estimate(Stage.INPUT), costs.stage.estimate(Stage.OUTPUT)
+        forwards_s = costs.chunk_s(batch, steps)
+        latency_s = input_s + forwards_s + output_s
+        if latency_s <= req.input_latency_s + EPS_S:
+            return []
+        margin_s = cfg.start_margin_s if math.isfinite(cfg.start_margin_s) else 0.0
+        fix = math.ceil((latency_s + margin_s) * 10 - 1e-6) / 10
+        batched = f" in batches of {batch}" if batch > 1 else ""
+        fewer = ", a lower strength (fewer denoising steps)" if steps > 1 else ""
+        return [
+            f"input latency: an input chunk takes {latency_s:.2f} s on this device ({input_s * 1e3:.1f} ms input "
+            f"stage (decode, scale, encode) + {forwards_s * 1e3:.1f} ms for {steps} denoising forward(s) and the "
+            f"commit with its decode{batched} + {output_s * 1e3:.1f} ms output stage) and --input-latency is "
+            f"{req.input_latency_s:.2f} s: serve with --input-latency {fix:g}{fewer}, or a faster encoder/decoder "
+            "(--decoder taehv)"
         ]
 
     def _stage_refusals(self, req: StreamRequest, streams: Sequence[StreamLoad], viewers: int = 1) -> list[str]:

@@ -70,8 +70,9 @@ class Scheduler:
         computed by the caller), when its chunk is longer than the buffer cap, when
         the predicted load with it would exceed `utilization_target`, or when the
         start rule could not serve the streams with it (predicted lead + a chunk
-        over the cap); and by the output stage, the send, the closed loop and the
-        tranche (see `admission`).
+        over the cap), when a chunk of its input video could not reach its viewer
+        within its input latency; and by the output stage, the send, the closed
+        loop and the tranche (see `admission`).
         """
         if req.stream_id in self:
             raise SchedulerError(f"stream {req.stream_id!r} is already admitted")
@@ -91,6 +92,13 @@ class Scheduler:
         )
         self._next_order += 1
         return admission
+
+    def input_refusal(self, req: StreamRequest) -> str | None:
+        """Why a stream with input video like `req` could not be served on time even alone (one chunk's predicted
+        latency over its input latency, see `admission`), from the cost estimates as they stand (the warm-up's
+        after it); None when it could, or for a stream without input."""
+        reasons = self._admission.input_refusals(req)
+        return "; ".join(reasons) if reasons else None
 
     def remove(self, stream_id: str) -> bool:
         """Forget a stream (closed or failed), parked or not; False if it was not there. A plan in flight for

@@ -113,3 +113,50 @@ def test_a_new_prompt_does_not_restart_a_chunk_of_input_in_progress():
     clock.run(1)
     plain.set_prompt("b", clock.now)
     assert plain.next(clock.now).restart == (True,)
+
+
+def seeded(input_s: float, commit_s: float, output_s: float = 0.02, **overrides) -> Scheduler:
+    """A scheduler with admission on and its costs seeded as a warm-up would: a denoise forward COST."""
+    sched = make(**{"utilization_target": 0.9, **overrides})
+    sched.seed_cost(D, 1, COST)
+    sched.seed_cost(C, 1, commit_s)
+    sched.seed_stage(Stage.INPUT, input_s)
+    sched.seed_stage(Stage.OUTPUT, output_s)
+    return sched
+
+
+def test_an_input_stream_whose_chunk_outlasts_the_input_latency_is_refused_with_the_figures_and_the_fix():
+    # Wan's VAE as encoder and decoder on one H100: a 0.1875 s input stage, one denoise (start step 3), a 0.375 s
+    # commit with its decode, 0.0625 s of x264: 0.6875 s a chunk > 0.5 s, so every chunk would be late
+    sched = seeded(input_s=0.1875, commit_s=0.375, output_s=0.0625)
+    req = StreamRequest("i", FPS, input_start_step=3, input_latency_s=LATENCY)
+    refused = sched.admit(req, 0.0)
+    assert not refused.accepted and "i" not in sched
+    assert refused.reason.startswith("input latency: an input chunk takes 0.69 s on this device")
+    assert "187.5 ms input stage" in refused.reason and "437.5 ms for 1 denoising forward(s)" in refused.reason
+    assert "62.5 ms output stage" in refused.reason
+    # the fix: the prediction + the start margin (0.25) rounded up to 0.1 s, or a faster encoder/decoder
+    assert "--input-latency is 0.50 s: serve with --input-latency 1, or a faster encoder/decoder (--decoder taehv)" \
+        in refused.reason
+    assert sched.input_refusal(req) == refused.reason  # what the warm-up warns of
+    # text-to-video on the same device: admitted (its chunks have no input latency)
+    assert sched.admit(StreamRequest("t", FPS), 0.0).accepted
+    assert sched.input_refusal(StreamRequest("t2", FPS)) is None
+    # with the latency it names, the input stream is admitted
+    wider = seeded(input_s=0.1875, commit_s=0.375, output_s=0.0625)
+    assert wider.admit(StreamRequest("i", FPS, input_start_step=3, input_latency_s=1.0), 0.0).accepted
+
+
+def test_an_input_stream_whose_chunk_fits_the_input_latency_is_admitted_and_its_steps_count():
+    sched = seeded(input_s=0.125, commit_s=0.25)  # 0.125 + 0.0625 + 0.25 + 0.02 = 0.4575 s <= 0.5 s
+    assert sched.input_refusal(StreamRequest("x", FPS, input_start_step=3)) is None
+    assert sched.admit(StreamRequest("i", FPS, input_start_step=3, input_latency_s=LATENCY), 0.0).accepted
+    assert seeded(input_s=0.125, commit_s=0.25).admit(StreamRequest("t", FPS), 0.0).accepted  # text-to-video too
+    # the same device at strength 1.0 (step 0: four denoising forwards) misses it: 0.645 s, and a lower strength
+    # is one more fix
+    reason = sched.input_refusal(StreamRequest("x", FPS, input_start_step=0, input_latency_s=LATENCY))
+    assert reason is not None and "takes 0.65 s" in reason and "4 denoising forward(s)" in reason
+    assert "--input-latency 0.9, a lower strength (fewer denoising steps), or a faster" in reason
+    # admission off (measuring overload): admitted whatever its latency
+    off = seeded(input_s=0.3, commit_s=0.5, utilization_target=math.inf)  # 0.8825 s a chunk
+    assert off.admit(StreamRequest("i", FPS, input_start_step=3, input_latency_s=LATENCY), 0.0).accepted
