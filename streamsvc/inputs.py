@@ -26,7 +26,7 @@ What it does to a frame (the lead's decisions, CONTRACT35.md):
 
 When a chunk may start (the engine asks `released` and `missing_at`): once a frame has arrived for its last slot or
 a later one (its release), or, with no frame for its slots by `missing_at` (the last slot's nominal arrival plus
-the wait the engine gives), its input is declared missing: `take` returns None and the chunk runs as
+the wait the engine gives; before the first frame ever came, FIRST_FRAME_WAIT_S more), its input is declared missing: `take` returns None and the chunk runs as
 text-to-video; frames that come later for its slots are late. A chunk some of whose slots arrived before the input
 stopped takes what came (the rest repeated).
 
@@ -49,6 +49,10 @@ log = logging.getLogger("streamsvc.inputs")
 
 REANCHOR_S = 1.0  # a frame whose capture-time slot is this far off its arrival-time slot re-anchors the timeline
 DEFAULT_MAX_FRAMES = 64  # frames held at most per stream (4 s at 16 fps: several chunks ahead of the engine)
+# Before the camera's first frame, the stream waits this long for it (a WebRTC camera's first frame comes after
+# offer/answer, ICE, DTLS and a keyframe: 0.5-1.5 s with 8 peers connecting at once on loopback) before its chunks
+# run without input; the first frame then goes to the first free slot, whenever it comes.
+FIRST_FRAME_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -213,8 +217,10 @@ class InputFrames:
             if self._off < 2:  # one frame off: a straggler (late, or one bad timestamp), taken by its capture time
                 return slot
         self._off = 0
-        first = self.counts.reanchors == 0  # the stream's first frame: at its phase (see `phase`)
-        slot = max(self._cursor + (self.phase if first else 0), by_arrival)  # (else a clock that jumped, a resume)
+        if self.counts.reanchors == 0:  # the stream's first frame: at its phase (see `phase`), however late it came
+            slot = self._cursor + self.phase
+        else:  # a clock that jumped, a resume: the first free slot, or the slot of its arrival if that is later
+            slot = max(self._cursor, by_arrival)
         self._anchor = (capture_s, slot)
         self._origin = now - slot / self.fps
         self.counts.reanchors += 1
@@ -250,9 +256,11 @@ class InputFrames:
 
     def missing_at(self, first: int, n: int, wait_s: float) -> float:
         """When the chunk [first, first + n)'s input counts as missing if no frame has come for its last slot:
-        that slot's nominal arrival (this server's clock) plus `wait_s`."""
+        that slot's nominal arrival (this server's clock) plus `wait_s`; before any frame has come, that much later
+        than FIRST_FRAME_WAIT_S after the stream's start (a camera that connects late still gives the first chunk)."""
         with self._lock:
-            return self._origin + (first + n) / self.fps + wait_s
+            first_wait = FIRST_FRAME_WAIT_S if self.counts.reanchors == 0 else 0.0
+            return self._origin + first_wait + (first + n) / self.fps + wait_s
 
     def take(self, first: int, n: int) -> TakenInput | None:
         """The chunk [first, first + n)'s frames, removed from the timeline (the cursor moves past them); None

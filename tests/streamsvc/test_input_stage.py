@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from streamsvc.input_stage import InputStage
-from streamsvc.inputs import InputFrames
+from streamsvc.inputs import FIRST_FRAME_WAIT_S, InputFrames
 from streamsvc.scheduling import Scheduler, SchedulerConfig, Stage, StreamRequest
 from tests.clock import ManualClock
 
@@ -63,7 +63,8 @@ def test_a_chunk_is_released_by_its_last_frame_and_its_frames_go_to_set_input():
     clock, gen, sched, stage, frames, woken = setup()
     missing_at = stage.poll(clock.now)
     assert sched.next(clock.now) is None
-    assert missing_at == pytest.approx(100.0 + 9 / FPS + 0.25)  # the first chunk's last slot + half the latency
+    # the first chunk's last slot + half the latency, and the wait for a camera's first frame
+    assert missing_at == pytest.approx(100.0 + FIRST_FRAME_WAIT_S + 9 / FPS + 0.25)
     push(frames, clock, range(9), capture0=7.0)
     assert woken  # the ninth frame woke the engine
     assert stage.poll(clock.now) is None

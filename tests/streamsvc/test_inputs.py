@@ -7,7 +7,7 @@ import av
 import numpy as np
 import pytest
 
-from streamsvc.inputs import InputFrames, crop_box, scale_crop, scale_crop_av
+from streamsvc.inputs import FIRST_FRAME_WAIT_S, InputFrames, crop_box, scale_crop, scale_crop_av
 from tests.clock import ManualClock
 
 FPS = 16
@@ -185,3 +185,26 @@ def test_the_first_frame_goes_to_the_streams_phase_and_the_slots_before_repeat_i
     assert [int(f[0, 0, 0]) for f in inp.take(9, 12).frames] == list(range(5, 17))
     with pytest.raises(ValueError):
         make(clock, phase=64)
+
+
+def test_a_camera_whose_first_frame_comes_late_still_gives_the_first_chunk():
+    # a WebRTC camera's first frame comes after offer/answer, ICE, DTLS and a keyframe: 1.5 s after the start here
+    clock = ManualClock()
+    inp = make(clock)
+    start = clock.now
+    assert inp.missing_at(0, 9, 0.25) == pytest.approx(start + FIRST_FRAME_WAIT_S + 9 / FPS + 0.25)
+    clock.now = start + 1.5
+    send(inp, clock, range(9), capture0=300.0)
+    assert inp.released(0, 9)
+    taken = inp.take(0, 9)
+    assert taken is not None and [int(f[0, 0, 0]) for f in taken.frames] == list(range(9))
+    # from the first frame on, a chunk with nothing is missing by the slots' own times, with no first-frame wait
+    assert inp.missing_at(9, 12, 0.25) == pytest.approx(start + 1.5 + 0.01 + 21 / FPS + 0.25)
+
+
+def test_a_camera_that_never_sends_lets_the_stream_start_without_input():
+    clock = ManualClock()
+    inp = make(clock)
+    clock.now = inp.missing_at(0, 9, 0.25)
+    assert not inp.released(0, 9) and inp.take(0, 9) is None
+    assert inp.stats()["missing_chunks"] == 1
