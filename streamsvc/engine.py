@@ -314,7 +314,7 @@ class Engine:
         self._cheap_encode = warm_up(gen, self.sched, cfg.warmup_chunks, self.clock)
         self.inputs = InputStage(gen, self.sched, self.clock, lambda: self._commands.put(_Command(int, ())),
                                  cfg.input_latency_s, parallel=cfg.group is not None)
-        seed_input_stage(gen, self.sched)
+        seed_input_stage(gen, self.sched, latency_s=cfg.input_latency_s)  # and warns if it cannot be met
         self.snapshot = self.sched.stats(self.clock())
 
     # -- engine thread: the loop ------------------------------------------------------------------

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from streamsvc.inputs import InputFrames, TakenInput
-from streamsvc.scheduling import Scheduler, Stage
+from streamsvc.scheduling import Scheduler, Stage, StreamRequest
 
 log = logging.getLogger("streamsvc.engine")
 
@@ -186,18 +186,75 @@ class InputStage:
         return dict(input=status, capture_ms=captures, strength=None if release is None else release.strength)
 
 
-def seed_input_stage(gen, sched: Scheduler, fps: int = 16, camera: tuple[int, int] = (640, 480)) -> float | None:
-    """Time the input stage of one chunk before serving (the scheduler's INPUT seed): decoding a camera's H.264
-    (`camera` size), scaling it to the model's size, and the model's encoder; None (nothing seeded) for a model
-    without an encoder."""
+def seed_input_stage(gen, sched: Scheduler, fps: int = 16, camera: tuple[int, int] = (640, 480),
+                     latency_s: float | None = None) -> float | None:
+    """Get the model's encoder ready and time the input stage of one chunk before serving (the scheduler's INPUT
+    seed): decoding a camera's H.264 (`camera` size), scaling it to the model's size, and the model's encoder; None
+    (nothing seeded) for a model without an encoder.
+
+    The encoder first runs, untimed, on both shapes a stream gives it, on a throwaway causal run: a first chunk
+    (`frames_in_chunk(0)` frames, 1 + 4 (F - 1)) and a later one (`frames_in_chunk(1)`, 4 F). The first call of
+    each shape pays the encoder's lazy set-up (cuDNN picks its algorithms per shape: the Wan VAE's first chunk
+    took 1119 ms against 189 ms for later ones on an H100, TAEHV's 442 against 15), which a stream's first input
+    chunk paid before. The seed is then the median of three later chunks of the same run, as serving encodes.
+    With `latency_s` (--input-latency), a WARNING says so when even one stream with input at the default strength
+    could not be served within it (admission refuses those), and what latency would do."""
     if not getattr(gen, "can_take_input", False):
         return None
     import av
+    from av.video.reformatter import VideoReformatter
 
     from streamsvc.inputs import scale_crop_av
 
     mc = gen.model_cfg
-    n = gen.frames_in_chunk(1)
+    first_n, n = gen.frames_in_chunk(0), gen.frames_in_chunk(1)
+    packets = _camera_packets(n, fps, camera)
+
+    def decoded() -> torch.Tensor:  # the camera's chunk decoded and scaled to the model's size: [n, H, W, 3] uint8
+        decoder, scaler = av.CodecContext.create("h264", "r"), VideoReformatter()
+        frames = [scale_crop_av(f, mc.width, mc.height, scaler) for p in packets
+                  for f in decoder.decode(av.Packet(bytes(p)))]
+        return torch.from_numpy(np.stack(frames[:n] + frames[-1:] * (n - len(frames[:n]))))
+
+    def sync() -> None:
+        if gen.device.type == "cuda":
+            torch.cuda.synchronize(gen.device)
+
+    encoder = gen.encoder
+    state = encoder.init_state()  # a throwaway causal run, no stream's
+    chunk = decoded()  # (also makes the decoder's and swscale's contexts)
+    t0 = time.perf_counter()
+    encoder.encode(chunk[:first_n].to(gen.device), state)  # a stream's first chunk: its shape's set-up
+    encoder.encode(chunk.to(gen.device), state)  # a later chunk's
+    sync()
+    setup_s = time.perf_counter() - t0
+    timings = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        encoder.encode(decoded().to(gen.device), state)
+        sync()
+        timings.append(time.perf_counter() - t0)
+    seconds = sorted(timings)[1]
+    sched.seed_stage(Stage.INPUT, max(seconds, 1e-4))
+    log.info("input stage: %.1f ms a chunk (decode %dx%d H.264, scale to %dx%d, encode); the encoder's first "
+             "chunk of each shape (%d and %d frames) took %.1f ms", seconds * 1e3, *camera, mc.width, mc.height,
+             first_n, n, setup_s * 1e3)
+    if latency_s is not None:
+        k = gen.start_step(DEFAULT_STRENGTH)
+        req = StreamRequest("warm-up", float(fps), first_chunk_frames=first_n, chunk_frames=n, input_start_step=k,
+                            input_latency_s=latency_s)
+        refusal = sched.input_refusal(req)
+        if refusal is not None:
+            log.warning("input video at strength %.3g (the default) cannot be served on time: %s; streams with "
+                        "input will be refused", float(gen.sigmas[k]), refusal)
+    return seconds
+
+
+def _camera_packets(n: int, fps: int, camera: tuple[int, int]) -> list:
+    """`n` frames of a camera (`camera` size, a square moving on grey) encoded as H.264 at `fps`, as a sender
+    would send them."""
+    import av
+
     w, h = camera
     codec = av.CodecContext.create("libx264", "w")
     codec.width, codec.height, codec.pix_fmt, codec.time_base = w, h, "yuv420p", Fraction(1, fps)
@@ -210,24 +267,4 @@ def seed_input_stage(gen, sched: Scheduler, fps: int = 16, camera: tuple[int, in
         frame = av.VideoFrame.from_ndarray(img, format="rgb24")
         frame.pts = i
         packets += codec.encode(frame)
-    packets += codec.encode(None)
-    from av.video.reformatter import VideoReformatter
-
-    timings = []
-    for _ in range(3):  # the median of three (the first also makes the decoder's and swscale's contexts)
-        decoder, scaler = av.CodecContext.create("h264", "r"), VideoReformatter()
-        t0 = time.perf_counter()
-        frames = []
-        for p in packets:
-            for f in decoder.decode(av.Packet(bytes(p))):
-                frames.append(scale_crop_av(f, mc.width, mc.height, scaler))
-        chunk = torch.from_numpy(np.stack(frames[:n] + frames[-1:] * (n - len(frames[:n]))))
-        gen.encoder.encode(chunk.to(gen.device), gen.encoder.init_state())
-        if gen.device.type == "cuda":
-            torch.cuda.synchronize(gen.device)
-        timings.append(time.perf_counter() - t0)
-    seconds = sorted(timings)[1]
-    sched.seed_stage(Stage.INPUT, max(seconds, 1e-4))
-    log.info("input stage: %.1f ms a chunk (decode %dx%d H.264, scale to %dx%d, encode)", seconds * 1e3, w, h,
-             mc.width, mc.height)
-    return seconds
+    return packets + list(codec.encode(None))
