@@ -581,6 +581,10 @@ def merge_lora(
 
 
 BUILTIN_WEIGHTS = Path(__file__).resolve().parent / "assets" / "tiny.safetensors"
+# the built-in model after models/train.py's follow stage (video-to-video, issue 35): it follows an input video at
+# strengths 0.625 and 0.357, but its text-to-video shapes after a prompt switch are worse (benchmarks/RESULTS.md),
+# so it is not the default; `--weights models/assets/tiny_follow.safetensors` picks it
+FOLLOW_WEIGHTS = BUILTIN_WEIGHTS.with_name("tiny_follow.safetensors")
 """The tiny preset's trained model, shipped with the package (package data): `python -m models.train --export`."""
 WEIGHTS = ("auto", "builtin", "random")  # `weights=` choices besides a path to a model file
 
