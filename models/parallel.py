@@ -40,6 +40,7 @@ import torch.distributed as dist
 from kvcache import CacheSpec
 from models.config import ModelConfig
 from models.decoder import NoDecoder, StreamingDecoder
+from models.encoder import StreamingEncoder
 from models.dit import KERNELS, AttentionKV, CacheAccess, CausalWanModel, SelfAttention, TextKV
 from models.generator import ChunkGenerator, GeneratorConfig, build_generator
 from models.text import TextEncoder
@@ -238,9 +239,10 @@ class ShardedGenerator(ChunkGenerator):
     (collectives inside graphs are a later piece of work)."""
 
     def __init__(self, model: CausalWanModel, cfg: GeneratorConfig = GeneratorConfig(), text_encoder: TextEncoder | None = None,
-                 decoder: StreamingDecoder | None = None, group: dist.ProcessGroup | None = None) -> None:
+                 decoder: StreamingDecoder | None = None, group: dist.ProcessGroup | None = None,
+                 encoder: StreamingEncoder | None = None) -> None:
         self.sharded = ShardedModel(model, group)  # first: the workspace's spec needs the group's size
-        super().__init__(model, replace(cfg, cuda_graphs=False), text_encoder, decoder)
+        super().__init__(model, replace(cfg, cuda_graphs=False), text_encoder, decoder, encoder)
         self.runner = self.sharded
 
     @property
@@ -281,7 +283,10 @@ def shard_generator(base: ChunkGenerator, cfg: GeneratorConfig, group: dist.Proc
             text = RootTextEncoder(text, group, device)
         else:  # a worker's base (`build_worker_generator`'s) loaded neither
             text, decoder = ReceivedTextEncoder(mc.text_dim, mc.text_len, group, device), NoDecoder(mc)
-    return ShardedGenerator(base.model, replace(base.cfg, stage_kv=cfg.stage_kv), text, decoder, group)
+    # video-to-video input: each rank encodes its stream's frames itself (the same latents on every rank); with
+    # root_only the workers load no encoder (nor decoder), so such a group takes no input (can_take_input False)
+    encoder = None if root_only else base.encoder
+    return ShardedGenerator(base.model, replace(base.cfg, stage_kv=cfg.stage_kv), text, decoder, group, encoder)
 
 
 def build_worker_generator(preset: str = "tiny", *, group: dist.ProcessGroup | None = None,

@@ -34,6 +34,7 @@ CASES = {
     "builtin-one-stream": ("builtin", RING, "one"),
     "builtin-two-streams-int4": ("builtin", replace(RING, kv_quant="int4"), "two"),
     "random-one-stream": ("random", RING, "one"),
+    "builtin-video-to-video": ("builtin", RING, "v2v"),
 }
 
 
@@ -72,7 +73,28 @@ def _two_streams(gen: ChunkGenerator):
     return out, [a, b]
 
 
-SCENARIOS = {"one": _one_stream, "two": _two_streams}
+def _v2v_stream(gen: ChunkGenerator):
+    """5 chunks of one stream with input video at strength 0.6 (each rank encodes the same frames itself)."""
+    from models.scenes import Scene, Timeline
+
+    mc = gen.model_cfg
+    tl = Timeline(((0, Scene("red", "ball", motion="right"), "a red ball moving right"),), mc.height, mc.width)
+    state = gen.open_stream("a", PROMPTS[1], seed=1)
+    gen.set_strength(state, 0.6)
+    chunks, first = [], 0
+    while len(chunks) < 5:
+        n = gen.frames_in_chunk(state.chunks_done)
+        gen.set_input(state, tl.render(range(first, first + n)))
+        first += n
+        chunk = None
+        while chunk is None:
+            chunk = gen.run(gen.next_work(state), [state])[0]
+        assert chunk.input == "frames" and chunk.start_step == gen.start_step(0.6) > 0
+        chunks.append(chunk)
+    return {"a": chunks}, [state]
+
+
+SCENARIOS = {"one": _one_stream, "two": _two_streams, "v2v": _v2v_stream}
 
 
 def _results(gen: ChunkGenerator, scenario: str) -> dict:
