@@ -583,10 +583,11 @@ def merge_lora(
 BUILTIN_WEIGHTS = Path(__file__).resolve().parent / "assets" / "tiny.safetensors"
 # the built-in model after models/train.py's follow stage (video-to-video, issue 35): it follows an input video at
 # strengths 0.625 and 0.357, but its text-to-video shapes after a prompt switch are worse (benchmarks/RESULTS.md),
-# so it is not the default; `--weights models/assets/tiny_follow.safetensors` picks it
+# so it is not the default; `--weights follow` picks it
 FOLLOW_WEIGHTS = BUILTIN_WEIGHTS.with_name("tiny_follow.safetensors")
 """The tiny preset's trained model, shipped with the package (package data): `python -m models.train --export`."""
-WEIGHTS = ("auto", "builtin", "random")  # `weights=` choices besides a path to a model file
+WEIGHTS = ("auto", "builtin", "follow", "random")  # `weights=` choices besides a path to a model file
+SHIPPED = ("builtin", "follow")  # the `weights=` names of the shipped model files
 
 
 @dataclass(frozen=True)
@@ -617,7 +618,8 @@ def _warn_not_installed(path: Path) -> None:
 def resolve_weights(weights: str | None, preset: str, checkpoint: str | None = None, wan_dir: str | None = None) -> Path | None:
     """The model file that `weights` names, or None for the DiT of `checkpoint` / `wan_dir`, else random
     weights. None or "random": no model file ("random" with a checkpoint or a Wan folder is a contradiction);
-    "builtin": the shipped one (the tiny preset's); "auto": the shipped one for the tiny preset when no
+    "builtin": the shipped one (the tiny preset's); "follow": the shipped one trained to follow an input video;
+    "auto": the shipped one for the tiny preset when no
     checkpoint or Wan folder is given and the file is installed, else None (random weights, with a warning when
     the tiny preset's file is missing); anything else: a path to a model file."""
     given = "a checkpoint" if checkpoint else "a Wan folder" if wan_dir else None
@@ -634,14 +636,14 @@ def resolve_weights(weights: str | None, preset: str, checkpoint: str | None = N
         if given:
             raise ValueError(f"weights 'random' asks for random DiT weights, but {given} was given too: drop one")
         return None
-    path = BUILTIN_WEIGHTS if weights == "builtin" else Path(weights)
+    path = {"builtin": BUILTIN_WEIGHTS, "follow": FOLLOW_WEIGHTS}.get(weights) or Path(weights)
     if given:
         raise ValueError(
             f"weights {weights!r} is a whole model (DiT, decoder, text vectors), and {given} was given too: drop one "
             "(a checkpoint or a Wan folder goes with weights 'random' or 'auto')"
         )
-    if weights == "builtin" and preset != "tiny":
-        raise ValueError(f"the built-in weights are the tiny preset's, not {preset!r}: use --preset tiny")
+    if weights in SHIPPED and preset != "tiny":
+        raise ValueError(f"the built-in weights ({weights}) are the tiny preset's, not {preset!r}: use --preset tiny")
     return path
 
 

@@ -1,13 +1,13 @@
 """The player's camera as the stream's input, in Chromium (issue 35's must-show): a fake camera plays a Y4M rendered
 from models/scenes.py (a red ball moving right); the page turns the camera on (its button), starts a stream of the
-built-in model with input under the prompt "a blue ball", and shows glass-to-glass latency in its overlay. Frames
+built-in model trained to follow (`weights="follow"`) with input under the prompt "a blue ball", and shows glass-to-glass latency in its overlay. Frames
 the page shows (drawn from its <video> into a canvas as they are presented, read with client/pixels.py) are each
 matched, by their chunk header's capture_ms, to the input frame the server gave the model for them.
 
 - test_the_player_sends_its_camera_...: the camera reaches the stream (timed by Chromium's RTCP sender reports), the
   frames on screen were made from it, and glass-to-glass is shown and plausible;
 - test_the_stream_follows_the_camera: the object in each frame shown sits where the ball was in its input frame
-  (mean error <= FOLLOWS_PX), in the prompt's colour. xfail (strict) while the built-in model does not follow.
+  (mean error <= FOLLOWS_PX), in the prompt's colour.
 
 Needs /usr/bin/chromium and playwright (skipped without either), like tests/client/test_browser.py. Bounded: every
 wait has a timeout, and the whole test a minute or so.
@@ -94,7 +94,7 @@ async def _camera_session(tmp_path, monkeypatch) -> dict:
         return got
 
     monkeypatch.setattr(inputs.InputFrames, "take", recording_take)
-    async with serving(EngineConfig(weights="builtin")) as (server, base):
+    async with serving(EngineConfig(weights="follow")) as (server, base):  # the built-in model trained to follow
         cfg = server.engine.gen.model_cfg
         y4m = input_y4m(tmp_path / "camera.y4m", cfg.width, cfg.height)
         async with chromium_with_camera(tmp_path, y4m) as browser:
@@ -170,8 +170,6 @@ async def test_the_player_sends_its_camera_as_the_streams_input_and_shows_glass_
     assert re.fullmatch(r"\d+\.\d\d s", got["overlay"]), got["overlay"]
 
 
-@pytest.mark.xfail(strict=True, reason="the built-in model does not follow its input yet: benchmarks/v2v_follow.py "
-                   "reads 33 px of error at every strength (text-to-video's); strict: this fails once it follows")
 async def test_the_stream_follows_the_camera(tmp_path, monkeypatch):
     """The object in each generated frame sits where the ball was in the input frame it restyles (mean error at most
     FOLLOWS_PX), in the prompt's colour."""
