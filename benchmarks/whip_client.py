@@ -52,7 +52,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.scenes import Scene, draw  # noqa: E402
 from streamsvc import protocol as P  # noqa: E402
 from streamsvc.engine import EngineConfig  # noqa: E402
-from streamsvc.inputs import InputFrames  # noqa: E402
 from streamsvc.rtc import WebRtcConfig  # noqa: E402
 from streamsvc.server import Server, ServerConfig  # noqa: E402
 
@@ -170,10 +169,6 @@ async def one_run(server: Server, y4m: Path, seconds: float, trickle: bool, stub
                   strength: float) -> dict:
     stream_id, steer, ws, headers, reader = await open_stream(server, strength)
     session = server.sessions[stream_id]
-    attached = getattr(session, "input", None) is None
-    if attached:  # the server's start-with-input (issue 35) not in this tree: the benchmark attaches one
-        gen = server.engine.gen
-        session.input = InputFrames(gen.model_cfg.width, gen.model_cfg.height, session.fps)
     url = f"http://127.0.0.1:{server.port}/whip/{stream_id}?secret={steer}"
     args = ["whip-client", "-u", url, "-V", pipeline(y4m), "-l", "4", "-o"] + ([] if trickle else ["-n"])
     started = time.monotonic()
@@ -214,7 +209,7 @@ async def one_run(server: Server, y4m: Path, seconds: float, trickle: bool, stub
     patches = sum("405" in line for line in log_lines)
     return {"trickle": trickle, "exit": proc.returncode, "created_s": created, "first_input_frame_s": first_frame,
             "input_received": stats["received"], "decode_errors": stats["decode_errors"], "chunks": len(headers),
-            "chunks_restyling_input": None if attached else restyled, "patch_405_lines": patches, **follow,
+            "chunks_restyling_input": restyled, "patch_405_lines": patches, **follow,
             "log_tail": log_lines[-8:]}
 
 
@@ -223,6 +218,8 @@ async def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="length of the .y4m and of each run")
     parser.add_argument("--strength", type=float, default=0.3, help="the stream's input strength (snapped by the "
                         "server to the schedule's; 1: text-to-video)")
+    parser.add_argument("--weights", default="follow", help="the built-in model's weights: follow (default: trained to "
+                        "follow an input video) or builtin (the default model's: the prompt's colour, not the motion)")
     parser.add_argument("--no-igd-stub", action="store_true", help="run whip-client as installed (on Debian 12 it "
                         "aborts: libsoup-2.4 and libsoup-3 in one process) instead of with the UPnP stub first")
     args = parser.parse_args()
@@ -236,7 +233,7 @@ async def main() -> None:
         y4m = Path(tmp) / "red_ball.y4m"
         frames = render_y4m(y4m, args.seconds)
         print(f"rendered {frames} frames {WIDTH}x{HEIGHT} at {FPS} fps into {y4m.name} ({y4m.stat().st_size >> 10} KiB)")
-        server = Server(EngineConfig(preset="tiny", device="cpu", weights="builtin"),
+        server = Server(EngineConfig(preset="tiny", device="cpu", weights=args.weights),
                         ServerConfig(port=0, webrtc=WebRtcConfig(ice_addresses=ICE_ADDRESSES)))
         await server.start()
         try:
