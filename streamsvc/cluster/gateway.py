@@ -57,6 +57,7 @@ from streamsvc.guard import Guard, raise_fd_limit
 from streamsvc.routes import HttpReply, HttpRequest, check_origin, metrics_refusal, reply, static_file
 from streamsvc.server import RECORDINGS_PATH, WS_PATH, Metrics, Server, ServerConfig
 from streamsvc.whep import Endpoints
+from streamsvc.wire_input import MAX_INPUT_BYTES
 
 log = logging.getLogger("streamsvc.cluster.gateway")
 
@@ -266,6 +267,11 @@ class Gateway(Server):
         upstream = asyncio.create_task(self._upstream(ws, relay), name=f"up-{relay.conn_id}")
         try:
             async for item in gen:
+                if isinstance(item, dict) and "allow_messages" in item:  # the stream takes input video: its
+                    allow = getattr(ws, "allow_messages", None)  # camera's messages pass (a WHEP session has none:
+                    if allow is not None:  # its camera comes over WHIP)
+                        allow(min(int(item["allow_messages"]), MAX_INPUT_BYTES))
+                    continue
                 if isinstance(item, dict):  # the replica's server closed the socket (e.g. unauthorized)
                     code, reason = item.get("close", (1000, ""))
                     await ws.close(code, reason)

@@ -88,6 +88,14 @@ class RelayConnection:
             raise ConnectionClosed(f"relay {self.conn_id} closed")
         self.outbox.put_nowait(data)
 
+    def allow_messages(self, max_bytes: int) -> bool:
+        """Let the viewer's messages be up to `max_bytes` (a stream with input video, streamsvc/input_ws.py): the
+        gateway's socket is the one that reads them, so the gateway raises its limit when this reaches it."""
+        if self.closed:
+            return False
+        self.outbox.put_nowait({"allow_messages": max_bytes})
+        return True
+
     async def close(self, code: int = 1000, reason: str = "", linger: bool = True) -> None:
         if not self.closed:  # (linger: the gateway's socket is the one that reads)
             self.outbox.put_nowait({"close": [code, reason]})

@@ -196,6 +196,42 @@ async def test_webrtc_signaling_is_relayed_and_the_media_comes_from_the_replica(
         assert r.chunks >= 2 and r.frames_decoded >= 2 * r.chunk_frames  # RTP from the replica's peer connection
 
 
+async def test_a_stream_with_input_takes_its_cameras_large_messages_through_the_gateway(ray_cluster):
+    """The gateway's socket reads the viewer's messages: a stream whose start asked for input video gets the larger
+    input limit there too (its replica says so before `ready`), every other stream keeps the control limit."""
+    import json
+
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    from streamsvc import protocol as P
+    from streamsvc.wire_input import InputHeader, pack_input
+
+    big = b"\x00\x00\x00\x01\x65" + bytes(200_000)  # 200 KB: over the 64 KiB control limit (not decodable)
+    message = pack_input(InputHeader.describe([big], [1.0e12], index=0, pts=0, keyframe=True), [big])
+    async with gateway(ray_cluster) as g:
+        for asks_input in (True, False):
+            ws = await connect(f"ws://127.0.0.1:{g.port}/ws", max_size=None, compression=None)
+            try:
+                await ws.send(json.dumps({"type": "start", "prompt": "a red ball", "input": asks_input}))
+                ready = P.parse_server(await asyncio.wait_for(ws.recv(), T))
+                assert isinstance(ready, P.Ready) and ready.input is asks_input, ready
+                await ws.send(message)
+                chunks = 0
+                with contextlib.suppress(ConnectionClosed):
+                    for _ in range(200):
+                        if isinstance(await asyncio.wait_for(ws.recv(), T), bytes):
+                            chunks += 1
+                        if chunks >= 3:
+                            break
+                if asks_input:  # the message passed (the replica counts it undecodable) and the stream goes on
+                    assert chunks >= 3 and ws.close_code is None
+                else:
+                    assert ws.close_code == 1009
+            finally:
+                await ws.close()
+
+
 async def test_whep_and_whip_through_the_gateway(ray_cluster, monkeypatch):
     """Issue 36: a WHEP POST at the gateway is placed as a /ws start and plays from the replica (aiortc as a plain
     WHEP client); its watch URL watches through the gateway; a WHIP POST is answered by the stream's replica (the
