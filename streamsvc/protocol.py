@@ -528,40 +528,59 @@ def _from_validation(exc: ValidationError, types: dict[str, type[_Message]]) -> 
 
 def pack_chunk(header: Chunk, access_units: list[bytes]) -> bytes:
     """One binary WebSocket message: prefix, JSON header, access units. The header must describe them."""
-    sizes = [len(au) for au in access_units]
-    if sizes != header.sizes:
-        raise ValueError(f"header sizes {header.sizes} do not match the access units' sizes {sizes}")
-    head = encode(header).encode("utf-8")
-    return b"".join([_PREFIX.pack(CHUNK_MAGIC, len(head)), head, *access_units])
+    return pack_framed(encode(header).encode("utf-8"), header.sizes, access_units)
 
 
 def unpack_chunk(data: bytes) -> tuple[Chunk, list[bytes]]:
     """Split a binary chunk message into its header and access units. Raises ``ProtocolError`` on garbage."""
     data = bytes(data)
-    if len(data) > MAX_CHUNK_BYTES:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"chunk is {len(data)} bytes; the limit is {MAX_CHUNK_BYTES} bytes")
-    if len(data) < CHUNK_PREFIX_BYTES:
-        raise ProtocolError(ErrorCode.BAD_CHUNK,
-                            f"chunk is {len(data)} bytes, shorter than its {CHUNK_PREFIX_BYTES}-byte prefix")
-    magic, head_len = _PREFIX.unpack_from(data)
-    if magic != CHUNK_MAGIC:
-        raise ProtocolError(ErrorCode.BAD_CHUNK, f"chunk starts with {magic!r}, expected magic {CHUNK_MAGIC!r}")
-    head_end = CHUNK_PREFIX_BYTES + head_len
-    if head_len > MAX_MESSAGE_BYTES or head_end > len(data):
-        raise ProtocolError(ErrorCode.BAD_CHUNK,
-                            f"chunk header length {head_len} does not fit the {len(data)}-byte message")
+    head = framed_header(data, "chunk", MAX_CHUNK_BYTES)
     try:
-        header = parse_server(data[CHUNK_PREFIX_BYTES:head_end])
+        header = parse_server(head)
     except ProtocolError as exc:
         raise ProtocolError(ErrorCode.BAD_CHUNK, f"chunk header: {exc.message}") from None
     if not isinstance(header, Chunk):
         raise ProtocolError(ErrorCode.BAD_CHUNK, f"chunk header is a '{header.type}' message, expected 'chunk'")
-    payload = len(data) - head_end
-    if payload != sum(header.sizes):
+    return header, framed_units(data, CHUNK_PREFIX_BYTES + len(head), header.sizes, "chunk")
+
+
+# The framing both directions' binary messages share (chunks down, input video up: streamsvc/wire_input.py).
+
+
+def pack_framed(head: bytes, sizes: list[int], access_units: list[bytes]) -> bytes:
+    """Prefix (magic, header length), the JSON header `head`, the access units, whose sizes must be `sizes`."""
+    got = [len(au) for au in access_units]
+    if got != sizes:
+        raise ValueError(f"header sizes {sizes} do not match the access units' sizes {got}")
+    return b"".join([_PREFIX.pack(CHUNK_MAGIC, len(head)), head, *access_units])
+
+
+def framed_header(data: bytes, what: str, max_bytes: int) -> bytes:
+    """The JSON header's bytes of a binary message (`what` names it in the errors: chunk, input), its size and
+    prefix checked. Raises ``ProtocolError``."""
+    if len(data) > max_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{what} is {len(data)} bytes; the limit is {max_bytes} bytes")
+    if len(data) < CHUNK_PREFIX_BYTES:
         raise ProtocolError(ErrorCode.BAD_CHUNK,
-                            f"chunk payload is {payload} bytes but its header's sizes add up to {sum(header.sizes)}")
-    units, offset = [], head_end
-    for size in header.sizes:
+                            f"{what} is {len(data)} bytes, shorter than its {CHUNK_PREFIX_BYTES}-byte prefix")
+    magic, head_len = _PREFIX.unpack_from(data)
+    if magic != CHUNK_MAGIC:
+        raise ProtocolError(ErrorCode.BAD_CHUNK, f"{what} starts with {magic!r}, expected magic {CHUNK_MAGIC!r}")
+    head_end = CHUNK_PREFIX_BYTES + head_len
+    if head_len > MAX_MESSAGE_BYTES or head_end > len(data):
+        raise ProtocolError(ErrorCode.BAD_CHUNK,
+                            f"{what} header length {head_len} does not fit the {len(data)}-byte message")
+    return data[CHUNK_PREFIX_BYTES:head_end]
+
+
+def framed_units(data: bytes, start: int, sizes: list[int], what: str) -> list[bytes]:
+    """The access units of a binary message from byte `start` on, whose header gave their `sizes`."""
+    payload = len(data) - start
+    if payload != sum(sizes):
+        raise ProtocolError(ErrorCode.BAD_CHUNK,
+                            f"{what} payload is {payload} bytes but its header's sizes add up to {sum(sizes)}")
+    units, offset = [], start
+    for size in sizes:
         units.append(data[offset : offset + size])
         offset += size
-    return header, units
+    return units

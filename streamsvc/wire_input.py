@@ -30,27 +30,25 @@ errors; the stream goes on either way.
 from __future__ import annotations
 
 import json
-import struct
 from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
 from streamsvc import wire_errors
 from streamsvc.protocol import (
-    CHUNK_MAGIC,
     CHUNK_PREFIX_BYTES,
-    MAX_MESSAGE_BYTES,
     ErrorCode,
     FrameCount,
     ProtocolError,
     _Message,
+    framed_header,
+    framed_units,
+    pack_framed,
 )
 
 MAX_INPUT_BYTES = 4 * 1024 * 1024
 """Largest input message (one or more frames with an IDR at camera resolution fit)."""
 MAX_CAPTURE_MS = 1e15  # capture times are milliseconds in [0, this] (epoch milliseconds until the year 33658)
-
-_PREFIX = struct.Struct(">4sI")
 
 
 class InputHeader(_Message):
@@ -80,41 +78,18 @@ class InputHeader(_Message):
 
 def pack_input(header: InputHeader, access_units: list[bytes]) -> bytes:
     """One binary input message: prefix, JSON header, access units. The header must describe them."""
-    sizes = [len(au) for au in access_units]
-    if sizes != header.sizes:
-        raise ValueError(f"header sizes {header.sizes} do not match the access units' sizes {sizes}")
-    head = header.model_dump_json().encode("utf-8")
-    return b"".join([_PREFIX.pack(CHUNK_MAGIC, len(head)), head, *access_units])
+    return pack_framed(header.model_dump_json().encode("utf-8"), header.sizes, access_units)
 
 
 def unpack_input(data: bytes) -> tuple[InputHeader, list[bytes]]:
     """Split a binary input message into its header and access units. Raises ``ProtocolError`` on garbage."""
     data = bytes(data)
-    if len(data) > MAX_INPUT_BYTES:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"input is {len(data)} bytes; the limit is {MAX_INPUT_BYTES} bytes")
-    if len(data) < CHUNK_PREFIX_BYTES:
-        raise ProtocolError(ErrorCode.BAD_CHUNK, f"input is {len(data)} bytes, shorter than its "
-                                                 f"{CHUNK_PREFIX_BYTES}-byte prefix")
-    magic, head_len = _PREFIX.unpack_from(data)
-    if magic != CHUNK_MAGIC:
-        raise ProtocolError(ErrorCode.BAD_CHUNK, f"input starts with {magic!r}, expected magic {CHUNK_MAGIC!r}")
-    head_end = CHUNK_PREFIX_BYTES + head_len
-    if head_len > MAX_MESSAGE_BYTES or head_end > len(data):
-        raise ProtocolError(ErrorCode.BAD_CHUNK, f"input header length {head_len} does not fit the "
-                                                 f"{len(data)}-byte message")
+    head = framed_header(data, "input", MAX_INPUT_BYTES)
     try:
-        header = InputHeader.model_validate_json(data[CHUNK_PREFIX_BYTES:head_end])
+        header = InputHeader.model_validate_json(head)
     except ValidationError as exc:
         _, message = wire_errors.describe(exc, {"input": InputHeader}, model="input")
         raise ProtocolError(ErrorCode.BAD_CHUNK, f"input header: {message}") from None
     except (ValueError, json.JSONDecodeError) as exc:  # not UTF-8
         raise ProtocolError(ErrorCode.BAD_CHUNK, f"input header: {exc}"[:200]) from None
-    payload = len(data) - head_end
-    if payload != sum(header.sizes):
-        raise ProtocolError(ErrorCode.BAD_CHUNK, f"input payload is {payload} bytes but its header's sizes add up "
-                                                 f"to {sum(header.sizes)}")
-    units, offset = [], head_end
-    for size in header.sizes:
-        units.append(data[offset : offset + size])
-        offset += size
-    return header, units
+    return header, framed_units(data, CHUNK_PREFIX_BYTES + len(head), header.sizes, "input")
