@@ -217,40 +217,51 @@ class WanVAEState(DecoderState):
         return sum(t.numel() * t.element_size() for t in self.feat_cache if isinstance(t, torch.Tensor))
 
 
-class WanVAEDecoder(nn.Module):
-    """`StreamingDecoder` over diffusers' AutoencoderKLWan: latents [16, F, h, w] -> uint8 [N, 8h, 8w, 3]."""
+class _WanVAEPart(nn.Module):
+    """What the streaming decoder and encoder share: the VAE, the DiT latents' per-channel normalization (raw =
+    z * std + mean, kept in fp32 and applied in fp32) and the number of the part's causal convolutions (one
+    stream's cache slots)."""
+
+    part = ""  # the VAE's module this streams: "decoder" or "encoder"
+    conv = ""  # the part's 1x1x1 convolution, whose weight tells the device and dtype
 
     def __init__(self, vae) -> None:
         super().__init__()
         self.vae = vae
         cfg = vae.config
-        # the DiT's latents are normalized per channel: raw = z * std + mean
         self.register_buffer("mean", torch.tensor(cfg.latents_mean, dtype=torch.float32).view(-1, 1, 1, 1))
         self.register_buffer("std", torch.tensor(cfg.latents_std, dtype=torch.float32).view(-1, 1, 1, 1))
-        self.num_convs = sum(type(m).__name__ == "WanCausalConv3d" for m in vae.decoder.modules())
+        self.num_convs = sum(type(m).__name__ == "WanCausalConv3d" for m in getattr(vae, self.part).modules())
 
     @classmethod
-    def from_path(
-        cls, path: str | Path, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16
-    ) -> WanVAEDecoder:
+    def from_path(cls, path: str | Path, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16):
         vae = load_wan_vae(path, dtype).eval().requires_grad_(False)
-        return cls(vae).to(device)  # mean/std stay fp32; they are applied in fp32
+        return cls(vae).to(device)
 
     @property
     def device(self) -> torch.device:
-        return self.vae.post_quant_conv.weight.device
+        return getattr(self.vae, self.conv).weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.vae.post_quant_conv.weight.dtype
+        return getattr(self.vae, self.conv).weight.dtype
+
+    def vae_config(self) -> dict:
+        """The VAE's AutoencoderKLWan keyword arguments (to build its like on the meta device)."""
+        return {k: v for k, v in self.vae.config.items() if not k.startswith("_")}
+
+
+class WanVAEDecoder(_WanVAEPart):
+    """`StreamingDecoder` over diffusers' AutoencoderKLWan: latents [16, F, h, w] -> uint8 [N, 8h, 8w, 3]."""
+
+    part, conv = "decoder", "post_quant_conv"
 
     def init_state(self) -> WanVAEState:
         return WanVAEState(feat_cache=[None] * self.num_convs)
 
     def state_bytes(self, height: int, width: int) -> int:
         """One stream's causal cache at this video size, once steady (1.89 GB at 480x832 in bf16)."""
-        base = {k: v for k, v in self.vae.config.items() if not k.startswith("_")}
-        return wan_vae_state_bytes(height, width, self.dtype, config=base)
+        return wan_vae_state_bytes(height, width, self.dtype, config=self.vae_config())
 
     @torch.no_grad()
     def decode_float(self, latents: torch.Tensor, state: WanVAEState) -> torch.Tensor:
@@ -302,43 +313,25 @@ def wan_vae_state_bytes(
 # Streaming encode
 
 
-class WanVAEEncoder(nn.Module):
+class WanVAEEncoder(_WanVAEPart):
     """`StreamingEncoder` over diffusers' AutoencoderKLWan: uint8 frames [N, H, W, 3] -> the DiT's normalized
     latents [16, F, H/8, W/8], the posterior's mean ((mu - latents_mean) / latents_std). A stream's first chunk
     (1 + 4k frames) starts its causal run with frame 0 alone; a run restarted mid-stream (a fresh state,
     4k frames) drops the chunk's first 3 frames so that its 4th stands alone for its first latent frame."""
 
+    part, conv = "encoder", "quant_conv"
+
     def __init__(self, vae) -> None:
-        super().__init__()
         if getattr(vae.config, "patch_size", None):
             raise ValueError("a patchified Wan VAE (Wan2.2's) is not supported by the streaming encoder")
-        self.vae = vae
-        cfg = vae.config
-        self.register_buffer("mean", torch.tensor(cfg.latents_mean, dtype=torch.float32).view(-1, 1, 1, 1))
-        self.register_buffer("std", torch.tensor(cfg.latents_std, dtype=torch.float32).view(-1, 1, 1, 1))
-        self.num_convs = sum(type(m).__name__ == "WanCausalConv3d" for m in vae.encoder.modules())
-
-    @classmethod
-    def from_path(
-        cls, path: str | Path, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16
-    ) -> WanVAEEncoder:
-        vae = load_wan_vae(path, dtype).eval().requires_grad_(False)
-        return cls(vae).to(device)
-
-    @property
-    def device(self) -> torch.device:
-        return self.vae.quant_conv.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.vae.quant_conv.weight.dtype
+        super().__init__(vae)
 
     def init_state(self) -> EncoderState:
         return EncoderState(memory=[None] * self.num_convs)
 
     def state_bytes(self, height: int, width: int) -> int:
         """One stream's causal cache at this video size, once steady (measured on the meta device)."""
-        vae = nn.Module.to(_meta_vae({k: v for k, v in self.vae.config.items() if not k.startswith("_")}), self.dtype)
+        vae = nn.Module.to(_meta_vae(self.vae_config()), self.dtype)
         enc = WanVAEEncoder(vae).to("meta")
         state = enc.init_state()
         enc.encode_raw(torch.zeros(3, 9, height, width, device="meta", dtype=self.dtype), state)
