@@ -268,9 +268,7 @@ class Gateway(Server):
         try:
             async for item in gen:
                 if isinstance(item, dict) and "allow_messages" in item:  # the stream takes input video: its
-                    allow = getattr(ws, "allow_messages", None)  # camera's messages pass (a WHEP session has none:
-                    if allow is not None:  # its camera comes over WHIP)
-                        allow(min(int(item["allow_messages"]), MAX_INPUT_BYTES))
+                    ws.allow_messages(min(int(item["allow_messages"]), MAX_INPUT_BYTES))  # camera's messages pass
                     continue
                 if isinstance(item, dict):  # the replica's server closed the socket (e.g. unauthorized)
                     code, reason = item.get("close", (1000, ""))
