@@ -581,13 +581,17 @@ def merge_lora(
 
 
 BUILTIN_WEIGHTS = Path(__file__).resolve().parent / "assets" / "tiny.safetensors"
+"""The tiny preset's trained model, shipped with the package (package data): `python -m models.train --export`."""
 # the built-in model after models/train.py's follow stage (video-to-video, issue 35): it follows an input video at
 # strengths 0.625 and 0.357, but its text-to-video shapes after a prompt switch are worse (benchmarks/RESULTS.md),
 # so it is not the default; `--weights follow` picks it
 FOLLOW_WEIGHTS = BUILTIN_WEIGHTS.with_name("tiny_follow.safetensors")
-"""The tiny preset's trained model, shipped with the package (package data): `python -m models.train --export`."""
 WEIGHTS = ("auto", "builtin", "follow", "random")  # `weights=` choices besides a path to a model file
-SHIPPED = ("builtin", "follow")  # the `weights=` names of the shipped model files
+
+
+def shipped() -> dict[str, Path]:
+    """The shipped model files by their `weights=` name (read at call time: tests point them elsewhere)."""
+    return {"builtin": BUILTIN_WEIGHTS, "follow": FOLLOW_WEIGHTS}
 
 
 @dataclass(frozen=True)
@@ -636,13 +640,13 @@ def resolve_weights(weights: str | None, preset: str, checkpoint: str | None = N
         if given:
             raise ValueError(f"weights 'random' asks for random DiT weights, but {given} was given too: drop one")
         return None
-    path = {"builtin": BUILTIN_WEIGHTS, "follow": FOLLOW_WEIGHTS}.get(weights) or Path(weights)
+    path = shipped().get(weights) or Path(weights)
     if given:
         raise ValueError(
             f"weights {weights!r} is a whole model (DiT, decoder, text vectors), and {given} was given too: drop one "
             "(a checkpoint or a Wan folder goes with weights 'random' or 'auto')"
         )
-    if weights in SHIPPED and preset != "tiny":
+    if weights in shipped() and preset != "tiny":
         raise ValueError(f"the built-in weights ({weights}) are the tiny preset's, not {preset!r}: use --preset tiny")
     return path
 
