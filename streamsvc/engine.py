@@ -516,9 +516,10 @@ class Engine:
     def _open(self, stream_id: str, prompt: str, seed: int, fps: int, input=None, strength=None) -> Admission:
         if stream_id in self._streams:
             raise EngineError(f"stream {stream_id!r} is already open")
-        if self.failure or (input is not None and self.inputs.refusal()):
-            return Admission(False, self.inputs.refusal() if not self.failure else
-                             f"this server cannot generate: {self.failure}", 0.0)
+        refusal = f"this server cannot generate: {self.failure}" if self.failure else \
+            self.inputs.refusal() if input is not None else None
+        if refusal:
+            return Admission(False, refusal, 0.0)
         gen = self.gen
         spec = gen.cache_spec()
         req = StreamRequest(
