@@ -1,6 +1,6 @@
 """What one address may hold and cost (issue 33, item 2), over loopback: connection caps, the deadline before
 start, request rates, protocol errors. In-process servers (tiny preset, CPU), except the idle-socket flood, which
-runs `streamsvc serve` in a child process under a small file descriptor limit (benchmarks/hostile.py's case)."""
+runs `streamsvc serve` in a child process under a small file descriptor limit (benchmarks/hostile/round1.py's case)."""
 
 import asyncio
 import contextlib
@@ -12,7 +12,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from benchmarks import hostile
+from benchmarks.hostile import round1 as hostile
 from streamsvc import protocol as P
 from streamsvc.access import AccessConfig, Rate
 from streamsvc.server import Server
