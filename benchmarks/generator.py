@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import PRESETS, CacheAccess, ChunkGenerator, GeneratorConfig, Work, build_generator, fidelity  # noqa: E402
-from models.generator import DECODERS  # noqa: E402
+from models.build import DECODERS  # noqa: E402
 
 
 class Timer:

@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _device_fields(state) -> list[torch.Tensor]:
     """The restored state's tensors besides its cache, in the order parking copied them."""
-    from models.generator import PARKED_FIELDS, _tensors
+    from models.generator import _tensors
+    from models.stream import PARKED_FIELDS
 
     return _tensors({name: getattr(state, name) for name in PARKED_FIELDS})
 

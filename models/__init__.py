@@ -3,7 +3,9 @@
 from models.config import PRESETS, ModelConfig
 from models.decoder import DecoderState, StreamingDecoder, TinyStreamingDecoder, frames_per_chunk
 from models.dit import CacheAccess, CausalWanModel
-from models.generator import Chunk, ChunkGenerator, GeneratorConfig, ParkedStream, StreamState, Work, build_generator
+from models.build import build_generator
+from models.generator import ChunkGenerator
+from models.stream import Chunk, GeneratorConfig, ParkedStream, StreamState, Work
 from models.text import HashTextEncoder, TextEncoder
 from models.weights import CheckpointError, load_checkpoint, save_checkpoint
 

@@ -42,7 +42,9 @@ from models.config import ModelConfig
 from models.decoder import NoDecoder, StreamingDecoder
 from models.encoder import StreamingEncoder
 from models.dit import KERNELS, AttentionKV, CacheAccess, CausalWanModel, SelfAttention, TextKV
-from models.generator import ChunkGenerator, GeneratorConfig, build_generator
+from models.build import build_generator
+from models.generator import ChunkGenerator
+from models.stream import GeneratorConfig
 from models.text import TextEncoder
 
 # Set in every rank (and Ray worker) we start: NVLink multicast (NVLS) can take a shared host's GPUs down.

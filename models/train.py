@@ -55,7 +55,8 @@ import torch
 from models.config import ModelConfig
 from models.decoder import DecoderState, TinyStreamingDecoder, frames_per_chunk
 from models.dit import CacheAccess, CausalWanModel, TextKV
-from models.generator import ChunkGenerator, GeneratorConfig
+from models.generator import ChunkGenerator
+from models.stream import GeneratorConfig
 from models.latent import BlockPCA, video_frames
 from models.scenes import (
     BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, Clip, Scene, chunks_of_frames, draw, sample_clip, sample_scene,

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from kvcache import StreamCache
-from models.generator import ParkedStream, StreamState
+from models.stream import ParkedStream, StreamState
 from models.parallel import build_base, build_worker_generator, check_degree, root_rank, shard_generator
 from streamsvc.group import Group, GroupConfig, GroupError, worker_ready
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from models import ChunkGenerator
-from models.generator import Chunk
+from models.stream import Chunk
 from streamsvc.progress import Progress
 
 

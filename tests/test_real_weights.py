@@ -82,7 +82,7 @@ def test_a_missing_wan_folder_is_a_clear_error(tmp_path, capsys):
 
 
 def test_start_up_refuses_what_does_not_fit_the_gpu(monkeypatch):
-    from models.generator import _check_free_memory
+    from models.build import _check_free_memory
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * 2**30, 80 * 2**30))
     _check_free_memory("umT5", 3 * 2**30, torch.device("cuda"))  # fits: nothing said

@@ -49,7 +49,7 @@ def test_a_model_file_names_the_schedule_it_samples_with(model_file, tmp_path):
     """The export records the denoising levels (training's by default, or `--timesteps`); the generator
     takes the file's levels for the default schedule, the first N of them for a steps-N one, and keeps a
     schedule written out by hand."""
-    from models.generator import GeneratorConfig
+    from models.stream import GeneratorConfig
     from models.train import main
 
     assert W.read_model_file(model_file).timesteps == GeneratorConfig.timesteps

@@ -19,7 +19,9 @@ import torch.distributed as dist
 
 from kvcache import CachePool
 from models import ModelConfig
-from models.generator import ChunkGenerator, GeneratorConfig, build_generator
+from models.build import build_generator
+from models.generator import ChunkGenerator
+from models.stream import GeneratorConfig
 from models.decoder import NoDecoder
 from models.parallel import (
     PARALLEL_ENV, ReceivedTextEncoder, RootTextEncoder, allowed_degrees, build_sharded_generator, build_worker_generator,
@@ -205,7 +207,7 @@ def _loading_main(rank: int, world_size: int, init_file: str, out_dir: str) -> N
     """Rank 0 builds as a group's rank 0 does, rank 1 as a worker (streamsvc/lockstep.py, offline.py), each
     recording the calls that load a text encoder or a decoder; both then open a stream (rank 0 encodes its
     prompt and broadcasts it)."""
-    import models.generator as g
+    import models.build as g
 
     torch.set_num_threads(1)
     loads = []
