@@ -131,6 +131,11 @@ def cmd_generate(args) -> int:
     if args.input and args.parallel != 1:
         print("streamsvc generate: --input runs on one process: drop --parallel", file=sys.stderr)
         return 2
+    try:
+        _preflight(args)
+    except ValueError as e:
+        print(f"streamsvc generate: {e}", file=sys.stderr)
+        return 2
     if args.parallel != 1:
         from streamsvc.offline import generate_parallel
 
@@ -163,6 +168,19 @@ def _weights(args) -> dict:
     """The weight flags as build_generator / EngineConfig keywords."""
     return {"wan_dir": args.wan_dir, "lora": args.lora, "lora_alpha": args.lora_alpha, "wrapper": args.wrapper,
             "decoder": args.decoder, "taehv": args.taehv, "weights": args.weights}
+
+
+def _preflight(args) -> None:
+    """The user's mistakes that need no model to find (streamsvc/preflight.py): ValueError, one line."""
+    from streamsvc import preflight
+
+    if getattr(args, "cluster", None) is None:  # a gateway's replicas have the devices, not this process
+        preflight.check_device(args.device)
+    preflight.check_paths(wan_dir=args.wan_dir, checkpoint=args.checkpoint, taehv=args.taehv, lora=args.lora)
+    if hasattr(args, "port"):  # serve
+        preflight.check_port(args.host, args.port)
+        if args.metrics_port is not None:
+            preflight.check_port(args.host, args.metrics_port)
 
 
 def _check_weights(args) -> None:
@@ -282,6 +300,7 @@ def cmd_serve(args) -> int:
         _check_weights(args)
         webrtc = _webrtc_config(args)
         access = _access_config(args)
+        _preflight(args)
         audience = _audience_config(args)
         front = _front_config(args)
     except (ValueError, OSError) as e:

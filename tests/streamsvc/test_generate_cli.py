@@ -84,7 +84,9 @@ def test_a_missing_model_file_is_a_clear_error_not_a_traceback(tmp_path, monkeyp
     assert main(["generate", "--prompt", "p", "-o", str(tmp_path / "r.mp4"), "--quiet", "--seconds", "1", "--weights", "random"]) == 0
     assert all(np.array_equal(x, y) for x, y in zip(decode(tmp_path / "a.mp4"), decode(tmp_path / "r.mp4")))
     capsys.readouterr()
-    assert main(["generate", "--prompt", "p", "--weights", "random", "--checkpoint", "x.pt", "--quiet"]) == 2
+    (tmp_path / "x.pt").write_bytes(b"")  # there (a missing one is said first: tests/streamsvc/test_preflight.py)
+    assert main(["generate", "--prompt", "p", "--weights", "random", "--checkpoint", str(tmp_path / "x.pt"),
+                 "--quiet"]) == 2
     assert "random DiT weights, but a checkpoint was given too" in capsys.readouterr().err
 
 

@@ -1,0 +1,78 @@
+"""Start-up checks that run before any model is loaded: a user's mistake costs one line and exit code 2, not a
+warm-up followed by a traceback.
+
+Each check raises `ValueError` with a message that names the value and the fix; the command line prints it
+after the command's name. What each check catches:
+
+- `check_device`: `--device cuda` on a torch built without CUDA, or a GPU index past the last one;
+- `check_port`: a port outside 0..65535, a host that does not resolve, or an address already in use (it
+  binds the address once and lets go, as the server will, so a second server on the port is said at once);
+- `check_paths`: a `--wan-dir`, `--checkpoint`, `--taehv` or `--lora` that does not exist, each called by its
+  flag's name (a Wan folder is a folder, the others may be files or folders).
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from pathlib import Path
+
+
+def check_device(name: str) -> None:
+    """`name` (auto, cpu, cuda, cuda:N) is a device this torch can use."""
+    import torch
+
+    if name in ("auto", "cpu"):
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name}: not a device; give cpu, cuda, cuda:N or auto") from None
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        build = "was built without CUDA" if torch.version.cuda is None else "finds no CUDA GPU"
+        raise ValueError(f"--device {name}: this torch ({torch.__version__}) {build}; run with --device cpu, or "
+                         "install a CUDA build of torch on a machine with an NVIDIA GPU")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+
+
+def check_port(host: str, port: int) -> None:
+    """`host`:`port` can be listened on now (0: any free port)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: a port is a number from 0 to 65535 (0: any free port)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: cannot be resolved ({e.strerror}); give an address such as 127.0.0.1 "
+                         "or 0.0.0.0") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no conflict
+        try:
+            sock.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"port {port} on {host} is already in use (another server?): pass --port with "
+                                 "another port, or --port 0 for any free one") from None
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise ValueError(f"port {port} on {host}: permission denied (ports below 1024 need root); pass "
+                                 "--port 1024 or above") from None
+            raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+
+
+def check_paths(*, wan_dir: str | None = None, checkpoint: str | None = None, taehv: str | None = None,
+                lora: str | None = None) -> None:
+    """Each path given exists: weights load from a local path only, so a typo is said before anything loads."""
+    if wan_dir is not None and not Path(wan_dir).is_dir():
+        what = "is a file, not a folder" if Path(wan_dir).exists() else "does not exist"
+        raise ValueError(f"--wan-dir {wan_dir}: {what}; give the Wan2.1 folder (Wan's layout or Diffusers') that "
+                         "holds the text encoder, the VAE and the DiT")
+    for flag, path, what in (("--checkpoint", checkpoint, "the DiT weights: a .safetensors or .pt file, or a "
+                                                          "Wan2.1 folder"),
+                             ("--taehv", taehv, "TAEHV's taew2_1.pth"),
+                             ("--lora", lora, "the LoRA file (e.g. LongLive's lora.pt)")):
+        if path is not None and not Path(path).exists():
+            raise ValueError(f"{flag} {path}: does not exist; give {what} (weights load from a local path only)")

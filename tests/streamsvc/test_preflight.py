@@ -1,0 +1,93 @@
+"""Start-up mistakes: one line naming the value and the fix, exit code 2, before any model is loaded
+(streamsvc/preflight.py, called by `serve` and `generate`)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from streamsvc import preflight
+
+
+def test_device_cpu_and_auto_pass_and_a_bad_name_is_named():
+    preflight.check_device("cpu")
+    preflight.check_device("auto")
+    with pytest.raises(ValueError, match="--device gpu0: not a device"):
+        preflight.check_device("gpu0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine has what --device cuda needs")
+def test_cuda_without_cuda_says_so():
+    with pytest.raises(ValueError, match="--device cuda: this torch .* --device cpu"):
+        preflight.check_device("cuda")
+
+
+def test_port_out_of_range_and_in_use():
+    with pytest.raises(ValueError, match="--port 99999: a port is a number from 0 to 65535"):
+        preflight.check_port("127.0.0.1", 99999)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ValueError, match=f"port {port} on 127.0.0.1 is already in use.*--port"):
+            preflight.check_port("127.0.0.1", port)
+    preflight.check_port("127.0.0.1", port)  # free again: no error
+    preflight.check_port("127.0.0.1", 0)
+
+
+def test_paths_are_named_by_their_flag(tmp_path):
+    with pytest.raises(ValueError, match="--wan-dir /nonexistent/wan: does not exist; give the Wan2.1 folder"):
+        preflight.check_paths(wan_dir="/nonexistent/wan")
+    (tmp_path / "f.pth").write_bytes(b"x")
+    with pytest.raises(ValueError, match="--wan-dir .*f.pth: is a file, not a folder"):
+        preflight.check_paths(wan_dir=str(tmp_path / "f.pth"))
+    with pytest.raises(ValueError, match="--checkpoint /nonexistent/model.pt: does not exist"):
+        preflight.check_paths(checkpoint="/nonexistent/model.pt")
+    with pytest.raises(ValueError, match="--taehv /nonexistent/taew2_1.pth: does not exist"):
+        preflight.check_paths(taehv="/nonexistent/taew2_1.pth")
+    preflight.check_paths(wan_dir=str(tmp_path), checkpoint=str(tmp_path / "f.pth"))
+
+
+def _cli(*argv: str) -> tuple[int, list[str], float]:
+    """Run `streamsvc ARGV` (bounded at 120 s): its exit code, its stderr's lines, its wall time."""
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "streamsvc.cli", *argv], capture_output=True, text=True,
+                          timeout=120)
+    return done.returncode, done.stderr.strip().splitlines(), time.monotonic() - t0
+
+
+CASES = [
+    (("serve", "--port", "99999"), "streamsvc serve: --port 99999: a port is a number from 0 to 65535"),
+    (("serve", "--wan-dir", "/nonexistent"), "streamsvc serve: --wan-dir /nonexistent: does not exist"),
+    (("serve", "--checkpoint", "/nonexistent.pt"), "streamsvc serve: --checkpoint /nonexistent.pt: does not exist"),
+    (("generate", "--prompt", "a red ball", "--wan-dir", "/nonexistent"),
+     "streamsvc generate: --wan-dir /nonexistent: does not exist"),
+]
+if not torch.cuda.is_available():
+    CASES.append((("serve", "--device", "cuda"), "streamsvc serve: --device cuda: this torch"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv,line", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_cli_mistake_is_one_line_and_exit_2(argv, line):
+    code, lines, _ = _cli(*argv)
+    assert code == 2, lines
+    assert len(lines) == 1 and lines[0].startswith(line), lines
+    assert "Traceback" not in lines[0]
+
+
+@pytest.mark.slow
+def test_cli_port_in_use_is_said_before_the_model_loads():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code, lines, _ = _cli("serve", "--port", str(port))
+    assert code == 2, lines
+    assert len(lines) == 1 and f"port {port} on 127.0.0.1 is already in use" in lines[0] and "--port" in lines[0]
+    assert not any("model ready" in line for line in lines)
