@@ -8,7 +8,7 @@ from pathlib import Path
 
 from models import PRESETS, GeneratorConfig, build_generator
 from models import fidelity
-from models.generator import DECODERS
+from models.build import DECODERS
 from kvcache import QUANT_MODES
 
 
