@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client import pixels  # noqa: E402
 from models import build_generator  # noqa: E402
-from models.weights import FOLLOW_WEIGHTS  # noqa: E402
+from models.model_file import FOLLOW_WEIGHTS  # noqa: E402
 from models.scenes import BACKGROUNDS, COLOURS, HELD_OUT, SPEED, Scene, draw  # noqa: E402
 
 FOLLOW_PX = 8.0  # mean position error (px) that counts as following: half the big object's radius

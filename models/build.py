@@ -54,7 +54,7 @@ def build_generator(
     `weights`: a whole trained model (DiT, decoder and text vectors) from one file: "builtin" (the tiny
     preset's, shipped with the package), a path to a file of `python -m models.train --export`, or "auto"
     (the built-in one for the tiny preset with no checkpoint and no Wan folder); None or "random" (the
-    default) for what follows (models/weights.py `resolve_weights`).
+    default) for what follows (models/model_file.py `resolve_weights`).
 
     The DiT: random weights from `seed`, or a checkpoint (a .pt/.safetensors file, `wrapper` choosing
     its `generator_ema` / `generator`, or a Wan2.1 folder) whose shapes win over the preset's, checked
@@ -66,9 +66,8 @@ def build_generator(
     never whole in fp32 on the host (a 14B's would be 57 GB). `dit_only`: no umT5 and no decoder are loaded
     (a group's worker rank, models/parallel.py): the hashing encoder and `NoDecoder` stand in."""
     from models.dit import Rope
-    from models.weights import (
-        dit_configs, infer_config, load_state_dict, merge_lora, read_state_dict, resolve_weights,
-    )
+    from models.model_file import resolve_weights
+    from models.weights import dit_configs, infer_config, load_state_dict, merge_lora, read_state_dict
 
     if decoder not in DECODERS:
         raise ValueError(f"decoder {decoder!r} is unknown; use one of {', '.join(DECODERS)}")
@@ -125,7 +124,8 @@ def _from_model_file(
     trained, maybe grown), its decoder, and the text encoder with its caption words' stored vectors."""
     from models.dit import Rope
     from models.text import VocabTextEncoder
-    from models.weights import CheckpointError, load_state_dict, read_model_file
+    from models.model_file import read_model_file
+    from models.weights import CheckpointError, load_state_dict
 
     mf = read_model_file(path)
     if mf.preset != preset:

@@ -542,7 +542,7 @@ class Trainer:
 
     def init_from(self, path: Path) -> None:
         """Start the follow stage from a model file's weights (`python -m models.train --export`'s)."""
-        from models.weights import read_model_file
+        from models.model_file import read_model_file
 
         mf = read_model_file(path)
         if mf.config != self.mc:

@@ -8,8 +8,9 @@ What loads, all into Wan2.1's module names (models/dit.py):
   root, maybe sharded with an index json) or the Diffusers layout (`transformer/`, in diffusers'
   WanTransformer3DModel names, renamed here to Wan's);
 - a LoRA (LongLive's `lora.pt`, PEFT keys, maybe under `generator_lora`), merged into the weights.
-- a whole model file of `python -m models.train --export` (`read_model_file`): DiT, decoder and the
-  caption words' text vectors; the tiny preset's ships with the package (`BUILTIN_WEIGHTS`).
+
+A whole model file of `python -m models.train --export` (DiT, decoder and text vectors) is
+models/model_file.py's.
 
 The model's shapes come from the weights and the Wan folder's `config.json` (`read_wan_config`,
 `infer_config`), each checked against the other; the preset gives resolution and sampling.
@@ -17,12 +18,11 @@ The model's shapes come from the weights and the Wan folder's `config.json` (`re
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -575,126 +575,3 @@ def merge_lora(
     ranks = sorted({a.shape[0] for a, _ in pairs.values()})
     log.info("merged LoRA %s (rank %s) into %d layers", lora_path, "/".join(map(str, ranks)), len(pairs))
     return len(pairs)
-
-
-# ---------------------------------------------------------------------------------------------- model files
-
-
-BUILTIN_WEIGHTS = Path(__file__).resolve().parent / "assets" / "tiny.safetensors"
-"""The tiny preset's trained model, shipped with the package (package data): `python -m models.train --export`."""
-# the built-in model after models/train.py's follow stage (video-to-video, issue 35): it follows an input video at
-# strengths 0.625 and 0.357, but its text-to-video shapes after a prompt switch are worse (benchmarks/RESULTS.md),
-# so it is not the default; `--weights follow` picks it
-FOLLOW_WEIGHTS = BUILTIN_WEIGHTS.with_name("tiny_follow.safetensors")
-WEIGHTS = ("auto", "builtin", "follow", "random")  # `weights=` choices besides a path to a model file
-
-
-def shipped() -> dict[str, Path]:
-    """The shipped model files by their `weights=` name (read at call time: tests point them elsewhere)."""
-    return {"builtin": BUILTIN_WEIGHTS, "follow": FOLLOW_WEIGHTS}
-
-
-@dataclass(frozen=True)
-class ModelFile:
-    """A trained model in one safetensors file, as `python -m models.train --export` writes it: the DiT
-    (`dit.*`), its streaming decoder (`decoder.*`), the latent encoder it was trained with (`pca.*`, the
-    encoder of video-to-video input) and the text vectors of the caption words (`text.vectors`, one row per word of
-    the metadata's `text.words`); the metadata's `model` is the ModelConfig trained (JSON), `preset` its
-    preset's name, `sampler.timesteps` (optional, JSON) the denoising schedule to sample it with."""
-
-    path: Path
-    preset: str  # the preset it was trained as (its resolution and sampling defaults)
-    config: ModelConfig  # the shapes trained: the preset's, maybe grown (dim, layers)
-    dit: dict[str, torch.Tensor]  # CausalWanModel's state dict
-    decoder: dict[str, torch.Tensor]  # TinyStreamingDecoder's state dict
-    words: tuple[str, ...]  # the caption words, in the order of `vectors`' rows
-    vectors: torch.Tensor  # [len(words), text_dim] their text-encoder vectors, as the model was trained with
-    timesteps: tuple[float, ...] | None = None  # the schedule it samples best with (None: the generator's default)
-    pca: dict[str, torch.Tensor] = field(default_factory=dict)  # BlockPCA's state dict (empty: none in the file)
-
-
-@functools.cache  # once per process: the CLI resolves before the server starts, the engine again
-def _warn_not_installed(path: Path) -> None:
-    log.warning("the built-in model (%s) is not in this install: random weights. Train it with "
-                "`python -m models.train --export FILE` and pass --weights FILE, or --weights random to say so", path)
-
-
-def resolve_weights(weights: str | None, preset: str, checkpoint: str | None = None, wan_dir: str | None = None) -> Path | None:
-    """The model file that `weights` names, or None for the DiT of `checkpoint` / `wan_dir`, else random
-    weights. None or "random": no model file ("random" with a checkpoint or a Wan folder is a contradiction);
-    "builtin": the shipped one (the tiny preset's); "follow": the shipped one trained to follow an input video;
-    "auto": the shipped one for the tiny preset when no
-    checkpoint or Wan folder is given and the file is installed, else None (random weights, with a warning when
-    the tiny preset's file is missing); anything else: a path to a model file."""
-    given = "a checkpoint" if checkpoint else "a Wan folder" if wan_dir else None
-    if weights is None:
-        return None
-    if weights == "auto":
-        if preset != "tiny" or given is not None:
-            return None
-        if not BUILTIN_WEIGHTS.is_file():
-            _warn_not_installed(BUILTIN_WEIGHTS)
-            return None
-        return BUILTIN_WEIGHTS
-    if weights == "random":
-        if given:
-            raise ValueError(f"weights 'random' asks for random DiT weights, but {given} was given too: drop one")
-        return None
-    path = shipped().get(weights) or Path(weights)
-    if given:
-        raise ValueError(
-            f"weights {weights!r} is a whole model (DiT, decoder, text vectors), and {given} was given too: drop one "
-            "(a checkpoint or a Wan folder goes with weights 'random' or 'auto')"
-        )
-    if weights in shipped() and preset != "tiny":
-        raise ValueError(f"the built-in weights ({weights}) are the tiny preset's, not {preset!r}: use --preset tiny")
-    return path
-
-
-def read_model_file(path: str | Path) -> ModelFile:
-    """A model file's tensors and metadata, checked for what generation needs; a missing or malformed file
-    is a CheckpointError that says what is wrong (the shipped file's says how to get it back)."""
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        if path == BUILTIN_WEIGHTS:
-            raise CheckpointError(
-                f"the built-in model's weights are missing: {path} is not there. They ship with the package "
-                "(package data): reinstall it (pip install -e . from a checkout that has the file), pass "
-                "--weights FILE for a model file made by `python -m models.train --export FILE`, or "
-                "--weights random for random weights"
-            )
-        raise CheckpointError(f"model file {path} does not exist (weights load from a local path only)")
-    try:
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"model file {path} is not a readable safetensors file: {e}") from e
-    lacking = [k for k in ("preset", "model", "text.words") if k not in meta]
-    if lacking or "text.vectors" not in tensors:
-        raise CheckpointError(
-            f"{path} is not a model file of `python -m models.train --export`: it lacks "
-            f"{', '.join([*(f'metadata {k!r}' for k in lacking), *(['text.vectors'] if 'text.vectors' not in tensors else [])])}"
-        )
-    try:
-        fields = json.loads(meta["model"])
-        config = ModelConfig(**{**fields, "patch": tuple(fields["patch"])})
-        words = tuple(json.loads(meta["text.words"]))
-        timesteps = tuple(float(t) for t in json.loads(meta["sampler.timesteps"])) if "sampler.timesteps" in meta else None
-    except (TypeError, KeyError, ValueError) as e:
-        raise CheckpointError(f"model file {path}: its metadata does not describe a model ({e})") from e
-    vectors = tensors.pop("text.vectors")
-    if tuple(vectors.shape) != (len(words), config.text_dim):
-        raise CheckpointError(
-            f"model file {path}: text.vectors is {tuple(vectors.shape)}, expected ({len(words)}, {config.text_dim}) "
-            "(one row per word of text.words, text_dim wide)"
-        )
-    parts: dict[str, dict[str, torch.Tensor]] = {"dit": {}, "decoder": {}, "pca": {}}
-    for key, t in tensors.items():
-        head, _, rest = key.partition(".")
-        if head not in parts or not rest:
-            raise CheckpointError(f"model file {path}: unexpected tensor {key!r} (expected dit.*, decoder.*, pca.*)")
-        parts[head][rest] = t
-    return ModelFile(path, meta["preset"], config, parts["dit"], parts["decoder"], words, vectors, timesteps, parts["pca"])

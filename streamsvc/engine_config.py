@@ -32,7 +32,7 @@ class EngineConfig:
     decoder: str = "auto"  # tiny | wan-vae | taehv | auto (wan-vae with wan_dir, else tiny)
     taehv: str | None = None  # TAEHV's taew2_1.pth, for decoder taehv
     # a whole model file (DiT, decoder, text vectors): "builtin" (the tiny preset's, shipped), a path, "auto" (builtin
-    # for the tiny preset without checkpoint or wan_dir); None / "random": the fields above (models.weights.resolve_weights)
+    # for the tiny preset without checkpoint or wan_dir); None / "random": the fields above (models.model_file.resolve_weights)
     weights: str | None = None
     generator: GeneratorConfig = GeneratorConfig()
     scheduler: SchedulerConfig = SchedulerConfig()

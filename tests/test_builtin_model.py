@@ -14,7 +14,7 @@ import pytest
 
 from client import pixels
 from models import build_generator
-from models.weights import BUILTIN_WEIGHTS
+from models.model_file import BUILTIN_WEIGHTS
 
 NOT_TRAINED = pytest.mark.skipif(
     not BUILTIN_WEIGHTS.is_file(),

@@ -17,7 +17,7 @@ import pytest
 
 from benchmarks.v2v_follow import FOLLOW_PX, cases, run
 from models import build_generator
-from models.weights import FOLLOW_WEIGHTS
+from models.model_file import FOLLOW_WEIGHTS
 
 NOT_SHIPPED = pytest.mark.skipif(not FOLLOW_WEIGHTS.is_file(), reason=f"{FOLLOW_WEIGHTS} is not in this checkout")
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from models import HashTextEncoder, build_generator
+from models import model_file as M
 from models import weights as W
 from models.scenes import vocabulary
 from models.text import VocabTextEncoder
@@ -52,14 +53,14 @@ def test_a_model_file_names_the_schedule_it_samples_with(model_file, tmp_path):
     from models.stream import GeneratorConfig
     from models.train import main
 
-    assert W.read_model_file(model_file).timesteps == GeneratorConfig.timesteps
+    assert M.read_model_file(model_file).timesteps == GeneratorConfig.timesteps
     out = tmp_path / "run"
     args = ["--smoke", "--device", "cpu", "--out", str(out), "--set", f"model={GROWN}"]
     assert main([*args, "--minutes", "5"]) == 0  # trains to the end
     own = (1000.0, 500.0, 250.0, 100.0)
     assert main([*args, "--export", str(tmp_path / "f.safetensors"), "--timesteps", "1000,500,250,100"]) == 0
     path = str(tmp_path / "f.safetensors")
-    assert W.read_model_file(path).timesteps == own
+    assert M.read_model_file(path).timesteps == own
     assert build_generator("tiny", weights=path).cfg.timesteps == own
     two = GeneratorConfig(timesteps=GeneratorConfig.timesteps[:2])  # what steps-2 makes of the default
     assert build_generator("tiny", weights=path, cfg=two).cfg.timesteps == own[:2]
@@ -80,36 +81,36 @@ def test_vocabulary_words_take_the_stored_vectors_others_the_hashed_ones():
 
 
 def test_which_weights_each_choice_means(monkeypatch, model_file, tmp_path, caplog):
-    monkeypatch.setattr(W, "BUILTIN_WEIGHTS", model_file)
-    assert W.resolve_weights("auto", "tiny") == model_file
-    assert W.resolve_weights("builtin", "tiny") == model_file
+    monkeypatch.setattr(M, "BUILTIN_WEIGHTS", model_file)
+    assert M.resolve_weights("auto", "tiny") == model_file
+    assert M.resolve_weights("builtin", "tiny") == model_file
     missing = tmp_path / "assets" / "tiny.safetensors"
-    monkeypatch.setattr(W, "BUILTIN_WEIGHTS", missing)
-    with caplog.at_level("WARNING", logger=W.__name__):
-        assert W.resolve_weights("auto", "tiny") is None  # not installed: random weights, said in the log
+    monkeypatch.setattr(M, "BUILTIN_WEIGHTS", missing)
+    with caplog.at_level("WARNING", logger=M.__name__):
+        assert M.resolve_weights("auto", "tiny") is None  # not installed: random weights, said in the log
     assert "is not in this install: random weights" in caplog.text
-    assert W.resolve_weights("builtin", "tiny") == missing  # asked for by name: loading it is the clear error
-    assert W.resolve_weights("auto", "tiny", checkpoint="sf.pt") is None  # a checkpoint's DiT, as before
-    assert W.resolve_weights("auto", "tiny", wan_dir="wan") is None
-    assert W.resolve_weights("auto", "wan2.1-1.3b") is None  # no built-in model for it: random, as before
-    assert W.resolve_weights("random", "tiny") is None
-    assert W.resolve_weights(None, "tiny") is None
-    assert W.resolve_weights("runs/x.safetensors", "tiny") == Path("runs/x.safetensors")
+    assert M.resolve_weights("builtin", "tiny") == missing  # asked for by name: loading it is the clear error
+    assert M.resolve_weights("auto", "tiny", checkpoint="sf.pt") is None  # a checkpoint's DiT, as before
+    assert M.resolve_weights("auto", "tiny", wan_dir="wan") is None
+    assert M.resolve_weights("auto", "wan2.1-1.3b") is None  # no built-in model for it: random, as before
+    assert M.resolve_weights("random", "tiny") is None
+    assert M.resolve_weights(None, "tiny") is None
+    assert M.resolve_weights("runs/x.safetensors", "tiny") == Path("runs/x.safetensors")
     with pytest.raises(ValueError, match="random DiT weights, but a checkpoint was given too"):
-        W.resolve_weights("random", "tiny", checkpoint="sf.pt")
+        M.resolve_weights("random", "tiny", checkpoint="sf.pt")
     with pytest.raises(ValueError, match="whole model .* and a Wan folder was given too"):
-        W.resolve_weights("builtin", "tiny", wan_dir="wan")
+        M.resolve_weights("builtin", "tiny", wan_dir="wan")
     with pytest.raises(ValueError, match="the tiny preset's, not 'wan2.1-1.3b'"):
-        W.resolve_weights("builtin", "wan2.1-1.3b")
+        M.resolve_weights("builtin", "wan2.1-1.3b")
     # the built-in model trained to follow an input video (issue 35), shipped beside it
-    monkeypatch.setattr(W, "FOLLOW_WEIGHTS", tmp_path / "follow.safetensors")
-    assert W.resolve_weights("follow", "tiny") == tmp_path / "follow.safetensors"
+    monkeypatch.setattr(M, "FOLLOW_WEIGHTS", tmp_path / "follow.safetensors")
+    assert M.resolve_weights("follow", "tiny") == tmp_path / "follow.safetensors"
     with pytest.raises(ValueError, match=r"built-in weights \(follow\) are the tiny preset's, not 'wan2.1-1.3b'"):
-        W.resolve_weights("follow", "wan2.1-1.3b")
+        M.resolve_weights("follow", "wan2.1-1.3b")
 
 
 def test_a_missing_or_foreign_file_is_a_clear_error(tmp_path, monkeypatch, model_file):
-    monkeypatch.setattr(W, "BUILTIN_WEIGHTS", tmp_path / "assets" / "tiny.safetensors")
+    monkeypatch.setattr(M, "BUILTIN_WEIGHTS", tmp_path / "assets" / "tiny.safetensors")
     with pytest.raises(W.CheckpointError, match="built-in model's weights are missing.*--weights random"):
         build_generator("tiny", weights="builtin")
     with pytest.raises(W.CheckpointError, match="does not exist"):
@@ -136,9 +137,9 @@ def test_random_weights_are_still_one_flag_away():
 
 
 def test_the_built_in_weights_ship_as_package_data():
-    assert W.BUILTIN_WEIGHTS == ROOT / "models" / "assets" / "tiny.safetensors"
-    if W.BUILTIN_WEIGHTS.is_file():
-        assert W.BUILTIN_WEIGHTS.stat().st_size < 5e6
+    assert M.BUILTIN_WEIGHTS == ROOT / "models" / "assets" / "tiny.safetensors"
+    if M.BUILTIN_WEIGHTS.is_file():
+        assert M.BUILTIN_WEIGHTS.stat().st_size < 5e6
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["models"]
     assert any(fnmatch("assets/tiny.safetensors", g) for g in globs)
 
@@ -146,8 +147,8 @@ def test_the_built_in_weights_ship_as_package_data():
 def test_golden_vocabulary_vectors_of_the_built_in_model(model_file):
     """The stored vectors are the hashing encoder's for the caption words, so a prompt encodes the same from
     the file as from the hash; should hashing or torch's generator ever change, the model keeps its own."""
-    path = W.BUILTIN_WEIGHTS if W.BUILTIN_WEIGHTS.is_file() else model_file  # the shipped file, once trained
-    mf = W.read_model_file(path)
+    path = M.BUILTIN_WEIGHTS if M.BUILTIN_WEIGHTS.is_file() else model_file  # the shipped file, once trained
+    mf = M.read_model_file(path)
     assert list(mf.words) == vocabulary()
     plain = HashTextEncoder(mf.config.text_dim, mf.config.text_len)
     for word, vec in zip(mf.words, mf.vectors):

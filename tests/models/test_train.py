@@ -35,7 +35,7 @@ def test_teacher_forcing_equals_the_chunk_generator_across_a_prompt_switch(weigh
     then chunk 2's first denoising step: the training forward predicts the same flow (fp32, 1e-4), for
     a flow model (random weights) and for the shipped one, which predicts x0."""
     from models import build_generator
-    from models.weights import BUILTIN_WEIGHTS
+    from models.model_file import BUILTIN_WEIGHTS
 
     if weights == "builtin" and not BUILTIN_WEIGHTS.is_file():
         pytest.skip("the built-in model file is not in this checkout")

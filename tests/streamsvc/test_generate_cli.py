@@ -49,9 +49,9 @@ def smoke_model(tmp_path_factory):
 
 
 def test_generate_defaults_to_the_built_in_model_and_writes_a_strip(tmp_path, capsys, monkeypatch, smoke_model):
-    from models import weights
+    from models import model_file
 
-    monkeypatch.setattr(weights, "BUILTIN_WEIGHTS", smoke_model)
+    monkeypatch.setattr(model_file, "BUILTIN_WEIGHTS", smoke_model)
     args = ["generate", "--prompt", "a red ball moving right", "--seconds", "1", "--quiet", "--device", "cpu"]
     assert main(args + ["-o", str(tmp_path / "d.mp4"), "--strip", str(tmp_path / "s.png"), "--strip-every", "4"]) == 0
     assert main(args + ["-o", str(tmp_path / "b.mp4"), "--weights", "builtin"]) == 0
@@ -71,9 +71,9 @@ def test_generate_defaults_to_the_built_in_model_and_writes_a_strip(tmp_path, ca
 
 
 def test_a_missing_model_file_is_a_clear_error_not_a_traceback(tmp_path, monkeypatch, capsys):
-    from models import weights
+    from models import model_file
 
-    monkeypatch.setattr(weights, "BUILTIN_WEIGHTS", tmp_path / "assets" / "tiny.safetensors")
+    monkeypatch.setattr(model_file, "BUILTIN_WEIGHTS", tmp_path / "assets" / "tiny.safetensors")
     assert main(["generate", "--prompt", "p", "-o", str(tmp_path / "x.mp4"), "--quiet", "--weights", "builtin"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("streamsvc generate: the built-in model's weights are missing") and "--weights random" in err
