@@ -908,6 +908,10 @@ def run(args, input_sources: list | None = None) -> int:
     if args.verify_pixels and args.decode == DecodeMode.NONE.value:
         print("streamsvc loadtest: --verify-pixels reads the frames: use --decode inline or thread", file=sys.stderr)
         return 2
+    if args.url is not None and not args.url.startswith(("ws://", "wss://")):
+        print(f"streamsvc loadtest: --url {args.url}: the server's WebSocket URL starts with ws:// or wss:// (e.g. "
+              "ws://127.0.0.1:8000/ws)", file=sys.stderr)
+        return 2
     server, started = None, False
     wall0, load0 = time.monotonic(), os.getloadavg()
     old_term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM cleans up like Ctrl-C (no orphaned server)

@@ -67,6 +67,8 @@ CASES = [
     (("serve", "--checkpoint", "/nonexistent.pt"), "streamsvc serve: --checkpoint /nonexistent.pt: does not exist"),
     (("generate", "--prompt", "a red ball", "--wan-dir", "/nonexistent"),
      "streamsvc generate: --wan-dir /nonexistent: does not exist"),
+    (("loadtest", "--streams", "1", "--url", "http://127.0.0.1:8000/ws"),
+     "streamsvc loadtest: --url http://127.0.0.1:8000/ws: the server's WebSocket URL starts with ws:// or wss://"),
 ]
 if not torch.cuda.is_available():
     CASES.append((("serve", "--device", "cuda"), "streamsvc serve: --device cuda: this torch"))
