@@ -178,6 +178,7 @@ def _preflight(args) -> None:
         preflight.check_device(args.device)
     preflight.check_paths(wan_dir=args.wan_dir, checkpoint=args.checkpoint, taehv=args.taehv, lora=args.lora)
     if hasattr(args, "port"):  # serve
+        preflight.check_tls(args.tls_cert, args.tls_key)
         preflight.check_port(args.host, args.port)
         if args.metrics_port is not None:
             preflight.check_port(args.host, args.metrics_port)

@@ -7,6 +7,7 @@ after the command's name. What each check catches:
 - `check_device`: `--device cuda` on a torch built without CUDA, or a GPU index past the last one;
 - `check_port`: a port outside 0..65535, a host that does not resolve, or an address already in use (it
   binds the address once and lets go, as the server will, so a second server on the port is said at once);
+- `check_tls`: a `--tls-cert` or `--tls-key` missing, unreadable, or not a certificate and its key;
 - `check_paths`: a `--wan-dir`, `--checkpoint`, `--taehv` or `--lora` that does not exist, each called by its
   flag's name (a Wan folder is a folder, the others may be files or folders).
 """
@@ -61,6 +62,26 @@ def check_port(host: str, port: int) -> None:
                 raise ValueError(f"port {port} on {host}: permission denied (ports below 1024 need root); pass "
                                  "--port 1024 or above") from None
             raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+
+
+def check_tls(cert: str | None, key: str | None) -> None:
+    """--tls-cert and --tls-key: both or neither, each a readable file that loads as a certificate and its key."""
+    import ssl
+
+    if (cert is None) is not (key is None):
+        raise ValueError("give both --tls-cert and --tls-key (a certificate and its private key), or neither")
+    if cert is None:
+        return
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+        try:
+            Path(path).open("rb").close()
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: cannot be read ({e.strerror}); give a PEM file") from None
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except ssl.SSLError as e:
+        raise ValueError(f"--tls-cert {cert} --tls-key {key}: not a certificate and its private key in PEM "
+                         f"({e.reason or e})") from None
 
 
 def check_paths(*, wan_dir: str | None = None, checkpoint: str | None = None, taehv: str | None = None,

@@ -53,6 +53,17 @@ def test_paths_are_named_by_their_flag(tmp_path):
     preflight.check_paths(wan_dir=str(tmp_path), checkpoint=str(tmp_path / "f.pth"))
 
 
+def test_tls_files_are_named(tmp_path):
+    preflight.check_tls(None, None)
+    with pytest.raises(ValueError, match="give both --tls-cert and --tls-key"):
+        preflight.check_tls("cert.pem", None)
+    with pytest.raises(ValueError, match="--tls-cert /nonexistent.pem: cannot be read"):
+        preflight.check_tls("/nonexistent.pem", "/nonexistent.key")
+    (tmp_path / "c.pem").write_text("not a certificate")
+    with pytest.raises(ValueError, match="--tls-cert .*c.pem --tls-key .*c.pem: not a certificate"):
+        preflight.check_tls(str(tmp_path / "c.pem"), str(tmp_path / "c.pem"))
+
+
 def _cli(*argv: str) -> tuple[int, list[str], float]:
     """Run `streamsvc ARGV` (bounded at 120 s): its exit code, its stderr's lines, its wall time."""
     t0 = time.monotonic()
@@ -64,6 +75,8 @@ def _cli(*argv: str) -> tuple[int, list[str], float]:
 CASES = [
     (("serve", "--port", "99999"), "streamsvc serve: --port 99999: a port is a number from 0 to 65535"),
     (("serve", "--wan-dir", "/nonexistent"), "streamsvc serve: --wan-dir /nonexistent: does not exist"),
+    (("serve", "--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"),
+     "streamsvc serve: --tls-cert /nonexistent.pem: cannot be read"),
     (("serve", "--checkpoint", "/nonexistent.pt"), "streamsvc serve: --checkpoint /nonexistent.pt: does not exist"),
     (("generate", "--prompt", "a red ball", "--wan-dir", "/nonexistent"),
      "streamsvc generate: --wan-dir /nonexistent: does not exist"),
