@@ -34,7 +34,7 @@ class CacheAccess:
     read_slots: int  # attend to cache slots [0, read_slots) (a prefix: sinks first, then the window)
     write_slots: Sequence[int] | None = None  # after each layer reads, store this forward's K/V here
     block_ids: Sequence[int] | None = None  # per input frame: frames see same-or-earlier blocks; None: all
-    # training's [clean | noisy] layout (models/train.py): which of this forward's frames each of them
+    # training's [clean | noisy] layout (models/teacher_forcing.py): which of this forward's frames each of them
     # sees ([F, F] bool, overrides block_ids) and each frame's RoPE position (None: after the frames read)
     visible: torch.Tensor | None = None
     positions: Sequence[int] | None = None

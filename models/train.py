@@ -5,7 +5,7 @@ Stages, run in order by one command that stops after `--minutes` and checkpoints
 
 1. pca: fit the latent encoder (models/latent.py) on rendered clips (seconds);
 2. decoder: train the causal decoder (models/decoder.py) to turn the encoder's latents back into frames;
-3. teacher: teacher forcing of the DiT. Its forward is models/dit.py's, over Self-Forcing's layout
+3. teacher: teacher forcing of the DiT (models/teacher_forcing.py). Its forward is models/dit.py's, over Self-Forcing's layout
    [clean chunks | noisy chunks]: a clean chunk sees the clean chunks up to it, a noisy chunk the
    clean chunks before it and itself, at its clean twin's RoPE positions. Flow matching: sigma per
    chunk, mostly one of the sampler's levels, partly at random; the clean context slightly noised.
@@ -54,15 +54,17 @@ import torch
 
 from models.config import ModelConfig
 from models.decoder import DecoderState, TinyStreamingDecoder, frames_per_chunk
-from models.dit import CacheAccess, CausalWanModel, TextKV
+from models.dit import CacheAccess, CausalWanModel
 from models.generator import ChunkGenerator
-from models.stream import GeneratorConfig
 from models.latent import BlockPCA, video_frames
 from models.scenes import (
     BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, Clip, Scene, chunks_of_frames, draw, sample_clip, sample_scene,
     vocabulary,
 )
+from models.stream import GeneratorConfig
+from models.teacher_forcing import frame_text, sigmas, teacher_forward
 from models.text import HashTextEncoder
+from models.train_clips import chunk_weights, clip_captions, object_centres, render_clips, roll_frames
 
 STAGES = ("pca", "decoder", "teacher", "rollout", "follow")
 LOSS_WEIGHTS = {"none": 0, "std": 1, "var": 2}  # TrainConfig.loss_weight -> the power of each channel's std
@@ -147,114 +149,6 @@ def parse_overrides(text: str) -> dict:
         if fields.get(key) is None:
             raise ValueError(f"model override {item!r}: {key!r} is not a number or word field of ModelConfig")
         out[key] = fields[key](value)
-    return out
-
-
-# -- the teacher-forcing forward -----------------------------------------------------------------
-
-
-def teacher_layout(num_chunks: int, frames_per_chunk: int) -> tuple[list[int], torch.Tensor]:
-    """RoPE position of each frame of [clean | noisy] and which frames each sees ([2F, 2F] bool)."""
-    nf = num_chunks * frames_per_chunk
-    block = torch.arange(nf) // frames_per_chunk
-    bq, bk = block[:, None], block[None, :]
-    visible = torch.zeros(2 * nf, 2 * nf, dtype=torch.bool)
-    visible[:nf, :nf] = bk <= bq  # clean: block-causal
-    visible[nf:, :nf] = bk < bq  # noisy: the clean chunks before its own
-    visible[nf:, nf:] = bk == bq  # and itself
-    return list(range(nf)) * 2, visible
-
-
-def teacher_forward(model: CausalWanModel, clean: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor, text: TextKV, frames_per_chunk: int) -> torch.Tensor:
-    """The flow of each noisy chunk given the clean chunks before it.
-
-    clean, noisy: [B, C, F, h, w] (F = chunks * frames_per_chunk); t: [B, F] the noisy frames' timesteps;
-    text: per-layer K/V with a row per frame of [clean | noisy] (batch B * 2F). -> v [B, C, F, h, w]."""
-    b, nf = clean.shape[0], clean.shape[2]
-    positions, visible = teacher_layout(nf // frames_per_chunk, frames_per_chunk)
-    access = [CacheAccess(None, 0, visible=visible, positions=positions)] * b
-    x = torch.cat([clean, noisy], dim=2)
-    t = torch.cat([torch.zeros_like(t), t], dim=1)
-    return model.predict_flow(x, t, text, access)[:, :, nf:]
-
-
-def frame_text(model: CausalWanModel, encoder: HashTextEncoder, captions: Sequence[Sequence[str]]) -> TextKV:
-    """Per-layer cross-attention K/V with one row per frame: captions[b][f] is frame f's of clip b."""
-    unique = sorted({c for clip in captions for c in clip})
-    rows = torch.tensor([unique.index(c) for clip in captions for c in clip], device=model.device)
-    return [(k[rows], v[rows]) for k, v in model.project_text(encoder.encode(unique))]
-
-
-def sigmas(gen: GeneratorConfig) -> torch.Tensor:
-    return torch.tensor(gen.sigmas)
-
-
-# -- data ----------------------------------------------------------------------------------------
-
-
-def clip_latent_frames(clip: Clip, frames_per_chunk: int) -> list[int]:
-    return [c * frames_per_chunk + i for c in clip.chunks for i in range(frames_per_chunk)]
-
-
-def render_clips(clips: Sequence[Clip], frames_per_chunk: int, temporal: int, device) -> torch.Tensor:
-    """[B, F, temporal, H, W, 3] uint8: the video frames each latent frame of each clip sums up, drawn
-    in one batch (a clip at a time costs a GPU step more in launches and copies than its training)."""
-    centres, scenes, which = [], [], []
-    for clip in clips:
-        tl = clip.timeline
-        frames = video_frames(clip_latent_frames(clip, frames_per_chunk), temporal)
-        centres.append(tl.centres(frames))
-        which.append(len(scenes) + tl.segments_of_frames(frames))
-        scenes += tl.scenes
-    tl = clips[0].timeline
-    out = draw(np.concatenate(centres), scenes, tl.height, tl.width, device, np.concatenate(which))
-    return out.view(len(clips), -1, temporal, *out.shape[1:])
-
-
-def clip_captions(clip: Clip, frames_per_chunk: int) -> list[str]:
-    """The caption of each frame of [clean | noisy]: the sink chunk's prompt for the clean sink chunk (a
-    recache leaves the sinks' K/V), the clip's last prompt everywhere else (a recache redoes the window)."""
-    sink, last = clip.timeline.caption_at(clip.chunks[0]), clip.timeline.caption_at(clip.chunks[-1])
-    nf = len(clip.chunks) * frames_per_chunk
-    return [sink] * frames_per_chunk + [last] * (2 * nf - frames_per_chunk)
-
-
-def chunk_weights(clip: Clip) -> list[float]:
-    """Which noisy chunks the loss counts: those generated under the clip's last prompt whose context is
-    what a real stream's cache would hold (the chunk right before them, or none at the stream's start)."""
-    tl, chunks = clip.timeline, clip.chunks
-    last = tl.segment_at(chunks[-1])
-    return [
-        float(tl.segment_at(c) == last and (c == 0 or (i > 0 and chunks[i - 1] == c - 1)))
-        for i, c in enumerate(chunks)
-    ]
-
-
-def object_centres(frames: torch.Tensor, threshold: float = 80 / 127.5, min_pixels: int = 20) -> torch.Tensor:
-    """frames [B, H, W, 3] in [-1, 1] -> [B, 2] (x, y) of each frame's object in pixels, wrap-aware (the
-    circular mean of the pixels farther than `threshold` from the border's median colour), NaN where fewer
-    than `min_pixels` are (client/pixels.py reads frames the same way, on the CPU, for the viewers)."""
-    b, h, w, _ = frames.shape
-    border = torch.cat([frames[:, 0], frames[:, -1], frames[:, :, 0], frames[:, :, -1]], dim=1)  # [B, 2(H+W), 3]
-    background = border.median(dim=1).values[:, None, None]
-    mask = ((frames - background).norm(dim=-1) > threshold).float()  # [B, H, W]
-
-    def circular(weights: torch.Tensor, size: int) -> torch.Tensor:  # [B, size] -> [B]
-        angle = 2 * math.pi * (torch.arange(size, device=weights.device) + 0.5) / size
-        mean = torch.atan2((weights * angle.sin()).sum(1), (weights * angle.cos()).sum(1))
-        return torch.remainder(mean, 2 * math.pi) * size / (2 * math.pi)
-
-    centres = torch.stack([circular(mask.sum(1), w), circular(mask.sum(2), h)], dim=1)
-    return torch.where(mask.sum((1, 2))[:, None] >= min_pixels, centres, torch.full_like(centres, math.nan))
-
-
-def roll_frames(frames: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-    """frames [B, ..., H, W, 3] with sample i moved by shifts[i] = (dx, dy) pixels (rounded) on the torus;
-    a NaN shift leaves its sample as it is."""
-    out = frames.clone()
-    for i, (dx, dy) in enumerate(shifts.tolist()):
-        if not math.isnan(dx):
-            out[i] = torch.roll(frames[i], (round(dy), round(dx)), dims=(-3, -2))
     return out
 
 

@@ -10,9 +10,11 @@ import torch
 
 from client import pixels
 from models.latent import BlockPCA, video_frames
-from models import train
+from models import train, train_clips
 from models.scenes import Clip, Scene, Timeline, draw, sample_clip
-from models.train import STAGES, Trainer, TrainConfig, chunk_weights, clip_captions, frame_text, main, object_centres, teacher_forward, teacher_layout
+from models.teacher_forcing import frame_text, teacher_forward, teacher_layout
+from models.train import STAGES, Trainer, TrainConfig, main
+from models.train_clips import chunk_weights, clip_captions, object_centres
 from tests.conftest import tiny_generator
 
 
@@ -222,15 +224,15 @@ def test_the_rollout_target_continues_from_where_the_generated_object_is(tmp_pat
     state = type("S", (), {})()
     state.cache = type("C", (), {"frame_ids": [0, 1, 2, k * fpc - 1, k * fpc - 2]})()
     state.clean = torch.stack([torch.zeros_like(z)] * 3 + [z, torch.zeros_like(z)])
-    frames = train.render_clips([Clip(tl, (k,))], fpc, tu, "cpu")
+    frames = train_clips.render_clips([Clip(tl, (k,))], fpc, tu, "cpu")
     moved = trainer._continue_from(frames, [state], [tl], k)
     # read from the PCA's linear inverse, the object's centre is within a pixel of where it was drawn
     near = [(offset[0] + i, offset[1] + j) for i in (-1, 0, 1) for j in (-1, 0, 1)]
-    assert any(torch.equal(moved, train.roll_frames(frames, torch.tensor([d], dtype=torch.float32))) for d in near)
+    assert any(torch.equal(moved, train_clips.roll_frames(frames, torch.tensor([d], dtype=torch.float32))) for d in near)
     state.clean = torch.zeros_like(state.clean) - 3  # no object in view: the rendered truth as it is
     assert torch.equal(trainer._continue_from(frames, [state], [tl], k), frames)
     shifted = draw(np.array([[40.0, 50.0]]) + np.array([offset]), [a], 128, 128, "cpu")
-    torch.testing.assert_close(train.roll_frames(draw(np.array([[40.0, 50.0]]), [a], 128, 128, "cpu"), torch.tensor([offset], dtype=torch.float32)), shifted)
+    torch.testing.assert_close(train_clips.roll_frames(draw(np.array([[40.0, 50.0]]), [a], 128, 128, "cpu"), torch.tensor([offset], dtype=torch.float32)), shifted)
 
 
 def test_the_teacher_step_under_bf16_autocast_tracks_float32(tmp_path):
@@ -278,9 +280,9 @@ def test_a_batch_of_clips_renders_as_each_timeline_alone():
     rng = np.random.default_rng(4)
     clips = [sample_clip(rng, p_switch=1.0, p_long=p) for p in (0.0, 1.0, 0.0, 1.0)]
     assert any(c.long for c in clips) and all(len(c.timeline.segments) > 1 for c in clips)
-    batch = train.render_clips(clips, 3, 4, "cpu")  # [B, F, 4, H, W, 3]
+    batch = train_clips.render_clips(clips, 3, 4, "cpu")  # [B, F, 4, H, W, 3]
     for clip, frames in zip(clips, batch):
-        alone = clip.timeline.render(video_frames(train.clip_latent_frames(clip, 3)))
+        alone = clip.timeline.render(video_frames(train_clips.clip_latent_frames(clip, 3)))
         assert torch.equal(frames.flatten(0, 1), alone)
 
 
