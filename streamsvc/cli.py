@@ -132,10 +132,12 @@ def cmd_generate(args) -> int:
         print("streamsvc generate: --input runs on one process: drop --parallel", file=sys.stderr)
         return 2
     try:
-        _preflight(args)
+        warning = _preflight(args)
     except ValueError as e:
         print(f"streamsvc generate: {e}", file=sys.stderr)
         return 2
+    if warning:
+        print(f"streamsvc generate: warning: {warning}", file=sys.stderr)
     if args.parallel != 1:
         from streamsvc.offline import generate_parallel
 
@@ -170,18 +172,29 @@ def _weights(args) -> dict:
             "decoder": args.decoder, "taehv": args.taehv, "weights": args.weights}
 
 
-def _preflight(args) -> None:
-    """The user's mistakes that need no model to find (streamsvc/preflight.py): ValueError, one line."""
+def _preflight(args) -> str | None:
+    """The user's mistakes that need no model to find (streamsvc/preflight.py): ValueError, one line. Returns a
+    warning to show (a GPU preset that will run slowly on this CPU), or None."""
     from streamsvc import preflight
+    from streamsvc.offline import default_device
 
+    serve = hasattr(args, "port")
     if getattr(args, "cluster", None) is None:  # a gateway's replicas have the devices, not this process
         preflight.check_device(args.device)
     preflight.check_paths(wan_dir=args.wan_dir, checkpoint=args.checkpoint, taehv=args.taehv, lora=args.lora)
-    if hasattr(args, "port"):  # serve
+    if serve:
         preflight.check_tls(args.tls_cert, args.tls_key)
         preflight.check_port(args.host, args.port)
         if args.metrics_port is not None:
             preflight.check_port(args.host, args.metrics_port)
+    if getattr(args, "cluster", None) is not None or args.parallel != 1:
+        return None  # the memory is each replica's or rank's, on its own device
+    device = default_device(args.device)
+    cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant)
+    batch = (args.max_batch or (1 if device.type == "cuda" else 4)) if serve else 1
+    budget = (int(args.kv_budget_gib * 2**30) if args.kv_budget_gib else 4 * 2**30) if serve else None
+    return preflight.check_memory(args.preset, cfg, device.type, batch=batch, kv_budget_bytes=budget,
+                                  wan_dir=args.wan_dir)
 
 
 def _check_weights(args) -> None:
@@ -301,7 +314,7 @@ def cmd_serve(args) -> int:
         _check_weights(args)
         webrtc = _webrtc_config(args)
         access = _access_config(args)
-        _preflight(args)
+        warning = _preflight(args)
         audience = _audience_config(args)
         front = _front_config(args)
     except (ValueError, OSError) as e:
@@ -310,6 +323,8 @@ def cmd_serve(args) -> int:
     config = ServerConfig(host=args.host, port=args.port, static_dir=str(static) if static.is_dir() else None,
                           webrtc=webrtc, access=access, **audience, **front)
     if args.cluster is not None:  # beyond one GPU: this front as the gateway of Ray Serve engine replicas
+    if warning:
+        logging.getLogger("streamsvc.cli").warning("%s", warning)
         return _serve_cluster(args, config)
     from streamsvc.group import GroupError
 

@@ -8,6 +8,9 @@ after the command's name. What each check catches:
 - `check_port`: a port outside 0..65535, a host that does not resolve, or an address already in use (it
   binds the address once and lets go, as the server will, so a second server on the port is said at once);
 - `check_tls`: a `--tls-cert` or `--tls-key` missing, unreadable, or not a certificate and its key;
+- `check_memory`: a model that would not fit the host's available memory on a CPU (the kernel would kill the
+  server half loaded), or whose one stream's KV cache is over the KV budget, with the figures and what would
+  fit; and a plain warning when a GPU preset will run, slowly, on a CPU;
 - `check_paths`: a `--wan-dir`, `--checkpoint`, `--taehv` or `--lora` that does not exist, each called by its
   flag's name (a Wan folder is a folder, the others may be files or folders).
 """
@@ -16,7 +19,10 @@ from __future__ import annotations
 
 import errno
 import socket
+from dataclasses import replace
 from pathlib import Path
+
+GB = 1e9
 
 
 def check_device(name: str) -> None:
@@ -97,3 +103,57 @@ def check_paths(*, wan_dir: str | None = None, checkpoint: str | None = None, ta
                              ("--lora", lora, "the LoRA file (e.g. LongLive's lora.pt)")):
         if path is not None and not Path(path).exists():
             raise ValueError(f"{flag} {path}: does not exist; give {what} (weights load from a local path only)")
+
+
+def available_memory() -> int | None:
+    """The host's available memory in bytes (Linux's MemAvailable; None where /proc/meminfo is not)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_memory(preset: str, cfg, device_type: str, *, batch: int = 1, kv_budget_bytes: int | None = None,
+                 wan_dir: str | None = None, available: int | None = None) -> str | None:
+    """On a CPU: the model `preset` under `cfg` (models.GeneratorConfig) fits the host's `available` memory
+    (default: what /proc/meminfo says) with one stream, and one stream's KV cache fits `kv_budget_bytes` (serve's
+    pool; None: no pool, as `generate`). Raises ValueError with the figures and what would fit; returns a warning
+    to log when a GPU preset fits but will be slow, else None. A GPU checks its own memory as the model loads."""
+    from models.footprint import estimate
+
+    if device_type != "cpu":
+        return None
+    fp = estimate(preset, cfg, device_type, batch, wan_dir)
+    available = available_memory() if available is None else available
+    need = fp.with_streams(1)
+    parts = (f"the DiT's weights {fp.weights / GB:.1f}, " + (f"the Wan encoders {fp.encoders / GB:.1f}, " if
+                                                            fp.encoders else "")
+             + f"the workspace {fp.workspace / GB:.1f}, activations {fp.activations / GB:.1f} at batch {batch}, "
+             f"one stream's KV cache {fp.stream_kv / GB:.1f} GB")
+    gpu_preset = preset != "tiny"
+    fixes = []
+    if cfg.kv_quant == "none":
+        smaller = estimate(preset, replace(cfg, kv_quant="int2"), device_type, batch, wan_dir)
+        if available is None or smaller.with_streams(1) <= available:
+            fixes.append(f"--kv-quant int2 (about {smaller.with_streams(1) / GB:.1f} GB)")
+    if gpu_preset:
+        fixes += ["--preset tiny (the CPU demo)", "a GPU (--device cuda)"]
+    if available is not None and need > available:
+        meant = f"; {preset} is meant for a GPU" if gpu_preset else ""
+        raise ValueError(f"--preset {preset} on this CPU needs about {need / GB:.1f} GB ({parts}) and the machine has "
+                         f"{available / GB:.1f} GB available{meant}: use " + (", or ".join(fixes) or "a larger "
+                                                                                 "machine"))
+    if kv_budget_bytes is not None and fp.stream_kv > kv_budget_bytes:
+        raise ValueError(f"one stream's KV cache of --preset {preset} is {fp.stream_kv / GB:.1f} GB, over the KV "
+                         f"budget of {kv_budget_bytes / 2**30:g} GiB, so no stream could start: pass --kv-budget-gib "
+                         f"{-(-fp.stream_kv // 2**30)} or more" + (", or --kv-quant int2" if cfg.kv_quant == "none"
+                                                                  else ""))
+    if gpu_preset:
+        return (f"--preset {preset} is meant for a GPU: on this CPU it needs about {need / GB:.1f} GB and a chunk "
+                "takes minutes, not the fraction of a second a stream needs to play live (the CPU demo is --preset "
+                "tiny)")
+    return None

@@ -64,6 +64,46 @@ def test_tls_files_are_named(tmp_path):
         preflight.check_tls(str(tmp_path / "c.pem"), str(tmp_path / "c.pem"))
 
 
+GiB = 2**30
+
+
+def test_memory_a_gpu_preset_over_the_host_is_refused_with_the_figures_and_what_fits():
+    from models.stream import GeneratorConfig
+
+    assert preflight.check_memory("tiny", GeneratorConfig(), "cpu", batch=4, kv_budget_bytes=4 * GiB,
+                                  available=1 * GiB) is None
+    with pytest.raises(ValueError) as err:
+        preflight.check_memory("wan2.1-1.3b", GeneratorConfig(), "cpu", batch=4, kv_budget_bytes=4 * GiB,
+                               available=24 * 10**9)
+    said = str(err.value)
+    assert said.startswith("--preset wan2.1-1.3b on this CPU needs about 26.9 GB (the DiT's weights 5.7, ")
+    assert "24.0 GB available; wan2.1-1.3b is meant for a GPU: use --kv-quant int2 (about 11.9 GB)" in said
+    assert "--preset tiny" in said
+    # int2 fits 24 GB, but its one stream's cache (3.7 GB) is over a 1 GiB pool: no stream could ever start
+    with pytest.raises(ValueError, match="KV cache .* is 3.7 GB, over the KV budget of 1 GiB.*--kv-budget-gib 4"):
+        preflight.check_memory("wan2.1-1.3b", GeneratorConfig(kv_quant="int2"), "cpu", batch=4,
+                               kv_budget_bytes=1 * GiB, available=24 * 10**9)
+    warning = preflight.check_memory("wan2.1-1.3b", GeneratorConfig(kv_quant="int2"), "cpu", batch=4,
+                                     kv_budget_bytes=4 * GiB, available=24 * 10**9)
+    assert warning.startswith("--preset wan2.1-1.3b is meant for a GPU: on this CPU it needs about 11.9 GB")
+    assert preflight.check_memory("wan2.1-1.3b", GeneratorConfig(), "cuda", available=1) is None  # the GPU's own
+
+
+def test_memory_the_footprint_counts_the_workspace_and_the_stream_exactly():
+    from kvcache import CacheSpec
+    from models.config import ModelConfig
+    from models.footprint import dit_parameters, estimate
+    from models.stream import GeneratorConfig
+    from dataclasses import replace
+
+    fp = estimate("wan2.1-1.3b", GeneratorConfig(), "cpu", batch=4)
+    mc = ModelConfig.from_name("wan2.1-1.3b")
+    spec: CacheSpec = mc.cache_spec(sink_frames=3, window_frames=9, dtype="float32", quant="none")
+    assert fp.stream_kv == spec.stream_bytes() and fp.workspace == replace(spec, staging_frames=3).stream_bytes()
+    assert fp.weights == 4 * dit_parameters(mc) and 1.3e9 < dit_parameters(mc) < 1.5e9
+    assert estimate("wan2.1-1.3b", GeneratorConfig(), "cuda").weights == fp.weights // 2  # bf16 on a GPU
+
+
 def _cli(*argv: str) -> tuple[int, list[str], float]:
     """Run `streamsvc ARGV` (bounded at 120 s): its exit code, its stderr's lines, its wall time."""
     t0 = time.monotonic()
@@ -77,6 +117,7 @@ CASES = [
     (("serve", "--wan-dir", "/nonexistent"), "streamsvc serve: --wan-dir /nonexistent: does not exist"),
     (("serve", "--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"),
      "streamsvc serve: --tls-cert /nonexistent.pem: cannot be read"),
+    (("serve", "--preset", "wan2.1-1.3b", "--kv-quant", "int2", "--kv-budget-gib", "0.5"), "streamsvc serve: "),
     (("serve", "--checkpoint", "/nonexistent.pt"), "streamsvc serve: --checkpoint /nonexistent.pt: does not exist"),
     (("generate", "--prompt", "a red ball", "--wan-dir", "/nonexistent"),
      "streamsvc generate: --wan-dir /nonexistent: does not exist"),
