@@ -200,7 +200,7 @@ def _preflight(args) -> str | None:
 def _check_weights(args) -> None:
     """Read the model file the flags name, if any, before anything starts: a missing or foreign file is a
     one-line error (CheckpointError, a ValueError), not a traceback from the engine thread."""
-    from models.weights import read_model_file, resolve_weights
+    from models.model_file import read_model_file, resolve_weights
 
     path = resolve_weights(args.weights, args.preset, args.checkpoint, args.wan_dir)
     if path is not None:
@@ -311,20 +311,20 @@ def cmd_serve(args) -> int:
     sys.setswitchinterval(5e-4)
     static = Path(__file__).resolve().parents[1] / "client" / "static"
     try:
+        warning = _preflight(args)
         _check_weights(args)
         webrtc = _webrtc_config(args)
         access = _access_config(args)
-        warning = _preflight(args)
         audience = _audience_config(args)
         front = _front_config(args)
     except (ValueError, OSError) as e:
         print(f"streamsvc serve: {e}", file=sys.stderr)
         return 2
+    if warning:
+        logging.getLogger("streamsvc.cli").warning("%s", warning)
     config = ServerConfig(host=args.host, port=args.port, static_dir=str(static) if static.is_dir() else None,
                           webrtc=webrtc, access=access, **audience, **front)
     if args.cluster is not None:  # beyond one GPU: this front as the gateway of Ray Serve engine replicas
-    if warning:
-        logging.getLogger("streamsvc.cli").warning("%s", warning)
         return _serve_cluster(args, config)
     from streamsvc.group import GroupError
 
