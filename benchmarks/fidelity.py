@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     base = build_generator(args.preset, device=device, dtype=dtype, cfg=base_cfg, checkpoint=args.checkpoint,
                            weights=None if args.checkpoint else args.weights)
     if args.compile:
-        from models.dit import compile_helpers
+        from models.dit_ops import compile_helpers
 
         compile_helpers()
     log(f"model built in {time.time() - t0:.1f} s")

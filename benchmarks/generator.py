@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_figures(gen, device, time.time() - t0)
     log(f"model built in {loaded['load_s']:.1f} s: {loaded}")
     if args.compile:
-        from models.dit import compile_helpers
+        from models.dit_ops import compile_helpers
 
         compile_helpers()
     runs = []

@@ -187,7 +187,7 @@ def build(args):
     cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames)
     gen = build_generator(args.preset, device=args.device, seed=args.seed, cfg=cfg)
     if getattr(args, "compile", False):
-        from models.dit import compile_helpers
+        from models.dit_ops import compile_helpers
 
         compile_helpers()
     print(f"built {args.preset} on {gen.device} ({gen.model.dtype}) in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -225,7 +225,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.inference_mode()
 def error_part(gen, specs: dict, args) -> dict:
-    from models.dit import apply_rope, norm_rope
+    from models.dit_ops import apply_rope, norm_rope
 
     model, dev = gen.model, gen.device
     dense = specs["bf16"]

@@ -63,7 +63,8 @@ from benchmarks.generator import Timer, fill_cache, forward_ms  # noqa: E402
 from models import PRESETS, ChunkGenerator, GeneratorConfig, fidelity  # noqa: E402
 from models import flash, fp8, triton_ops  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
-from models.dit import KERNELS, CausalWanModel, Rope, attention_backends, feed_forward, sinusoidal_embedding  # noqa: E402
+from models.dit import CausalWanModel, attention_backends, feed_forward, sinusoidal_embedding  # noqa: E402
+from models.dit_ops import KERNELS, Rope  # noqa: E402
 from streamsvc.scheduling import (  # noqa: E402  (pure: no asyncio, no torch)
     AdmissionControl, CostEstimates, SchedulerConfig, Stage, StreamLoad, StreamRequest, WorkKind,
 )
@@ -520,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     compiled = args.compile if args.compile is not None else device.type == "cuda"
     if compiled:  # before any graph is captured: graphs keep the kernels they were captured with
-        from models.dit import compile_helpers
+        from models.dit_ops import compile_helpers
 
         compile_helpers()
     commit = args.commit or git_commit()

@@ -76,7 +76,7 @@ def main() -> None:
     run = lambda: gen.model(x, t, state.text, [CacheAccess(state.cache, state.cache.num_frames)])  # noqa: E731
     rel = None
     if args.compile:  # before any graph is captured: graphs keep the kernels they were captured with
-        from models.dit import compile_helpers
+        from models.dit_ops import compile_helpers
 
         ref = run()
         compile_helpers()

@@ -65,7 +65,7 @@ def build_generator(
     auto (wan-vae with `wan_dir`, else tiny). The DiT is made in `dtype` on `device` and filled there,
     never whole in fp32 on the host (a 14B's would be 57 GB). `dit_only`: no umT5 and no decoder are loaded
     (a group's worker rank, models/parallel.py): the hashing encoder and `NoDecoder` stand in."""
-    from models.dit import Rope
+    from models.dit_ops import Rope
     from models.model_file import resolve_weights
     from models.weights import dit_configs, infer_config, load_state_dict, merge_lora, read_state_dict
 
@@ -122,7 +122,7 @@ def _from_model_file(
 ) -> ChunkGenerator:
     """A generator from a whole model file: the DiT built to the file's own config (the preset's shapes as
     trained, maybe grown), its decoder, and the text encoder with its caption words' stored vectors."""
-    from models.dit import Rope
+    from models.dit_ops import Rope
     from models.text import VocabTextEncoder
     from models.model_file import read_model_file
     from models.weights import CheckpointError, load_state_dict

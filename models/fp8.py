@@ -36,7 +36,7 @@ def gelu_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Ops:
-    """The elementwise quantizers; `compile()` (from models.dit.compile_helpers) fuses each into one kernel."""
+    """The elementwise quantizers; `compile()` (from models.dit_ops.compile_helpers) fuses each into one kernel."""
 
     quantize_rows = staticmethod(quantize_rows)
     gelu_quantize_rows = staticmethod(gelu_quantize_rows)

@@ -41,7 +41,8 @@ from kvcache import CacheSpec
 from models.config import ModelConfig
 from models.decoder import NoDecoder, StreamingDecoder
 from models.encoder import StreamingEncoder
-from models.dit import KERNELS, AttentionKV, CacheAccess, CausalWanModel, SelfAttention, TextKV
+from models.dit import AttentionKV, CacheAccess, CausalWanModel, SelfAttention, TextKV
+from models.dit_ops import KERNELS
 from models.build import build_generator
 from models.generator import ChunkGenerator
 from models.stream import GeneratorConfig

@@ -1,5 +1,5 @@
 """Fused Triton kernels for the DiT's memory-bound steps, with the same signatures as the torch
-references in models/dit.py (which CPU runs and the tests use as ground truth).
+references in models/dit_ops.py (which CPU runs and the tests use as ground truth).
 
 - `residual_norm` / `residual_adaln`: add a (gated) residual branch to the float32 stream h in
   place and write the next LayerNorm of it (affine, or adaLN-modulated) in the model dtype:

@@ -281,7 +281,7 @@ class Engine:
         self.decoder_bytes = gen.decoder_state_bytes()  # counted with each stream's KV cache
         log_attention(device)
         if cfg.compile if cfg.compile is not None else device.type == "cuda":
-            from models.dit import compile_helpers
+            from models.dit_ops import compile_helpers
 
             compile_helpers()
         budget = cfg.kv_budget_bytes

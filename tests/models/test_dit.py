@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from models import ModelConfig
-from models.dit import Rope, apply_rope, sinusoidal_embedding
+from models.dit import sinusoidal_embedding
+from models.dit_ops import Rope, apply_rope
 
 
 def test_rope_matches_wan_complex_rotation():

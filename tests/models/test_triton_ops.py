@@ -1,4 +1,4 @@
-"""The fused Triton kernels (models/triton_ops.py) against the torch references in models/dit.py.
+"""The fused Triton kernels (models/triton_ops.py) against the torch references in models/dit_ops.py.
 
 On CUDA they run compiled; on CPU a child process runs them in Triton's interpreter."""
 
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from models import dit
+from models import dit_ops
 from tests.conftest import run_interpreted
 
 HAS_CUDA = torch.cuda.is_available()
@@ -61,10 +61,10 @@ def test_residual_norm_matches_reference(kind, dtype):
     gate = None if kind == "modulated_ungated" else mod[2]
     if kind == "affine":
         w, bias = rnd(dim).to(dtype), rnd(dim).to(dtype)
-        want_h, want = dit.residual_norm(h.clone(), y, gate, w, bias, 1e-6, dtype)
+        want_h, want = dit_ops.residual_norm(h.clone(), y, gate, w, bias, 1e-6, dtype)
         got_h, got = triton_ops.residual_norm(h.clone(), y, gate, w, bias, 1e-6, dtype)
     else:
-        want_h, want = dit.residual_adaln(h.clone(), y, gate, mod[0], mod[1], 1e-6, dtype)
+        want_h, want = dit_ops.residual_adaln(h.clone(), y, gate, mod[0], mod[1], 1e-6, dtype)
         got_h, got = triton_ops.residual_adaln(h.clone(), y, gate, mod[0], mod[1], 1e-6, dtype)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got_h.cpu(), want_h.cpu(), rtol=1e-6, atol=1e-6)
@@ -90,7 +90,7 @@ def test_norm_rope_and_key_buffer_matches_reference(dtype):
     # the key buffer [cached | this forward's] as AttentionKV fills it, and the queries
     got, want = (torch.full((3 * rows, nh, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2))
     got_n, want_n, got_q, want_q = (torch.empty(rows, nh, d, dtype=dtype, device=DEVICE) for _ in range(4))
-    for ops, buf, normed, qbuf in ((triton_ops, got, got_n, got_q), (dit.KERNELS, want, want_n, want_q)):
+    for ops, buf, normed, qbuf in ((triton_ops, got, got_n, got_q), (dit_ops.KERNELS, want, want_n, want_q)):
         ops.rope_into(kc, c_cos, c_sin, buf[: 2 * rows])
         ops.norm_rope_into(k, w, 1e-6, q_cos, q_sin, buf[2 * rows :], normed)
         ops.norm_rope_into(q, w, 1e-6, q_cos, q_sin, qbuf)
@@ -98,7 +98,7 @@ def test_norm_rope_and_key_buffer_matches_reference(dtype):
     close(got, want, dtype)
     close(got_n, want_n, dtype)
     close(got_q, want_q, dtype)
-    close(want_q, dit.norm_rope(q, w, 1e-6, q_cos, q_sin), dtype)  # the into-form is the pure reference
+    close(want_q, dit_ops.norm_rope(q, w, 1e-6, q_cos, q_sin), dtype)  # the into-form is the pure reference
 
 
 @needs_kernels
