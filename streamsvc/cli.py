@@ -147,6 +147,13 @@ def cmd_generate(args) -> int:
     except (ValueError, OSError) as e:  # bad weight files or flags (CheckpointError is a ValueError)
         print(f"streamsvc generate: {e}", file=sys.stderr)
         return 2
+    for prompt in [args.prompt, *(c.prompt for c in changes)]:
+        unknown = gen.text_encoder.unknown_words(prompt)
+        if unknown:  # as the player warns: the built-in model draws words it was never taught as noise
+            print(f"streamsvc generate: warning: the model does not know {', '.join(repr(w) for w in unknown)} in "
+                  f"{prompt!r} and draws them as noise; it knows: "
+                  f"{', '.join(w for w in gen.text_encoder.vocabulary or [] if w.isalpha())}",
+                  file=sys.stderr)
     from streamsvc.offline_input import open_input
 
     try:

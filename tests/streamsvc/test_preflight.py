@@ -147,3 +147,15 @@ def test_cli_port_in_use_is_said_before_the_model_loads():
     assert code == 2, lines
     assert len(lines) == 1 and f"port {port} on 127.0.0.1 is already in use" in lines[0] and "--port" in lines[0]
     assert not any("model ready" in line for line in lines)
+
+
+def test_generate_warns_of_words_the_built_in_model_does_not_know(tmp_path, capsys):
+    from streamsvc.cli import main
+
+    args = ["generate", "--seconds", "0.5", "--quiet", "--device", "cpu", "-o", str(tmp_path / "x.mp4")]
+    assert main(args + ["--prompt", "a cat playing piano", "--prompt-at", "0.25:a red ball"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the model does not know 'cat', 'playing', 'piano' in 'a cat playing piano'" in err
+    assert "it knows: a, against, background, ball" in err and "'a red ball'" not in err
+    assert main(args + ["--prompt", "a red ball moving right"]) == 0
+    assert "does not know" not in capsys.readouterr().err
