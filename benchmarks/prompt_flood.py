@@ -24,7 +24,7 @@ import json
 import sys
 import time
 
-from client import loadtest
+from client import loadtest, loadtest_report
 from client.ws_client import ClientConfig, StreamClient
 from streamsvc import protocol as P
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
             server.cleanup()
     report, flooder = out["report"], out["flooder"]
-    print(loadtest.format_table(report))
+    print(loadtest_report.format_table(report))
     result = {
         "streams": args.streams, "admitted": report["admitted"], "duration_s": args.duration,
         "prompt_every_s": args.prompt_every, "flood_rate": args.flood_rate,

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from client import loadtest
+from client import loadtest, loadtest_prompts, loadtest_report
 from client.ws_client import ClientConfig, ClientState, StreamClient
 from streamsvc import protocol as P
 from tests.client.test_e2e_ws import running, url
@@ -110,7 +110,7 @@ async def test_run_viewers_with_watchers_reports_them_apart():
         report = await asyncio.wait_for(loadtest.run_viewers(
             args(server, streams=2, watchers_per_stream=3, duration=4.0, prompt_every=1.5), url(server), None), 60)
     assert report["streams"] == 2 and report["admitted"] == 2 and report["ttff_s"]["n"] == 2  # the steerers'
-    sent = sum(len(loadtest.prompt_schedule(i, 2, 1.5, 4.0)) for i in range(2))
+    sent = sum(len(loadtest_prompts.prompt_schedule(i, 2, 1.5, 4.0)) for i in range(2))
     assert sent > 0 and report["control_latency_s"]["sent"] == sent  # the steerers' prompts only
     w = report["watchers"]
     assert (w["count"], w["per_stream"], w["admitted"], w["refused"]["count"], w["not_started"], w["failed"]) == \
@@ -121,7 +121,7 @@ async def test_run_viewers_with_watchers_reports_them_apart():
     assert len(w["per_viewer"]) == 6 and all(v["chunks"] > 0 and v["ttff_s"] > 0 for v in w["per_viewer"])
     assert {v["stream_id"] for v in w["per_viewer"]} == {s["stream_id"] for s in report["per_stream"]}
     assert w["frames"]["played"] > 0 and w["delivered_fps"]["min"] > 0
-    text = loadtest.format_table(report)
+    text = loadtest_report.format_table(report)
     assert "watchers' TTFF from join p50 / p95 / max" in text and "6 (3 a stream: 6 admitted" in text
 
 

@@ -124,20 +124,20 @@ async def test_a_model_that_reads_any_text_sends_no_vocabulary_and_no_unknown_wo
 async def test_the_load_test_learns_the_servers_vocabulary_from_one_short_stream():
     """The load test's probe: the built-in model's caption words, None for random weights (free text), and a refused
     probe is no vocabulary; each probe stream is closed before the viewers come."""
-    from client import loadtest
+    from client import loadtest_prompts
     from models.scenes import vocabulary
 
     async with running(engine_config(weights="builtin")) as server:
-        assert await asyncio.wait_for(loadtest.probe_vocabulary(url(server), None, T), 2 * T) == (True, vocabulary())
+        assert await asyncio.wait_for(loadtest_prompts.probe_vocabulary(url(server), None, T), 2 * T) == (True, vocabulary())
         assert await wait_for_server(lambda: not server.sessions)
     full = Server(engine_config(), ServerConfig(port=0, max_streams=0))  # every stream refused
     await asyncio.wait_for(full.start(), 60)
     try:
-        assert await asyncio.wait_for(loadtest.probe_vocabulary(url(full), None, T), 2 * T) == (False, None)
+        assert await asyncio.wait_for(loadtest_prompts.probe_vocabulary(url(full), None, T), 2 * T) == (False, None)
     finally:
         await asyncio.wait_for(full.stop(), 30)
     async with running() as server:
-        assert await asyncio.wait_for(loadtest.probe_vocabulary(url(server), None, T), 2 * T) == (True, None)
+        assert await asyncio.wait_for(loadtest_prompts.probe_vocabulary(url(server), None, T), 2 * T) == (True, None)
         assert not server.sessions
 
 

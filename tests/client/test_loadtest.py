@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from client import loadtest
+from client import loadtest, loadtest_host, loadtest_prompts, loadtest_report
 from client.playback import PlaybackStats
 from client.ws_client import StreamResult
 
@@ -34,12 +34,12 @@ def result(pb: PlaybackStats | None = None, refused: str | None = None, errors=(
 
 
 def test_percentile_interpolates_between_closest_ranks():
-    assert loadtest.percentile([], 50) is None
-    assert loadtest.percentile([3.0], 95) == 3.0
-    assert loadtest.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
-    assert loadtest.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 75) == 4.0
-    assert loadtest.percentile([0.0, 10.0], 95) == 9.5
-    assert loadtest.percentile([5.0, 1.0, 3.0], 0) == 1.0
+    assert loadtest_report.percentile([], 50) is None
+    assert loadtest_report.percentile([3.0], 95) == 3.0
+    assert loadtest_report.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert loadtest_report.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 75) == 4.0
+    assert loadtest_report.percentile([0.0, 10.0], 95) == 9.5
+    assert loadtest_report.percentile([5.0, 1.0, 3.0], 0) == 1.0
 
 
 def test_summary_counts_admitted_refused_stalls_and_latencies():
@@ -51,7 +51,7 @@ def test_summary_counts_admitted_refused_stalls_and_latencies():
         result(refused="compute: busy", errors=["refused: compute: busy"]),
         result(None, errors=["connect: OSError: refused"], admitted=False),
     ]
-    r = loadtest.summarize(results, duration_s=10.0)
+    r = loadtest_report.summarize(results, duration_s=10.0)
     assert r["streams"] == 5 and r["admitted"] == 2
     assert r["refused"] == {"count": 2, "reasons": {"compute: busy": 2}}
     assert r["chunk_s"] == 0.75 and r["fps"] == 16
@@ -66,8 +66,8 @@ def test_summary_counts_admitted_refused_stalls_and_latencies():
     assert r["errors"] == {"count": 1, "messages": {"connect: OSError: refused": 1}}  # refusals are not errors
     assert len(r["per_stream"]) == 2
     json.dumps(r)  # the report is plain JSON
-    assert "16 admitted" not in loadtest.format_table(r) and "2 admitted" in loadtest.format_table(r)
-    assert re.search(r"degraded chunks \(fewer steps, cheaper encode\) +3 of 28\n", loadtest.format_table(r))
+    assert "16 admitted" not in loadtest_report.format_table(r) and "2 admitted" in loadtest_report.format_table(r)
+    assert re.search(r"degraded chunks \(fewer steps, cheaper encode\) +3 of 28\n", loadtest_report.format_table(r))
 
 
 def test_watchers_are_summarized_apart_and_the_top_level_stays_the_steerers():
@@ -81,7 +81,7 @@ def test_watchers_are_summarized_apart_and_the_top_level_stays_the_steerers():
         result(refused="stream s0 has 2 watchers, its limit", errors=["refused: stream s0 has 2 watchers, its limit"]),
         result(None, admitted=False, errors=["connect: OSError: refused"]),
     ]
-    r = loadtest.summarize(steerers, duration_s=10.0, watchers=watchers, watchers_per_stream=3,
+    r = loadtest_report.summarize(steerers, duration_s=10.0, watchers=watchers, watchers_per_stream=3,
                            watchers_not_started=3)
     assert (r["streams"], r["admitted"], r["ttff_s"]["n"], r["stalls"]["count"]) == (2, 1, 1, 0)  # the steerers'
     assert r["control_latency_s"]["sent"] == 1 and len(r["per_stream"]) == 1
@@ -97,12 +97,12 @@ def test_watchers_are_summarized_apart_and_the_top_level_stays_the_steerers():
     assert [(v["viewer_id"], v["stalls"], v["stall_events"]) for v in wt["per_viewer"]] == \
         [("v1", 0, []), ("v1", 1, [[4.0, 0.5]])]
     json.dumps(r)
-    text = loadtest.format_table(r)
+    text = loadtest_report.format_table(r)
     assert "watchers  " in text and "7 (3 a stream: 2 admitted, 1 refused, 3 not started (stream refused), 1 failed)" in text
     assert re.search(r"watchers' TTFF from join p50 / p95 / max +0.750 / 0.975 / 1.000 s\n", text)
     assert re.search(r"watchers' stalls +1 \(0.500 s, ratio 0.02500, 1 watchers\)\n", text)
     assert "watcher error x1: connect: OSError: refused" in text
-    assert "watchers" not in loadtest.summarize(steerers, duration_s=10.0)  # none asked for: no section
+    assert "watchers" not in loadtest_report.summarize(steerers, duration_s=10.0)  # none asked for: no section
 
 
 def test_server_figures_are_the_deltas_over_the_run_and_the_peak_scrape_counts_streams_and_watchers():
@@ -120,19 +120,19 @@ def test_server_figures_are_the_deltas_over_the_run_and_the_peak_scrape_counts_s
 
 
 def test_an_empty_run_summarizes_without_dividing_by_zero():
-    r = loadtest.summarize([result(refused="full")], duration_s=5.0)
+    r = loadtest_report.summarize([result(refused="full")], duration_s=5.0)
     assert r["admitted"] == 0 and r["ttff_s"]["p95"] is None and r["stalls"]["ratio"] == 0.0
     assert r["delivered_fps"] == {"mean": None, "min": None} and r["chunk_s"] is None
-    loadtest.format_table(r)
+    loadtest_report.format_table(r)
 
 
 def test_prompt_changes_are_spread_over_viewers_and_stop_before_the_end():
-    a = loadtest.prompt_schedule(0, 4, 5.0, 30.0)
-    b = loadtest.prompt_schedule(3, 4, 5.0, 30.0)
+    a = loadtest_prompts.prompt_schedule(0, 4, 5.0, 30.0)
+    b = loadtest_prompts.prompt_schedule(3, 4, 5.0, 30.0)
     assert [t for t, _ in a] == [5.0, 10.0, 15.0, 20.0, 25.0]
     assert [t for t, _ in b] == [8.75, 13.75, 18.75, 23.75]  # 28.75 is inside the 2 s quiet tail
     assert len({p for _, p in a}) == len(a) and a[0][1] != b[0][1]
-    assert loadtest.prompt_schedule(0, 4, 0.0, 30.0) == []
+    assert loadtest_prompts.prompt_schedule(0, 4, 0.0, 30.0) == []
 
 
 def test_the_prompts_follow_the_servers_model():
@@ -143,12 +143,12 @@ def test_the_prompts_follow_the_servers_model():
 
     for words in (vocabulary(), ["a", "red", "blue", "ball", "rising", "falling"], ["red", "cube", "spinning"]):
         for i in range(16):
-            prompts = [loadtest.viewer_prompt(i, 0, vocabulary=words)]
-            prompts += [p for _, p in loadtest.prompt_schedule(i, 16, 5.0, 30.0, vocabulary=words)]
+            prompts = [loadtest_prompts.viewer_prompt(i, 0, vocabulary=words)]
+            prompts += [p for _, p in loadtest_prompts.prompt_schedule(i, 16, 5.0, 30.0, vocabulary=words)]
             assert len(prompts) >= 5 and all(set(p.split()) <= set(words) for p in prompts), (words, prompts)
-    assert loadtest.viewer_prompt(0, 0, vocabulary=vocabulary()) == "a red ball moving right"
-    assert loadtest.viewer_prompt(1, 1, vocabulary=["a", "red", "blue", "ball", "rising"]) == "a red ball rising"
-    free = [loadtest.viewer_prompt(0, 0)] + [p for _, p in loadtest.prompt_schedule(0, 16, 5.0, 30.0)]
+    assert loadtest_prompts.viewer_prompt(0, 0, vocabulary=vocabulary()) == "a red ball moving right"
+    assert loadtest_prompts.viewer_prompt(1, 1, vocabulary=["a", "red", "blue", "ball", "rising"]) == "a red ball rising"
+    free = [loadtest_prompts.viewer_prompt(0, 0)] + [p for _, p in loadtest_prompts.prompt_schedule(0, 16, 5.0, 30.0)]
     assert free[0] == "a red fox running through snow (viewer 0)"
     assert free[2] == "a red fox running through snow, in watercolour (viewer 0, change 2)"
 
@@ -196,23 +196,23 @@ def test_a_server_that_cannot_start_is_a_clear_error(capsys):
 def test_steal_is_the_share_of_cpu_time_the_hypervisor_took():
     before = [100, 0, 50, 800, 0, 0, 0, 50, 0, 0]
     after = [200, 0, 100, 900, 0, 0, 0, 150, 7, 0]  # +100 user, +50 system, +100 idle, +100 steal
-    assert loadtest.steal_fraction(before, after) == 100 / 350
-    assert loadtest.steal_fraction(None, after) is None and loadtest.steal_fraction(before, before) is None
-    ticks = loadtest.cpu_ticks()
+    assert loadtest_host.steal_fraction(before, after) == 100 / 350
+    assert loadtest_host.steal_fraction(None, after) is None and loadtest_host.steal_fraction(before, before) is None
+    ticks = loadtest_host.cpu_ticks()
     assert ticks is None or (len(ticks) >= 8 and all(t >= 0 for t in ticks))
 
 
 def test_stalls_that_overlap_a_pause_of_the_viewers_own_loop_are_counted_apart():
     # connected at 100 s: a stall ending 5 s in after 0.2 s (104.8-105.0), one ending 9 s in after 0.1 s
     r = result(playback(stalls=2, stall_s=0.3), stall_events=((5.0, 0.2), (9.0, 0.1)))
-    assert loadtest.own_stalls([r], [(104.9, 0.3)]) == 1  # the loop paused 104.9-105.2
-    assert loadtest.own_stalls([r], [(105.0, 0.3), (108.0, 0.5)]) == 0  # touching or before is not overlapping
-    assert loadtest.own_stalls([r], [(104.0, 5.0)]) == 2
-    assert loadtest.own_stalls([result(None, admitted=False, connected_at=None)], [(0.0, 1e9)]) == 0
+    assert loadtest_host.own_stalls([r], [(104.9, 0.3)]) == 1  # the loop paused 104.9-105.2
+    assert loadtest_host.own_stalls([r], [(105.0, 0.3), (108.0, 0.5)]) == 0  # touching or before is not overlapping
+    assert loadtest_host.own_stalls([r], [(104.0, 5.0)]) == 2
+    assert loadtest_host.own_stalls([result(None, admitted=False, connected_at=None)], [(0.0, 1e9)]) == 0
 
 
 async def test_loop_pauses_records_a_blocked_loop():
-    pauses = loadtest.LoopPauses(period_s=0.01, min_pause_s=0.05)
+    pauses = loadtest_host.LoopPauses(period_s=0.01, min_pause_s=0.05)
     task = asyncio.create_task(pauses.run(time.monotonic() + 2.0))
     await asyncio.sleep(0.05)
     time.sleep(0.2)  # block the loop
@@ -220,7 +220,7 @@ async def test_loop_pauses_records_a_blocked_loop():
     task.cancel()
     assert len(pauses.pauses) == 1 and 0.15 <= pauses.pauses[0][1] < 1.0 and pauses.max_s >= 0.15
     assert pauses.busy == [0.0] or pauses.busy[0] < 0.1  # time.sleep blocks without working: not the loop's own
-    spin = loadtest.LoopPauses(period_s=0.01, min_pause_s=0.05)
+    spin = loadtest_host.LoopPauses(period_s=0.01, min_pause_s=0.05)
     task = asyncio.create_task(spin.run(time.monotonic() + 2.0))
     await asyncio.sleep(0.05)
     t = time.monotonic()
@@ -266,10 +266,10 @@ def test_watchers_are_reported_apart_and_the_top_level_stays_the_steerers():
         result(refused="stream s2 has 1 watchers, its limit (--max-watchers)", watched="s2",
                errors=["refused: stream s2 has 1 watchers, its limit (--max-watchers)"]),
     ]
-    r = loadtest.summarize(steerers, duration_s=10.0, watchers=watchers, watchers_per_stream=2,
+    r = loadtest_report.summarize(steerers, duration_s=10.0, watchers=watchers, watchers_per_stream=2,
                            watchers_not_started=2)
     # the top level is the steerers' alone, as without watchers
-    alone = loadtest.summarize(steerers, duration_s=10.0)
+    alone = loadtest_report.summarize(steerers, duration_s=10.0)
     assert {k: v for k, v in r.items() if k != "watchers"} == alone and "watchers" not in alone
     w = r["watchers"]
     assert (w["per_stream"], w["count"], w["admitted"], w["not_started"], w["failed"]) == (2, 6, 3, 2, 0)
@@ -283,7 +283,7 @@ def test_watchers_are_reported_apart_and_the_top_level_stays_the_steerers():
     assert [v["viewer_id"] for v in w["per_viewer"]] == ["v1", "v2", "v4"]
     assert [v["stream_id"] for v in w["per_viewer"]] == ["s0", "s0", "s2"]
     json.dumps(r)
-    table = loadtest.format_table(r)
+    table = loadtest_report.format_table(r)
     assert "6 (2 a stream: 3 admitted, 1 refused, 2 not started (stream refused), 0 failed)" in table
     assert re.search(r"watchers' TTFF from join p50 / p95 / max +1\.000 / 1\.450 / 1\.500 s\n", table)
     assert re.search(r"watchers' stalls +1 \(0\.200 s, ratio 0\.00667, 1 watchers\)\n", table)
@@ -291,13 +291,13 @@ def test_watchers_are_reported_apart_and_the_top_level_stays_the_steerers():
 
 
 def test_watchers_that_saw_nothing_summarize_without_dividing_by_zero():
-    r = loadtest.summarize([result(refused="full")], duration_s=5.0, watchers=[], watchers_per_stream=4,
+    r = loadtest_report.summarize([result(refused="full")], duration_s=5.0, watchers=[], watchers_per_stream=4,
                            watchers_not_started=4)
     w = r["watchers"]
     assert (w["count"], w["admitted"], w["not_started"]) == (4, 0, 4)
     assert w["ttff_s"]["p50"] is None and w["stalls"]["ratio"] == 0.0 and w["delivered_fps"]["mean"] is None
     assert w["audience_max"] == {"min": None, "max": None}
-    assert re.search(r"watchers' TTFF from join p50 / p95 / max +- / - / - s\n", loadtest.format_table(r))
+    assert re.search(r"watchers' TTFF from join p50 / p95 / max +- / - / - s\n", loadtest_report.format_table(r))
 
 
 def test_watchers_per_stream_is_an_option_and_negative_is_refused(capsys):

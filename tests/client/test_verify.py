@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client import loadtest, pixels
+from client import loadtest_prompts, loadtest_report, pixels
 from client.playback import PlaybackBuffer
 from client.verify import PixelLatency, frame_colour, prompt_colour
 from models import scenes
@@ -124,20 +124,20 @@ def test_frames_convert_only_when_read():
 
 def test_load_test_captions_ask_for_a_new_colour_each_time():
     for i in range(16):
-        sched = loadtest.prompt_schedule(i, 16, 5.0, 30.0, captions=True)
-        prompts = [loadtest.caption(i, 0)] + [p for _, p in sched]
+        sched = loadtest_prompts.prompt_schedule(i, 16, 5.0, 30.0, captions=True)
+        prompts = [loadtest_prompts.caption(i, 0)] + [p for _, p in sched]
         colours = [prompt_colour(p) for p in prompts]
         assert None not in colours and all(a != b for a, b in zip(colours, colours[1:]))
         for p in prompts:  # every word is a caption word of the built-in model
             assert set(p.split()) <= set(scenes.vocabulary()), p
-    assert loadtest.caption(0, 0) == "a red ball moving right"
+    assert loadtest_prompts.caption(0, 0) == "a red ball moving right"
 
 
 def test_a_pixel_summary_reports_percentiles_and_misses():
     from client.verify import PixelStats
 
     stats = [PixelStats((0.5, 1.0), 0, 1, 0, 40, 0.01), PixelStats((1.5,), 2, 0, 1, 20, 0.005)]
-    s = loadtest.pixel_summary(stats)
+    s = loadtest_report.pixel_summary(stats)
     assert (s["n"], s["p50"], s["max"], s["unmatched"], s["superseded"], s["no_colour"]) == (3, 1.0, 1.5, 2, 1, 1)
     assert s["frames_read"] == 60 and s["read_ms_per_frame"] == 0.25
-    assert loadtest.pixel_summary([]) is None
+    assert loadtest_report.pixel_summary([]) is None
