@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 from multidict import CIMultiDict
 
+from streamsvc import library_logs
 from streamsvc import protocol as P
 from streamsvc.engine import EngineConfig
 from streamsvc.front import ConnectionClosed
@@ -144,6 +145,7 @@ class EngineReplica:
         from ray import serve
 
         self.config = config
+        library_logs.install()  # as `streamsvc serve` does: the libraries' lines gated as ours are
         # the engine thread and this loop share the GIL: as `streamsvc serve` does, hand it over sooner
         sys.setswitchinterval(5e-4)
         self.uid = serve.get_replica_context().replica_id.unique_id
