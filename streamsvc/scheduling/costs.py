@@ -133,10 +133,15 @@ class CostEstimates:
         return steps * self.forward.estimate(WorkKind.DENOISE, batch) + self.forward.estimate(WorkKind.COMMIT, batch)
 
     def stream_chunk_s(self, streams: int, req: StreamRequest | None = None) -> float:
-        """One stream's share of a chunk's forwards when `streams` streams batch up to max_batch together; `req`'s
-        chunks, whose input (if any) makes them start at a later step, with fewer forwards."""
+        """One stream's share of a chunk's forwards when `streams` streams batch up to max_batch together. A
+        stream with input (`req`) is charged the larger of its chunks' costs with input (from its start step on)
+        and without (all the steps: a chunk whose input is missing runs as text-to-video, and any stream's camera
+        may go off; issue 41): the full count."""
         batch = max(1, min(streams, self.config.max_batch))
-        return self.chunk_s(batch, steps=None if req is None else input_steps(req, self.config.denoise_steps)) / batch
+        steps = self.config.denoise_steps
+        if req is not None:
+            steps = max(steps, input_steps(req, steps))
+        return self.chunk_s(batch, steps=steps) / batch
 
     def queue_work_s(self, streams: int) -> float:
         """One chunk of each of `streams` streams, in batches of up to max_batch: what a chunk may wait for."""
@@ -169,8 +174,9 @@ class CostEstimates:
 
 
 def input_steps(req: StreamRequest, denoise_steps: int) -> int:
-    """Denoising forwards of `req`'s chunks at full quality: all of them, or with input from its start step on (at
-    least one). (A chunk whose input went missing runs all of them: degrading covers it.)"""
+    """Denoising forwards of `req`'s chunks with input frames at full quality: all of them, or with input from its
+    start step on (at least one). (A chunk whose input went missing runs all of them: admission charges those, see
+    `CostEstimates.stream_chunk_s`.)"""
     k = req.input_start_step
     return denoise_steps if k is None else max(denoise_steps, k + 1) - k
 

@@ -82,12 +82,13 @@ def test_a_chunk_of_input_degrades_only_the_steps_after_its_start():
     assert sched.stats(clock.now).degraded_chunks == 1
 
 
-def test_admission_counts_the_fewer_forwards_and_the_input_stage_of_streams_with_input():
+def test_admission_counts_the_forwards_of_a_missing_input_and_the_input_stage_of_streams_with_input():
     cfg = SchedulerConfig(initial_forward_s=COST, input_target=0.5)
     sched = Scheduler(cfg)
     full = sched.stream_load(StreamRequest("t", FPS))
     one = sched.stream_load(StreamRequest("i", FPS, input_start_step=3))
-    assert full == pytest.approx(16 / 12 * 5 * COST) and one == pytest.approx(16 / 12 * 2 * COST)
+    # its chunks with input run 1 + 1 forwards, but its camera may go off: without input they run 4 + 1 (issue 41)
+    assert full == pytest.approx(16 / 12 * 5 * COST) and one == full
     sched.seed_stage(Stage.INPUT, 0.2)  # 0.2 s of decode, scale and encode a chunk: 0.27 of the stage a stream
     assert sched.admit(StreamRequest("t1", FPS), 0.0).accepted  # no input: the input stage is not its
     assert sched.stage_load(Stage.INPUT) == 0.0
