@@ -13,12 +13,19 @@ encode; issue 35). The device's load counts the streams' prompt
 switches as measured: the recaches of the last RECACHE_WINDOW_S, at a recache's cost.
 Each stage's cost per chunk is seeded by the warm-up (`seed_stage`) and then follows the
 `cost_percentile` of what serving measures (`observe_stage`); a stream is admitted only
-while every stage stays under its target. It also listens to what viewers get (the
-closed loop): while any stream was late within `late_hold_s` (a chunk delivered after
-its viewer's buffer ran dry, a viewer reporting an empty buffer, a chunk degraded on the
-device or at the encoder: `mark_late`), nobody is admitted, while any stream is admitted: the
-loop keeps the admitted streams on time, and with none the load that made one late is gone (a
-server with no streams is refused only by its warm-up's figures, issue 33). And a burst is admitted in
+while every stage stays under its target. A stream with input video is charged on the device
+the forwards of a chunk without input (all the steps; its chunks with input run fewer): its
+camera may go off, and a chunk whose input is missing runs as text-to-video (issue 41). It also
+listens to what viewers get (the closed loop): while any stream was late within `late_hold_s`
+by the server's own measurements (a chunk delivered after the server's own figure of its
+viewer's buffer ran dry, a WebRTC track's queue on the server running dry, a chunk degraded on
+the device or at the encoder against the server's own deadline: `mark_late`), nobody is
+admitted, while any stream is admitted: the loop keeps the admitted streams on time, and with
+none the load that made one late is gone (a server with no streams is refused only by its
+warm-up's figures, issue 33). Lateness a stream's own client causes (its viewer's `stats`
+reports, its input missing or late) is charged to that stream (`StreamStats.client_late`) and
+never closes admission: one quiet camera or lying viewer closed it for everyone (issue 41; see
+the planner and `Scheduler.observe_buffer`). And a burst is admitted in
 tranches: streams that have not yet delivered `confirm_chunks` chunks are starting, and
 a newcomer is admitted only while every stage can make the starting streams' first
 `confirm_chunks` chunks within the first chunk's play time with the time the admitted

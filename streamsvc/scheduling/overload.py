@@ -10,6 +10,12 @@ lead for `late_margin_hold_s`, see the planner), each chunk that ran its fewest 
 still fell short, and the latest lateness of any kind (a stall, a degraded chunk, a
 cheaper encode: `mark_late`), which closes admission for `late_hold_s` (the closed loop,
 see admission).
+
+Only the server's own measurements are evidence (issue 41): a stall of the server's own
+figure of a viewer's buffer (`PlaybackModel.own`) or of its WebRTC track's queue, a chunk
+degraded or encoded cheaper against the server's own deadline. What a stream's own client
+causes (its viewer's reports, its input missing or late) is charged to that stream and never
+reaches the monitor: it would end *another* stream, and close admission for everyone.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ included) plus its own pending RECACHE.
 A fresh chunk (step 0) is runnable when buffered + in flight <= lead, and only when
 buffered + in flight + the chunk <= `buffer_cap_s`, which bounds everything: how far
 ahead a stream runs, so how old its buffered video is when a new prompt arrives
-(steering latency); it is not what keeps a stream fed, the lead is. A stream with a
+(steering latency); it is not what keeps a stream fed, the lead is. The cap holds by the
+server's own figure of the buffer too (`PlaybackModel.own`): a viewer whose reports say it is
+short makes its stream urgent, not run further ahead than that. A stream with a
 prompt pending (no chunk yet started under its newest prompt) may start as soon as
 the cap allows: running ahead under the new prompt is what its viewer wants. A chunk
 in progress goes on while under the cap; a RECACHE is always runnable (no video).
@@ -42,7 +44,17 @@ stalling; their RECACHE may start only its own cost plus the headroom before the
 (at the lead it would not fit, and the prompt would wait a whole chunk). Plan.steps
 carries the choice; the engine tags the chunk with it. A degraded chunk is lateness (the
 closed loop), and one that ran its fewest steps short is evidence for the last resort
-(see `overload`).
+(see `overload`), when the server's own account demanded it (`_Stream.server_dry_in`).
+
+Whose lateness (issue 41). The planner plans on its viewer's buffer as the viewer's reports
+leave it (a viewer behind the model makes its stream urgent), but lateness is the server's only
+by its own account: the server's own figure of that buffer (`PlaybackModel.own`: deliveries,
+pauses, its WebRTC track's queue), and for a chunk of input video its promise, delivery within
+`input_latency_s` of the chunk's release. A chunk delivered after the own figure ran dry (past
+its grace) and after that promise, or degraded when with all its steps it would miss that
+deadline by the degrade margin, is the server's (`overload`); a chunk whose input was missing is
+its client's whatever happens to it. What the server's account does not see (the viewer's
+report, input that came late or not at all) is charged to the stream (`_Stream.client_late`).
 
 Input video (issue 35). A chunk of a stream with input starts only once released (`Scheduler.release`: its last
 input frame came, or its input was declared missing), and then at once, whatever its lead (the viewer plays it
@@ -55,7 +67,9 @@ forwards than its full count from its start step. A new prompt never restarts a 
 (the next chunk takes it): its deadline is short, and streams with input released together (viewers started
 together) have theirs at the same time, so the redone work would come when every stream needs the device. The first chunk with input frames plays from its release +
 input_latency_s + (chunk_frames - first_chunk_frames) / fps: from then on chunk c (c >= 1) is due exactly
-input_latency_s after its release when the input comes in real time.
+input_latency_s after its release when the input comes in real time. A chunk whose input is missing is released
+by its viewer's buffer instead (`release_by`: the buffer's dry time less its lead, the output stage and the forwards
+of text-to-video beyond a chunk with frames), so that it runs all its steps and is on time (issue 41).
 
 Parking: a stream held for parking (`_Stream.parking`) starts no new chunk nor RECACHE, and
 a new prompt does not restart its chunk in progress; once that chunk is committed and the
@@ -69,11 +83,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from .config import SchedulerConfig
-from .costs import CostEstimates, percentile
+from .costs import CostEstimates, input_steps, percentile
 from .overload import OverloadMonitor
 from .ranking import rank_key
 from .stream import _InFlight, _Stream, _Work
-from .types import EPS_S, RECACHE_STAGE, Plan, SchedulerError, StreamStats, WorkKind
+from .types import EPS_S, RECACHE_STAGE, Plan, SchedulerError, Stage, StreamStats, WorkKind
 
 
 @dataclass(frozen=True)
@@ -138,13 +152,21 @@ class Planner:
         )
         floor = min(cfg.degrade_steps, default=cfg.denoise_steps)
         for s, w in batch:
+            server_dry_in = s.server_dry_in(now)  # the server's own account: not its client's reports nor input
             if s.forwards(w.steps) < s.forwards(cfg.denoise_steps):
-                self._pressure_until = now + cfg.pressure_hold_s
-                self.overload.mark_late(s.request.stream_id, now,
-                                        f"a chunk ran {w.steps} of {cfg.denoise_steps} steps to stay ahead")
+                done = s.step if s.step > 0 and not w.restart else 0
+                full_s = self.costs.chunk_s(steps=s.forwards(cfg.denoise_steps) - done)
+                full_s += self.costs.recache_s() if w.kind is WorkKind.RECACHE else 0.0
+                if server_dry_in - full_s < cfg.degrade_margin_s:  # the server was short: lateness, pressure
+                    self._pressure_until = now + cfg.pressure_hold_s
+                    self.overload.mark_late(s.request.stream_id, now,
+                                            f"a chunk ran {w.steps} of {cfg.denoise_steps} steps to stay ahead")
+                elif w.kind is WorkKind.COMMIT:  # its client made it urgent (a report lower than the server's
+                    s.client_late += 1  # figure, input late or missing): counted once a chunk, at its commit
             playing = s.playback.started and not s.playback.paused
             fewest = s.forwards(w.steps) <= s.forwards(floor)
-            if playing and w.kind is not WorkKind.RECACHE and fewest and w.slack_s < cfg.degrade_margin_s:
+            if playing and w.kind is not WorkKind.RECACHE and fewest and w.slack_s < cfg.degrade_margin_s \
+                    and server_dry_in - w.remaining_s < cfg.degrade_margin_s:
                 self.overload.exhausted(now)  # the fewest steps it may run do not leave it the margin
         self._outstanding = _Outstanding(
             plan=plan,
@@ -197,10 +219,13 @@ class Planner:
                 frames = req.first_chunk_frames if s.chunks_done == 0 else req.chunk_frames
                 s.degraded += s.forwards(chunk_steps) < s.forwards(self.config.denoise_steps)
                 release = s.releases.pop(s.chunks_done, None)
-                play_from = None
-                if release is not None and release[2] and s.chunks_done == 0:  # the first chunk of input frames
-                    play_from = release[1] + req.input_latency_s + (req.chunk_frames - req.first_chunk_frames) / req.fps
-                chunk = _InFlight(frames, now if s.chunk_due_at is None else s.chunk_due_at, s.chunk_sampled, play_from)
+                play_from, owed_at = None, None
+                if release is not None and release[2]:  # input frames: owed to its viewer input_latency_s after
+                    owed_at = release[1] + req.input_latency_s
+                    if s.chunks_done == 0:  # the first chunk of input frames
+                        play_from = owed_at + (req.chunk_frames - req.first_chunk_frames) / req.fps
+                chunk = _InFlight(frames, now if s.chunk_due_at is None else s.chunk_due_at, s.chunk_sampled, play_from,
+                                  missing=release is not None and not release[2], owed_at=owed_at)
                 s.chunk_due_at = None
                 s.last_commit_at = now
                 s.chunks_done += 1
@@ -253,7 +278,10 @@ class Planner:
             buffered = s.playback.seconds(now)
             excess = buffered + s.in_flight_s() - self._start_threshold_s(s, work.kind, work.step, now)
             if excess <= buffered + EPS_S:  # the buffer alone can drain that much
-                wake = min(wake, now + max(0.0, excess))
+                at = now + max(0.0, excess)
+                if work.kind is not WorkKind.RECACHE:  # and the server's own figure to the cap
+                    at = max(at, now + self._over_own_cap_s(s, now))
+                wake = min(wake, at)
         return None if wake == math.inf else wake
 
     # ----- figures -----------------------------------------------------------------------
@@ -267,6 +295,22 @@ class Planner:
         if measured is None or s.fresh_samples < cfg.latency_min_samples:
             latency = max(measured or 0.0, self._predicted_latency_s(s))
         return latency + cfg.start_margin_s + (cfg.late_margin_s if self._late_margin else 0.0)
+
+    def release_by(self, s: _Stream, frames: bool) -> float | None:
+        """The latest release of stream `s`'s next chunk of input video that reaches its viewer on time (see
+        `Scheduler.release_by`); None while its viewer is not playing."""
+        cfg = self.config
+        dry_at = s.playback.dry_at()
+        if dry_at is None:
+            return None
+        deadline = dry_at + s.in_flight_s()
+        lead = self.lead_s(s) + self.costs.stage.estimate(Stage.OUTPUT)
+        if s.step > 0:  # its chunk in progress comes first: its frames play before, its forwards left run before
+            deadline += s.next_chunk_s()
+            lead += self.costs.chunk_s(steps=max(0, s.forwards(s.steps) - s.step))
+        if not frames:  # text-to-video: the forwards it runs beyond a chunk with frames
+            lead += self.costs.chunk_s() - self.costs.chunk_s(steps=input_steps(s.request, cfg.denoise_steps))
+        return deadline - lead
 
     def stream_stats(self, s: _Stream, now: float) -> StreamStats:
         """A snapshot of stream `s` (admitted, parked or not) for metrics."""
@@ -287,6 +331,7 @@ class Planner:
             lead_s=self.lead_s(s),
             latency_p95_s=percentile(s.latencies, 0.95),
             degraded_chunks=s.degraded,
+            client_late=s.client_late,
         )
 
     # ----- internals ---------------------------------------------------------------------
@@ -302,9 +347,14 @@ class Planner:
     def _credit(self, s: _Stream, chunk: _InFlight, now: float) -> float:
         """The viewer gets `chunk` at `now`; returns its latency, recorded if the chunk started due."""
         s.playback.advance(now)
-        if s.playback.dry_counted:
+        own = s.playback.own or s.playback
+        if own.dry_counted and not chunk.missing and (chunk.owed_at is None or now - own.grace_s > chunk.owed_at):
+            # late by the server's own account: overload (the closed loop, the late margin, the last resort)
             self.overload.stalled(s.request.stream_id, now, f"chunk {s.chunks_done - len(s.in_flight) - 1} reached "
-                                  f"its viewer {now - s.playback.dry_since:.2f} s after the buffer ran dry")
+                                  f"its viewer {now - own.dry_since:.2f} s after the buffer ran dry")
+        elif s.playback.dry_counted:  # late by its viewer's report, or its input missing or late: its client's
+            s.client_late += 1
+        s.last_missing = chunk.missing
         s.playback.deliver(chunk.frames, now, hold_until=chunk.play_from)
         if s.first_delivered_at is None:
             s.first_delivered_at = now
@@ -464,4 +514,15 @@ class Planner:
         threshold = cfg.buffer_cap_s - s.next_chunk_s() if gated else self._start_threshold_s(s, kind, step, now)
         if ahead_s > threshold + EPS_S or (s.parking and step <= 0):
             work = replace(work, runnable=False)  # above the threshold, or held for parking between chunks
+        elif kind is not WorkKind.RECACHE and self._over_own_cap_s(s, now) > EPS_S:
+            work = replace(work, runnable=False)  # its viewer's reports say it is short, the server's figure is full
         return work
+
+    def _over_own_cap_s(self, s: _Stream, now: float) -> float:
+        """How far the server's own figure of the stream's buffer (in flight included) is above the cap less its next
+        chunk (<= 0: not above). A viewer's reports may make its stream urgent, not run further ahead than the cap
+        by the server's account: one reporting 0 four times a second had a chunk made every report (issue 41)."""
+        own = s.playback.own
+        if own is None:
+            return 0.0
+        return own.seconds(now) + s.in_flight_s() - (self.config.buffer_cap_s - s.next_chunk_s())

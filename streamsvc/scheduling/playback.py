@@ -7,6 +7,12 @@ delivered chunks and `now`, or set exactly by a report of the viewer (`observe`,
 buffered, but the model is credited only when it is delivered. A dry spell counts as a
 stall only once it outlasts what the viewer holds beyond the report (`grace_s`).
 
+Two figures (issue 41, DESIGN.md "Hostile clients"): the model the planner plans on, which a
+viewer's own report (`at_most`: its `stats`, across the network) may lower, and `own`, the
+server's own figure, fed only by what the server measures itself: its deliveries, its pauses
+and the exact reports of its own queues (a WebRTC track's). A viewer's reports make its own
+stream urgent, but a dry spell only `own` sees is the server's: only that one is overload.
+
 Pure: every call that depends on time takes `now`.
 """
 
@@ -36,9 +42,14 @@ class PlaybackModel:
     dry_counted: bool = False  # the dry spell in progress has lasted grace_s: it is counted in `stalls`
     stalls: int = 0  # stalls begun so far
     closed_stall_s: float = 0.0  # duration of the stalls that have ended (past their grace)
+    # the server's own figure of the same buffer: deliveries, pauses and exact reports, never a viewer's `at_most`
+    # report (see the module docstring); None: this is the own figure (or a model with no reports to tell apart)
+    own: PlaybackModel | None = None
 
     def advance(self, now: float) -> None:
         """Consume frames up to `now` (times before `updated_at` are ignored)."""
+        if self.own is not None:
+            self.own.advance(now)
         if now > self.updated_at:
             if self.started and not self.paused and self.dry_since is None:
                 drained = (now - self.updated_at) * self.fps
@@ -53,6 +64,8 @@ class PlaybackModel:
     def deliver(self, frames: int, now: float, hold_until: float | None = None) -> None:
         """`frames` arrive at `now`: a dry spell in progress ends, and playback starts if it had not (the first
         frames: at `hold_until` if later, a viewer that holds a stream of input video until its playout is due)."""
+        if self.own is not None:
+            self.own.deliver(frames, now, hold_until)
         self.advance(now)
         self._end_stall(now)
         self.buffered_frames += frames
@@ -61,7 +74,13 @@ class PlaybackModel:
         self.started = True
 
     def observe(self, frames: float, now: float) -> None:
-        """The viewer's buffer holds exactly `frames` at `now`."""
+        """The viewer's buffer holds exactly `frames` at `now` (the server's own figure too)."""
+        if self.own is not None:
+            self.own.observe(frames, now)
+        self._set(frames, now)
+
+    def _set(self, frames: float, now: float) -> None:
+        """This figure (not `own`) holds `frames` at `now`."""
         self.advance(now)
         self.buffered_frames = float(frames)
         if frames > 0:
@@ -72,12 +91,17 @@ class PlaybackModel:
             self._count_dry(now)
 
     def report(self, frames: float, now: float, *, at_most: bool = False, grace_s: float = 0.0) -> bool:
-        """A report of the viewer's buffer (see `Scheduler.observe_buffer`); True when it began a stall.
+        """A report of the viewer's buffer (see `Scheduler.observe_buffer`); True when it began a stall (of this
+        figure for an `at_most` report, of `own` for an exact one).
 
-        `at_most`: a report that crossed the network may be old: it lowers the model, never raises it.
+        `at_most`: a report that crossed the network (the viewer's own) may be old: it lowers the model,
+        never raises it, and leaves `own` as it was. Otherwise an exact report of the server's own (a
+        WebRTC track's queue): both figures take it.
         `grace_s`: what the viewer holds beyond the reported frames (kept for later dry spells too).
         """
         self.grace_s = grace_s
+        if self.own is not None and not at_most:
+            self.own.grace_s = grace_s
         if at_most and not self.started:
             # nothing delivered in the model yet: the report can only hold frames it is about to be told of (the
             # viewer may hear of the first chunk before the scheduler does); taken as it was, the first chunk
@@ -86,18 +110,26 @@ class PlaybackModel:
         if at_most and not self.paused:
             self.advance(now)
             frames = min(frames, self.seconds(now) * self.fps)
-        stalls = self.stalls
+        stalls, own = self.stalls, self.own or self
+        own_stalls = own.stalls
+        if at_most:
+            self._set(frames, now)
+            return self.stalls > stalls
         self.observe(frames, now)
-        return self.stalls > stalls
+        return own.stalls > own_stalls  # an exact report: did the server's own figure begin a stall
 
     def pause(self, now: float) -> None:
         """The viewer paused at `now`: nothing is consumed, and a dry spell in progress ends."""
+        if self.own is not None:
+            self.own.pause(now)
         self.advance(now)
         self._end_stall(now)
         self.paused = True
 
     def resume(self, now: float) -> None:
         """The viewer plays on from `now`."""
+        if self.own is not None:
+            self.own.resume(now)
         self.advance(now)
         self.paused = False
 

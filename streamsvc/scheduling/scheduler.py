@@ -86,7 +86,7 @@ class Scheduler:
             request=req,
             order=self._next_order,
             admitted_at=now,
-            playback=PlaybackModel(fps=req.fps, updated_at=now),
+            playback=PlaybackModel(fps=req.fps, updated_at=now, own=PlaybackModel(fps=req.fps, updated_at=now)),
             latencies=deque(maxlen=self.config.latency_window),
             last_commit_at=now,
         )
@@ -194,6 +194,16 @@ class Scheduler:
             raise ValueError(f"start_step={start_step}: must be a step of the schedule, 0..{self.config.denoise_steps - 1}")
         s.releases[chunk_index] = (start_step, now, frames)
 
+    def release_by(self, stream_id: str, frames: bool) -> float | None:
+        """Input video: the latest time the stream's next chunk to release may be released and still reach its
+        viewer on time: when its viewer's buffer (its chunks in flight and in progress included) runs dry, less its
+        lead (its chunk latency from release to delivery, measured or predicted, and the margin), the output stage,
+        the forwards its chunk in progress has left, and, for a chunk whose input is missing (`frames` False), the
+        forwards a text-to-video chunk runs beyond one with frames. None while its viewer is not playing (nothing to
+        be late for). The input stage declares a chunk's input missing by then at the latest (streamsvc/inputs.py
+        `InputFrames.missing_at`)."""
+        return self._planner.release_by(self._get(stream_id), frames)
+
     def releasable(self, stream_id: str) -> int | None:
         """Input video: the index of the stream's next chunk to release (its next one not released yet, the one
         after its chunk in progress at most); None when there is none now (or it takes no input)."""
@@ -221,22 +231,38 @@ class Scheduler:
         decoding, rebuffering) but never raises it (a late report would credit frames already played).
         `grace_s`: what the viewer holds beyond the reported frames (a WebRTC track's queue: the frame on the
         wire and the receiver's jitter buffer). The model plans on the report, but a dry spell counts as a
-        stall (the closed loop, the late margin, the last resort) only once it has lasted that long."""
+        stall (the closed loop, the late margin, the last resort) only once it has lasted that long.
+
+        Only an exact report is the server's own measurement (its WebRTC track's queue running dry): a viewer's
+        own (`at_most`) makes its stream urgent, but a stall it reports, and lateness that follows from it, is
+        charged to that stream (`StreamStats.client_late`), never read as overload (issue 41: one viewer
+        reporting 0 closed admission for everyone)."""
         if buffered_frames < 0:
             raise ValueError(f"stream {stream_id!r}: buffered_frames={buffered_frames} must be >= 0")
         if not (grace_s >= 0 and math.isfinite(grace_s)):
             raise ValueError(f"stream {stream_id!r}: grace_s={grace_s} must be a finite number of seconds >= 0")
-        if self._get(stream_id).playback.report(buffered_frames, now, at_most=at_most, grace_s=grace_s):
-            self._overload.stalled(stream_id, now, "its viewer reported an empty buffer")
+        s = self._get(stream_id)
+        if s.playback.report(buffered_frames, now, at_most=at_most, grace_s=grace_s):
+            if at_most:
+                s.client_late += 1
+            else:
+                self._overload.stalled(stream_id, now, "its viewer's queue on the server ran dry")
 
     def mark_late(self, stream_id: str, now: float, what: str) -> None:
         """Stream `stream_id` was late at `now` in a way the scheduler cannot see (e.g. a chunk encoded cheaper
-        to meet its deadline): admission stays closed for `late_hold_s` (the closed loop)."""
+        to meet its deadline, `dry_at`): admission stays closed for `late_hold_s` (the closed loop). Unless the
+        chunk it delivered last ran without input (its input was missing): that is charged to the stream."""
+        s = self._streams.get(stream_id) or self._parked.get(stream_id)
+        if s is not None and s.last_missing:
+            s.client_late += 1
+            return
         self._overload.mark_late(stream_id, now, what)
 
     def dry_at(self, stream_id: str) -> float | None:
-        """When the stream's viewer runs dry unless its newest chunk in flight arrives: its buffer plus the
-        chunks in flight before that one; None while it is not playing (not started or paused)."""
+        """By the server's own account (not its viewer's reports; a chunk of input no earlier than its release +
+        input_latency_s), when the stream's viewer runs dry unless its newest chunk in flight arrives: its buffer
+        plus the chunks in flight before that one; None while it is not playing (not started or paused). What the
+        encoder's deadline runs from: a cheaper encode is the server's lateness."""
         return self._get(stream_id).dry_at()
 
     def overloaded(self, now: float) -> str | None:
@@ -375,6 +401,7 @@ class Scheduler:
             stage_load={stage: self.stage_load(stage) for stage in Stage},
             late=self._admission.closed(self._overload.late, now),
             parked=len(self._parked),
+            client_late=sum(st.client_late for st in per_stream),
         )
 
     # ----- internals -----------------------------------------------------------------

@@ -1,14 +1,17 @@
 """The per-stream state the scheduler keeps, and the view of a stream's next forward.
 
-`_Stream` is one admitted stream: its request, its viewer's buffer (`PlaybackModel`),
-its chunk in progress, its prompt versions, its chunks in flight and its recent chunk
-latencies. The registry (`Scheduler`) owns the streams; the planner advances them;
-admission sees each through `load`. `_Work` is what the planner would run next for a
+`_Stream` is one admitted stream: its request, its viewer's buffer (`PlaybackModel`, with
+the server's own figure beside the one its viewer's reports may lower), its chunk in progress,
+its prompt versions, its chunks in flight, its recent chunk latencies and the lateness its
+own client caused (`client_late`: charged to it, never read as the server's overload). The
+registry (`Scheduler`) owns the streams; the planner advances them; admission sees each
+through `load`. `_Work` is what the planner would run next for a
 stream and how urgent it is; the ranking sorts on it.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -24,6 +27,9 @@ class _InFlight:
     due_at: float  # when the chunk became due (its latency runs from here to its delivery)
     sampled: bool  # its latency is a sample of the start rule (it started due, not running ahead)
     play_from: float | None = None  # its viewer starts playing it no earlier than this (a first chunk of input video)
+    missing: bool = False  # input video: it ran without input (its input was missing): its lateness is its client's
+    # input video with frames: its release + input_latency_s, by when the server owes it to its viewer (None: no input)
+    owed_at: float | None = None
 
 
 @dataclass
@@ -55,6 +61,9 @@ class _Stream:
     # input video (issue 35): by chunk index, the released chunks' (start step, release time, with frames: not
     # missing); a chunk of a stream with input starts only once released (see planner)
     releases: dict[int, tuple[int, float, bool]] = field(default_factory=dict)
+    # lateness its own client caused (a viewer's report, input missing or late), charged to it, not to the server
+    client_late: int = 0
+    last_missing: bool = False  # the chunk delivered last ran without input (a cheaper encode of it is the client's)
 
     @property
     def stream_id(self) -> str:
@@ -114,12 +123,33 @@ class _Stream:
         return self.chunks_done > 0 and self.prompt_seq > self.chunk_seq
 
     def dry_at(self) -> float | None:
-        """When its viewer runs dry unless its newest chunk in flight arrives: its buffer plus the chunks in
-        flight before that one; None while it is not playing (not started or paused)."""
-        dry_at = self.playback.dry_at()
+        """By the server's own account (`PlaybackModel.own`, not its viewer's reports), when its viewer runs dry
+        unless its newest chunk in flight arrives: its buffer plus the chunks in flight before that one, and for a
+        chunk of input video no earlier than its release + input_latency_s (input that came late is its client's);
+        None while it is not playing (not started or paused)."""
+        dry_at = (self.playback.own or self.playback).dry_at()
         if dry_at is None:
             return None
-        return dry_at + sum(c.frames for c in list(self.in_flight)[:-1]) / self.request.fps
+        dry_at += sum(c.frames for c in list(self.in_flight)[:-1]) / self.request.fps
+        owed_at = self.in_flight[-1].owed_at if self.in_flight else None
+        return dry_at if owed_at is None else max(dry_at, owed_at)
+
+    def server_dry_in(self, now: float) -> float:
+        """By the server's own account, how long until its next chunk (the one in progress, or the next one) must
+        reach its viewer: its buffer and its chunks in flight, no earlier than the chunk's release +
+        input_latency_s for a chunk with input frames; inf for a chunk whose input is missing (its lateness is its
+        client's) or a viewer not playing (nothing stalls)."""
+        own = self.playback.own or self.playback
+        release = self.releases.get(self.chunks_done)
+        if own.paused or (release is not None and not release[2]):
+            return math.inf
+        dry_at = own.dry_at()
+        if dry_at is None and not self.in_flight:
+            return math.inf
+        dry_in = (0.0 if dry_at is None else dry_at - now) + self.in_flight_s()
+        if release is not None:
+            dry_in = max(dry_in, release[1] + self.request.input_latency_s - now)
+        return dry_in
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,8 @@ class StreamStats:
     lead_s: float  # a fresh chunk starts when buffered + in flight falls to this (the start rule)
     latency_p95_s: float | None  # p95 of its recent chunk latencies; None before the first delivery
     degraded_chunks: int = 0  # chunks committed with fewer denoising steps than the schedule's
+    # lateness its own client caused (its viewer's reports, its input missing or late): charged to it, not overload
+    client_late: int = 0
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ class SchedulerStats:
     stage_load: dict[Stage, float] = field(default_factory=dict)
     late: bool = False  # a stream was late within late_hold_s: admission is closed (the closed loop)
     parked: int = 0  # streams parked (not counted in `streams`)
+    client_late: int = 0  # lateness the streams' own clients caused, summed over the admitted streams (never overload)
 
 
 class Late(NamedTuple):

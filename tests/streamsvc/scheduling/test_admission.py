@@ -220,12 +220,12 @@ def test_a_late_stream_closes_admission_until_it_has_been_on_time_for_the_hold()
     del now
 
 
-def test_a_viewer_reporting_an_empty_buffer_or_a_cheaper_encode_closes_admission():
+def test_a_viewers_queue_on_the_server_running_dry_or_a_cheaper_encode_closes_admission():
     sched = make(late_hold_s=1.0, confirm_chunks=0, utilization_target=0.9)
     admit(sched, "a")
     now = first_chunk(sched)
-    sched.observe_buffer("a", 0, now)
-    assert "its viewer reported an empty buffer" in sched.admit(StreamRequest("b", FPS), now).reason
+    sched.observe_buffer("a", 0, now)  # an exact report: the server's own (a WebRTC track's queue)
+    assert "its viewer's queue on the server ran dry" in sched.admit(StreamRequest("b", FPS), now).reason
     assert sched.admit(StreamRequest("b", FPS), now + 1.0).accepted
     sched.mark_late("b", now + 1.5, "chunk 3 encoded cheaper to meet its deadline")
     assert "stream b was late 0.5 s ago (chunk 3 encoded cheaper" in sched.admit(StreamRequest("c", FPS), now + 2.0).reason
