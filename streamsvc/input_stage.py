@@ -4,8 +4,10 @@ Every call runs on the engine thread. Each stream with input has an `InputStream
 by the transports), its strength (snapped to the schedule's sigmas, the generator's `start_step`) and the chunks it
 released. Each turn of the engine's loop `InputStage.poll` releases the next chunk of each stream with input
 (`Scheduler.release`): once a frame has come for its last slot (`InputFrames.released`), at the strength's start
-step; or, with none by the slot's nominal arrival + `missing_wait_s`, as missing (text-to-video, from step 0)
-unless some of its slots had frames (the input stopped in the middle of it: those, the rest repeated). A frame
+step; or, with none by `InputFrames.missing_at` (the slot's nominal arrival + `missing_wait_s`, or earlier, by
+`Scheduler.release_by`, what its viewer's buffer leaves it, once the camera is known to be quiet: issue 41), as
+missing (text-to-video, from step 0, all its steps and on time) unless some of its slots had frames (the input
+stopped in the middle of it: those, the rest repeated). A frame
 for the slot a stream waits on wakes the engine (`wake`). Before a chunk's first DENOISE (`before_denoise`) its
 frames are taken and given to `generator.set_input` (None when missing: the generator resets its encoder's causal
 state); the decode, scale and encode time per chunk is a sample of the scheduler's INPUT stage, which the warm-up
@@ -129,7 +131,8 @@ class InputStage:
             if inp.released(first, n):
                 frames = inp.has_any(first, n)
             else:
-                due = inp.missing_at(first, n, self.missing_wait_s)
+                release_by = self.sched.release_by(stream_id, frames=inp.has_any(first, n))
+                due = inp.missing_at(first, n, self.missing_wait_s, release_by)
                 if now < due:
                     soonest = due if soonest is None else min(soonest, due)
                     continue

@@ -25,10 +25,24 @@ What it does to a frame (the lead's decisions, CONTRACT35.md):
   dropped and counted. So at most `max_frames` frames are ever held, whatever a sender does.
 
 When a chunk may start (the engine asks `released` and `missing_at`): once a frame has arrived for its last slot or
-a later one (its release), or, with no frame for its slots by `missing_at` (the last slot's nominal arrival plus
-the wait the engine gives; before the first frame ever came, FIRST_FRAME_WAIT_S more), its input is declared missing: `take` returns None and the chunk runs as
-text-to-video; frames that come later for its slots are late. A chunk some of whose slots arrived before the input
-stopped takes what came (the rest repeated).
+a later one (its release), or, with no frame for its slots by `missing_at`, its input is declared missing: `take`
+returns None and the chunk runs as text-to-video; frames that come later for its slots are late. A chunk some of
+whose slots arrived before the input stopped takes what came (the rest repeated).
+
+`missing_at` (issue 41): a chunk that has not come whole is let go at the earlier of
+- its last slot's nominal arrival (one frame after it) plus the wait the engine gives (`wait_s`, half the input
+  latency), the rule for a stream whose viewer is not playing yet; and
+- `release_by`, from the scheduler: when its viewer's buffer runs dry less what the chunk takes to reach it (its
+  lead, and for a chunk with no frame the forwards of text-to-video: `Scheduler.release_by`), so that a chunk
+  whose camera went off runs all its steps and is still on time (released at its last slot's time, as before,
+  it had a quarter of a second left for text-to-video, was degraded or encoded cheaper, and closed admission);
+but never before the camera is known to be quiet: the slot after its newest frame (or the chunk's first slot, if
+that is later) is overdue by `wait_s`. Before that moment a live camera's next frame may still come, and a chunk
+let go then would cut a live stream's input short; after it, waiting only spends the chunk's deadline. Where the
+text-to-video chunk takes longer than the input latency (a slow model on its device) this lets the chunk go before
+its last slot's nominal arrival, as soon as the camera is known to be quiet, never on a guess. Before the first
+frame ever came, every time here is FIRST_FRAME_WAIT_S later (a camera that connects late still gives the first
+chunk).
 
 Capture times are echoed per frame (`capture_ms`, sender's clock, milliseconds) so the viewer computes
 glass-to-glass latency in its own clock.
@@ -254,13 +268,20 @@ class InputFrames:
             work, self._work_s = self._work_s, 0.0
             return work
 
-    def missing_at(self, first: int, n: int, wait_s: float) -> float:
-        """When the chunk [first, first + n)'s input counts as missing if no frame has come for its last slot:
-        that slot's nominal arrival (this server's clock) plus `wait_s`; before any frame has come, that much later
-        than FIRST_FRAME_WAIT_S after the stream's start (a camera that connects late still gives the first chunk)."""
+    def missing_at(self, first: int, n: int, wait_s: float, release_by: float | None = None) -> float:
+        """When the chunk [first, first + n)'s input counts as missing if no frame has come for its last slot (this
+        server's clock; see the module docstring): that slot's nominal arrival (one frame after it) plus `wait_s`,
+        or `release_by` (the latest release that reaches the viewer on time) if earlier, but not before the slot
+        after the newest frame (or the chunk's first slot, if later) is overdue by `wait_s`. Before any frame has
+        come, each of the timeline's times is FIRST_FRAME_WAIT_S later (a camera that connects late still gives the
+        first chunk)."""
         with self._lock:
             first_wait = FIRST_FRAME_WAIT_S if self.counts.reanchors == 0 else 0.0
-            return self._origin + first_wait + (first + n) / self.fps + wait_s
+            nominal = self._origin + first_wait + (first + n) / self.fps + wait_s
+            if release_by is None:
+                return nominal
+            quiet = self._origin + first_wait + max(self._newest + 1, first) / self.fps + wait_s
+            return max(quiet, min(nominal, release_by))
 
     def take(self, first: int, n: int) -> TakenInput | None:
         """The chunk [first, first + n)'s frames, removed from the timeline (the cursor moves past them); None

@@ -112,6 +112,49 @@ def test_an_input_that_stops_is_released_as_missing_and_runs_every_step():
         "input": "missing", "capture_ms": None, "strength": 0.625}
 
 
+def test_a_camera_that_goes_off_has_its_next_chunk_released_in_time_to_run_every_step():
+    # exact costs: a forward 1/16 s, the output stage 1/16 s, the start margin 0.25 s (issue 41)
+    clock, gen = ManualClock(100.0), FakeGen()
+    sched = Scheduler(SchedulerConfig(initial_forward_s=1 / 16, start_margin_s=0.25, degrade_steps=(3, 2),
+                                      degrade_margin_s=0.125, confirm_chunks=0))
+    sched.seed_stage(Stage.OUTPUT, 1 / 16)
+    stage = InputStage(gen, sched, clock, lambda: None, latency_s=0.5)
+    frames = InputFrames(8, 8, FPS, clock=clock)
+    k, _ = stage.start_step(0.6)
+    assert sched.admit(StreamRequest("a", FPS, input_start_step=k), clock.now).accepted
+    stage.open("a", frames, state=None, strength=0.6, fps=FPS)
+
+    def run_chunk(index: int) -> list:
+        plans = []
+        for _ in range(10):
+            plan = sched.next(clock.now)
+            if plan.step == 0:
+                stage.before_denoise("a", None, index)
+            clock.now += 1 / 16
+            sched.complete(plan, clock.now, 1 / 16)
+            plans.append(plan)
+            if plan.kind.value == "commit":
+                return plans
+        raise AssertionError(plans)
+
+    push(frames, clock, range(9), capture0=7.0)  # the camera's first chunk, then it goes off
+    assert stage.poll(clock.now) is None  # released by its last frame at 100.5625
+    run_chunk(0)  # 2 forwards from step 2 and the commit: delivered at 100.75, played from 101.25, dry at 101.8125
+    # chunk 1 has no frame: let go when its viewer's buffer leaves it its lead (0.3125 s predicted, 0.25 s margin),
+    # the output stage and the 2 forwards text-to-video runs beyond step 2; by its last slot's time + half the input
+    # latency (101.5625) it would have had 0.25 s for 0.3125 s of forwards
+    due = stage.poll(clock.now)
+    assert due == pytest.approx(101.8125 - (0.3125 + 0.25) - 1 / 16 - 2 / 16)
+    clock.now = due - 0.01
+    assert stage.poll(clock.now) == pytest.approx(due) and sched.releasable("a") == 1
+    clock.now = due
+    assert stage.poll(clock.now) is None and not stage.streams["a"].releases[1].frames  # released as missing
+    plans = run_chunk(1)
+    assert [p.steps for p in plans] == [(4,)] * 5 and gen.inputs[-1] is None  # every step, text-to-video
+    stats = sched.stats(clock.now)
+    assert clock.now + 1 / 16 <= 101.8125 and (stats.degraded_chunks, stats.stalls, stats.late) == (0, 0, False)
+
+
 def test_strength_changes_apply_to_the_next_release_and_a_stream_without_input_has_none():
     clock, gen, sched, stage, frames, _ = setup(strength=1.0)
     assert stage.set_strength("a", 0.4) == 0.357

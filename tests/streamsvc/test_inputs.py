@@ -202,6 +202,25 @@ def test_a_camera_whose_first_frame_comes_late_still_gives_the_first_chunk():
     assert inp.missing_at(9, 12, 0.25) == pytest.approx(start + 1.5 + 0.01 + 21 / FPS + 0.25)
 
 
+def test_a_chunk_is_let_go_by_its_viewers_deadline_but_never_before_the_camera_is_known_to_be_quiet():
+    clock = ManualClock()
+    inp = make(clock)
+    send(inp, clock, range(9), capture0=100.0)  # slots 0..8, the origin 1000.01
+    assert inp.take(0, 9) is not None
+    origin = 1000.0 + 0.01
+    nominal = origin + 21 / FPS + 0.25  # chunk [9, 21): its last slot's time + the wait, as before issue 41
+    assert inp.missing_at(9, 12, 0.25) == pytest.approx(nominal)
+    assert inp.missing_at(9, 12, 0.25, release_by=nominal + 1.0) == pytest.approx(nominal)  # no later than that
+    # its viewer's deadline comes first: let go by then, once the camera has been quiet (no frame for slot 9, due
+    # at origin + 9/16, by `wait_s` after it)
+    assert inp.missing_at(9, 12, 0.25, release_by=origin + 1.0) == pytest.approx(origin + 1.0)
+    assert inp.missing_at(9, 12, 0.25, release_by=origin) == pytest.approx(origin + 9 / FPS + 0.25)
+    # a camera still sending (frames for slots 9..14 came): not before its next frame is overdue by the wait
+    send(inp, clock, range(9, 15), capture0=100.0 + 9 / FPS)
+    assert inp.missing_at(9, 12, 0.25, release_by=origin) == pytest.approx(origin + 15 / FPS + 0.25)
+    assert inp.missing_at(9, 12, 0.25, release_by=origin) > clock.now
+
+
 def test_a_camera_that_never_sends_lets_the_stream_start_without_input():
     clock = ManualClock()
     inp = make(clock)
