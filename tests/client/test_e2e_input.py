@@ -213,3 +213,22 @@ async def test_a_flood_of_input_is_dropped_undecoded_beyond_twice_the_fps(server
             raw = await asyncio.wait_for(ws.recv(), T)
     finally:
         await ws.close()
+
+
+async def test_a_stream_with_input_that_sends_nothing_does_not_close_admission(server):
+    # Issue 41: its chunks were let go as text-to-video only at their last slot's time + half the input latency, too
+    # late for their viewer: each was late or encoded cheaper, and every start after it was refused ("closed loop").
+    quiet = StreamClient(url(server), ClientConfig(prompt="a blue ball", seed=3, input=camera(),
+                                                   decode=DecodeMode.NONE))
+    quiet.input_paused = True  # its camera never sends a frame
+    async with quiet:
+        assert quiet.ready is not None and quiet.ready.input is True
+        # its first chunk comes once the wait for a camera's first frame is over (5 s), then one every 0.75 s
+        assert await quiet.wait_until(lambda: quiet.chunks >= 4, 20.0)
+        for i in range(3):  # three more starts, one after another, while it plays
+            other = StreamClient(url(server), ClientConfig(prompt="a red ball", seed=i, decode=DecodeMode.NONE))
+            async with other:
+                assert other.ready is not None, other.refused_reason
+                assert await other.wait_until(lambda: other.chunks >= 2, T)
+        assert quiet.headers and all(h.input == "missing" for h in quiet.headers)
+        assert not server.engine.snapshot.late  # admission open
