@@ -97,7 +97,7 @@ def _generator(args):
     log_attention(device)
     logging.getLogger("streamsvc.cli").info("%s", fidelity.describe(gen.cfg, degrade=False))
     if device.type == "cuda":
-        from models.dit import compile_helpers
+        from models.dit_ops import compile_helpers
 
         compile_helpers()
     return gen
@@ -313,6 +313,9 @@ def cmd_serve(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(logging.WARNING)
+    from streamsvc import library_logs
+
+    library_logs.install()  # aiortc, aioice, av, aiohttp: their lines gated as ours are (a client decides how many)
     # the engine thread and the event loop share the GIL: hand it over sooner than the 5 ms default,
     # so an uninterruptible commit (forward + decode + encode) does not hold the loop's sends back
     sys.setswitchinterval(5e-4)
