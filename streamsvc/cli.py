@@ -12,11 +12,13 @@ from models.build import DECODERS
 from kvcache import QUANT_MODES
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
+def _model_args(p: argparse.ArgumentParser, basics) -> None:
+    """--preset and --device into `basics`, the model and weight flags into a group of their own."""
+    basics.add_argument("--preset", default="tiny", choices=list(PRESETS),
                    help="model size and resolution (default: tiny, CPU-fast; wan2.1-1.3b and wan2.1-14b at 480x832; "
                         "a checkpoint's own dimensions win)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if present)")
+    basics.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if present)")
+    p = p.add_argument_group("model and weights (see README: Real weights, Fidelity tiers)")
     p.add_argument("--checkpoint", default=None,
                    help="local DiT weights: a .safetensors/.pt file (Self-Forcing, LongLive) or a Wan2.1 folder "
                         "(default: --wan-dir's own DiT, else random from --weights-seed)")
@@ -60,6 +62,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:
+    p = p.add_argument_group("one stream over several GPUs (see README: Beyond one GPU)")
     p.add_argument("--parallel", type=int, default=1, metavar="K",
                    help="split each forward over K processes, one per device (Ulysses sequence parallelism, exact): "
                         "K must divide the model's heads and tokens per frame; gloo on the CPU, NCCL on GPUs")
@@ -263,6 +266,8 @@ def _park(args) -> dict:
 def _serve_args(p: argparse.ArgumentParser) -> None:
     from streamsvc.scheduling import POLICIES
 
+    p = p.add_argument_group("scheduling: which stream runs next, admission, buffers, degradation")
+
     p.add_argument("--policy", default="slack", choices=POLICIES, help="which stream runs next (default: slack = least slack first)")
     p.add_argument("--buffer-cap", type=float, default=2.0,
                    help="seconds of video generated ahead of each viewer at most (default 2.0). It bounds how far ahead "
@@ -388,6 +393,7 @@ def _serve_cluster(args, front) -> int:
 
 
 def _webrtc_args(p: argparse.ArgumentParser) -> None:
+    p = p.add_argument_group("WebRTC (see README: WebRTC)")
     from streamsvc.rtc import MAX_REMOTE_CANDIDATES
 
     p.add_argument("--ice-server", action="append", default=[], metavar="URL[,USER,CREDENTIAL]",
@@ -562,14 +568,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--strength", type=float, default=0.6,
                    help="with --input: how much of it is redrawn, 0..1 (1: none of it is kept, text-to-video); snapped "
                         "to the nearest of the schedule's noise levels (default 0.6)")
-    _model_args(g)
+    _model_args(g, g)
     _parallel_args(g)
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="serve live streams over WebSocket (player at /, /healthz, /metrics)")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
-    _model_args(s)
+    s = sub.add_parser("serve", help="serve live streams over WebSocket (player at /, /healthz, /metrics)",
+                       usage="%(prog)s [--host 127.0.0.1] [--port 8000] [--preset tiny] [--device auto] [options]",
+                       description="Serve live streams: the browser player at /, WebSocket streams at /ws, WHEP and "
+                                   "WHIP, /healthz and /metrics, on one port. The defaults are the fast path of the "
+                                   "device found; the groups below change them.")
+    basics = s.add_argument_group("basics")
+    basics.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    basics.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    _model_args(s, basics)
     _parallel_args(s)
     _serve_args(s)
     _webrtc_args(s)
