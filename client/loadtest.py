@@ -56,7 +56,7 @@ from urllib.parse import urlsplit
 from client.camera import FileSource
 from client.loadtest_host import STEAL_WARN, LoopPauses, cpu_ticks, own_stalls, steal_fraction
 from client.loadtest_prompts import probe_vocabulary, prompt_schedule, viewer_prompt
-from client.loadtest_report import format_table, summarize
+from client.loadtest_report import format_table, summarize, verdict
 from client.webrtc_client import WebRtcClient
 from client.ws_client import ClientConfig, DecodeMode, StreamClient, StreamResult, stream_url, tls_context
 
@@ -567,9 +567,12 @@ def run(args, input_sources: list | None = None) -> int:
                         "verify_pixels": args.verify_pixels, "watchers_per_stream": args.watchers_per_stream,
                         "input": getattr(args, "input", None), "strength": getattr(args, "strength", None)}
     print(format_table(report))
+    print(verdict(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.json}")
+        print(f"wrote the report as JSON to {args.json}")
+    else:
+        print("(--json FILE writes the report as JSON)")
     if report["admitted"] == 0 and report["refused"]["count"] == 0:
         print("streamsvc loadtest: no viewer got a stream (see errors above)", file=sys.stderr)
         return 1

@@ -271,3 +271,24 @@ def watcher_rows(wt: dict, f) -> list[tuple[str, str]]:
         ("watchers' delivered fps mean / min", f"{f(fps['mean'], 2)} / {f(fps['min'], 2)}"),
         ("watchers' decode per frame / errors", f"{f(wt['decode']['per_frame_ms'], 3, ' ms')} / {wt['errors']['count']}"),
     ]
+
+
+def verdict(report: dict) -> str:
+    """The run in one line: admitted, stalls, and the p95s a viewer feels (TTFF, control latency, glass-to-glass
+    where the streams had input), then what it comes to: "no stalls", or how many viewers stalled."""
+    def p95(key: str) -> str | None:
+        value = (report.get(key) or {}).get("p95")
+        return None if value is None else f"{value:.2f} s"
+
+    st = report["stalls"]
+    parts = [f"{report['admitted']}/{report['streams']} admitted", f"{st['count']} stalls ({st['total_s']:.2f} s)"]
+    parts += [f"{name} p95 {value}" for name, value in (("TTFF", p95("ttff_s")), ("control", p95("control_latency_s")),
+                                                        ("glass-to-glass", p95("glass_to_glass_s"))) if value]
+    if report["admitted"] == 0:
+        outcome = "no viewer got a stream"
+    elif st["count"] == 0:
+        outcome = "no stalls"
+    else:
+        outcome = f"{st['streams_with_stalls']} of {report['admitted']} viewers stalled"
+    return f"verdict: {', '.join(parts)}: {outcome}"
+

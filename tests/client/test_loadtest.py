@@ -68,6 +68,8 @@ def test_summary_counts_admitted_refused_stalls_and_latencies():
     json.dumps(r)  # the report is plain JSON
     assert "16 admitted" not in loadtest_report.format_table(r) and "2 admitted" in loadtest_report.format_table(r)
     assert re.search(r"degraded chunks \(fewer steps, cheaper encode\) +3 of 28\n", loadtest_report.format_table(r))
+    assert loadtest_report.verdict(r) == ("verdict: 2/5 admitted, 2 stalls (0.50 s), TTFF p95 0.72 s, control p95 "
+                                          f"{r['control_latency_s']['p95']:.2f} s: 1 of 2 viewers stalled")
 
 
 def test_watchers_are_summarized_apart_and_the_top_level_stays_the_steerers():
@@ -183,6 +185,8 @@ def test_a_short_run_against_a_local_server_writes_the_report(tmp_path, capsys):
     assert all(set(p.split()) <= set(vocabulary()) for p in r["prompts"]["opening"]), r["prompts"]
     text = capsys.readouterr().out
     assert "TTFF p50" in text and "server up at ws://127.0.0.1:" in text
+    assert re.search(r"\nverdict: 2/2 admitted, \d+ stalls .*TTFF p95 [0-9.]+ s, control p95", text)
+    assert f"wrote the report as JSON to {out}" in text
     assert "prompts: captions in the words of the server model's vocabulary" in text
 
 
