@@ -312,33 +312,58 @@ class _Frame:
 
 
 async def test_client_playout_delay_and_one_stall_per_late_frame():
+    """On a manual clock (no sleeps: the test asserts what the client does, not how fast this host runs it): the
+    first frames wait out the playout delay; a gap longer than the buffer is one stall, refilled by the playout
+    delay, not one stall per late frame after it."""
+    from tests.clock import ManualClock
+
     fps, delay = 20, 0.1
-    client = WebRtcClient("ws://127.0.0.1:1/ws", ClientConfig(prompt="x"), playout_delay_s=delay)
+    clock = ManualClock(0.0)
+    client = WebRtcClient("ws://127.0.0.1:1/ws", ClientConfig(prompt="x"), playout_delay_s=delay, clock=clock)
     client.ready = P.Ready(stream_id="s0", fps=fps, width=128, height=128, first_chunk_frames=60, chunk_frames=60,
                            prompt_version=0, steps=4)
-    client._connected_at = client.clock()
+    client._connected_at = clock()
     client._buffer = PlaybackBuffer(fps)
     client._buffer.connect(client._connected_at)
     client.headers = [_header(0, 0, 60, version=0), _header(1, 60, 60, version=1)]
-
+    timers: list[tuple[float, object]] = []  # the client's call_later, due on the manual clock
     loop = asyncio.get_running_loop()
+    loop.call_later = lambda delay_s, callback: timers.append((clock() + delay_s, callback))
 
-    async def frames(indices, jitter_s=0.0):
-        """Frames at fps from now; odd ones ``jitter_s`` late (jitter, not drift)."""
-        t0 = loop.time()
+    def advance(to: float) -> None:
+        """Time moves to `to`: each timer due by then fires at its own due time, in order."""
+        while timers and min(timers, key=lambda t: t[0])[0] <= to:
+            due, callback = min(timers, key=lambda t: t[0])
+            timers.remove((due, callback))
+            clock.now = max(clock.now, due)
+            callback()
+            client._buffer.advance(clock())
+        clock.now = max(clock.now, to)
+        client._buffer.advance(clock())
+
+    t = 0.0
+
+    def frames(indices, jitter_s=0.0):
+        """Frames at fps from `t`; odd ones `jitter_s` late (jitter, not drift)."""
+        nonlocal t
         for k, i in enumerate(indices):
-            await asyncio.sleep(max(0.0, t0 + k / fps + (jitter_s if k % 2 else 0.0) - loop.time()))
+            advance(t + k / fps + (jitter_s if k % 2 else 0.0))
             client._on_frame(_Frame(i, fps))
-            client._buffer.advance(client.clock())
+            client._buffer.advance(clock())
+        t += len(indices) / fps
 
-    await frames(range(0, 3))
-    assert client.stats().ttff_s == pytest.approx(delay, abs=0.05)  # the first frame waited out the playout delay
-    await frames(range(3, 20))
-    assert client.stats().stalls == 0
-    await asyncio.sleep(0.3)  # the server stalled: frames stop for longer than the buffer lasts
-    await frames(range(20, 70), jitter_s=0.01)  # then on time again, with some jitter
-    stats = client.stats()
-    assert stats.stalls == 1, client.stall_events  # one stall, refilled by the playout delay, not one per late frame
-    assert client.stall_events[0][1] >= delay  # the rebuffer counts as stall time
-    assert client.versions_played == [0, 1]
-    assert client.frames_decoded == 70 and client.bad_frames == 0
+    try:
+        frames(range(0, 3))
+        advance(t)
+        assert client.stats().ttff_s == pytest.approx(delay)  # the first frame waited out the playout delay
+        frames(range(3, 20))
+        assert client.stats().stalls == 0
+        t += 0.3  # the server stalled: frames stop for longer than the buffer lasts
+        frames(range(20, 70), jitter_s=0.01)  # then on time again, with some jitter
+        stats = client.stats()
+        assert stats.stalls == 1, client.stall_events  # one stall, refilled by the playout delay, not one per frame
+        assert client.stall_events[0][1] >= delay  # the rebuffer counts as stall time
+        assert client.versions_played == [0, 1]
+        assert client.frames_decoded == 70 and client.bad_frames == 0
+    finally:
+        del loop.call_later
