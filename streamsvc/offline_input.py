@@ -8,6 +8,10 @@ one winning (the others `dropped`); a slot with no frame repeats the previous on
 ignored. Chunk c gets the next `frames_in_chunk(c)` slots; once the file has ended, a chunk that still got
 some of its slots repeats its last frame, and a chunk that got none runs as text-to-video (its input
 `missing`).
+
+The pixel cap of every input (streamsvc/bitstream.py, issue 41): a file whose video stream is over 1920x1080 (or
+1920 a side) is refused before a frame is decoded, with a one-line error; a frame over it later in the file (a
+stream that changes size) ends the input there, as the file's end would.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from streamsvc.bitstream import size_refusal
 from streamsvc.inputs import scale_crop_av
 
 
@@ -31,6 +36,7 @@ class InputCounts:
     repeated: int = 0  # slots with no frame of their own (the file's fps below the stream's, or gaps)
     slots: int = 0  # frames handed to the stream (the stream's fps)
     missing_chunks: int = 0  # chunks after the file's end: text-to-video
+    refused: str | None = None  # why the input ended early (a frame over the pixel cap)
     padded: int = 0  # slots of the file's last chunk that repeat its last frame
 
 
@@ -49,6 +55,11 @@ class InputVideo:
         if not self._container.streams.video:
             self._container.close()
             raise ValueError(f"the input {path} has no video stream")
+        video = self._container.streams.video[0].codec_context
+        refusal = size_refusal(video.width, video.height, what=f"the input {Path(path).name}: a video")
+        if refusal is not None:  # before a frame is decoded (or scaled)
+            self._container.close()
+            raise ValueError(f"{refusal}: scale it down first (e.g. ffmpeg -i IN -vf scale=-2:720 OUT)")
         self._slots = self._resampled()
 
     def close(self) -> None:
@@ -68,6 +79,11 @@ class InputVideo:
         reformatter = av.video.reformatter.VideoReformatter()
         last = -math.inf
         for frame in self._container.decode(stream):
+            refusal = size_refusal(frame.width, frame.height, what=f"the input {self.path.name}: a frame")
+            if refusal is not None:
+                self.counts.refused = refusal
+                print(f"streamsvc generate: {refusal}; its input ends here", file=sys.stderr)
+                return
             t = float(frame.time) if frame.time is not None else (last + 1 / self.fps if last > -math.inf else 0.0)
             last = t
             self.counts.decoded += 1
@@ -110,7 +126,8 @@ class InputVideo:
         c = self.counts
         return (f"input {self.path.name}: {c.decoded} frames decoded, {c.slots} at {self.fps:g} fps "
                 f"({c.dropped} dropped, {c.repeated} repeated, {c.padded} padded at its end), "
-                f"{c.missing_chunks} chunks after its end as text-to-video")
+                f"{c.missing_chunks} chunks after its end as text-to-video"
+                + (f"; it ended early: {c.refused}" if c.refused else ""))
 
 
 def open_input(gen, path: str | None, strength: float, fps: float) -> InputVideo | None:

@@ -92,3 +92,31 @@ def test_generate_restyles_the_input_and_a_model_without_an_encoder_refuses(tmp_
     assert "cannot read the input video" in capsys.readouterr().err
     assert main(base + ["-o", str(tmp_path / "x.mp4"), "--input", str(tmp_path / "in.mp4"), "--parallel", "2"]) == 2
     assert "--input runs on one process" in capsys.readouterr().err
+
+
+def test_a_file_over_the_pixel_cap_is_refused_with_one_line_before_a_frame_is_decoded(tmp_path, capsys, monkeypatch):
+    write_video(tmp_path / "wide.mp4", np.zeros((2, 64, 2000, 3), np.uint8), 16)  # 2000 wide: over 1920 a side
+    decoded = []
+    real_decode = av.container.InputContainer.decode
+    monkeypatch.setattr(av.container.InputContainer, "decode",
+                        lambda self, *a, **k: decoded.append(1) or real_decode(self, *a, **k))
+    with pytest.raises(ValueError, match="2000x64") as refused:
+        InputVideo(tmp_path / "wide.mp4", 128, 128, fps=16)
+    assert "1920x1080" in str(refused.value) and "\n" not in str(refused.value) and not decoded
+    base = ["generate", "--prompt", "a blue ball", "--seconds", "1", "--fps", "16", "--quiet", "--device", "cpu",
+            "--weights", "random", "-o", str(tmp_path / "x.mp4")]
+    assert main(base + ["--input", str(tmp_path / "wide.mp4")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("streamsvc generate: the input wide.mp4: a video of 2000x64") and "Traceback" not in err
+
+
+def test_a_frame_over_the_cap_later_in_the_file_ends_its_input_there(tmp_path):
+    from tests.streamsvc.test_bitstream import x264
+
+    # an Annex-B file whose second stream is over the cap, past what opening the file probes (its first frames)
+    small, wide = x264(48, 32, 400), x264(2000, 64, 2)
+    (tmp_path / "resize.h264").write_bytes(b"".join(small + wide))
+    with InputVideo(tmp_path / "resize.h264", 48, 32, fps=16) as v:
+        while v.chunk(64) is not None:
+            pass
+        assert v.counts.decoded == 400 and "2000x64" in v.counts.refused and "ended early" in v.summary()
