@@ -48,6 +48,16 @@ which delays every chunk's release by as much. ``MarkerJitterBuffer`` also hands
 the RTP marker bit (the last packet of an access unit: RFC 6184 for H.264, RFC 7741 for VP8) once every packet from
 the frame's first is there; ``prompt_frames(receiver)`` puts one in a receiver before it starts.
 
+What a sender's frames may cost (``ReceiverGate``, issue 41): the jitter buffer hands each whole frame to the
+stream's ``InputGate`` (streamsvc/input_gate.py) before aiortc's decoder sees it. A frame that declares a size over
+the pixel cap (an H.264 SPS, a VP8 key frame: streamsvc/bitstream.py) is never decoded and refuses the input on that
+frame (``on_refused``: WHIP ends the session, the camera stops its receiver and its decoder, and the viewer gets an
+``input_refused`` error); frames over the rate (``MAX_RTC_FPS``) are dropped undecoded, a reference frame with its
+group of pictures, with a PLI to the sender for the next key frame. The decoder thread's CPU time
+(``time.pthread_getcpuclockid`` of aiortc's ``_RTCRtpReceiver__decoder_thread``) is charged to the gate's budget and
+to the input stage's cost (``InputFrames.add_work``), and each decoded frame's size is checked against the cap again
+before it is scaled. Reading stops on the frame that refused the input, not on the next one.
+
 On the server (``CameraInput``, used by streamsvc/transport/webrtc.py): a steerer's stream with input answers the
 player's sendrecv video m-line sendrecv, hooks its receiver (clock, decoder errors, jitter buffer), reads the track
 into ``session.input`` until the input changes hands (then the receiver is disabled: packets dropped undecoded), and
@@ -70,6 +80,9 @@ from typing import Protocol
 from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.mediastreams import MediaStreamError
 
+from streamsvc import protocol as P
+from streamsvc.input_gate import InputGate, Verdict
+
 log = logging.getLogger("streamsvc.webrtc")
 
 RTP_VIDEO_CLOCK_HZ = 90_000
@@ -81,14 +94,27 @@ MAX_HOLD_S = 10.0
 """The longest a track holds its first chunk of input frames for its due time (a bound, never reached: it is the
 input latency and a chunk's duration)."""
 _HOOKS = ("_handle_rtcp_packet", f"{_MANGLED}timestamp_mapper", f"{_MANGLED}decoder_error")
+_DECODER_HOOKS = (f"{_MANGLED}decoder_thread", f"{_MANGLED}stop_decoder", "_enabled")  # ReceiverGate's
+MAX_RTC_FPS = 60.0
+"""Frames a second a WebRTC sender's decoder takes (a second's burst): a camera or OBS at 60 fps passes; more are
+dropped undecoded (ReceiverGate)."""
+CPU_METER_S = 0.25  # how often the decoder thread's CPU time is read
 
 
 class MarkerJitterBuffer(JitterBuffer):
-    """aiortc's video jitter buffer that also hands a frame over on its marker packet (see the module docstring)."""
+    """aiortc's video jitter buffer that also hands a frame over on its marker packet (see the module docstring),
+    through `gate` (a ReceiverGate) when it has one."""
 
-    def __init__(self, capacity: int = 512) -> None:  # aiortc's own video capacity
+    def __init__(self, capacity: int = 512, gate: ReceiverGate | None = None) -> None:  # aiortc's video capacity
         super().__init__(capacity=capacity, is_video=True)
         self.early = 0  # frames handed over on their marker packet (before the next frame's first packet)
+        self.gate = gate
+
+    def add(self, packet) -> tuple[bool, JitterFrame | None]:
+        pli, frame = super().add(packet)
+        if self.gate is None:
+            return pli, frame
+        return self.gate.pass_frame(pli, frame, time.monotonic())
 
     def _remove_frame(self, sequence_number: int) -> JitterFrame | None:
         packets = []
@@ -105,15 +131,99 @@ class MarkerJitterBuffer(JitterBuffer):
         return super()._remove_frame(sequence_number)
 
 
-def prompt_frames(receiver) -> MarkerJitterBuffer | None:
-    """Give a video `receiver` (not started yet) a ``MarkerJitterBuffer``; None if this aiortc keeps it elsewhere."""
+def prompt_frames(receiver, gate: ReceiverGate | None = None) -> MarkerJitterBuffer | None:
+    """Give a video `receiver` (not started yet) a ``MarkerJitterBuffer`` (through `gate`, installed on it); None if
+    this aiortc keeps it elsewhere."""
     name = f"{_MANGLED}jitter_buffer"
     if not isinstance(getattr(receiver, name, None), JitterBuffer):
-        log.warning("aiortc %s keeps no %s: input frames reach the decoder a frame late", _aiortc_version(), name)
+        log.warning("aiortc %s keeps no %s: input frames reach the decoder a frame late%s", _aiortc_version(), name,
+                    ", and their size is checked only once decoded" if gate is not None else "")
         return None
-    buffer = MarkerJitterBuffer()
+    buffer = MarkerJitterBuffer(gate=gate)
+    if gate is not None:
+        gate.receiver = receiver
     setattr(receiver, name, buffer)
     return buffer
+
+
+class ReceiverGate:
+    """An ``InputGate`` around one aiortc receiver's decoder (the module docstring): before it (``pass_frame``, from
+    the jitter buffer, on the event loop) and after it (``push_av``, a sink for ``read_track`` in front of `sink`).
+    `on_refused(reason)` is called once, on the event loop, when the input is refused."""
+
+    def __init__(self, sink, on_refused: Callable[[str], None], *, rate: float = MAX_RTC_FPS,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        self.sink = sink  # the stream's InputFrames (or anything with push_av, decode_error, drop, add_work)
+        self.on_refused = on_refused
+        self.now = now
+        self.gate = InputGate(rate, rate, now())
+        self.receiver = None  # the aiortc receiver (prompt_frames sets it): its decoder thread's CPU time is read
+        self._cpu_at = -float("inf")  # when the decoder thread's CPU time was last read
+        self._cpu_s: float | None = None  # what it was then
+        self._told = False
+
+    @property
+    def refused(self) -> str | None:
+        return self.gate.refused
+
+    def pass_frame(self, pli: bool, frame: JitterFrame | None, now: float) -> tuple[bool, JitterFrame | None]:
+        """The jitter buffer's (pli, frame) for aiortc's receiver: the frame if the gate lets it through to the
+        decoder, and a PLI when the gate waits for a key frame."""
+        if frame is not None:
+            verdict = self.gate.admit(frame.data, now)
+            if verdict is not Verdict.DECODE:
+                if verdict is Verdict.DROP and self.gate.refused is None:
+                    _call(self.sink, "drop")
+                elif verdict is Verdict.BAD:
+                    self.sink.decode_error()
+                frame = None
+        if now - self._cpu_at >= CPU_METER_S:
+            self._meter(now)
+        self.report()
+        return pli or self.gate.keyframe_wanted(now), frame
+
+    def _meter(self, now: float) -> None:
+        """The decoder thread's CPU time since the last reading: to the gate's budget and the input stage's cost."""
+        self._cpu_at = now
+        thread = getattr(self.receiver, f"{_MANGLED}decoder_thread", None)
+        try:
+            cpu_s = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (AttributeError, TypeError, OSError):  # not started, ended, or a platform without thread clocks
+            return
+        spent, self._cpu_s = (0.0 if self._cpu_s is None else cpu_s - self._cpu_s), cpu_s
+        _call(self.sink, "add_work", spent)
+        self.gate.decode_time(spent, now)
+
+    def report(self) -> None:
+        """Call `on_refused` (once) if the input was refused (on the event loop: `push_av` runs off it)."""
+        if self.gate.refused is not None and not self._told:
+            self._told = True
+            self.on_refused(self.gate.refused)
+
+    def stop_decoder(self) -> bool:
+        """Drop the receiver's packets from now on and end its decoder thread (its pictures freed; call it off the
+        event loop: it joins the thread). False when this aiortc lacks the hooks (``_DECODER_HOOKS``)."""
+        receiver = self.receiver
+        if receiver is None or any(not hasattr(receiver, name) for name in _DECODER_HOOKS):
+            return False
+        receiver._enabled = False
+        getattr(receiver, f"{_MANGLED}stop_decoder")()
+        return True
+
+    # -- after the decoder: a sink for read_track ---------------------------------------------------
+
+    def push_av(self, frame, capture_s: float) -> None:
+        if self.gate.refused is None and self.gate.decoded_size(frame.width, frame.height):
+            self.sink.push_av(frame, capture_s)
+
+    def decode_error(self) -> None:
+        self.sink.decode_error()
+
+
+def _call(sink, name: str, *args) -> None:
+    method = getattr(sink, name, None)
+    if method is not None:
+        method(*args)
 
 
 class InputSink(Protocol):
@@ -271,8 +381,9 @@ async def read_track(
 
     `clock` (installed on the track's receiver) times frames in the sender's clock and counts decoder errors
     (each one a ``sink.decode_error()`` on the event loop, as it happens); without one, or before its first
-    report, a frame is timed by `now()` at its arrival. `active()` is asked before each frame: False stops
-    reading (the input changed hands) and the frame is not pushed. `offload` runs ``push_av`` (a scale and a
+    report, a frame is timed by `now()` at its arrival. `active()` is asked before each frame (False
+    stops reading: the input changed hands, and the frame is not pushed) and after it is pushed (a sink that refused
+    it stops reading on that frame). `offload` runs ``push_av`` (a scale and a
     crop) in a worker thread, one frame at a time and in order, off the event loop. `stats` (given, or a new
     one) is updated as frames come and returned.
     """
@@ -316,6 +427,9 @@ async def read_track(
             else:
                 sink.push_av(frame, capture)
             stats.frames += 1
+            if not active():  # this frame stopped it (a sink that refused it): ended now, not on the next frame
+                stats.ended = "stopped"
+                return stats
     finally:
         if clock is not None:
             clock.on_decode_error = None
@@ -333,10 +447,14 @@ class CameraInput:
     disabled, so later packets are dropped before they are decoded (the peer connection cannot be renegotiated).
     """
 
-    def __init__(self, stream_id: str, sink: InputSink, active: Callable[[], bool]) -> None:
+    def __init__(self, stream_id: str, sink: InputSink, active: Callable[[], bool],
+                 tell: Callable[[P.Error], None] | None = None) -> None:
         self.stream_id = stream_id
         self.sink = sink
         self.active = active
+        self.tell = tell  # sends the viewer an error (its input refused)
+        self.gate = ReceiverGate(sink, self._refused)  # the pixel cap, the rate and the decode budget (issue 41)
+        self._stopping: asyncio.Task | None = None  # the decoder's end after a refusal
         self.clock = SenderClock()
         self.stats = ReadStats()
         self.receiver = None  # the video transceiver's receiver, once answering
@@ -351,7 +469,8 @@ class CameraInput:
         sink = getattr(session, "input", None)
         if sink is None or getattr(session, "steerer", None) is not viewer:
             return None
-        return cls(viewer.stream_id, sink, lambda: session.steerer is viewer and not viewer.closed)
+        return cls(viewer.stream_id, sink, lambda: session.steerer is viewer and not viewer.closed,
+                   tell=getattr(viewer, "send", None))
 
     def answering(self, transceiver) -> bool:
         """After ``setRemoteDescription`` and before ``createAnswer``: answer `transceiver` (the stream's video)
@@ -365,7 +484,7 @@ class CameraInput:
         transceiver.direction = "sendrecv"
         self.receiver = transceiver.receiver
         self.hooked = self.clock.install(transceiver.receiver)
-        self.jitter = prompt_frames(transceiver.receiver)
+        self.jitter = prompt_frames(transceiver.receiver, self.gate)
         return True
 
     def start(self) -> asyncio.Task:
@@ -373,11 +492,23 @@ class CameraInput:
         return asyncio.create_task(self._read(), name=f"rtc-input-{self.stream_id}")
 
     async def _read(self) -> None:
-        await read_track(self.receiver.track, self.sink, self.clock if self.hooked else None, active=self.active,
-                         stats=self.stats)
-        if self.stats.ended == "stopped":
+        await read_track(self.receiver.track, self.gate, self.clock if self.hooked else None,
+                         active=lambda: self.active() and self.gate.refused is None, stats=self.stats)
+        self.gate.report()  # a decoded frame over the cap: refused on the loop
+        if self.stats.ended == "stopped" and self.gate.refused is None:
             self.receiver._enabled = False  # aiortc's own switch (a sendonly transceiver's): packets dropped undecoded
             log.info("stream %s: the camera input stopped (its viewer no longer steers)", self.stream_id)
+
+    def _refused(self, reason: str) -> None:
+        """The gate refused the camera (on the event loop): its packets are dropped from now on, its decoder ends
+        (off the loop: it joins aiortc's decoder thread), and the viewer is told; the stream goes on without input."""
+        log.info("stream %s: the camera input refused: %s", self.stream_id, reason)
+        if self.receiver is not None:
+            self.receiver._enabled = False
+        self._stopping = asyncio.ensure_future(asyncio.to_thread(self.gate.stop_decoder))
+        if self.tell is not None:
+            self.tell(P.Error(code=P.ErrorCode.INPUT_REFUSED, message=(
+                f"input refused: {reason}; the stream goes on without input (start a new one to send input again)")))
 
     async def hold_first_chunk(self, track, max_wait_s: float) -> None:
         """Before the stream's track sends its first frame: if its first chunk was made from input frames, hold it

@@ -400,3 +400,88 @@ async def test_a_stream_without_input_answers_sendonly_and_nothing_is_sent_or_de
         finally:
             await pc.close()
             await transport.close()
+
+
+class BombCamera(Camera):
+    """A camera whose frame `bomb_at` is a real IDR whose SPS declares 8192x4096 (the frames before are aiortc's)."""
+
+    def __init__(self, bomb_at: int) -> None:
+        super().__init__()
+        self.bomb_at = bomb_at
+
+    async def recv(self):
+        if self.count + 1 != self.bomb_at:
+            return await super().recv()
+        from streamsvc.bitstream import with_size
+        from tests.streamsvc.test_bitstream import sps_of, x264
+
+        pts, time_base = await self.next_timestamp()
+        self.count += 1
+        idr = x264(64, 48, 1)[0]
+        packet = av.Packet(idr.replace(sps_of(idr), with_size(sps_of(idr), 8192, 4096)))
+        packet.pts, packet.time_base = pts, time_base
+        return packet
+
+
+def test_this_aiortc_has_what_the_receiver_gate_hooks():
+    from aiortc import RTCRtpReceiver
+
+    from streamsvc.transport.rtc_input import _DECODER_HOOKS
+
+    receiver = RTCRtpReceiver("video", SimpleNamespace(state="new"))
+    missing = [name for name in _DECODER_HOOKS + ("_RTCRtpReceiver__jitter_buffer",) if not hasattr(receiver, name)]
+    assert not missing, f"aiortc moved {missing}: update streamsvc/transport/rtc_input.py ReceiverGate"
+
+
+@pytest.mark.slow
+async def test_a_camera_frame_that_declares_8192x4096_is_refused_undecoded_and_the_decoder_ends():
+    from streamsvc import protocol as P
+
+    viewer, camera = _viewer(takes_input=True), BombCamera(bomb_at=20)
+    told: list = []
+    viewer.send = told.append
+    transport, pc, _ = await _serve(viewer, camera)
+    sink = viewer.session.input
+    try:
+        for _ in range(100):  # 10 s at most
+            await asyncio.sleep(0.1)
+            if told and transport.camera.stats.ended:
+                break
+        assert [m.code for m in told] == [P.ErrorCode.INPUT_REFUSED] and "8192x4096" in told[0].message
+        gate, receiver = transport.camera.gate, transport.camera.receiver
+        assert 10 <= gate.gate.counts.decoded <= 19 and gate.refused is not None  # the 20th never reached it
+        assert 0 < len(sink.pushed) <= 19 and all(frame.width == 128 for frame, _ in sink.pushed)
+        assert receiver._enabled is False and receiver._RTCRtpReceiver__decoder_thread is None  # its memory freed
+        assert pc.connectionState == "connected"  # the viewer's stream goes on
+    finally:
+        await pc.close()
+        await transport.close()
+
+
+def test_the_decoder_threads_cpu_time_is_input_work_and_over_its_budget_refuses_the_input():
+    from streamsvc.transport.rtc_input import ReceiverGate
+
+    stop = threading.Event()
+
+    def decoding() -> None:  # aiortc's decoder thread, busy
+        while not stop.is_set():
+            sum(range(20_000))
+
+    thread = threading.Thread(target=decoding, name="video-decoder")
+    work: list[float] = []
+    refused: list[str] = []
+    gate = ReceiverGate(SimpleNamespace(add_work=work.append), refused.append)
+    gate.gate.max_load = 0.2  # CPU-seconds a second: the thread takes most of a core
+    gate.receiver = SimpleNamespace(_RTCRtpReceiver__decoder_thread=thread)
+    thread.start()
+    try:
+        t0 = time.monotonic()
+        while not refused and time.monotonic() - t0 < 10:  # what the jitter buffer does on each packet
+            gate.pass_frame(False, None, time.monotonic())
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join()
+    assert sum(work) > 0.6  # the decoder's CPU time went to the input stage's cost
+    assert len(refused) == 1 and "CPU-seconds a second over 3 s" in refused[0]
+    assert 3.0 <= time.monotonic() - t0 < 6.0
