@@ -56,7 +56,9 @@ log = logging.getLogger("streamsvc.front")
 PIECE_BYTES = 256 << 10  # a file body is read and written this much at a time
 MAX_BODY_BYTES = 64 << 10  # a request body (an SDP offer is a few KiB; a larger one is refused 413)
 RETRY_AFTER_S = 5  # a 429's Retry-After: about the time a download of a recording takes
-NO_LINGER_S = 1.0  # a close that does not linger: the most it waits for aiohttp's side of it
+# a close that does not linger: the most it waits for what it wrote (its close frame last) to reach the peer, which then
+# closes; a peer that does not read by then is dropped
+NO_LINGER_S = 3.0
 
 
 class ConnectionClosed(Exception):
@@ -80,7 +82,8 @@ class Connection(Protocol):
 
     async def close(self, code: int = 1000, reason: str = "", linger: bool = True) -> None:
         """Close with this code and reason (a no-op once closed). linger=False, for a peer closed for abuse (a
-        flood): send the close frame, then close the socket at once, reading nothing more from it."""
+        flood, a peer that does not read) or done with: send the close frame, then close the socket at once, reading
+        nothing more from it."""
         ...
 
 
@@ -117,19 +120,30 @@ class WebSocketConnection:
             raise ConnectionClosed(str(e)) from None
 
     async def close(self, code: int = 1000, reason: str = "", linger: bool = True) -> None:
-        closing = self._ws.close(code=code, message=reason.encode()[:123])  # a close frame's reason: 123 bytes
+        # a close frame's reason: 123 bytes of UTF-8 (a character cut in two is left out)
+        closing = self._ws.close(code=code, message=reason.encode()[:123].decode(errors="ignore").encode())
         if linger or self._transport is None:
             with contextlib.suppress(ConnectionError):
                 await closing
             return
         # aiohttp would read (and parse) a flood until the peer's close frame: once the task has written ours (its
-        # first step, which runs before this coroutine resumes), the socket stops reading and closes
+        # first step, which runs before this coroutine resumes), the socket stops reading and closes once what was
+        # written is flushed
         task = asyncio.ensure_future(closing)
         await asyncio.sleep(0)
         self._transport.close()
         with contextlib.suppress(ConnectionError, TimeoutError):
             async with asyncio.timeout(NO_LINGER_S):
                 await task
+                while self._transport.get_write_buffer_size():  # what was written (our close frame last) flushes
+                    await asyncio.sleep(0.05)
+        if self._transport.get_write_buffer_size():  # a peer that reads nothing would keep the socket open as long as
+            self._transport.abort()                  # it keeps its window shut: dropped
+
+    def buffered(self) -> int:
+        """Bytes written and not yet handed to the kernel (the transport's buffer: aiohttp waits for it to drain
+        only every 256 KiB): what a viewer's outbox counts with its own against its bound (streamsvc/outbox.py)."""
+        return self._transport.get_write_buffer_size() if self._transport is not None else 0
 
     @property
     def closed(self) -> bool:
