@@ -56,6 +56,9 @@ class Refusal(enum.StrEnum):
     MESSAGE_RATE = "message_rate"  # messages before start or watch over the address's --connect-rate (closed)
     START_TIMEOUT = "start_timeout"  # no start or watch within --start-timeout (closed)
     PROTOCOL_ERRORS = "protocol_errors"  # --max-protocol-errors bad messages within PROTOCOL_ERROR_WINDOW_S (closed)
+    # a viewer that does not read: its backlog of chunks and messages passed its bound (closed; a WebRTC viewer's peer
+    # connection too, when it does not take its data channel's messages: streamsvc/outbox.py)
+    SLOW_CLIENT = "slow_client"
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,11 @@ Two counts of connections, because a reverse proxy puts every client behind one 
 Per address, as token buckets (access.RequestRates): HTTP requests (--http-rate: 429 past it), WebSocket upgrades
 and messages before start or watch (--connect-rate: an upgrade past it gets 429, a message closes its connection).
 Each WebSocket (`ConnectionGuard`) must send start or watch within --start-timeout, and is closed after
---max-protocol-errors bad messages within access.PROTOCOL_ERROR_WINDOW_S. Closes use code 1008 (policy violation)
-with the reason in words; every refusal and close is counted in /metrics by its Refusal reason, and the log lines
-they cause are rate-limited (access.LogGate).
+--max-protocol-errors bad messages within access.PROTOCOL_ERROR_WINDOW_S (a stream's malformed input messages count),
+or when its viewer does not read (its outbox past its bound, streamsvc/outbox.py: `slow_client`). Closes use code
+1008 (policy violation) with the reason in words; every refusal and close is counted in /metrics by its Refusal
+reason, and the log lines they cause are rate-limited (access.LogGate). Once its viewer is done (its stream ended, or
+it left), a WebSocket is closed (1000) and nothing more it sends is read.
 """
 
 from __future__ import annotations
@@ -224,6 +226,17 @@ class ConnectionGuard:
                     linger=False)
         return False
 
+    def backlogged(self, text: str) -> None:
+        """The connection's viewer does not read: its outbox passed its bound (streamsvc/outbox.py). Closed (1008)
+        without reading more; a peer that reads nothing of what is queued is dropped (front.Connection.close)."""
+        self._close(Refusal.SLOW_CLIENT, text, linger=False)
+
+    def ended(self, text: str) -> None:
+        """The connection's viewer is done (its stream ended, or it left) and its last messages went out: closed
+        (1000) without reading more, so that nothing it sends after is parsed. Not a refusal: nothing counted."""
+        if self._closer is None:
+            self._closer = asyncio.ensure_future(self.conn.close(1000, text, linger=False))
+
     def started(self) -> None:
         """The connection has its stream: no deadline any more."""
         if self._deadline is not None:
@@ -242,7 +255,7 @@ class ConnectionGuard:
 
     def _close(self, reason: Refusal, text: str, linger: bool = True) -> None:
         """Close with 1008 and `text`; linger=False for a flood (front.Connection.close: nothing more is read)."""
-        if self.closing is not None:
+        if self.closing is not None or self._closer is not None:
             return
         self.closing = reason
         self.guard._refused(reason, self.address)

@@ -3,7 +3,9 @@
 One WebSocket connection carries one stream: the client sends `start`, gets `ready`,
 then every chunk as one binary message (see streamsvc/protocol.py) while it steers
 with `set_prompt`, `pause`, `resume` and `close`. A bad message gets an `error` back and
-the stream goes on; a client that vanishes has its stream closed and its KV cache freed.
+the stream goes on; a client that vanishes has its stream closed and its KV cache freed. What
+waits to be sent to a viewer is bounded (streamsvc/outbox.py: a client that does not read is
+closed, 1008), and once its stream ends its connection closes: nothing more of it is read.
 
 Who may do what (streamsvc/access.py): a browser's upgrade must come from an allowed origin,
 a stream starts only with a valid token when tokens are configured, each token and address
@@ -34,14 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from streamsvc import protocol as P
-from streamsvc.cpumeter import CpuMeter
+from streamsvc.cpumeter import CpuMeter, MeteredClose
 from streamsvc.access import AccessConfig, Refusal, StreamLimits, TokenBucket, bearer_token, client_address, \
     exposure_warning, find_token, secret_matches, ProtocolErrors
 from streamsvc.engine import ChunkOut, Engine, EngineConfig
 from streamsvc.front import Connection, ConnectionClosed, FrontConfig, Handlers, HttpFront, tls_context
-from streamsvc.guard import Guard, raise_fd_limit
+from streamsvc.guard import ConnectionGuard, Guard, raise_fd_limit
 from streamsvc.input_ws import Upstream, allow_input, input_frames, ready_fields
 from streamsvc.metrics import Metrics
+from streamsvc.outbox import Outbox, OutboxLimits
 from streamsvc.record import RecordingStore
 from streamsvc.routes import RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequest, Routes
 from streamsvc.session import Role, Session, Viewer
@@ -49,6 +52,7 @@ from streamsvc.rtc import WebRtcConfig, server_ice_addresses
 from streamsvc.scheduling import SendSampler
 from streamsvc.streams import Streams, unknown_words, vocabulary
 from streamsvc.transport.webrtc import WebRtcTransport
+from streamsvc.transport.ws import send_outbox
 from streamsvc.whep import Endpoints
 from streamsvc.whip import Ingest
 
@@ -70,6 +74,7 @@ class ServerConfig:
     webrtc: WebRtcConfig = WebRtcConfig()  # ICE servers and candidate addresses of WebRTC streams
     access: AccessConfig = AccessConfig()  # tokens, origins, per-client limits, control rates
     max_watchers: int = 64  # watchers per stream, its steerer not counted
+    outbox: OutboxLimits = OutboxLimits()  # a viewer's backlog past which it is closed; its error replies' rate
     orphan_timeout_s: float = 60.0  # a stream whose steerer left goes on this long for its watchers
     recordings_dir: str = "recordings"  # where recordings go (`record` messages, --record) and are served from
     record_all: bool = False  # record every stream (--record DIR)
@@ -272,7 +277,10 @@ class Server:
 
     def _refresh_metrics(self) -> None:
         """Bring the metrics' gauges up to date (what GET /metrics runs first)."""
-        self.metrics.refresh(self.engine, self.sessions.values(), self.recordings.used_bytes, self.streamless.seconds)
+        connections = {"websocket": self.guard.clients.held(), "whip": len(self.whep.whip.publishers),
+                       "webrtc": sum(1 for rtc in self.webrtc.values() if rtc.pc is not None)}
+        self.metrics.refresh(self.engine, self.sessions.values(), self.recordings.used_bytes, self.streamless.seconds,
+                             connections)
 
     # -- WebSocket ----------------------------------------------------------------------------
 
@@ -281,7 +289,7 @@ class Server:
         work (self.streamless): not its stream's, which has none."""
         conn = _Connection()
         stream_less = lambda: conn.viewer is None  # noqa: E731
-        await self.streamless.run(self._connection(_MeteredClose(ws, self.streamless, stream_less), conn), stream_less)
+        await self.streamless.run(self._connection(MeteredClose(ws, self.streamless, stream_less), conn), stream_less)
 
     async def _connection(self, ws: Connection, conn: _Connection) -> None:
         viewer: Viewer | None = None
@@ -290,8 +298,15 @@ class Server:
         upstream: Upstream | None = None  # its input video, if it steers a stream that takes input over it
         try:
             async for raw in ws:
+                if viewer is not None and viewer.closed:
+                    break  # its stream ended (or it left): nothing more of it is parsed; the sender closes it
                 if upstream is not None and isinstance(raw, bytes):
-                    await upstream.receive(raw)  # input video: decoded into its stream's input (errors answered)
+                    try:
+                        await upstream.receive(raw)  # input video: decoded into its stream's input
+                    except P.ProtocolError:  # it broke the framing (answered): a protocol error
+                        self.metrics.errors.inc()
+                        if not guard.protocol_error():
+                            break
                     continue
                 if viewer is None:
                     self.streamless.event()  # a junk flood's parsing is mostly aiohttp's: counted, if not timed
@@ -310,13 +325,16 @@ class Server:
                         await self._send_now(ws, viewer, P.Error(code=P.ErrorCode.ALREADY_STARTED, message=(
                             f"this connection already {'steers' if viewer.role is Role.STEER else 'watches'} stream "
                             f"{viewer.stream_id}; open another connection for another stream")))
+                        if not guard.protocol_error():
+                            break
                         continue
                     viewer = await (self._start(ws, msg) if isinstance(msg, P.Start) else self._watch(ws, msg))
                     conn.viewer = viewer
                     upstream = Upstream.for_viewer(viewer)
                     if viewer is not None:
                         guard.started()
-                        sender = asyncio.create_task(self._sender(ws, viewer), name=f"send-{viewer.viewer_id}")
+                        viewer.outbox.on_overflow(guard.backlogged)  # a client that does not read is closed
+                        sender = asyncio.create_task(self._sender(ws, viewer, guard), name=f"send-{viewer.viewer_id}")
                 elif viewer is None:
                     await ws.send(P.encode(P.Error(code=P.ErrorCode.NOT_STARTED,
                                                    message=f"send 'start' or 'watch' before '{msg.type}'")))
@@ -329,13 +347,13 @@ class Server:
         except ConnectionClosed:
             pass
         finally:
-            await guard.done()
             if viewer is not None:
                 await self.streams.leave(viewer, "client disconnected")
-            if sender is not None:
+            if sender is not None:  # its last messages (`closed`), then it closes the connection (guard.ended)
                 with contextlib.suppress(asyncio.TimeoutError, ConnectionClosed):
                     await asyncio.wait_for(sender, timeout=2)
                 sender.cancel()
+            await guard.done()  # a close under way finishes
 
     async def _send_now(self, ws, viewer: Viewer | None, msg) -> None:
         if viewer is not None:
@@ -378,8 +396,11 @@ class Server:
 
     def _new_viewer(self, ws: Connection, session: Session, role: Role, token: str | None) -> Viewer:
         access, now = self.config.access, self.clock()
+        outbox = Outbox(self.config.outbox, self.clock, below=getattr(ws, "buffered", lambda: 0),
+                        on_dropped=self.metrics.replies_dropped.inc)
         return Viewer(f"v{next(self._viewer_ids)}", session, role, token=token, address=self._address(ws),
-                      control_rate=TokenBucket(access.control_rate, now), stats_rate=TokenBucket(access.stats_rate, now))
+                      control_rate=TokenBucket(access.control_rate, now), stats_rate=TokenBucket(access.stats_rate, now),
+                      outbox=outbox)
 
     async def _start(self, ws: Connection, msg: P.Start) -> Viewer | None:
         client = await self._let_in(ws, msg)
@@ -449,6 +470,7 @@ class Server:
             viewer, _TrackReports(self.engine, viewer), self._webrtc_config,
             on_control=lambda m: self.streams.control(viewer, m),
             on_lost=lambda reason: self.streams.leave(viewer, reason), on_stall=self.metrics.track_stalls.inc,
+            on_backlog=self.metrics.refusals.labels(Refusal.SLOW_CLIENT.value).inc,
             protocol_errors=ProtocolErrors(self.config.access.max_protocol_errors),
         )
 
@@ -507,39 +529,23 @@ class Server:
         await ws.send(P.encode(P.Error(code=_START_REFUSAL_CODES[reason], message=message[: P.MAX_TEXT_CHARS],
                                        request=request)))
 
-    async def _sender(self, ws: Connection, viewer: Viewer) -> None:
-        """Sends the viewer's outbox in order: chunks as binary, messages as text, None ends.
-
-        A WebRTC viewer's chunks go to its track instead, and its messages on its data channel once that is open.
-        """
+    async def _sender(self, ws: Connection, viewer: Viewer, guard: ConnectionGuard) -> None:
+        """Sends the viewer's outbox (streamsvc/transport/ws.py); once it ends (the viewer is done), its WebRTC peer
+        connection closes, and then its connection (nothing more it sends is parsed)."""
         try:
-            await self._send_outbox(ws, viewer)
+            await send_outbox(ws, viewer, lambda: self._chunk_sent(viewer))
         finally:
             if viewer.rtc is not None:
                 self.webrtc.pop(viewer.viewer_id, None)
                 await asyncio.shield(viewer.rtc.close())  # the peer connection closes even if this task is cancelled
+            guard.ended(viewer.session.close_reason or "left the stream")
 
-    async def _send_outbox(self, ws: Connection, viewer: Viewer) -> None:
-        rtc = viewer.rtc
-        while True:
-            item = await viewer.outbox.get()
-            if item is None:
-                return
-            try:
-                if isinstance(item, ChunkOut):
-                    if rtc is not None:
-                        rtc.feed(item)  # the track sends its frames (and the header) at the stream's pace
-                    else:
-                        await ws.send(item.payload)
-                    self._chunks_sent += 1
-                    self.metrics.chunks.inc()
-                    ttff = viewer.delivered(self._loop.time())
-                    if ttff is not None:
-                        (self.metrics.ttff if viewer.role is Role.STEER else self.metrics.watcher_ttff).observe(ttff)
-                elif rtc is None or not rtc.send_control(item):
-                    await ws.send(P.encode(item))
-            except ConnectionClosed:
-                return
+    def _chunk_sent(self, viewer: Viewer) -> None:
+        self._chunks_sent += 1
+        self.metrics.chunks.inc()
+        ttff = viewer.delivered(self._loop.time())
+        if ttff is not None:
+            (self.metrics.ttff if viewer.role is Role.STEER else self.metrics.watcher_ttff).observe(ttff)
 
 
 @dataclass
@@ -547,24 +553,6 @@ class _Connection:
     """What the stream-less meter asks of a connection: whether it has a stream yet."""
 
     viewer: Viewer | None = None  # its viewer, once a start or watch is admitted
-
-
-class _MeteredClose:
-    """A `Connection` whose close is stream-less work while `charging()` says it has no stream: the guard closes an
-    abusive connection from a task of its own, and aiohttp's close reads and parses whatever the peer still sends
-    until its close frame (under a flood of junk frames, three quarters of the loop's CPU)."""
-
-    def __init__(self, ws: Connection, meter: CpuMeter, charging: Callable[[], bool]) -> None:
-        self._ws, self._meter, self._charging = ws, meter, charging
-
-    def __getattr__(self, name: str):
-        return getattr(self._ws, name)
-
-    def __aiter__(self):
-        return self._ws.__aiter__()
-
-    async def close(self, *args, **kwargs) -> None:  # Connection.close's arguments, whatever they are
-        await self._meter.run(self._ws.close(*args, **kwargs), self._charging)
 
 
 class _TrackReports:
