@@ -23,7 +23,8 @@ a DATA chunk, the guard:
 - counts a message that aiortc fails to deliver (invalid UTF-8, an open of an open channel) instead of
   letting the exception close the DTLS transport with a traceback.
 
-Each refusal calls ``on_refused(reason)``: the transport counts it as a protocol error. What the guard uses of
+Each refusal calls ``on_refused(reason)``, a message aiortc fails to deliver ``on_failed(reason)`` (by default the
+same): the transport answers it with an error the peer sees, and counts it as a protocol error. What the guard uses of
 aiortc (``_HOOKS``, ``InboundStream.reassembly`` and ``sequence_number``, ``DataChunk`` fields) is the same in
 aiortc 1.9 to 1.16; ``install`` returns False (and the transport keeps its own message-level checks) if a
 later aiortc lacks it, and ``tests/streamsvc/test_webrtc_abuse.py`` fails loudly.
@@ -57,9 +58,12 @@ class DataChannelLimits:
     max_streams: int = 8  # SCTP streams the peer may send on (a data channel is one; we use one)
     tsn_window: int = 512  # chunks further ahead than this of the cumulative TSN are dropped unacknowledged
     inbox: int = 16  # whole messages waiting for the control handler; more are dropped (and counted)
+    # the server's messages queued on the channel unsent (the peer acknowledges nothing): past it the peer is closed
+    max_buffered_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
-        for name in ("max_message_bytes", "max_held_bytes", "max_held_chunks", "max_streams", "tsn_window", "inbox"):
+        for name in ("max_message_bytes", "max_held_bytes", "max_held_chunks", "max_streams", "tsn_window", "inbox",
+                     "max_buffered_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: give at least 1")
         if self.max_held_bytes < self.max_message_bytes:
@@ -70,9 +74,11 @@ class DataChannelLimits:
 class ReassemblyGuard:
     """Bounds one SCTP association's reassembly (see the module's docstring). Counters for logs and tests."""
 
-    def __init__(self, limits: DataChannelLimits, on_refused: Callable[[str], None] = lambda reason: None) -> None:
+    def __init__(self, limits: DataChannelLimits, on_refused: Callable[[str], None] = lambda reason: None,
+                 on_failed: Callable[[str], None] | None = None) -> None:
         self.limits = limits
         self._on_refused = on_refused
+        self._on_failed = on_failed or on_refused
         self._sctp = None
         self._skip: dict[int, int] = {}  # stream id -> next TSN of an unordered refused message still arriving
         self.refused = 0  # messages refused
@@ -121,7 +127,7 @@ class ReassemblyGuard:
                 await receive(chunk)
             except Exception as e:  # noqa: BLE001 - aiortc raises on some peer input; it must not end the transport
                 self.failed += 1
-                self._on_refused(f"a data channel message aiortc could not deliver ({type(e).__name__}: {e})")
+                self._on_failed(f"a data channel message aiortc could not deliver ({type(e).__name__}: {e})")
             return
         self.dropped_chunks += 1
         sctp._sack_needed = True

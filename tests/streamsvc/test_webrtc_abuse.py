@@ -61,7 +61,7 @@ class _Engine:
 
 
 def _transport(*, protocol_errors: ProtocolErrors | None = None, limits: DataChannelLimits | None = None,
-               block: asyncio.Event | None = None, **config):
+               block: asyncio.Event | None = None, on_backlog=lambda: None, **config):
     """The server's side of one viewer, with no server around it: (transport, controls received, reasons lost)."""
     controls: list = []
     lost: list[str] = []
@@ -78,7 +78,8 @@ def _transport(*, protocol_errors: ProtocolErrors | None = None, limits: DataCha
                               closed=False, buffer_report=lambda seconds: None)
     kwargs = {} if limits is None else {"limits": limits}
     transport = WebRtcTransport(session, _Engine(), WebRtcConfig(ice_addresses=LOOPBACK, **config),
-                                on_control=on_control, on_lost=on_lost, protocol_errors=protocol_errors, **kwargs)
+                                on_control=on_control, on_lost=on_lost, on_backlog=on_backlog,
+                                protocol_errors=protocol_errors, **kwargs)
     return transport, controls, lost
 
 
@@ -433,6 +434,44 @@ async def test_an_oversized_message_is_refused_while_reassembled_and_the_channel
         c.channel.send(P.encode(P.Pause()))  # the next message on the same ordered stream still arrives
         assert await _until(lambda: c.controls), "the channel is stuck after a refusal"
         assert isinstance(c.controls[0], P.Pause) and c.transport.pc.connectionState == "connected"
+
+
+@pytest.mark.slow
+async def test_an_oversized_message_is_answered_with_too_large_on_the_channel():
+    async with _connected(protocol_errors=ProtocolErrors(100)) as c:
+        replies = []
+        c.channel.on("message", replies.append)
+        _unbounded_send(c.pc)
+        c.channel.send("x" * (100 * 1024))
+        assert await _until(lambda: replies), "the viewer was not told"
+        error = P.parse_server(replies[0])
+        assert error.code is P.ErrorCode.TOO_LARGE, error
+        assert error.message.startswith("data channel message refused: a message of more than 65536 bytes")
+        assert c.transport.errors.count == 1 and not c.lost  # a protocol error; the stream goes on
+
+
+@pytest.mark.slow
+async def test_a_peer_that_takes_none_of_its_channels_messages_is_closed_as_a_slow_client():
+    backlogged = []
+    limits = DataChannelLimits(max_buffered_bytes=8192)
+    async with _connected(limits=limits, on_backlog=lambda: backlogged.append(1)) as c:
+        message = P.Error(code=P.ErrorCode.INVALID_FIELD, message="x" * 300)
+        for _ in range(100):  # a viewer that reads them: nothing piles up
+            c.transport.send_control(message)
+            await asyncio.sleep(0.005)
+        assert not c.lost and c.transport.channel.bufferedAmount <= limits.max_buffered_bytes
+
+        async def deaf(chunk) -> None:  # from here the viewer's SCTP takes (and acknowledges) nothing
+            pass
+
+        c.pc.sctp._receive_chunk = deaf
+        for _ in range(400):
+            c.transport.send_control(message)
+            if c.lost:
+                break
+            await asyncio.sleep(0.005)
+        assert c.lost and c.lost[0].startswith("slow client: ") and "(limit 8192)" in c.lost[0], c.lost
+        assert backlogged == [1] and await _until(lambda: c.transport.pc.connectionState == "closed")
 
 
 @pytest.mark.slow
