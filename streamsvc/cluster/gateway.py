@@ -167,6 +167,7 @@ class Gateway(Server):
         about a second old), and the gateway's own as streamsvc_gateway_*."""
         samples: dict[str, list[str]] = {}
         stats = self.board.stats()
+        self.metrics.connections.labels("websocket").set(self.guard.clients.held())  # its viewers' sockets
         for s in stats:
             for key, value in (s.metrics or {}).items():
                 name, labels = _split(key)
@@ -270,11 +271,12 @@ class Gateway(Server):
                 if isinstance(item, dict) and "allow_messages" in item:  # the stream takes input video: its
                     ws.allow_messages(min(int(item["allow_messages"]), MAX_INPUT_BYTES))  # camera's messages pass
                     continue
-                if isinstance(item, dict):  # the replica's server closed the socket (e.g. unauthorized)
-                    code, reason = item.get("close", (1000, ""))
-                    await ws.close(code, reason)
+                if isinstance(item, dict):  # the replica's server closed the socket (e.g. unauthorized, the stream
+                    code, reason = item.get("close", (1000, ""))  # ended): nothing more of the viewer's is read
+                    await ws.close(code, reason, linger=False)
                     break
-                await ws.send(item)
+                if not await self._send_in_time(ws, item):
+                    break
         except ConnectionClosed:
             pass  # the viewer left: upstream tells the replica
         except Exception as e:  # noqa: BLE001 - the replica's call failed: tell the viewer why
@@ -284,6 +286,20 @@ class Gateway(Server):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await upstream
             gen.cancel()
+
+    async def _send_in_time(self, ws: Connection, item: str | bytes) -> bool:
+        """Send an item of the replica's to the viewer. A viewer that does not read holds the relay up, and what the
+        replica sends meanwhile waits in its call: a send that waits longer than a viewer's outbox may wait
+        (ServerConfig.outbox.max_wait_s) closes the connection as a slow client (1008, counted); False then."""
+        wait_s = self.config.outbox.max_wait_s
+        try:
+            async with asyncio.timeout(wait_s):
+                await ws.send(item)
+            return True
+        except TimeoutError:
+            self.metrics.refusals.labels(Refusal.SLOW_CLIENT.value).inc()
+            await ws.close(1008, f"slow client: a message waited {wait_s:g} s to be sent", linger=False)
+            return False
 
     async def _place(self, ws: Connection, relay: _Relay, start: str, address: str):
         """Open the session's streaming call on a replica: the call (its placement read), or None after

@@ -67,8 +67,8 @@ def ray_cluster():
 
 
 @contextlib.asynccontextmanager
-async def gateway(env: Env):
-    g = Gateway(env.handle, ServerConfig(port=0), GatewayConfig(call_timeout_s=5, place_timeout_s=T))
+async def gateway(env: Env, config: ServerConfig = ServerConfig(port=0)):
+    g = Gateway(env.handle, config, GatewayConfig(call_timeout_s=5, place_timeout_s=T))
     await asyncio.wait_for(g.start(), T)
     try:
         # two replicas up, and the streams of the test before gone from their stats (placement reads them)
@@ -230,6 +230,39 @@ async def test_a_stream_with_input_takes_its_cameras_large_messages_through_the_
                     assert ws.close_code == 1009
             finally:
                 await ws.close()
+
+
+async def test_a_viewer_that_does_not_read_is_closed_by_the_gateway_as_a_slow_client(ray_cluster):
+    """A viewer that takes nothing holds its relay up, and its replica's chunks wait in the call: once a send to it has
+    waited the outbox's max_wait_s, the gateway closes it (1008, counted), and its stream ends on its replica."""
+    import socket
+
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    from streamsvc import protocol as P
+    from streamsvc.outbox import OutboxLimits
+
+    async with gateway(ray_cluster, ServerConfig(port=0, outbox=OutboxLimits(max_wait_s=2.0))) as g:
+        # small kernel buffers on both sides (loopback's megabytes would take the tiny stream minutes to fill)
+        g._front._listening.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", g.port))
+        async with connect(f"ws://127.0.0.1:{g.port}/ws", sock=sock, compression=None, max_size=None,
+                           ping_interval=None) as ws:
+            await ws.send(P.encode(P.Start(prompt="a red ball moving right")))
+            assert isinstance(P.parse_server(await asyncio.wait_for(ws.recv(), T)), P.Ready)
+            ws.transport.pause_reading()  # from here it reads nothing
+            slow = g.metrics.refusals.labels("slow_client")
+            assert await wait_for(lambda: slow._value.get() == 1, 60), "never closed"
+            ws.transport.resume_reading()
+            with contextlib.suppress(ConnectionClosed):
+                async with asyncio.timeout(T):
+                    while True:
+                        await ws.recv()
+            assert ws.close_code == 1008 and ws.close_reason == "slow client: a message waited 2 s to be sent"
+        assert await wait_for(lambda: sum(streams_by_replica(g).values()) == 0), streams_by_replica(g)
 
 
 async def test_whep_and_whip_through_the_gateway(ray_cluster, monkeypatch):
