@@ -84,7 +84,7 @@ def _attack(port: int, max_s: float, out) -> None:
             if b"\r\n\r\n" in data and _server_frames(data.split(b"\r\n\r\n", 1)[1]):
                 break
             data += sock.recv(4096)
-        head, rest = data.split(b"\r\n\r\n", 1)
+        _, rest = data.split(b"\r\n\r\n", 1)
         first = _server_frames(rest)[0][1].decode()
         figures["ready"] = json.loads(first).get("type") == "ready"
         if not figures["ready"]:
