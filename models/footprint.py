@@ -52,13 +52,17 @@ def dit_parameters(mc: ModelConfig) -> int:
         return sum(p.numel() for p in CausalWanModel(mc).parameters())
 
 
+SHAPE_FIELDS = ("dim", "ffn_dim", "num_heads", "num_layers", "text_dim", "text_len", "freq_dim")  # a config.json's
+
+
 def estimate(preset: str, cfg: GeneratorConfig, device_type: str, batch: int = 1,
-             wan_dir: str | None = None) -> Footprint:
+             wan_dir: str | None = None, shapes: dict | None = None) -> Footprint:
     """The footprint of `preset` under `cfg` on a device of `device_type` ("cpu" or "cuda") running up to `batch`
-    streams a forward, with the encoders of `wan_dir` if given."""
+    streams a forward, with the encoders of `wan_dir` if given; `shapes`: the DiT's own dimensions where a
+    checkpoint's config.json gives them (SHAPE_FIELDS), over the preset's."""
     from kvcache.quant import scratch_bytes
 
-    mc = ModelConfig.from_name(preset)
+    mc = ModelConfig.from_name(preset, **{k: v for k, v in (shapes or {}).items() if k in SHAPE_FIELDS})
     dtype = torch.float32 if device_type == "cpu" else torch.bfloat16
     itemsize = dtype.itemsize
     spec = mc.cache_spec(sink_frames=cfg.sink_frames, window_frames=cfg.window_frames,

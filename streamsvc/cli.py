@@ -204,7 +204,7 @@ def _preflight(args) -> str | None:
     batch = (args.max_batch or (1 if device.type == "cuda" else 4)) if serve else 1
     budget = (int(args.kv_budget_gib * 2**30) if args.kv_budget_gib else 4 * 2**30) if serve else None
     return preflight.check_memory(args.preset, cfg, device.type, batch=batch, kv_budget_bytes=budget,
-                                  wan_dir=args.wan_dir)
+                                  wan_dir=args.wan_dir, checkpoint=args.checkpoint)
 
 
 def _check_weights(args) -> None:

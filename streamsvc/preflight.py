@@ -118,16 +118,29 @@ def available_memory() -> int | None:
 
 
 def check_memory(preset: str, cfg, device_type: str, *, batch: int = 1, kv_budget_bytes: int | None = None,
-                 wan_dir: str | None = None, available: int | None = None) -> str | None:
+                 wan_dir: str | None = None, checkpoint: str | None = None,
+                 available: int | None = None) -> str | None:
     """On a CPU: the model `preset` under `cfg` (models.GeneratorConfig) fits the host's `available` memory
     (default: what /proc/meminfo says) with one stream, and one stream's KV cache fits `kv_budget_bytes` (serve's
-    pool; None: no pool, as `generate`). Raises ValueError with the figures and what would fit; returns a warning
-    to log when a GPU preset fits but will be slow, else None. A GPU checks its own memory as the model loads."""
-    from models.footprint import estimate
+    pool; None: no pool, as `generate`). A checkpoint's or Wan folder's DiT counts at the dimensions its
+    config.json gives; one that has none (a bare .pt) is not estimated. Raises ValueError with the figures and
+    what would fit; returns a warning to log when a GPU preset fits but will be slow, else None. A GPU checks
+    its own memory as the model loads."""
+    from models.footprint import SHAPE_FIELDS, estimate
+    from models.weights import dit_configs
 
     if device_type != "cpu":
         return None
-    fp = estimate(preset, cfg, device_type, batch, wan_dir)
+    shapes = None
+    if checkpoint or wan_dir:
+        configs = dit_configs(checkpoint or wan_dir, wan_dir)
+        if not configs:
+            return None  # its shapes are in its tensors: the loader checks them
+        shapes = {k: getattr(configs[0], k) for k in SHAPE_FIELDS if getattr(configs[0], k) is not None}
+    try:
+        fp = estimate(preset, cfg, device_type, batch, wan_dir, shapes)
+    except ValueError:
+        return None  # shapes that make no model: the loader says what is wrong with them
     available = available_memory() if available is None else available
     need = fp.with_streams(1)
     parts = (f"the DiT's weights {fp.weights / GB:.1f}, " + (f"the Wan encoders {fp.encoders / GB:.1f}, " if
@@ -137,7 +150,7 @@ def check_memory(preset: str, cfg, device_type: str, *, batch: int = 1, kv_budge
     gpu_preset = preset != "tiny"
     fixes = []
     if cfg.kv_quant == "none":
-        smaller = estimate(preset, replace(cfg, kv_quant="int2"), device_type, batch, wan_dir)
+        smaller = estimate(preset, replace(cfg, kv_quant="int2"), device_type, batch, wan_dir, shapes)
         if available is None or smaller.with_streams(1) <= available:
             fixes.append(f"--kv-quant int2 (about {smaller.with_streams(1) / GB:.1f} GB)")
     if gpu_preset:

@@ -159,3 +159,24 @@ def test_generate_warns_of_words_the_built_in_model_does_not_know(tmp_path, caps
     assert "it knows: a, against, background, ball" in err and "'a red ball'" not in err
     assert main(args + ["--prompt", "a red ball moving right"]) == 0
     assert "does not know" not in capsys.readouterr().err
+
+
+def test_memory_counts_a_checkpoint_at_its_config_s_shapes(tmp_path):
+    """A small DiT in the 14B's layout, its config.json giving its shapes: counted at those, not the preset's
+    143 GB; without a config.json that says its heads, nothing is estimated (the loader says what is wrong)."""
+    import json
+
+    from models import CausalWanModel, ModelConfig
+    from models.stream import GeneratorConfig
+    from tests.models.test_weights import wan_dir
+
+    mc = ModelConfig.from_name("wan2.1-14b", dim=96, num_heads=3, ffn_dim=128, num_layers=2, text_dim=32)
+    d = wan_dir(tmp_path, CausalWanModel(mc).init_weights(3), heads=3, shards=3)
+    assert preflight.check_memory("wan2.1-14b", GeneratorConfig(), "cpu", checkpoint=str(d),
+                                  available=2 * GiB).startswith("--preset wan2.1-14b is meant for a GPU")
+    with pytest.raises(ValueError, match="needs about 143"):
+        preflight.check_memory("wan2.1-14b", GeneratorConfig(), "cpu", available=2 * GiB)
+    config = json.loads((d / "config.json").read_text())
+    del config["num_heads"]
+    (d / "config.json").write_text(json.dumps(config))
+    assert preflight.check_memory("wan2.1-14b", GeneratorConfig(), "cpu", checkpoint=str(d), available=1) is None
