@@ -89,9 +89,10 @@ class LibraryLogGate(logging.Filter):
         self.gate = gate or LineGate()
         self.clock = clock
         self._lock = threading.Lock()
+        self._verdict = f"_library_gate_{id(self)}"  # this gate's decision on a record (another gate decides its own)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        verdict = getattr(record, "_library_gate", None)
+        verdict = record.__dict__.get(self._verdict)
         if verdict is not None:
             return verdict
         source = source_of(record.name)
@@ -105,7 +106,7 @@ class LibraryLogGate(logging.Filter):
             record.msg = (f"{record.getMessage()} [{held} more lines from {source} held back since its last line; "
                           f"at most {self.gate.per_source} a {period:g} s]")
             record.args = ()
-        record._library_gate = held is not None
+        record.__dict__[self._verdict] = held is not None
         return held is not None
 
 
