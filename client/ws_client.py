@@ -26,7 +26,9 @@ While a stream plays, three tasks run on the event loop:
 
 A watcher is measured exactly like a steerer (TTFF counts from its own
 connect). Both keep the latest ``audience`` message (their role can change:
-a handover, a take) and the ``recording`` one; an ``error`` with code
+a handover, a take) and the ``recording`` one; ``steer_secret`` is the
+stream's steer secret while this viewer holds the token (``ready``'s, or the
+new one the ``audience`` that gave it the token carried); an ``error`` with code
 ``not_steerer`` (a watcher asked for what only the steerer may do) is counted
 and recorded, and the stream goes on. A server message the client does not use
 (a valid one, or one of a type newer than this client) is counted in
@@ -252,6 +254,8 @@ class ViewerClient:
         self.pixels: PixelLatency | None = None  # with verify_pixels: times prompts on the played frames' pixels
         self.audience: P.Audience | None = None  # the latest audience message
         self.audience_max = 0  # the most watchers any audience message announced
+        # the stream's steer secret while this viewer steers (ready's, then a handover's or a take's audience's)
+        self.steer_secret: str | None = None
         self.recording: P.Recording | None = None  # the latest recording message
         self.not_steerer = 0  # not_steerer errors received
         self.ignored_messages = 0  # server messages not used (see the module docstring)
@@ -300,6 +304,7 @@ class ViewerClient:
             msg = self._parse(raw)
             if isinstance(msg, P.Ready):
                 self.ready = msg
+                self.steer_secret = msg.steer_secret  # a steerer's (a watcher's ready carries none)
                 self._opened.set()
                 return True
             if isinstance(msg, P.Error):
@@ -504,6 +509,10 @@ class ViewerClient:
         if isinstance(msg, P.Audience):
             self.audience = msg
             self.audience_max = max(self.audience_max, msg.watchers)
+            if msg.steer_secret is not None:  # the token came to this viewer, with the stream's new steer secret
+                self.steer_secret = msg.steer_secret
+            elif msg.role != "steer":  # it went on: the secret this viewer had is revoked
+                self.steer_secret = None
         elif isinstance(msg, P.Recording):
             self.recording = msg
         else:

@@ -7,11 +7,20 @@ connection's message limit rises to `wire_input.MAX_INPUT_BYTES` (`allow_input`;
 control limit and its 1009). Its binary messages are input (`Upstream`): unpacked (a message that breaks the framing
 is answered with `bad_chunk` and dropped), decoded by PyAV in a small pool of threads off the event loop, one
 message at a time per connection, and pushed with their capture times; H.264 that does not decode is counted as
-decode errors. A flood is not decoded: frames beyond `FLOOD_RATE` times the stream's fps (bursts of a second's
-frames) are dropped undecoded (counted), and so is what follows them up to the next keyframe (a P-frame without its
-reference would not decode anyway), so one sender cannot take the decoder threads every stream shares. The input is
-the steerer's: after a handover the old steerer's messages are refused (`not_steerer`), and the stream goes on
-either way.
+decode errors. Each access unit passes the connection's `InputGate` (streamsvc/input_gate.py) before the decoder
+sees it, read from its own NAL units (the header's ``keyframe`` is not trusted):
+- The pixel cap (streamsvc/bitstream.py): an SPS that declares more than 1920x1080 (or a decoded frame that is)
+  refuses the connection's input at once: an ``error`` (``input_refused``, with the size and the cap), the decoder
+  and its pictures dropped, and every later input message dropped unread. The stream goes on as text-to-video: its
+  viewer (and its watchers) keep what they came for, and a camera too large is the sender's to fix, not a reason to
+  end the stream; a sender that wants input again starts a new stream. The same when the decoder's CPU time stays
+  over its budget (`MAX_DECODE_LOAD` CPU-seconds a second over `DECODE_SUSTAIN_S`), with that reason.
+- A flood is not decoded: frames beyond `FLOOD_RATE` times the stream's fps (bursts of a second's frames) are dropped
+  undecoded (counted), a frame no other refers to (nal_ref_idc 0) alone, a reference frame with the rest of its
+  group of pictures, up to the next IDR (they would not decode without it), so one sender cannot take the decoder
+  threads every stream shares. The decoder's CPU time counts in the input stage's cost (`InputFrames.add_work`).
+The input is the steerer's: after a handover the old steerer's messages are refused (`not_steerer`), and the stream
+goes on either way.
 """
 
 from __future__ import annotations
@@ -23,8 +32,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from streamsvc import protocol as P
+from streamsvc.input_gate import InputGate, Verdict
 from streamsvc.inputs import InputFrames
-from streamsvc.wire_input import MAX_INPUT_BYTES, InputHeader, unpack_input
+from streamsvc.wire_input import MAX_INPUT_BYTES, unpack_input
 
 log = logging.getLogger("streamsvc.server")
 
@@ -67,18 +77,16 @@ class Upstream:
     """One connection's input video: H.264 in, decoded frames into its stream's InputFrames."""
 
     def __init__(self, viewer) -> None:
-        import av
-
         self.viewer = viewer
         self.frames: InputFrames = viewer.session.input
-        self._decoder = av.CodecContext.create("h264", "r")
-        self._decoder.thread_count = 1  # no frame threading: a frame out for each frame in, no added delay
+        self._decoder = None  # the connection's H.264 decoder, made for the first frame it decodes
         self.messages = 0
         self.frames_in = 0
+        self.dropped_messages = 0  # input messages dropped unread after the input was refused
         fps = float(viewer.session.fps)
-        self._rate, self._burst = FLOOD_RATE * fps, fps  # the flood's bound: frames a second, and a second's worth
-        self._tokens, self._at = self._burst, time.monotonic()
-        self._need_keyframe = False  # frames were dropped undecoded: the next ones wait for a keyframe
+        # the flood's bound: frames a second, and a second's worth; the pixel cap; the decoder's CPU budget
+        self.gate = InputGate(FLOOD_RATE * fps, fps, time.monotonic())
+        self._told = False  # the client was sent the refusal
 
     @classmethod
     def for_viewer(cls, viewer) -> Upstream | None:
@@ -87,43 +95,68 @@ class Upstream:
             return None
         return cls(viewer)
 
+    @property
+    def refused(self) -> str | None:
+        """Why this connection's input was refused (None: it was not)."""
+        return self.gate.refused
+
     async def receive(self, raw: bytes) -> None:
-        """One binary message (an error answers it when it is refused; the stream goes on)."""
+        """One binary message (an error answers it when it is refused; the stream goes on). One that breaks the
+        framing raises the ProtocolError it was answered with: the connection counts it (streamsvc/guard.py)."""
+        if self.gate.refused is not None:  # refused: dropped unread (the client was told once)
+            self.dropped_messages += 1
+            return
         try:
             header, units = unpack_input(raw)
         except P.ProtocolError as e:
             self.frames.decode_error()
             self.viewer.send(e.to_message())
-            return
+            raise
         if self.viewer.session.steerer is not self.viewer:
             self.viewer.send(P.Error(code=P.ErrorCode.NOT_STEERER, message=(
                 "input dropped: the stream's input is its steerer's, and you handed the steer token over")))
             return
         self.messages += 1
-        if not self._admit(header):
-            return
-        await asyncio.get_running_loop().run_in_executor(_DECODERS, self._decode, header, units)
+        batch = self._admit(units, header.capture_ms)
+        if batch and self.gate.refused is None:
+            await asyncio.get_running_loop().run_in_executor(_DECODERS, self._decode, batch)
+        if self.gate.refused is not None:
+            self._refuse()
 
-    def _admit(self, header: InputHeader) -> bool:
-        """Whether the message's frames are decoded: within the flood bound, and not waiting for a keyframe."""
-        now = time.monotonic()
-        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
-        self._at = now
-        if self._need_keyframe and not header.keyframe or self._tokens < header.frames:
-            self._need_keyframe = True
-            for _ in range(header.frames):
+    def _admit(self, units: list[bytes], capture_ms: list[float]) -> list[tuple[bytes, float]]:
+        """The access units to decode, with their capture times; the others dropped (counted) or refused."""
+        now, batch = time.monotonic(), []
+        for unit, capture in zip(units, capture_ms):
+            verdict = self.gate.admit(unit, now)
+            if verdict is Verdict.DECODE:
+                batch.append((unit, capture))
+            elif verdict is Verdict.REFUSE:
+                return []
+            elif verdict is Verdict.BAD:
+                self.frames.decode_error()
+            else:
                 self.frames.drop()
-            return False
-        self._need_keyframe = False
-        self._tokens -= header.frames
-        return True
+        return batch
 
-    def _decode(self, header: InputHeader, units: list[bytes]) -> None:
+    def _refuse(self) -> None:
+        """The input is refused: the decoder and its pictures go, the client is told once."""
+        self._decoder = None
+        if not self._told:
+            self._told = True
+            log.info("stream %s: input refused: %s", self.viewer.stream_id, self.gate.refused)
+            self.viewer.send(P.Error(code=P.ErrorCode.INPUT_REFUSED, message=(
+                f"input refused: {self.gate.refused}; the stream goes on without input (start a new one to send "
+                "input again)")))
+
+    def _decode(self, batch: list[tuple[bytes, float]]) -> None:
         import av
 
+        if self._decoder is None:
+            self._decoder = av.CodecContext.create("h264", "r")
+            self._decoder.thread_count = 1  # no frame threading: a frame out for each frame in, no added delay
         decode_s = 0.0
-        for unit, capture_ms in zip(units, header.capture_ms):
-            t0 = time.perf_counter()
+        for unit, capture_ms in batch:
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             try:
                 frames = self._decoder.decode(av.Packet(unit))
             except (av.FFmpegError, ValueError):
@@ -131,9 +164,14 @@ class Upstream:
                 continue
             finally:
                 decode_s += time.perf_counter() - t0
+                self.gate.decode_time(time.thread_time() - cpu0, time.monotonic())
             if not frames:  # with no frame threading and no B-frames each access unit gives a frame: garbage
                 self.frames.decode_error()
             for frame in frames:
+                if not self.gate.decoded_size(frame.width, frame.height):
+                    break
                 self.frames_in += 1
                 self.frames.push_av(frame, capture_ms / 1000.0)
+            if self.gate.refused is not None:
+                break
         self.frames.add_work(decode_s)

@@ -8,7 +8,7 @@ it refuses at its own front.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -30,6 +30,9 @@ class Metrics:
         self.refused = Counter("streamsvc_streams_refused", "Streams refused at admission", registry=r)
         self.stalls = Gauge("streamsvc_modelled_stalls", "Stalls of open streams in the scheduler's playback model", registry=r)
         self.client_stalls = Counter("streamsvc_client_stalls", "Stalls reported by clients (stats messages)", registry=r)
+        self.client_late = Gauge("streamsvc_client_late", "Lateness of open streams that their own clients caused (a "
+                                 "viewer's reports, input missing or late): charged to the stream, never read as "
+                                 "overload", registry=r)
         self.track_stalls = Counter("streamsvc_webrtc_track_stalls",
                                     "WebRTC: times a track had no frame at its due time (stalls the server caused)",
                                     registry=r)
@@ -84,16 +87,23 @@ class Metrics:
                                   "Event-loop CPU spent on clients without a stream (HTTP requests, messages before "
                                   "start or watch), in total; left out of the cost estimates admission uses", registry=r)
         self.errors = Counter("streamsvc_protocol_errors", "Bad client messages answered with an error", registry=r)
+        self.replies_dropped = Counter("streamsvc_error_replies_dropped", "Error replies not sent: past a "
+                                       "connection's rate of them (streamsvc/outbox.py)", registry=r)
+        self.connections = Gauge("streamsvc_connections", "Open connections: WebSockets (with a stream or not), "
+                                 "WebRTC peer connections (viewers', WHEP's) and WHIP publishers", ["kind"], registry=r)
         self.refusals = Counter("streamsvc_refusals", "Requests refused, by reason", ["reason"], registry=r)
         for reason in Refusal:
             self.refusals.labels(reason.value)  # every reason shows, at 0 until it happens
 
     def refresh(self, engine: Engine, sessions: Collection[Session], recording_bytes: int,
-                streamless_s: float = 0.0) -> None:
+                streamless_s: float = 0.0, connections: Mapping[str, int] | None = None) -> None:
         """Set the gauges from the engine's counters and its latest snapshot, the open streams (`sessions`), the
-        disk the recordings use and the event loop's CPU on clients without a stream so far (`streamless_s`)."""
+        disk the recordings use, the event loop's CPU on clients without a stream so far (`streamless_s`) and the
+        open connections by kind (`connections`)."""
         m, snap = self, engine.snapshot
         m.streamless_s.set(streamless_s)
+        for kind, n in (connections or {}).items():
+            m.connections.labels(kind).set(n)
         for state in SessionState:
             m.streams.labels(state.value).set(sum(1 for s in sessions if s.state is state))
         m.kv_bytes.set(engine.kv_used_bytes)
@@ -129,6 +139,7 @@ class Metrics:
             m.queue.set(snap.queue_length)
             m.load.set(snap.predicted_load)
             m.stalls.set(snap.stalls)
+            m.client_late.set(snap.client_late)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format (the body of GET /metrics)."""

@@ -30,6 +30,7 @@ Server -> client::
      "role": "steer", "viewer_id": "v0", "watch_secret": "...", "steer_secret": "...",
      "input": true, "strengths": [1.0, 0.83, 0.625, 0.357], "strength": 0.625, "input_latency_s": 0.5}
     {"type": "audience", "role": "watch", "watchers": 23, "steered": true}
+    {"type": "audience", "role": "steer", "watchers": 1, "steered": true, "steer_secret": "..."}
     {"type": "recording", "url": "/recordings/s3-20250102T030405-SECRET.mp4", "chapters": "...vtt"}
     {"type": "chunk", "index": 3, "pts": 33, "frames": 12, "prompt_version": 1, "steps": 4,
      "keyframe": false, "sizes": [2311, 187, ...], "input": "frames", "capture_ms": [...], "strength": 0.625}
@@ -68,7 +69,11 @@ does. Only the steerer may ``set_prompt``, ``pause``, ``resume``, ``record`` or
 ``handover`` gives the token to the watcher ``to`` (a ``viewer_id`` from its
 ``ready``); when the steerer leaves, the stream goes on while watchers remain,
 and a ``take`` with the steer secret gives one of them the token. Every viewer
-gets ``audience`` when its role or the watcher count changes. ``close`` from a
+gets ``audience`` when its role or the watcher count changes. Capabilities
+follow the token: a handover or a take makes the stream a new steer secret,
+sent to the new steerer alone in the ``audience`` that tells it it steers; the
+one before is revoked (a ``take`` or a WHIP publish with it is refused, and a
+WHIP publisher that came with it is ended). ``close`` from a
 watcher ends its watching only; from the steerer it ends the stream for everyone.
 
 Unknown fields are refused (``invalid_field``), so a misspelt field is an error
@@ -177,6 +182,9 @@ class ErrorCode(StrEnum):
     # the server ended the stream, the newest, because degradation could no longer keep every stream from stalling
     OVERLOADED = "overloaded"
     NOT_STEERER = "not_steerer"  # a watcher asked for what only the stream's steerer may do; its stream goes on
+    # the stream's input video was refused (a frame over the pixel cap, a decoder over its CPU budget: the message
+    # says which); nothing more of it is decoded, and the stream goes on without input
+    INPUT_REFUSED = "input_refused"
     NOT_FOUND = "not_found"  # watch: no open stream has that id
     # a request the server cannot serve now (the recordings' disk budget is full, no room to resume); the stream goes on
     UNAVAILABLE = "unavailable"
@@ -381,6 +389,9 @@ class Audience(_Message):
     role: Literal["steer", "watch"]  # this viewer's role now
     watchers: Count  # viewers watching, the steerer not counted
     steered: bool  # someone holds the steer token (false: the steerer left; any watcher may ``take`` it)
+    # the stream's new steer secret, to the viewer a handover or a take just gave the token (the one before is
+    # revoked); None in every other audience
+    steer_secret: Secret | None = None
 
 
 class Recording(_Message):

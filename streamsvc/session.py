@@ -13,6 +13,8 @@ one lately), it waits for the next keyframe chunk, asked of the encoder when it 
 A stream's id names it and grants nothing: its links are capabilities. A watch needs its watch secret (the
 watch link carries it), a `take` of its steer token its steer secret; both are made when it opens (128 random
 bits each, streamsvc.access.new_secret), given to its steerer alone in `ready`, and compared in constant time.
+Capabilities follow the steer token: `give_token` (a handover, a take) makes a new steer secret for the new steerer
+and revokes the one before, ending what was opened with it (`revocable`: a WHIP publisher, streamsvc/whip.py).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from streamsvc import protocol as P
 from streamsvc.access import TokenBucket, new_secret, secret_matches
+from streamsvc.outbox import Outbox
 
 
 class SessionState(enum.Enum):
@@ -47,6 +51,9 @@ class InvalidState(RuntimeError):
     """A transition the state machine does not allow; the message says the state."""
 
 
+MAX_HELD_REPLIES = 64  # replies a stream's PromptGate holds behind a waiting prompt (a flood's are dropped past it)
+
+
 class PromptGate:
     """Coalesces a stream's prompts, so that a flood of them costs one recache per chunk at most.
 
@@ -55,13 +62,16 @@ class PromptGate:
     chunks only the newest is recached. Every set_prompt is answered, in the order of the requests
     (clients pair replies with their prompts by order): a prompt that waited, or was replaced while
     waiting, is acked with the version of the prompt that went to the engine in its place, and the
-    replies to later set_prompts (a rate-limit error) wait behind that ack.
+    replies to later set_prompts (a rate-limit error) wait behind that ack. At most MAX_HELD_REPLIES
+    wait (a flood between two chunks, or while paused, when none come): the ones past it are dropped
+    (`dropped`), as the outbox drops error replies over their rate (streamsvc/outbox.py).
     """
 
     def __init__(self) -> None:
         self.waiting: str | None = None  # the prompt for the engine at the next chunk
         self._sent_since_chunk = False
         self._held: list[P.Error | None] = []  # replies owed until `waiting` has its version; None: its ack
+        self.dropped = 0  # replies not held: MAX_HELD_REPLIES were already
 
     def submit(self, prompt: str) -> bool:
         """True: send ``prompt`` to the engine now. False: it waits for the next chunk."""
@@ -69,15 +79,21 @@ class PromptGate:
             self._sent_since_chunk = True
             return True
         self.waiting = prompt
-        self._held.append(None)
+        self._hold(None)
         return False
 
     def refuse(self, error: P.Error) -> list[P.Error]:
         """A set_prompt answered by ``error``: what to send now (nothing while an earlier ack is owed)."""
         if self.waiting is None:
             return [error]
-        self._held.append(error)
+        self._hold(error)
         return []
+
+    def _hold(self, reply: P.Error | None) -> None:
+        if len(self._held) < MAX_HELD_REPLIES:
+            self._held.append(reply)
+        else:
+            self.dropped += 1
 
     def chunk_done(self) -> str | None:
         """The stream finished a chunk: the waiting prompt, to send to the engine now, or None."""
@@ -120,8 +136,8 @@ class Viewer:
     queued_end: int = 0  # stream index after the last frame queued for it
     left: bool = False  # its connection is gone (or it closed): nothing more is put in its outbox
     rtc: object | None = None  # its WebRTC transport (streamsvc.transport.webrtc.WebRtcTransport), if any
-    # messages for the transport, in order: a ChunkOut, a protocol model, or None (end)
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # messages for the transport, in order: a ChunkOut, a protocol model, or None (end); bounded (streamsvc/outbox.py)
+    outbox: Outbox = field(default_factory=Outbox)
 
     # what a transport reads of its stream (WebRtcTransport takes a viewer where it took a session)
     @property
@@ -188,6 +204,8 @@ class Session:
     prompt: str
     watch_secret: str = field(default_factory=new_secret, repr=False)  # what a watch of it needs (the watch link's)
     steer_secret: str = field(default_factory=new_secret, repr=False)  # what a take of its steer token needs
+    # what was opened with the steer secret and ends when it is revoked (a WHIP publisher), by a key of the opener's
+    revocable: dict[str, Callable[[str], None]] = field(default_factory=dict, repr=False)
     created_at: float = field(default_factory=time.monotonic)
     state: SessionState = SessionState.STARTING
     prompt_version: int = 0  # newest version acknowledged to the client
@@ -280,12 +298,19 @@ class Session:
             self.steerer, self.orphaned_at = None, now
 
     def give_token(self, to: Viewer) -> Viewer | None:
-        """`to` steers from now on; the viewer that held the token (if any) watches. Returns that one."""
+        """`to` steers from now on; the viewer that held the token (if any) watches. Returns that one. A new holder
+        gets a new steer secret (`steer_secret`, for its `audience`): the one before is revoked, and what was opened
+        with it (`revocable`) ends."""
         before = self.steerer
         if before is not None:
             before.role = Role.WATCH
-        if self.input is not None and before is not to:  # the input is the steerer's: the old one's stops here
-            self.input.stop()
+        if before is not to:
+            if self.input is not None:  # the input is the steerer's: the old one's stops here
+                self.input.stop()
+            self.steer_secret = new_secret()
+            ends, self.revocable = list(self.revocable.values()), {}
+            for end in ends:
+                end("the stream's steer token went to another viewer: the steer secret it came with is revoked")
         to.role = Role.STEER
         self.steerer, self.orphaned_at = to, None
         return before

@@ -7,6 +7,8 @@ streamsvc/server.py admits viewers (`start`, `watch`), carries their messages an
 wire and is counted in /metrics by reason. Prompts are coalesced (session.PromptGate): one recache per chunk at
 most, however fast a viewer sends them. A stream whose steerer left goes on for its watchers until one takes the
 steer token (`take` needs the stream's steer secret: a watch link does not carry it), or the orphan timeout ends it.
+The steer secret follows the token: a handover or a take sends the new steerer a new one in its `audience` and
+revokes the one before (session.Session.give_token).
 """
 
 from __future__ import annotations
@@ -149,6 +151,11 @@ class Streams:
             viewer.send(P.Error(code=P.ErrorCode.INVALID_FIELD, request="handover", message=(
                 f"no watcher {to!r} on stream {session.stream_id}: hand over to the viewer_id of one of its watchers")))
             return
+        if _cannot_steer(target):  # its new steer secret would reach nobody: the stream could not be steered again
+            viewer.send(P.Error(code=P.ErrorCode.INVALID_FIELD, request="handover", message=(
+                f"watcher {to!r} has no control channel (a WHEP player without one): it could not steer; hand the "
+                "token to another watcher")))
+            return
         self._give_token(viewer, target, "handover")
 
     def _take(self, viewer: Viewer, secret: str | None) -> None:
@@ -169,9 +176,13 @@ class Streams:
         self._give_token(viewer, viewer, "take")
 
     def _give_token(self, asked: Viewer, to: Viewer, request: str) -> None:
-        asked.session.give_token(to)
+        """`to` steers: its `audience` carries the stream's new steer secret (the one before is revoked)."""
+        session = asked.session
+        session.give_token(to)
+        log.info("stream %s: the steer token went to %s (%s); the steer secret before is revoked", session.stream_id,
+                 to.viewer_id, request)
         asked.send(P.Ack(request=request))
-        self.audience_changed(asked.session, now=True)
+        self._send_audience(session, new_steerer=to)
 
     def audience_changed(self, session: Session, now: bool = False) -> None:
         """Every viewer gets `audience` soon (joins in a burst make one message each), or `now` (a role changed)."""
@@ -182,13 +193,15 @@ class Streams:
             asyncio.get_running_loop().call_later(AUDIENCE_DELAY_S, self._send_audience, session)
 
     @staticmethod
-    def _send_audience(session: Session) -> None:
+    def _send_audience(session: Session, new_steerer: Viewer | None = None) -> None:
+        """`audience` to every viewer; to `new_steerer` (the token just came to it) with the stream's steer secret."""
         session.audience_due = False
         if session.closed:
             return
         watchers, steered = session.watchers, session.steerer is not None
         for viewer in list(session.viewers.values()):
-            viewer.send(P.Audience(role=viewer.role.value, watchers=watchers, steered=steered))
+            secret = session.steer_secret if viewer is new_steerer else None
+            viewer.send(P.Audience(role=viewer.role.value, watchers=watchers, steered=steered, steer_secret=secret))
 
     async def record(self, viewer: Viewer, quiet: bool = False) -> None:
         """Record the stream from its next keyframe on (`record`, or every stream with --record)."""

@@ -10,6 +10,8 @@ The endpoints (paths under WHEP_PATH; `Endpoints.handle` answers them, the front
   player steers over it with the protocol's JSON as our player does (streamsvc/transport/webrtc.py). Without one
   the stream plays on its start prompt, and a client with the steer secret may take the steer token from the WHEP
   session over /ws (`take`; streamsvc/streams.py lets it, since a steerer without a control channel cannot steer).
+  ``X-Steer-Secret`` holds while this session steers: a handover or a take sends the new steerer a new one (in its
+  ``audience``) and revokes this one (a take, or a WHIP publish with it, is refused; a WHIP publisher under it ends).
 - ``POST /whep/{stream}?secret=WATCH_SECRET``: watch an open stream (the secret in the query: OBS and GStreamer
   take a URL, and a URL's query is where the player's watch links keep it too). A wrong or missing secret and an
   unknown stream get the same 404, as a /ws watch does.

@@ -10,14 +10,21 @@ Created`` with the answer (the video m-line recvonly, any other m-line rejected:
 the sender's RTCP reports), as the player's camera does.
 
 Who may: the steer secret only (a watcher must never feed the input: the watch secret gets 403, anything else 404,
-as a /ws watch of no stream), and the server's access token (``Authorization: Bearer``) where it has tokens. One
+as a /ws watch of no stream), and the server's access token (``Authorization: Bearer``) where it has tokens. The
+secret follows the steer token: a handover or a take revokes it (a POST with it then gets 404, as a wrong one) and
+ends the session published with it, so the input is only ever the current steerer's. One
 publisher per stream at a time (409 while one is on). The limits of a WHEP POST apply (streamsvc/whep.py:
 --http-rate, --connect-rate, a connection of --max-connections-per-client held until the session ends).
 
-What a publisher's frames may cost (InputGuard): a frame over 1920x1080 ends its session, frames over 60 a second are
-dropped (counted) before they are scaled. A session ends on DELETE, when the stream ends, when its peer connection fails or closes (ICE consent lost: about
-30 s after the encoder vanished), or when it never connects (--connect-timeout's WebRtcConfig.connect_timeout_s).
-Its input then stops (InputFrames.stop: frames that come later, from another publisher, anchor afresh).
+What a publisher's frames may cost (issue 41): a frame that declares a size over the pixel cap (1920x1080 and 1920 a
+side: an H.264 SPS, a VP8 key frame) ends its session on that frame, before aiortc's decoder sees it, and frames over
+60 a second are dropped undecoded, with their group of pictures (streamsvc/transport/rtc_input.py ReceiverGate); so
+does a decoder whose CPU time stays over its budget. After the decoder, InputGuard checks the size again (and the
+rate, where the jitter buffer could not be hooked) before a frame is scaled. Its ICE agent learns at most
+--max-remote-candidates peer-reflexive candidates (streamsvc/transport/ice.py). A session ends on DELETE, when the
+stream ends, when its steer secret is revoked, when its peer connection fails or closes (ICE consent lost: about 30 s
+after the encoder vanished), or when it never connects (--connect-timeout's WebRtcConfig.connect_timeout_s). Its
+input then stops (InputFrames.stop: frames that come later, from another publisher, anchor afresh).
 
 In cluster mode the gateway forwards the POST and the DELETE to the replica that runs the stream (its id names it),
 whose server runs this (streamsvc/cluster/replica.py `http`).
@@ -36,17 +43,20 @@ import time
 from aiortc import RTCPeerConnection, RTCRtpReceiver, RTCSessionDescription
 
 from streamsvc.access import Rate, TokenBucket
+from streamsvc.bitstream import MAX_PIXELS, MAX_SIDE, size_refusal
 from streamsvc.routes import HttpReply, HttpRequest
 from streamsvc.rtc import ANY_INTERFACE, SignalingError, WebRtcConfig, complete_local_description, rtc_configuration
-from streamsvc.transport.rtc_input import ReadStats, SenderClock, read_track
+from streamsvc.transport.ice import PeerReflexiveCap, ice_connections
+from streamsvc.transport.rtc_input import MAX_RTC_FPS, ReadStats, ReceiverGate, SenderClock, prompt_frames, \
+    read_track
 from streamsvc.transport.sdp import check_offer, reject_media
 from streamsvc.whep import HttpSession, _text
 
 log = logging.getLogger("streamsvc.whip")
 
 _WATCH_S = 0.5  # how often a publisher checks that its stream is still open
-MAX_INPUT_PIXELS = 1920 * 1080  # a publisher's frame may be at most this large (the model takes 832x480 at most)
-MAX_INPUT_FPS = 60.0  # frames a second a publisher's input takes (a second's burst); the rest are dropped, counted
+MAX_INPUT_PIXELS = MAX_PIXELS  # a publisher's frame may be at most this large (the model takes 832x480 at most)
+MAX_INPUT_FPS = MAX_RTC_FPS  # frames a second a publisher's input takes (a second's burst); the rest are dropped
 
 
 class InputGuard:
@@ -67,9 +77,9 @@ class InputGuard:
     def push_av(self, frame, capture_s: float) -> None:
         if self.refused is not None:
             return
-        if frame.width * frame.height > self.max_pixels:
-            self.refused = (f"a {frame.width}x{frame.height} frame: this server takes at most {self.max_pixels} "
-                            "pixels a frame (1920x1080)")
+        if frame.width * frame.height > self.max_pixels or max(frame.width, frame.height) > MAX_SIDE:
+            self.refused = size_refusal(frame.width, frame.height) or (
+                f"a frame of {frame.width}x{frame.height}: this publisher may send at most {self.max_pixels} pixels")
             return
         if not self.rate.take(self.now()):
             self.dropped += 1
@@ -91,6 +101,14 @@ class Publisher:
         self.closed = False
         self.tasks: list[asyncio.Task] = []
         self.on_close = lambda: None  # the endpoints forget the session, the connection slot is freed
+        self.refused: str | None = None  # why its input was refused (before the decoder: ReceiverGate), if it was
+
+    def refuse(self, reason: str) -> None:
+        """Its input was refused (a frame over the cap, a decoder over its budget): the session ends now."""
+        if not self.closed:
+            self.refused = reason
+            log.info("WHIP into stream %s refused: %s", self.stream_id, reason)
+            self.tasks.append(asyncio.ensure_future(self.close(reason)))
 
     async def close(self, reason: str = "closed") -> None:
         if self.closed:
@@ -154,12 +172,18 @@ class Ingest:
         def forget() -> None:
             endpoints.forget(location)
             self.publishers.pop(stream_id, None)
+            session.revocable.pop(location, None)
             self.server.guard.upgrade_ended(request)
 
         publisher.on_close = forget
-        active = lambda: not publisher.closed and not session.closed  # noqa: E731
+        # a handover or a take revokes the steer secret it came with: it ends then (streamsvc/session.py)
+        session.revocable[location] = lambda reason: publisher.tasks.append(
+            asyncio.ensure_future(publisher.close(reason)))
+        gate = ReceiverGate(sink, publisher.refuse)  # before aiortc's decoder: the cap, the rate, the budget
+        prompt_frames(receiver, gate)
+        active = lambda: not publisher.closed and not session.closed and gate.refused is None  # noqa: E731
         publisher.tasks.append(asyncio.create_task(self._read(publisher, receiver, clock if hooked else None,
-                                                              active), name=f"whip-{stream_id}"))
+                                                              active, gate), name=f"whip-{stream_id}"))
         publisher.tasks.append(asyncio.create_task(self._watch(publisher, session), name=f"whip-watch-{stream_id}"))
         pc.on("connectionstatechange", lambda: pc.connectionState in ("failed", "closed") and asyncio.ensure_future(
             publisher.close(f"the peer connection {pc.connectionState}")))
@@ -181,6 +205,8 @@ class Ingest:
             if video is None:
                 raise SignalingError("the offer has no video this server can receive (H.264 or VP8)")
             video.direction = "recvonly"
+            for connection in ice_connections(pc):  # peer-reflexive candidates capped as the offer's are
+                PeerReflexiveCap(cfg.max_remote_candidates).install(connection)
             codecs = [c for c in RTCRtpReceiver.getCapabilities("video").codecs
                       if c.mimeType.lower() in ("video/h264", "video/vp8", "video/rtx")]
             video.setCodecPreferences(codecs)
@@ -210,14 +236,16 @@ class Ingest:
                 await asyncio.wait_for(pc.close(), 5.0)
             raise
 
-    async def _read(self, publisher: Publisher, receiver, clock: SenderClock | None, active) -> None:
+    async def _read(self, publisher: Publisher, receiver, clock: SenderClock | None, active,
+                    gate: ReceiverGate) -> None:
         try:
-            guard = InputGuard(publisher.sink)
+            guard = InputGuard(gate)
             await read_track(receiver.track, guard, clock, active=lambda: active() and guard.refused is None,
                              stats=publisher.stats)
             if guard.refused is not None:
                 log.info("WHIP into stream %s refused: %s", publisher.stream_id, guard.refused)
                 publisher.stats.ended = guard.refused
+            gate.report()
             if guard.dropped:
                 log.info("WHIP into stream %s: %d frames over %g a second dropped", publisher.stream_id,
                          guard.dropped, MAX_INPUT_FPS)

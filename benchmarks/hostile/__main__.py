@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import round1
+from . import admission, backlog, capabilities, decoders, round1
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,24 @@ CASES: dict[str, Case] = {
     "slow_readers": Case(
         lambda a: round1.slow_readers(serve_args=a.server_arg),
         lambda a, f: f["rss_added_mib"] < 50 and all(r["status"] == "200" for r in f["readers"].values())),
+    "quiet_camera": Case(
+        lambda a: admission.quiet_camera(a.viewers, serve_args=a.server_arg),
+        lambda a, f: admission.holds(a.viewers, f)),
+    "lying_reports": Case(
+        lambda a: admission.lying_reports(a.viewers, serve_args=a.server_arg),
+        lambda a, f: admission.holds(a.viewers, f)),
+    "old_steerer": Case(
+        lambda a: capabilities.old_steerer(serve_args=a.server_arg),
+        lambda a, f: capabilities.old_steerer_holds(f)),
+    "log_flood": Case(
+        lambda a: capabilities.log_flood(serve_args=a.server_arg),
+        lambda a, f: not f["over"]),
+    "never_reads": Case(  # 4 viewers beside the attacker, whatever --viewers says (the case's own size)
+        lambda a: backlog.never_reads(4, serve_args=a.server_arg),
+        lambda a, f: backlog.never_reads_holds(4, f)),
+    "resolution_bomb": Case(
+        lambda a: decoders.resolution_bomb(serve_args=a.server_arg),
+        lambda a, f: decoders.holds(f)),
 }
 
 

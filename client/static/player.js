@@ -18,8 +18,10 @@
 //    "secret": W} instead of start and plays the same stream (from a keyframe); its prompt box is off
 //    unless it takes the steer token ("take" with the steer secret, when the steerer left: the steer link
 //    /#watch=ID&secret=W&steer=S, shown to the steerer alone, carries it). "audience" messages give the
-//    role and the watcher count; the watch link of the stream is shown either way. "record" (steerer)
-//    answers "recording" with the MP4's address.
+//    role and the watcher count; the watch link of the stream is shown either way. The steer secret follows
+//    the token: the audience that hands it to this page carries the stream's new one (the steer link shows
+//    it), and a handover away revokes the one this page had. "record" (steerer) answers "recording" with
+//    the MP4's address.
 //
 // 6. What the model understands: "ready" carries the model's vocabulary (the built-in model knows only its
 //    caption words and draws noise for others; null for a model that reads any text) and the unknown words
@@ -310,6 +312,10 @@
         reconnects = 0;
         break;
       case "audience":
+        // the steer secret follows the token: the audience that gives it here carries the stream's new one, and the
+        // one this page had is revoked once the token goes on (a handover)
+        if (msg.steer_secret) steerSecret = msg.steer_secret;
+        else if (player.role === "steer" && msg.role === "watch") steerSecret = null;
         player.role = msg.role;
         player.watchers = msg.watchers;
         player.steered = msg.steered;

@@ -1,8 +1,9 @@
 """WHIP through the cluster's gateway (issue 36): a POST /whip/{stream} goes to the replica that runs the stream (its
 id names it, as a watch's does), whose server answers it (streamsvc/whip.py, through `EngineReplica.http`); the
 media then flows between the encoder and that replica. The gateway keeps the session's Location (its own secret) and
-forwards its DELETE to the replica. WHEP needs none of this: a WHEP session is a connection of the gateway's own
-handler (streamsvc/whep.py), placed and relayed as a /ws viewer is.
+forwards its DELETE to the replica. The gateway holds no steer secret: the replica checks the POST's, and ends the
+session when a handover or a take revokes it (streamsvc/whip.py). WHEP needs none of this: a WHEP session is a
+connection of the gateway's own handler (streamsvc/whep.py), placed and relayed as a /ws viewer is.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from streamsvc.whep import HttpSession, _text
 log = logging.getLogger("streamsvc.cluster.gateway")
 
 MAX_RELAYED = 4096  # WHIP sessions the gateway keeps a Location of; past it the oldest is forgotten (one that ended
-# on its replica, by ICE or with its stream, is only forgotten so: the replica does not tell the gateway)
+# on its replica, by ICE, with its stream or by a handover, is only forgotten so: the replica does not tell the gateway)
 FORWARDED = ("content-type", "x-forwarded-for", "user-agent")  # the POST's headers the replica sees (no token:
 # the gateway checked it)
 

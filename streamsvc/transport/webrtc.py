@@ -40,17 +40,20 @@ jitter buffer (``WebRtcConfig.viewer_jitter_s``). Counted at once, a busy host's
 short dry spells ended streams (``overloaded``) whose viewers never stalled.
 
 A picture loss (RTCP PLI or FIR) from the viewer becomes
-``engine.request_keyframe(stream_id)``: the next chunk starts with an IDR.
+``engine.request_keyframe(stream_id)``: the next chunk starts with an IDR. A viewer's PLIs force one keyframe a
+second at most (``KEYFRAME_REQUEST_MIN_INTERVAL_S``): a flood of them costs the stream no more IDRs than that.
 
 Input from the viewer is bounded (issue 33): its offer is checked before aiortc sees it
 (``streamsvc.transport.sdp``: size, lines, m-lines, codecs; ICE candidates aioice must never probe dropped,
-at most ``WebRtcConfig.max_remote_candidates`` kept), so a bad one leaves no peer connection behind; m-lines
+at most ``WebRtcConfig.max_remote_candidates`` kept, and as many peer-reflexive ones learned from the viewer's
+STUN checks: ``streamsvc.transport.ice``), so a bad one leaves no peer connection behind; m-lines
 other than the stream's video and the data channel are answered inactive (rejected, port 0, unless one holds
 the offer's BUNDLE tag), so no receiver decodes what the viewer sends; the data channel's SCTP reassembly is
 bounded (``streamsvc.transport.datachannel``), and so is the inbox of whole messages. Each bad message counts
-as a protocol error (``ProtocolErrors``; a refused oversized message too): the ``limit``-th within its
-window closes the peer connection and the viewer. The log lines bad input causes are at most one per peer
-every 10 s, with a count of those held back.
+as a protocol error (``ProtocolErrors``; a refused oversized message too, answered ``too_large`` on the channel):
+the ``limit``-th within its window closes the peer connection and the viewer, and so does a peer that leaves more
+than ``DataChannelLimits.max_buffered_bytes`` of the server's messages unacknowledged (a slow client). The log lines
+bad input causes are at most one per peer every 10 s, with a count of those held back.
 
 Camera input (issue 35): the player always offers its video m-line sendrecv (the server refuses renegotiation, so
 turning the camera on later is the browser's ``replaceTrack``). The server answers it sendrecv only to the steerer of
@@ -97,13 +100,15 @@ from streamsvc.rtc import (
 )
 from streamsvc.session import SessionState
 from streamsvc.transport.datachannel import DataChannelLimits, ReassemblyGuard
+from streamsvc.transport.ice import PeerReflexiveCap, ice_connections
 from streamsvc.transport.rtc_input import CameraInput
 from streamsvc.transport.sdp import CheckedOffer, check_offer, reject_media
 
 log = logging.getLogger("streamsvc.webrtc")
 
-KEYFRAME_REQUEST_MIN_INTERVAL_S = 0.25
-"""PLIs closer together than this ask the encoder for one keyframe (a decoder repeats its PLI until one comes)."""
+KEYFRAME_REQUEST_MIN_INTERVAL_S = 1.0
+"""A viewer's PLIs closer together than this ask the encoder for one keyframe (a decoder repeats its PLI until one
+comes; the encoder makes one every 2 s anyway): a flood forces at most one IDR a second."""
 _POLL_S = 0.25  # longest single wait in a bounded loop
 BAD_INPUT_LOG_PERIOD_S = 10.0
 """A peer's bad input (protocol errors, refused messages) is logged at most once in this long, with a count."""
@@ -246,15 +251,17 @@ class WebRtcTransport:
         on_control: Callable[[object], Awaitable[None]],
         on_lost: Callable[[str], Awaitable[None]],
         on_stall: Callable[[], None] = lambda: None,
+        on_backlog: Callable[[], None] = lambda: None,
         protocol_errors: ProtocolErrors | None = None,
         limits: DataChannelLimits = DataChannelLimits(),
     ) -> None:
-        """`on_stall()` each time the track finds no frame at a frame's due time (the server made the viewer stall)."""
+        """`on_stall()` each time the track finds no frame at a frame's due time (the server made the viewer stall);
+        `on_backlog()` when the peer is closed for not taking its data channel's messages (a slow client)."""
         self.session = session
         self.stream_id = session.stream_id
         self.engine = engine
         self.config = config
-        self._on_control, self._on_lost, self._on_stall = on_control, on_lost, on_stall
+        self._on_control, self._on_lost, self._on_stall, self._on_backlog = on_control, on_lost, on_stall, on_backlog
         self.pc: RTCPeerConnection | None = None
         self.channel = None  # the viewer's `control` data channel, once it opened
         self._channel_open = asyncio.Event()
@@ -262,7 +269,11 @@ class WebRtcTransport:
         self._inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue(maxsize=limits.inbox)
         self.inbox_dropped = 0  # messages dropped because the inbox was full
         self.errors = protocol_errors or ProtocolErrors(DEFAULT_MAX_PROTOCOL_ERRORS)
-        self.guard = ReassemblyGuard(limits, on_refused=self._protocol_error)
+        self.guard = ReassemblyGuard(limits, on_refused=lambda what: self._refused(P.ErrorCode.TOO_LARGE, what),
+                                     on_failed=lambda what: self._refused(P.ErrorCode.BAD_JSON, what))
+        self.ice_guard = PeerReflexiveCap(config.max_remote_candidates, on_dropped=lambda addr: self._log_gated(
+            "prflx", logging.INFO, f"an ICE check from a new address dropped: {config.max_remote_candidates} "
+                                   "peer-reflexive candidates already"))
         self._log_gate = LogGate(BAD_INPUT_LOG_PERIOD_S)
         self.candidates_dropped = 0  # of the offer: never to be probed, or over the cap
         self._tasks: list[asyncio.Task] = []  # connect watchdog and channel reader, cancelled by close()
@@ -334,6 +345,8 @@ class WebRtcTransport:
             raise SignalingError(f"the offer could not be applied: {type(e).__name__}: {e}") from None
         if transceiver.mid is None:
             raise SignalingError("the offer has no video m-line: add a recvonly video transceiver before createOffer()")
+        for connection in ice_connections(pc):  # peer-reflexive candidates capped as the offer's are
+            self.ice_guard.install(connection)
         if pc.sctp is not None:
             self.guard.install(pc.sctp)
         else:  # no data channel offered (a WHEP player, streamsvc/whep.py): the first frame waits for none
@@ -387,6 +400,9 @@ class WebRtcTransport:
         """
         if isinstance(msg, (P.Answer, P.Ready)) or not self._channel_ready():
             return False
+        if self.channel.bufferedAmount > self.limits.max_buffered_bytes:  # the peer takes none: a slow client
+            self._backlogged()
+            return True
         try:
             self.channel.send(P.encode(msg))
         except Exception:  # noqa: BLE001 - a channel closing under us: the WebSocket still carries it
@@ -472,13 +488,30 @@ class WebRtcTransport:
         if self._closed:
             return
         if len(raw) > self.limits.max_message_bytes:  # the guard refuses these below aiortc, if it is installed
-            self._protocol_error(f"a data channel message of {len(raw)} bytes, over {self.limits.max_message_bytes}")
+            self._refused(P.ErrorCode.TOO_LARGE, f"a message of {len(raw)} bytes, over {self.limits.max_message_bytes}")
             return
         try:
             self._inbox.put_nowait(raw)
         except asyncio.QueueFull:
             self.inbox_dropped += 1
             self._protocol_error(f"a data channel message dropped: {self.limits.inbox} wait already (send fewer)")
+
+    def _refused(self, code: P.ErrorCode, what: str) -> None:
+        """A message on the data channel refused (too large, or undeliverable): the peer hears why, on the channel,
+        and it counts as a protocol error."""
+        if not (self._closed or self._closing_task is not None):
+            self.send_control(P.Error(code=code, message=f"data channel message refused: {what}"[: P.MAX_TEXT_CHARS]))
+        self._protocol_error(what)
+
+    def _backlogged(self) -> None:
+        """The peer leaves the server's messages on its data channel unacknowledged past the bound: closed, as a
+        WebSocket that does not read is (streamsvc/outbox.py)."""
+        if self._closed or self._closing_task is not None:
+            return
+        self._on_backlog()
+        self._report_lost(f"slow client: {self.channel.bufferedAmount} bytes unsent on the data channel (limit "
+                          f"{self.limits.max_buffered_bytes})")
+        self._spawn_close()
 
     def _protocol_error(self, what: str) -> None:
         """Count a bad message from the viewer's peer; the limit-th within the window closes the peer connection."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from fractions import Fraction
 
 import aiohttp
 import aioice.ice
@@ -173,3 +174,78 @@ async def test_a_publisher_over_1920x1080_loses_its_session():
         finally:
             await pc.close()
             await viewer.close()
+
+
+class EncodedCamera(VideoStreamTrack):
+    """A sender of encoded frames (aiortc packetizes an av.Packet as it is): `frames` once, then nothing more."""
+
+    def __init__(self, frames: list[bytes]) -> None:
+        super().__init__()
+        self.frames = frames
+        self.sent = 0
+
+    async def recv(self) -> av.Packet:
+        if self.sent >= len(self.frames):
+            await asyncio.Event().wait()  # no next frame, ever: a refusal must not wait for one
+        packet = av.Packet(self.frames[self.sent])
+        packet.pts, packet.time_base = 3000 * self.sent, Fraction(1, 90_000)
+        self.sent += 1
+        return packet
+
+
+def vp8_key_frame(width: int, height: int) -> bytes:
+    """A real 64x48 VP8 key frame whose header declares width x height (RFC 6386 9.1: 14 bits each, LE)."""
+    codec = av.CodecContext.create("libvpx", "w")
+    codec.width, codec.height, codec.pix_fmt, codec.time_base = 64, 48, "yuv420p", Fraction(1, 30)
+    frame = av.VideoFrame.from_ndarray(np.zeros((48, 64, 3), np.uint8), format="rgb24")
+    frame.pts = 0
+    data = bytearray(b"".join(bytes(p) for p in codec.encode(frame) + codec.encode(None)))
+    assert data[3:6] == b"\x9d\x01\x2a"
+    data[6:10] = width.to_bytes(2, "little") + height.to_bytes(2, "little")
+    return bytes(data)
+
+
+@pytest.mark.parametrize("codec", ["H264", "VP8"])
+async def test_a_frame_that_declares_8192x4096_ends_the_session_on_that_frame_undecoded(codec):
+    from streamsvc.bitstream import with_size
+    from tests.streamsvc.test_bitstream import sps_of, x264
+
+    if codec == "H264":
+        idr = x264(64, 48, 1)[0]
+        bomb = idr.replace(sps_of(idr), with_size(sps_of(idr), 8192, 4096))
+    else:
+        bomb = vp8_key_frame(8192, 4096)
+    async with running(webrtc=WebRtcConfig(ice_addresses=("127.0.0.1",))) as server, aiohttp.ClientSession() as http:
+        base = f"http://127.0.0.1:{server.port}"
+        async with http.post(f"{base}/whep?prompt=a+ball&input=1", data=await recvonly_offer(), headers=SDP) as r:
+            assert r.status == 201, await r.text()
+            stream_id, steer = r.headers["X-Stream-Id"], r.headers["X-Steer-Secret"]
+        session = server.sessions[stream_id]
+        pc = RTCPeerConnection()
+        try:
+            camera = EncodedCamera([bomb])
+            transceiver = pc.addTransceiver(camera, direction="sendonly")
+            transceiver.setCodecPreferences([c for c in RTCRtpSender.getCapabilities("video").codecs
+                                             if c.mimeType.lower() == f"video/{codec.lower()}"])
+            await pc.setLocalDescription(await pc.createOffer())
+            async with http.post(f"{base}/whip/{stream_id}?secret={steer}", data=pc.localDescription.sdp,
+                                 headers=SDP) as r:
+                assert r.status == 201, await r.text()
+                await pc.setRemoteDescription(RTCSessionDescription(await r.text(), "answer"))
+            publisher = server.whep.whip.publishers[stream_id]
+            # the one frame it ever sends ends it: before, the refusal waited for a next frame that never came
+            assert await until(lambda: not server.whep.whip.publishers, 15)
+            assert camera.sent == 1 and "8192x4096" in publisher.refused and "1920x1080" in publisher.refused
+            assert publisher.stats.frames == 0  # aiortc's decoder never saw it
+            assert session.input.stats()["received"] == 0 and stream_id in server.sessions  # the stream goes on
+        finally:
+            await pc.close()
+
+
+async def recvonly_offer() -> str:
+    viewer = RTCPeerConnection()
+    viewer.addTransceiver("video", direction="recvonly")
+    await viewer.setLocalDescription(await viewer.createOffer())
+    sdp = viewer.localDescription.sdp
+    await viewer.close()
+    return sdp
