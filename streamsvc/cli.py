@@ -134,8 +134,10 @@ def cmd_generate(args) -> int:
     if args.input and args.parallel != 1:
         print("streamsvc generate: --input runs on one process: drop --parallel", file=sys.stderr)
         return 2
+    from streamsvc import preflight
+
     try:
-        warning = _preflight(args)
+        warning = preflight.check_args(args)
     except ValueError as e:
         print(f"streamsvc generate: {e}", file=sys.stderr)
         return 2
@@ -180,31 +182,6 @@ def _weights(args) -> dict:
     """The weight flags as build_generator / EngineConfig keywords."""
     return {"wan_dir": args.wan_dir, "lora": args.lora, "lora_alpha": args.lora_alpha, "wrapper": args.wrapper,
             "decoder": args.decoder, "taehv": args.taehv, "weights": args.weights}
-
-
-def _preflight(args) -> str | None:
-    """The user's mistakes that need no model to find (streamsvc/preflight.py): ValueError, one line. Returns a
-    warning to show (a GPU preset that will run slowly on this CPU), or None."""
-    from streamsvc import preflight
-    from streamsvc.offline import default_device
-
-    serve = hasattr(args, "port")
-    if getattr(args, "cluster", None) is None:  # a gateway's replicas have the devices, not this process
-        preflight.check_device(args.device)
-    preflight.check_paths(wan_dir=args.wan_dir, checkpoint=args.checkpoint, taehv=args.taehv, lora=args.lora)
-    if serve:
-        preflight.check_tls(args.tls_cert, args.tls_key)
-        preflight.check_port(args.host, args.port)
-        if args.metrics_port is not None:
-            preflight.check_port(args.host, args.metrics_port)
-    if getattr(args, "cluster", None) is not None or args.parallel != 1:
-        return None  # the memory is each replica's or rank's, on its own device
-    device = default_device(args.device)
-    cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant)
-    batch = (args.max_batch or (1 if device.type == "cuda" else 4)) if serve else 1
-    budget = (int(args.kv_budget_gib * 2**30) if args.kv_budget_gib else 4 * 2**30) if serve else None
-    return preflight.check_memory(args.preset, cfg, device.type, batch=batch, kv_budget_bytes=budget,
-                                  wan_dir=args.wan_dir, checkpoint=args.checkpoint)
 
 
 def _check_weights(args) -> None:
@@ -314,6 +291,7 @@ def cmd_serve(args) -> int:
     import asyncio
     import logging
 
+    from streamsvc import preflight
     from streamsvc.server import Server, ServerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -326,7 +304,7 @@ def cmd_serve(args) -> int:
     sys.setswitchinterval(5e-4)
     static = Path(__file__).resolve().parents[1] / "client" / "static"
     try:
-        warning = _preflight(args)
+        warning = preflight.check_args(args)
         _check_weights(args)
         webrtc = _webrtc_config(args)
         access = _access_config(args)

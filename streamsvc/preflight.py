@@ -2,7 +2,7 @@
 warm-up followed by a traceback.
 
 Each check raises `ValueError` with a message that names the value and the fix; the command line prints it
-after the command's name. What each check catches:
+after the command's name (`check_args` runs them all on `serve`'s or `generate`'s flags). What each catches:
 
 - `check_device`: `--device cuda` on a torch built without CUDA, or a GPU index past the last one;
 - `check_port`: a port outside 0..65535, a host that does not resolve, or an address already in use (it
@@ -170,3 +170,29 @@ def check_memory(preset: str, cfg, device_type: str, *, batch: int = 1, kv_budge
                 "takes minutes, not the fraction of a second a stream needs to play live (the CPU demo is --preset "
                 "tiny)")
     return None
+
+
+def check_args(args) -> str | None:
+    """Every check on the flags of `streamsvc serve` or `generate` (an argparse namespace): ValueError, one line.
+    Returns a warning to show (a GPU preset that will run slowly on this CPU), or None."""
+    from models.stream import GeneratorConfig
+    from streamsvc.offline import default_device
+
+    serve = hasattr(args, "port")
+    cluster = getattr(args, "cluster", None) is not None
+    if not cluster:  # a gateway's replicas have the devices, not this process
+        check_device(args.device)
+    check_paths(wan_dir=args.wan_dir, checkpoint=args.checkpoint, taehv=args.taehv, lora=args.lora)
+    if serve:
+        check_tls(args.tls_cert, args.tls_key)
+        check_port(args.host, args.port)
+        if args.metrics_port is not None:
+            check_port(args.host, args.metrics_port)
+    if cluster or args.parallel != 1:
+        return None  # the memory is each replica's or rank's, on its own device
+    device = default_device(args.device)
+    cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant)
+    batch = (args.max_batch or (1 if device.type == "cuda" else 4)) if serve else 1
+    budget = (int(args.kv_budget_gib * 2**30) if args.kv_budget_gib else 4 * 2**30) if serve else None
+    return check_memory(args.preset, cfg, device.type, batch=batch, kv_budget_bytes=budget, wan_dir=args.wan_dir,
+                        checkpoint=args.checkpoint)
