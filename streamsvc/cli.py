@@ -50,7 +50,7 @@ def _model_args(p: argparse.ArgumentParser, basics) -> None:
     p.add_argument("--sink-frames", type=int, default=3, help="latent frames kept from the stream's start (default 3)")
     p.add_argument("--window-frames", type=int, default=9, help="most recent latent frames kept (default 9)")
     p.add_argument("--fidelity", default=None, choices=fidelity.TIERS,
-                   help="the most the output may differ from the bf16 reference (README: Fidelity tiers): exact = the "
+                   help="the most the output may differ from the bf16 reference (docs/fidelity.md): exact = the "
                         "reference math only (and, for serve, no --degrade); quantized = the same work in lower precision "
                         "(FP8 linears, INT8 attention scores, int KV); approximate = less work too (fewer steps, no "
                         "commit forward). A tier turns on its options that pay on the device, unless --speed-options "
@@ -62,7 +62,7 @@ def _model_args(p: argparse.ArgumentParser, basics) -> None:
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:
-    p = p.add_argument_group("one stream over several GPUs (see README: Beyond one GPU)")
+    p = p.add_argument_group("one stream over several GPUs (see docs/parallel.md)")
     p.add_argument("--parallel", type=int, default=1, metavar="K",
                    help="split each forward over K processes, one per device (Ulysses sequence parallelism, exact): "
                         "K must divide the model's heads and tokens per frame; gloo on the CPU, NCCL on GPUs")
@@ -335,7 +335,7 @@ def cmd_serve(args) -> int:
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("cluster (the [cluster] extra, Ray Serve; see README: Beyond one GPU)")
+    g = p.add_argument_group("cluster (the [cluster] extra, Ray Serve; see docs/parallel.md)")
     g.add_argument("--cluster", default=None, metavar="auto|local|ADDRESS",
                    help="run the engines as Ray Serve replicas, one per GPU, with this server as their gateway: "
                         "auto = the Ray cluster `ray start` made on this machine, local = a new one-machine Ray "
@@ -371,7 +371,7 @@ def _serve_cluster(args, front) -> int:
 
 
 def _webrtc_args(p: argparse.ArgumentParser) -> None:
-    p = p.add_argument_group("WebRTC (see README: WebRTC)")
+    p = p.add_argument_group("WebRTC (see docs/webrtc.md)")
     from streamsvc.rtc import MAX_REMOTE_CANDIDATES
 
     p.add_argument("--ice-server", action="append", default=[], metavar="URL[,USER,CREDENTIAL]",
@@ -397,7 +397,7 @@ def _webrtc_config(args):
 
 
 def _access_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("access (see README: Running beyond localhost)")
+    g = p.add_argument_group("access (see docs/public-address.md)")
     g.add_argument("--auth-token", action="append", default=[], metavar="TOKEN",
                    help="a stream starts only with this token (repeatable; also --auth-file; default: no token needed)")
     g.add_argument("--auth-file", default=None, metavar="PATH",
@@ -442,7 +442,7 @@ def _access_args(p: argparse.ArgumentParser) -> None:
 
 
 def _front_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("the port: TLS, metrics, downloads (see README: Running it on a public address)")
+    g = p.add_argument_group("the port: TLS, metrics, downloads (see docs/public-address.md)")
     g.add_argument("--tls-cert", default=None, metavar="PEM",
                    help="serve https and wss on the port with this certificate (chain); needs --tls-key (default: "
                         "plain http and ws; a browser's camera needs https off localhost)")
