@@ -283,7 +283,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--park-timeout", type=float, default=300.0, metavar="S",
                    help="seconds a stream may stay paused (default 300); then it is closed and its host memory freed")
     p.add_argument("--input-latency", type=float, default=0.5, metavar="S",
-                   help="input video (issue 35): a chunk plays this long after its last input frame came (default "
+                   help="input video: a chunk plays this long after its last input frame came (default "
                         "0.5); one later is a stall. Glass-to-glass is about a chunk's duration plus this")
 
 
