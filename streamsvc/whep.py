@@ -55,7 +55,8 @@ from multidict import CIMultiDict
 from pydantic import ValidationError
 
 from streamsvc import protocol as P
-from streamsvc.access import AccessConfig, Refusal, Work, bearer_token, find_token, new_secret, origin_allowed
+from streamsvc.access import (AccessConfig, LogGate, Refusal, Work, bearer_token, find_token, new_secret,
+                              origin_allowed)
 from streamsvc.front import ConnectionClosed
 from streamsvc.routes import HttpReply, HttpRequest, reply
 from streamsvc.rtc import MAX_REMOTE_CANDIDATES, IceServer, SignalingError
@@ -69,6 +70,7 @@ SDP = "application/sdp"
 SETUP_TIMEOUT_S = 45.0  # POST to answer at most: a cluster's placement (30 s) and ICE gathering (10 s) fit
 MAX_QUEUED = 64  # the server's messages a session keeps before its answer (ready, answer, audience...): a bound
 EXPOSED = "Location, Link, X-Stream-Id, X-Watch-Url, X-Watch-Secret, X-Steer-Secret, Retry-After"
+SESSION_LOG_PERIOD_S = 6.0  # a WHEP session's log lines: one of each kind (opened, ended) this often at most
 
 # the status of a start, watch or offer the server refused, by its error code
 _STATUS = {
@@ -187,6 +189,14 @@ class Endpoints:
         self.setup_timeout_s = setup_timeout_s
         self.sessions: dict[bytes, HttpSession] = {}  # sha256 of the Location's secret -> the session
         self._tasks: set[asyncio.Task] = set()
+        # a client opens watch sessions at its connect rate: their lines, one of each kind every 6 s at most
+        self._session_lines = LogGate(SESSION_LOG_PERIOD_S)
+
+    def _log_session(self, kind: str, what: str, *args) -> None:
+        """A session's line (`kind`: opened, ended), unless one of its kind went out within the period."""
+        held = self._session_lines.allow(kind, time.monotonic())
+        if held is not None:
+            log.info(what + (f" ({held} more sessions {kind} since the last such line)" if held else ""), *args)
 
     @property
     def access(self) -> AccessConfig:
@@ -324,8 +334,8 @@ class Endpoints:
                       ("X-Watch-Secret", ready.watch_secret)]
         if ready.steer_secret:
             extra.append(("X-Steer-Secret", ready.steer_secret))
-        log.info("WHEP session for stream %s (%s) from %s", ready.stream_id, "steers" if steers else "watches",
-                 conn.remote_address[0])
+        self._log_session("opened", "WHEP session for stream %s (%s) from %s", ready.stream_id,
+                          "steers" if steers else "watches", conn.remote_address[0])
         return self.created(answer.sdp, extra)
 
     def created(self, sdp: str, extra: Sequence[tuple[str, str]]) -> HttpReply:
@@ -356,7 +366,8 @@ class Endpoints:
         session = self.sessions.pop(key, None)
         self.host.guard.upgrade_ended(request)
         if session is not None:
-            log.info("WHEP session for stream %s ended: %s", session.stream_id, session.conn.reason or "closed")
+            self._log_session("ended", "WHEP session for stream %s ended: %s", session.stream_id,
+                              session.conn.reason or "closed")
 
     async def _delete(self, session: HttpSession) -> HttpReply:
         await session.close()

@@ -321,3 +321,25 @@ async def test_without_a_data_channel_the_first_frame_waits_for_none():
             assert time.monotonic() - began < 10
         finally:
             await pc.close()
+
+
+def test_session_lines_are_gated_per_kind(caplog, monkeypatch):
+    """A client opens watch sessions at its connect rate: their opened/ended lines go out once per kind a period,
+    the next one saying how many were held back (a flood of sessions is not a flood of lines)."""
+    import logging
+
+    from streamsvc import whep
+
+    now = [1000.0]
+    monkeypatch.setattr(whep.time, "monotonic", lambda: now[0])
+    endpoints = whep.Endpoints(host=None)
+    with caplog.at_level(logging.INFO, logger="streamsvc.whep"):
+        for i in range(20):
+            endpoints._log_session("opened", "WHEP session for stream %s (watches) from %s", f"s{i}", "127.0.0.1")
+            endpoints._log_session("ended", "WHEP session for stream %s ended: %s", f"s{i}", "closed")
+        now[0] += whep.SESSION_LOG_PERIOD_S
+        endpoints._log_session("opened", "WHEP session for stream %s (watches) from %s", "s20", "127.0.0.1")
+    lines = [r.getMessage() for r in caplog.records if r.name == "streamsvc.whep"]
+    assert lines == ["WHEP session for stream s0 (watches) from 127.0.0.1", "WHEP session for stream s0 ended: closed",
+                     "WHEP session for stream s20 (watches) from 127.0.0.1 (19 more sessions opened since the last "
+                     "such line)"]
