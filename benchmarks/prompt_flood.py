@@ -25,7 +25,8 @@ import sys
 import time
 
 from client import loadtest, loadtest_report
-from client.ws_client import ClientConfig, StreamClient
+from client.viewer import ClientConfig
+from client.ws_client import StreamClient
 from streamsvc import protocol as P
 
 

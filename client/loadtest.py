@@ -57,8 +57,9 @@ from client.camera import FileSource
 from client.loadtest_host import STEAL_WARN, LoopPauses, cpu_ticks, own_stalls, steal_fraction
 from client.loadtest_prompts import probe_vocabulary, prompt_schedule, viewer_prompt
 from client.loadtest_report import format_table, summarize, verdict
+from client.viewer import ClientConfig, DecodeMode, StreamResult, tls_context
 from client.webrtc_client import WebRtcClient
-from client.ws_client import ClientConfig, DecodeMode, StreamClient, StreamResult, stream_url, tls_context
+from client.ws_client import StreamClient, stream_url
 
 TRANSPORTS: dict[str, type] = {"ws": StreamClient, "webrtc": WebRtcClient}
 """transport name -> client class (``cls(url, ClientConfig)``, ``await run(duration_s, prompts) -> StreamResult``)."""

@@ -9,7 +9,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from client.ws_client import StreamResult, _max_count
+from client.viewer import StreamResult, _max_count
 
 
 class LoopPauses:

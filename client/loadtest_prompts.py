@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from client.pixels import PALETTE
-from client.ws_client import ClientConfig, DecodeMode, StreamClient
+from client.viewer import ClientConfig, DecodeMode
+from client.ws_client import StreamClient
 
 SUBJECTS = (
     "a red fox running through snow", "waves breaking on a rocky shore", "a city street at night in the rain",

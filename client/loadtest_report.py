@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from client.verify import PixelStats
-from client.ws_client import StreamResult
+from client.viewer import StreamResult
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -71,7 +71,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from client.playback import PlaybackState
 from client.rtc_camera import FrameTrack
-from client.ws_client import ClientConfig, ClientState, StreamResult, ViewerClient
+from client.viewer import ClientConfig, ClientState, StreamResult, ViewerClient
 from streamsvc import protocol as P
 from streamsvc.rtc import (
     CONTROL_CHANNEL,

@@ -33,7 +33,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from client import loadtest
-from client.ws_client import ClientConfig, DecodeMode, StreamClient
+from client.viewer import ClientConfig, DecodeMode
+from client.ws_client import StreamClient
 from streamsvc import protocol as P
 
 from .common import T

@@ -47,7 +47,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from client import loadtest
-from client.ws_client import ClientConfig, StreamClient
+from client.viewer import ClientConfig
+from client.ws_client import StreamClient
 
 from .common import (
     CONNECT_CONCURRENCY,

@@ -9,7 +9,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from client.loadtest import scrape_metrics
-from client.ws_client import ClientConfig, ClientState, StreamClient
+from client.viewer import ClientConfig, ClientState
+from client.ws_client import StreamClient
 from streamsvc import protocol as P
 from streamsvc.access import AccessConfig, Rate
 from streamsvc.server import Server

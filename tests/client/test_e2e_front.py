@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from client.ws_client import ClientConfig, ClientState, StreamClient
+from client.viewer import ClientConfig, ClientState
+from client.ws_client import StreamClient
 from streamsvc.access import AccessConfig
 from tests.client.servers import running
 

@@ -9,7 +9,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from client.ws_client import ClientConfig, DecodeMode, StreamClient
+from client.viewer import ClientConfig, DecodeMode
+from client.ws_client import StreamClient
 from streamsvc import protocol as P
 from streamsvc.wire_input import InputHeader, pack_input
 from tests.client.servers import running, url

@@ -11,7 +11,8 @@ import asyncio
 import pytest
 
 from client import loadtest, loadtest_prompts, loadtest_report
-from client.ws_client import ClientConfig, ClientState, StreamClient
+from client.viewer import ClientConfig, ClientState
+from client.ws_client import StreamClient
 from streamsvc import protocol as P
 from tests.client.test_e2e_ws import running, url
 

@@ -11,7 +11,8 @@ import pytest
 from websockets.asyncio.client import connect
 
 from client.loadtest import free_port
-from client.ws_client import ClientConfig, ClientState, StreamClient
+from client.viewer import ClientConfig, ClientState
+from client.ws_client import StreamClient
 from kvcache.units import format_bytes
 from models import GeneratorConfig, build_generator
 from streamsvc import protocol as P

@@ -10,7 +10,7 @@ import pytest
 
 from client import loadtest, loadtest_host, loadtest_prompts, loadtest_report
 from client.playback import PlaybackStats
-from client.ws_client import StreamResult
+from client.viewer import StreamResult
 
 
 def playback(**kw) -> PlaybackStats:

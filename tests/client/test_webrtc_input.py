@@ -11,7 +11,7 @@ import pytest
 
 from client.webrtc_client import WebRtcClient
 from models.scenes import Scene, Timeline
-from client.ws_client import ClientConfig
+from client.viewer import ClientConfig
 from streamsvc.engine import EngineConfig
 from streamsvc.rtc import WebRtcConfig
 from streamsvc.server import Server, ServerConfig

@@ -8,7 +8,8 @@ import av
 import pytest
 
 from client.decode import FrameDecoder
-from client.ws_client import ClientConfig, ClientState, DecodeMode, StreamClient
+from client.viewer import ClientConfig, ClientState, DecodeMode
+from client.ws_client import StreamClient
 from streamsvc import protocol as P
 from streamsvc.encode import StreamEncoder
 from tests.streamsvc.test_encode import FPS, H, W, encode_chunks

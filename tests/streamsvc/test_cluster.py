@@ -25,7 +25,8 @@ ray_defaults(loopback=True)  # before ray is imported: Ray reads it at import
 pytest.importorskip("ray.serve")
 
 from client.loadtest import free_port, http_status, scrape_metrics  # noqa: E402
-from client.ws_client import ClientConfig, StreamClient  # noqa: E402
+from client.viewer import ClientConfig  # noqa: E402
+from client.ws_client import StreamClient  # noqa: E402
 from streamsvc.cluster.gateway import Gateway, GatewayConfig  # noqa: E402
 from streamsvc.cluster.launch import DeployConfig, deploy  # noqa: E402
 from streamsvc.cluster.replica import ReplicaConfig  # noqa: E402

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from client.loadtest import scrape_metrics
-from client.ws_client import ClientConfig, ClientState, StreamClient
+from client.viewer import ClientConfig, ClientState
+from client.ws_client import StreamClient
 from streamsvc.cpumeter import CpuMeter
 from streamsvc.engine import EngineConfig
 from streamsvc import server as server_module

@@ -16,8 +16,8 @@ from aiortc.rtp import RTCP_PSFB_PLI, RtcpPsfbPacket
 from websockets.asyncio.client import connect
 
 from client.playback import PlaybackBuffer
+from client.viewer import ClientConfig
 from client.webrtc_client import WebRtcClient, default_ice_addresses
-from client.ws_client import ClientConfig
 from streamsvc import protocol as P
 from streamsvc.engine import EngineConfig
 from streamsvc.server import Server, ServerConfig
