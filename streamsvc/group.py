@@ -40,6 +40,7 @@ log = logging.getLogger("streamsvc.group")
 
 START_TIMEOUT_S = 300.0  # at most this for a live rank to join and to build its generator (loading weights)
 POLL_S = 0.05  # how often rank 0 looks at its starting workers
+DEATH_GRACE_S = 2.0  # a failed collective: how long the dead rank may take to be seen gone (a loaded host)
 
 
 class GroupError(RuntimeError):
@@ -231,7 +232,22 @@ class Group:
         return [p.pid for p in self.ctx.processes] if self.ctx else []
 
     def describe_failure(self, error: BaseException | None = None, when: str = "") -> str:
-        """Which ranks are gone or stopped, and the collective's error."""
+        """Which ranks are gone or stopped, and the collective's error. A collective that failed (`error`) may have
+        failed on the dead rank's socket before the kernel had it reaped: then the ranks are looked at again for up
+        to DEATH_GRACE_S before "no rank is known to be gone" is said."""
+        said = self._gone()
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while not said and error is not None and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            said = self._gone()
+        what = "; ".join(said) or "no rank is known to be gone: one hung or failed"
+        detail = f" ({type(error).__name__}: {str(error).splitlines()[0][:200]})" if error is not None and str(error) else ""
+        when = f" {when}" if when else ""
+        return (f"the group of {self.cfg.size} ranks failed{when}: {what}; a collective waits {self.cfg.timeout_s:g} s at most "
+                f"(--parallel-timeout){detail}")
+
+    def _gone(self) -> list[str]:
+        """Each rank that exited, was killed or is stopped, said."""
         said = []
         for rank, p in enumerate(self.ctx.processes if self.ctx else [], start=1):
             if p.exitcode is not None:
@@ -240,11 +256,7 @@ class Group:
                 said.append(f"rank {rank} (pid {p.pid}) {how}")
             elif _stopped(p.pid):
                 said.append(f"rank {rank} (pid {p.pid}) is stopped")
-        what = "; ".join(said) or "no rank is known to be gone: one hung or failed"
-        detail = f" ({type(error).__name__}: {str(error).splitlines()[0][:200]})" if error is not None and str(error) else ""
-        when = f" {when}" if when else ""
-        return (f"the group of {self.cfg.size} ranks failed{when}: {what}; a collective waits {self.cfg.timeout_s:g} s at most "
-                f"(--parallel-timeout){detail}")
+        return said
 
     def _raised(self, rank: int) -> str:
         """': Error: text', what rank `rank`'s target raised (torch's spawn writes its traceback), or ''."""
