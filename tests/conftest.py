@@ -9,6 +9,35 @@ import torch
 from models import ChunkGenerator, GeneratorConfig, Work, build_generator
 
 
+# `pytest -m quick`: a first check in about 2 minutes on 2 cores (the whole suite takes 20-30): the pure parts
+# (scheduler, KV accounting, wire protocol, sessions, access rules, input framing and gates, the client's playback
+# and report) and the model's and server's fastest tests; no server process, no browser, no training.
+QUICK = (
+    "tests/streamsvc/scheduling/",
+    "tests/kvcache/test_units.py", "tests/kvcache/test_cache.py",
+    "tests/streamsvc/test_protocol.py", "tests/streamsvc/test_session.py", "tests/streamsvc/test_access.py",
+    "tests/streamsvc/test_guard.py", "tests/streamsvc/test_outbox.py", "tests/streamsvc/test_bitstream.py",
+    "tests/streamsvc/test_input_gate.py", "tests/streamsvc/test_inputs.py", "tests/streamsvc/test_wire_input.py",
+    "tests/streamsvc/test_cli_help.py", "tests/streamsvc/test_engine.py",
+    "tests/streamsvc/test_encode.py", "tests/streamsvc/test_output.py", "tests/streamsvc/test_input_ws.py",
+    "tests/streamsvc/test_library_logs.py", "tests/streamsvc/test_record.py", "tests/streamsvc/test_cluster_pure.py",
+    "tests/client/test_playback.py", "tests/client/test_pixels.py", "tests/client/test_verify.py",
+    "tests/client/test_ws_client.py",
+    "tests/kvcache/test_quant.py", "tests/models/test_scenes.py", "tests/models/test_dit.py",
+    "tests/models/test_generator.py", "tests/models/test_decoder.py", "tests/models/test_text.py",
+    "tests/models/test_weights.py", "tests/models/test_model_file.py", "tests/models/test_fidelity.py",
+    "tests/test_imports.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parents[1]
+    for item in items:
+        where = Path(item.fspath).resolve().relative_to(root).as_posix()
+        if where.startswith(QUICK) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.quick)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
     torch.set_num_threads(1)
