@@ -231,6 +231,7 @@ class ViewerClient:
         self.g2g = GlassToGlass(clock)  # glass-to-glass of the frames whose chunk echoed capture times
         self.input_sent = 0  # input frames sent (config.input)
         self.input_paused = False  # stop sending input for a while (tests: an input that stops, then resumes)
+        self.input_refused: str | None = None  # the server refused this stream's input (why): none is sent after
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -498,6 +499,8 @@ class ViewerClient:
         self.errors.append(f"{msg.code.value}: {msg.message}")
         if msg.code is P.ErrorCode.NOT_STEERER:
             self.not_steerer += 1  # the stream goes on; a set_prompt refused so is forgotten below
+        if msg.code is P.ErrorCode.INPUT_REFUSED:
+            self.input_refused = msg.message  # the stream goes on without input: the camera stops sending
         if msg.code in P.RETRYABLE:
             self.worker_lost += 1
             self._retry = self.reconnects < self.config.max_reconnects

@@ -204,7 +204,7 @@ class WebRtcClient(ViewerClient):
         self._channel.on("message", self._on_channel_message)
         if self.config.input is not None:  # the camera goes up the stream's own transceiver: sendrecv, as the player's
             self._camera = FrameTrack(self.config.input, self.camera_fps or self.ready.fps,
-                                      paused=lambda: self.input_paused)
+                                      paused=lambda: self.input_paused or self.input_refused is not None)
             transceiver = pc.addTransceiver(self._camera, direction="sendrecv")
         else:
             transceiver = pc.addTransceiver("video", direction="recvonly")

@@ -237,15 +237,16 @@ class StreamClient(ViewerClient):
 
     async def _send_input(self) -> None:
         """The camera: frame i captured at start + i / fps (paced in real time), encoded and sent at once, its
-        capture time in the header (wall clock, ms). Skipped while `input_paused`."""
+        capture time in the header (wall clock, ms). Skipped while `input_paused`; ends once the server refused the
+        input (`input_refused`)."""
         camera, fps, index = H264Camera(self.ready.fps), self.ready.fps, 0
         start = self.clock()
         for i in range(_max_count(self.config.max_session_s, 1.0 / fps)):
             delay = start + i / fps - self.clock()
             if delay > 0:
                 await asyncio.sleep(delay)
-            if self._ended_at is not None or self._ended.is_set():
-                return
+            if self._ended_at is not None or self._ended.is_set() or self.input_refused is not None:
+                return  # (a refused input: the server reads no more of it)
             if self.input_paused:
                 continue
             captured = self.g2g.now_ms()

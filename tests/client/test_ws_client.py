@@ -114,3 +114,24 @@ async def test_an_error_that_answers_the_watch_ends_the_opening(error, refused):
             await asyncio.wait_for(c._await_ready(), 0.2)
         assert c.refused_reason is None
     assert c.server_errors == [error]
+
+
+async def test_the_camera_stops_once_the_server_refused_its_input():
+    """After `input_refused` the client sends no more input (the server reads none of it): the stream goes on."""
+    import numpy as np
+
+    frame = np.zeros((H, W, 3), np.uint8)
+    c = StreamClient("ws://127.0.0.1:1/ws", ClientConfig(prompt="a ball", input=lambda i: frame))
+    c.ready = P.Ready(stream_id="s0", fps=FPS, width=W, height=H, first_chunk_frames=9, chunk_frames=12,
+                      prompt_version=0, steps=4)
+    sent: list[bytes] = []
+
+    async def send(data):
+        sent.append(data)
+        if len(sent) == 3:  # the server's refusal comes in while the camera sends
+            c._on_error(P.Error(code=P.ErrorCode.INPUT_REFUSED, message="input refused: 8192x8192"))
+
+    c._send = send
+    await asyncio.wait_for(c._send_input(), 5.0)  # returns: no more input (it paced 1 s at most otherwise)
+    assert len(sent) == 3 and c.input_sent == 3
+    assert c.input_refused == "input refused: 8192x8192" and c.errors == ["input_refused: input refused: 8192x8192"]
