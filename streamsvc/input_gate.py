@@ -25,6 +25,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass
 
+from streamsvc.access import Rate, TokenBucket
 from streamsvc.bitstream import inspect, size_refusal
 
 # A decoder's CPU time, in seconds a second, that refuses its input when sustained. On the 2-core test host a 1080p
@@ -59,16 +60,15 @@ class GateCounts:
 class InputGate:
     """One decoder's gate (the module docstring). `now` arguments are the caller's clock, in seconds."""
 
-    def __init__(self, rate: float, burst: float, now: float, *, max_load: float = MAX_DECODE_LOAD,
+    def __init__(self, rate: float, burst: int, now: float, *, max_load: float = MAX_DECODE_LOAD,
                  sustain_s: int = DECODE_SUSTAIN_S) -> None:
         if not (rate > 0 and burst >= 1 and max_load > 0 and sustain_s >= 1):
             raise ValueError(f"an input gate needs rate > 0, burst >= 1, max_load > 0 and sustain_s >= 1, got "
                              f"{rate}, {burst}, {max_load}, {sustain_s}")
-        self.rate, self.burst = rate, burst
         self.max_load, self.sustain_s = max_load, sustain_s
         self.refused: str | None = None  # why the input was refused (the text a client reads), once it was
         self.counts = GateCounts()
-        self._tokens, self._at = float(burst), now
+        self._frames = TokenBucket(Rate(rate, int(burst)), now)  # frames decoded: `rate` a second, `burst` at once
         self._need_keyframe = False  # a reference frame was dropped: the rest of its group goes too
         self._asked_at: float | None = None  # when the sender was last asked for a key frame
         self._window_at: float | None = None  # the start of the decode budget's current one-second window
@@ -87,20 +87,17 @@ class InputGate:
             if refusal is not None:
                 self.refuse(f"{refusal}: send a smaller size")
                 return Verdict.REFUSE
-        self._tokens = min(self.burst, self._tokens + max(0.0, now - self._at) * self.rate)
-        self._at = now
         if info.error is not None:
             self._need_keyframe = True
             self._drop("bad")
             return Verdict.BAD
         if self._need_keyframe and not info.keyframe:
             return self._drop("gop")
-        if self._tokens < 1:
+        if not self._frames.take(now):
             if not info.reference:
                 return self._drop("alone")
             self._need_keyframe = True
             return self._drop("gop")
-        self._tokens -= 1
         self._need_keyframe = False
         self._asked_at = None
         self.counts.decoded += 1

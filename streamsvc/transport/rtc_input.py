@@ -156,7 +156,7 @@ class ReceiverGate:
         self.sink = sink  # the stream's InputFrames (or anything with push_av, decode_error, drop, add_work)
         self.on_refused = on_refused
         self.now = now
-        self.gate = InputGate(rate, rate, now())
+        self.gate = InputGate(rate, round(rate), now())
         self.receiver = None  # the aiortc receiver (prompt_frames sets it): its decoder thread's CPU time is read
         self._cpu_at = -float("inf")  # when the decoder thread's CPU time was last read
         self._cpu_s: float | None = None  # what it was then
