@@ -80,6 +80,20 @@ async def _viewers_and_starts(url: str, viewers: int, duration_s: float, every_s
     return report, later
 
 
+async def _beside(attack: asyncio.Task, url: str, viewers: int, duration_s: float,
+                  every_s: float) -> tuple[dict, list[dict], dict]:
+    """The viewers and later starts (`_viewers_and_starts`) while `attack` runs, then the server's /metrics; `attack`
+    is cancelled at the end, whatever happened."""
+    try:
+        report, later = await _viewers_and_starts(url, viewers, duration_s, every_s)
+        metrics = await asyncio.to_thread(loadtest.scrape_metrics, loadtest.metrics_url(url), T) or {}
+    finally:
+        attack.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await attack
+    return report, later, metrics
+
+
 def _figures(report: dict, later: list[dict], metrics: dict, attacker: str) -> dict:
     """The viewers' and the later starts' figures, the refusals the attacker's stream (`attacker`, its id) caused
     ("closed loop: stream ID was late"), and the server's own counts of whose lateness it was."""
@@ -141,16 +155,10 @@ async def _quiet_camera(url: str, viewers: int, duration_s: float, quiet_s: floa
         switched: list[float] = []
         toggles = asyncio.create_task(_toggle_camera(quiet, quiet_s, period_s, t0 + quiet_s + duration_s + 2 * T,
                                                      switched))
-        try:
-            # its first chunks, without input, after the server's wait for a camera's first frame
-            first = await quiet.wait_until(lambda: quiet.chunks >= 3, T)
-            started = time.monotonic() - t0
-            report, later = await _viewers_and_starts(url, viewers, duration_s, every_s)
-            metrics = await asyncio.to_thread(loadtest.scrape_metrics, loadtest.metrics_url(url), T) or {}
-        finally:
-            toggles.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await toggles
+        # its first chunks, without input, after the server's wait for a camera's first frame
+        first = await quiet.wait_until(lambda: quiet.chunks >= 3, T)
+        started = time.monotonic() - t0
+        report, later, metrics = await _beside(toggles, url, viewers, duration_s, every_s)
     result = quiet.result()
     figures = _figures(report, later, metrics, quiet.ready.stream_id)
     figures.update(quiet_admitted=True, quiet_first_chunk=first, quiet_chunks=result.chunks,
@@ -207,14 +215,8 @@ async def _lying_reports(url: str, viewers: int, duration_s: float, every_s: flo
         await liar.wait_until(lambda: liar.chunks >= 1, T)
         counts = {"sent": 0}
         lies = asyncio.create_task(_lie(liar, report_every_s, time.monotonic() + duration_s + 2 * T, counts))
-        try:
-            await asyncio.sleep(2.0)  # its reports already going when the viewers come
-            report, later = await _viewers_and_starts(url, viewers, duration_s, every_s)
-            metrics = await asyncio.to_thread(loadtest.scrape_metrics, loadtest.metrics_url(url), T) or {}
-        finally:
-            lies.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await lies
+        await asyncio.sleep(2.0)  # its reports already going when the viewers come
+        report, later, metrics = await _beside(lies, url, viewers, duration_s, every_s)
     result = liar.result()
     figures = _figures(report, later, metrics, liar.ready.stream_id)
     rate_limited = sum(1 for e in result.errors if e.startswith("rate_limited"))
