@@ -56,6 +56,10 @@ from streamsvc import protocol as P
 from streamsvc.wire_input import InputHeader, pack_input
 
 WS_PATH = "/ws"
+# a re-placement (after `worker_lost`) that admission refused is tried again after this, doubling each time, at most
+# this many times in all and within ClientConfig.open_timeout_s: 0.5 + 1 + 2 + 4 s
+REPLACE_BACKOFF_S = 0.5
+REPLACE_ATTEMPTS = 5
 
 
 class StreamClient(ViewerClient):
@@ -98,9 +102,9 @@ class StreamClient(ViewerClient):
         finally:
             self._opened.set()
 
-    async def _connect(self) -> bool:
+    async def _connect(self, finish: bool = True) -> bool:
         """Connect, send ``start``, wait for ``ready``: True when admitted (then PLAYING); else the socket
-        is dropped and the session is over."""
+        is dropped and, with ``finish``, the session is over."""
         self.state = ClientState.OPENING
         cfg = self.config
         try:
@@ -121,7 +125,8 @@ class StreamClient(ViewerClient):
             admitted = False
         if not admitted:
             await self._drop_socket()
-            self._finish()
+            if finish:
+                self._finish()
             return False
         self.state = ClientState.PLAYING
         return True
@@ -157,11 +162,23 @@ class StreamClient(ViewerClient):
         self._unacked_prompts = 0
         self._ended.clear()
         self.closed_reason = None
-        if not await self._connect():
-            return False
-        self.reconnects += 1
-        self._begin()
-        return True
+        # the cluster places the stream again, on a worker whose admission may refuse it for a moment (its closed
+        # loop after a late chunk, a tranche still starting): a refusal is tried again, with backoff, within the
+        # opening's timeout; any other end of the opening ends the session
+        wait_s, give_up = REPLACE_BACKOFF_S, self.clock() + self.config.open_timeout_s
+        for _ in range(REPLACE_ATTEMPTS):
+            if await self._connect(finish=False):
+                self.reconnects += 1
+                self.refused_reason = None
+                self._begin()
+                return True
+            refusal = self.server_errors[-1].code if self.state is ClientState.REFUSED and self.server_errors else None
+            if refusal is not P.ErrorCode.REFUSED or self.clock() + wait_s > give_up:
+                break
+            await asyncio.sleep(wait_s)
+            wait_s *= 2
+        self._finish()
+        return False
 
     async def close(self) -> None:
         """End the session: freeze the measures, send ``close``, wait for ``closed`` (bounded), drop the socket."""

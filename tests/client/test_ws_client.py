@@ -135,3 +135,41 @@ async def test_the_camera_stops_once_the_server_refused_its_input():
     await asyncio.wait_for(c._send_input(), 5.0)  # returns: no more input (it paced 1 s at most otherwise)
     assert len(sent) == 3 and c.input_sent == 3
     assert c.input_refused == "input refused: 8192x8192" and c.errors == ["input_refused: input refused: 8192x8192"]
+
+
+@pytest.mark.parametrize("code, placed_again", [(P.ErrorCode.REFUSED, True), (P.ErrorCode.UNAUTHORIZED, False)])
+async def test_a_re_placement_admission_refused_is_tried_again_and_no_other_refusal(code, placed_again):
+    """After `worker_lost` the client starts over on a new connection; a cluster places the stream on a worker whose
+    admission may refuse it for a moment (its closed loop). A scripted server: its first stream is lost, the next
+    start refused with `code`, the one after admitted."""
+    from websockets.asyncio.server import serve
+
+    starts = []
+    ready = P.Ready(stream_id="s0", fps=FPS, width=W, height=H, first_chunk_frames=12, chunk_frames=12,
+                    prompt_version=0, steps=4)
+
+    async def handler(ws):
+        starts.append(P.parse_client(await ws.recv()))
+        if len(starts) == 2:
+            await ws.send(P.encode(P.Error(code=code, request="start", message="closed loop: stream s1 was late")))
+            await ws.wait_closed()
+            return
+        await ws.send(P.encode(ready))
+        if len(starts) == 1:
+            await ws.send(P.encode(P.Error(code=P.ErrorCode.WORKER_LOST, message="the worker was lost")))
+            await ws.send(P.encode(P.Closed(reason="worker lost")))
+        async for raw in ws:  # until the client's close
+            if isinstance(P.parse_client(raw), P.Close):
+                await ws.send(P.encode(P.Closed(reason="closed by client")))
+
+    async with serve(handler, "127.0.0.1", 0) as server:
+        port = server.sockets[0].getsockname()[1]
+        c = StreamClient(f"ws://127.0.0.1:{port}/ws", ClientConfig(prompt="a ball", stats_every_s=0,
+                                                                     decode=DecodeMode.NONE))
+        result = await asyncio.wait_for(c.run(3.0), 20)
+    assert result.worker_lost == 1
+    assert any("closed loop" in e for e in result.errors)
+    if placed_again:
+        assert len(starts) == 3 and result.reconnects == 1 and result.refused_reason is None
+    else:
+        assert len(starts) == 2 and result.reconnects == 0
