@@ -27,7 +27,7 @@ import time
 from client import loadtest, loadtest_report
 from client.viewer import ClientConfig
 from client.ws_client import StreamClient
-from streamsvc import protocol as P
+from streamsvc.wire import protocol as P
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

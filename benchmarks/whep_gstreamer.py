@@ -11,7 +11,7 @@ DELETE's status. Ends with one JSON line.
 
 What it found: GStreamer 1.22's DTLS serves an RSA certificate, and aiortc as a DTLS client offers ECDSA suites only
 ("no shared cipher"): a WHEP answer with setup:active fails its DTLS handshake with any webrtcbin player. The
-server's answers are setup:passive (streamsvc/transport/webrtc.py, as streamsvc/whip.py's).
+server's answers are setup:passive (streamsvc/transport/webrtc.py, as streamsvc/door/whip.py's).
 """
 
 from __future__ import annotations
@@ -143,8 +143,8 @@ async def drive(seconds: float) -> dict:
     import asyncio
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from streamsvc.engine import EngineConfig
-    from streamsvc.server import Server, ServerConfig
+    from streamsvc.engine.engine import EngineConfig
+    from streamsvc.viewers.server import Server, ServerConfig
 
     # the server gathers on this host's addresses and loopback (libnice offers no loopback candidate)
     server = Server(EngineConfig(preset="tiny", device="cpu"), ServerConfig(port=0))

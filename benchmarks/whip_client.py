@@ -24,7 +24,7 @@ Two things stood between Debian 12's whip-client (0.0~git20230131-1, installed i
   a stand-in libgupnp-igd-1.0.so.4 (IGD_STUB: UPnP port mapping, of no use on loopback) with the system's C compiler
   and puts it first on whip-client's LD_LIBRARY_PATH (--no-igd-stub: as installed);
 - DTLS: aiortc as a DTLS client offers ECDSA cipher suites only and GStreamer 1.22's DTLS serves an RSA certificate
-  ("no shared cipher"); the server's WHIP answer is therefore setup:passive (streamsvc/whip.py).
+  ("no shared cipher"); the server's WHIP answer is therefore setup:passive (streamsvc/door/whip.py).
 libnice offers no loopback candidate: the server gathers on this host's addresses too (ICE_ADDRESSES); the media
 stays on the host. tests/client/test_whip_client.py runs this script in CI (skipped without whip-client or cc).
 """
@@ -50,10 +50,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.scenes import Scene, draw  # noqa: E402
-from streamsvc import protocol as P  # noqa: E402
-from streamsvc.engine import EngineConfig  # noqa: E402
-from streamsvc.rtc import WebRtcConfig  # noqa: E402
-from streamsvc.server import Server, ServerConfig  # noqa: E402
+from streamsvc.engine.engine import EngineConfig  # noqa: E402
+from streamsvc.viewers.server import Server, ServerConfig  # noqa: E402
+from streamsvc.wire import protocol as P  # noqa: E402
+from streamsvc.wire.rtc import WebRtcConfig  # noqa: E402
 
 WIDTH, HEIGHT, FPS = 320, 240, 30
 # the server gathers on this host's interfaces as well as loopback: libnice (whip-client's ICE) offers no loopback

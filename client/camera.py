@@ -4,7 +4,7 @@ glass-to-glass latency of what comes back.
 A *frame source* is any callable ``source(i) -> np.ndarray`` giving frame ``i`` ([H, W, 3] uint8 RGB, any size)
 of the camera's video: `FileSource` loops a video file, and the command line renders scenes of models/scenes.py
 (the client itself imports only the wire modules). `H264Camera` encodes frames one at a time as the WebSocket's
-upstream wants them (streamsvc/wire_input.py): x264 ultrafast/zerolatency (no B-frames, no lookahead: a frame's
+upstream wants them (streamsvc/wire/framing.py): x264 ultrafast/zerolatency (no B-frames, no lookahead: a frame's
 access unit comes out at once), an IDR with SPS/PPS every `keyint` frames. `GlassToGlass` keeps, per played
 frame, (the time it was played) - (the capture time its chunk's header echoed), both in this client's clock.
 """

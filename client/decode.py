@@ -2,7 +2,7 @@
 
 The client's own decoder (DESIGN.md: the client imports only the wire conventions, never the service's
 encoder). Where decoding may start is the wire's word, not the bitstream's: a chunk whose header says
-``keyframe`` starts with an IDR carrying SPS/PPS (``streamsvc.protocol``), and the client feeds the decoder
+``keyframe`` starts with an IDR carrying SPS/PPS (``streamsvc.wire.protocol``), and the client feeds the decoder
 from the first such chunk on (a watcher's first chunk is one).
 
 Frames stay ``av.VideoFrame``s. Converting one to RGB costs about twice its decode (at 128x128 on one core:

@@ -1,7 +1,7 @@
 """A viewer's camera over WebRTC (issue 35): a frame source as an aiortc video track, and Y4M files for Chromium.
 
 A frame source is ``source(i) -> [H, W, 3] uint8 RGB`` (client/camera.py: ``FileSource`` loops a video file; the
-command line renders scenes of models/scenes.py, streamsvc/synthetic_input.py). ``FrameTrack`` plays one as a
+command line renders scenes of models/scenes.py, streamsvc/inputs/synthetic.py). ``FrameTrack`` plays one as a
 camera: frame i at start + i / fps in real time, its pts on the 90 kHz video clock, so that aiortc's RTCP sender
 reports (its send time paired with the frame's RTP timestamp) give the server the frame's capture time in this
 process's clock (``time.time()``). ``write_y4m`` writes frames as a Y4M file: Chromium's fake camera

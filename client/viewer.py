@@ -24,9 +24,9 @@ import contextlib
 import enum
 import ssl
 import time
-from typing import Any, Self
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Self
 
 import numpy as np
 from websockets.asyncio.client import ClientConnection
@@ -35,7 +35,7 @@ from websockets.exceptions import ConnectionClosed
 from client.camera import FrameSource, GlassToGlass
 from client.playback import PlaybackBuffer, PlaybackState, PlaybackStats
 from client.verify import PixelLatency, PixelStats
-from streamsvc import protocol as P
+from streamsvc.wire import protocol as P
 
 
 class DecodeMode(enum.Enum):

@@ -72,8 +72,8 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from client.playback import PlaybackState
 from client.rtc_camera import FrameTrack
 from client.viewer import ClientConfig, ClientState, StreamResult, ViewerClient
-from streamsvc import protocol as P
-from streamsvc.rtc import (
+from streamsvc.wire import protocol as P
+from streamsvc.wire.rtc import (
     CONTROL_CHANNEL,
     IceServer,
     complete_local_description,

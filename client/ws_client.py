@@ -1,6 +1,6 @@
 """One viewer over WebSocket: connect, start (or watch), decode, play, steer, report.
 
-``StreamClient`` speaks the wire protocol of ``streamsvc/protocol.py`` to a
+``StreamClient`` speaks the wire protocol of ``streamsvc/wire/protocol.py`` to a
 server's ``/ws`` endpoint (one connection = one stream): it sends ``start``
 (or, with ``ClientConfig.watch`` and ``secret``, ``watch``: the viewer watches
 an open stream by its id and watch secret, and steers nothing), waits for
@@ -52,8 +52,8 @@ from client.camera import H264Camera
 from client.decode import FrameDecoder
 from client.playback import PlaybackState
 from client.viewer import ClientConfig, ClientState, DecodeMode, ViewerClient, _max_count
-from streamsvc import protocol as P
-from streamsvc.wire_input import InputHeader, pack_input
+from streamsvc.wire import protocol as P
+from streamsvc.wire.framing import InputHeader, pack_input
 
 WS_PATH = "/ws"
 # a re-placement (after `worker_lost`) that admission refused is tried again after this, doubling each time, at most

@@ -6,10 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from models import PRESETS, GeneratorConfig, build_generator
-from models import fidelity
-from models.build import DECODERS
 from kvcache import QUANT_MODES
+from models import PRESETS, GeneratorConfig, build_generator, fidelity
+from models.build import DECODERS
 
 
 def _model_args(p: argparse.ArgumentParser, basics) -> None:
@@ -92,7 +91,7 @@ def _generator(args):
     """The generator `generate` runs: the fastest configuration of its device that --fidelity allows."""
     import logging
 
-    from streamsvc.engine import log_attention
+    from streamsvc.engine.engine import log_attention
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     device, kw = _generator_args(args)
@@ -159,7 +158,7 @@ def cmd_generate(args) -> int:
                   f"{prompt!r} and draws them as noise; it knows: "
                   f"{', '.join(w for w in gen.text_encoder.vocabulary or [] if w.isalpha())}",
                   file=sys.stderr)
-    from streamsvc.offline_input import open_input
+    from streamsvc.inputs.offline import open_input
 
     try:
         inputs = open_input(gen, args.input, args.strength, args.fps)
@@ -195,7 +194,7 @@ def _check_weights(args) -> None:
 
 
 def _engine_config(args):
-    from streamsvc.engine import EngineConfig
+    from streamsvc.engine.engine import EngineConfig
     from streamsvc.offline import default_device
     from streamsvc.scheduling import SchedulerConfig
 
@@ -225,7 +224,7 @@ def _group(args, device) -> dict:
     """EngineConfig's group for --parallel K (none for 1), and rank 0's device: the first of the group's."""
     if args.parallel == 1:
         return {}
-    from streamsvc.group import GroupConfig, group_devices
+    from streamsvc.engine.group import GroupConfig, group_devices
 
     group = GroupConfig(args.parallel, group_devices(str(device), args.parallel, args.devices), args.parallel_timeout)
     return {"group": group, "device": group.devices[0]}
@@ -292,7 +291,7 @@ def cmd_serve(args) -> int:
     import logging
 
     from streamsvc import preflight
-    from streamsvc.server import Server, ServerConfig
+    from streamsvc.viewers.server import Server, ServerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(logging.WARNING)
@@ -319,7 +318,7 @@ def cmd_serve(args) -> int:
                           webrtc=webrtc, access=access, **audience, **front)
     if args.cluster is not None:  # beyond one GPU: this front as the gateway of Ray Serve engine replicas
         return _serve_cluster(args, config)
-    from streamsvc.group import GroupError
+    from streamsvc.engine.group import GroupError
 
     try:
         asyncio.run(Server(_engine_config(args), config).serve_forever())
@@ -372,7 +371,7 @@ def _serve_cluster(args, front) -> int:
 
 def _webrtc_args(p: argparse.ArgumentParser) -> None:
     p = p.add_argument_group("WebRTC (see docs/webrtc.md)")
-    from streamsvc.rtc import MAX_REMOTE_CANDIDATES
+    from streamsvc.wire.rtc import MAX_REMOTE_CANDIDATES
 
     p.add_argument("--ice-server", action="append", default=[], metavar="URL[,USER,CREDENTIAL]",
                    help="STUN/TURN server for WebRTC streams, e.g. stun:stun.example.org:3478 or "
@@ -389,7 +388,7 @@ def _webrtc_args(p: argparse.ArgumentParser) -> None:
 
 
 def _webrtc_config(args):
-    from streamsvc.rtc import IceServer, WebRtcConfig
+    from streamsvc.wire.rtc import IceServer, WebRtcConfig
 
     return WebRtcConfig(ice_servers=tuple(IceServer.parse(s) for s in args.ice_server),
                         ice_addresses=tuple(args.ice_address) or None,
@@ -458,7 +457,7 @@ def _front_args(p: argparse.ArgumentParser) -> None:
 
 def _front_config(args) -> dict:
     """ServerConfig's fields of the port; a TLS certificate or key that does not load is an error here."""
-    from streamsvc.front import tls_context
+    from streamsvc.door.front import tls_context
 
     if (args.tls_cert is None) is not (args.tls_key is None):
         raise ValueError("give both --tls-cert and --tls-key (a certificate and its private key), or neither")
@@ -497,7 +496,7 @@ def _audience_config(args) -> dict:
 
 
 def _access_config(args):
-    from streamsvc.access import AccessConfig, Rate, check_token, parse_auth_file
+    from streamsvc.door.access import AccessConfig, Rate, check_token, parse_auth_file
 
     if args.max_connections_per_client < 1:
         raise ValueError(f"--max-connections-per-client {args.max_connections_per_client}: give at least 1")
@@ -572,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     lt = sub.add_parser("loadtest", help="run N viewers against a server and report TTFF, stalls and control latency")
     loadtest.add_arguments(lt)
-    from streamsvc.synthetic_input import loadtest_sources  # --input synthetic: scenes rendered here, not in client
+    from streamsvc.inputs.synthetic import loadtest_sources  # --input synthetic: scenes rendered here, not in client
 
     lt.set_defaults(func=lambda args: loadtest.run(args, input_sources=loadtest_sources(args)))
     return parser

@@ -17,7 +17,7 @@ none reaches stderr or Python's logging, and no libav thread takes the GIL to lo
 can deadlock threaded codecs). `install` keeps it that way, lowers a bridge someone turned on to ERROR, and sets
 libav's own level to ERROR for a restored stderr callback. What the bridge would log ("libav.<component>") is
 gated here with PyAV's own loggers, as one source: av. Our code counts a publisher's undecodable frames
-(streamsvc/transport/rtc_input.py) and logs them when its session ends.
+(streamsvc/inputs/rtc.py) and logs them when its session ends.
 """
 
 from __future__ import annotations

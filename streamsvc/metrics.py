@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from streamsvc.access import Refusal
-from streamsvc.session import Session, SessionState
+from streamsvc.door.access import Refusal
+from streamsvc.viewers.session import Session, SessionState
 
 if TYPE_CHECKING:
-    from streamsvc.engine import Engine
+    from streamsvc.engine.engine import Engine
 
 
 class Metrics:
@@ -88,7 +88,7 @@ class Metrics:
                                   "start or watch), in total; left out of the cost estimates admission uses", registry=r)
         self.errors = Counter("streamsvc_protocol_errors", "Bad client messages answered with an error", registry=r)
         self.replies_dropped = Counter("streamsvc_error_replies_dropped", "Error replies not sent: past a "
-                                       "connection's rate of them (streamsvc/outbox.py)", registry=r)
+                                       "connection's rate of them (streamsvc/viewers/outbox.py)", registry=r)
         self.connections = Gauge("streamsvc_connections", "Open connections: WebSockets (with a stream or not), "
                                  "WebRTC peer connections (viewers', WHEP's) and WHIP publishers", ["kind"], registry=r)
         self.refusals = Counter("streamsvc_refusals", "Requests refused, by reason", ["reason"], registry=r)

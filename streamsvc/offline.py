@@ -47,7 +47,7 @@ def video_chunks(gen: ChunkGenerator, prompt: str, seconds: float, fps: int, see
                  changes: list[PromptChange] = (), inputs=None, strength: float = 1.0) -> Iterator[tuple[Chunk, int]]:
     """The generator calls of `seconds` of one stream, as (chunk, frames of it the video keeps). Every
     rank of a group (`streamsvc generate --parallel K`) runs this, so they make the same calls. `inputs`:
-    the input video (streamsvc/offline_input.py `InputVideo`), each chunk's frames restyled at `strength`."""
+    the input video (streamsvc/inputs/offline.py `InputVideo`), each chunk's frames restyled at `strength`."""
     total = max(1, math.ceil(seconds * fps))
     state = gen.open_stream("offline", prompt, seed)
     prompt_at = {chunk_for_time(gen, c.at_s, fps): c.prompt for c in sorted(changes, key=lambda c: c.at_s)}
@@ -143,13 +143,13 @@ def default_device(name: str) -> torch.device:
 
 
 def generate_parallel(args, changes: list[PromptChange], strip: Path | None, generator_args: Callable) -> int:
-    """`streamsvc generate --parallel K`: this process is rank 0 of a group of K (streamsvc/group.py); it
+    """`streamsvc generate --parallel K`: this process is rank 0 of a group of K (streamsvc/engine/group.py); it
     encodes the prompts, decodes the chunks and writes the file; ranks 1..K-1 make the same generator
     calls (`video_chunks`) on their shard. Returns the exit code: 2 for a bad K or flag (before any rank
     is spawned), 1 when the group fails (a rank died or hung: within --parallel-timeout).
     generator_args(args, device) -> (device, build_generator's keywords) (the CLI's, picklable by name)."""
     from models.parallel import build_base, check_degree, shard_generator
-    from streamsvc.group import Group, GroupConfig, GroupError, group_devices
+    from streamsvc.engine.group import Group, GroupConfig, GroupError, group_devices
 
     try:
         cfg = GroupConfig(args.parallel, group_devices(args.device, args.parallel, args.devices), args.parallel_timeout)
@@ -189,7 +189,7 @@ def generate_parallel(args, changes: list[PromptChange], strip: Path | None, gen
 def _generate_rank(rank: int, group, device: str, args, video: tuple, generator_args: Callable) -> None:
     """Rank 1..K-1 of `generate_parallel`: the same generator calls on its shard, nothing written."""
     from models.parallel import build_worker_generator
-    from streamsvc.group import worker_ready
+    from streamsvc.engine.group import worker_ready
 
     _, kw = generator_args(args, device)
     gen = build_worker_generator(args.preset, group=group, **kw)

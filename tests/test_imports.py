@@ -28,7 +28,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvcache", "models", "streamsvc", "client")
-WIRE = frozenset({"streamsvc.protocol", "streamsvc.rtc", "streamsvc.wire_errors", "streamsvc.wire_input"})  # the client may use
+# the wire (streamsvc/wire/): all that the client may use of the service
+WIRE = frozenset({"streamsvc.wire", "streamsvc.wire.protocol", "streamsvc.wire.rtc", "streamsvc.wire.errors",
+                  "streamsvc.wire.framing"})
+MAX_TOP_LEVEL_MODULES = 8  # issue 42: streamsvc/ is packages by layer, with few modules beside them
 MAX_SERVICE_MODULE_LINES = 600  # issue 32's bound on a module under streamsvc/
 
 
@@ -210,6 +213,21 @@ def test_service_modules_stay_small():
     sizes = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in sorted((ROOT / "streamsvc").rglob("*.py"))}
     over = {str(p): n for p, n in sizes.items() if n > MAX_SERVICE_MODULE_LINES}
     assert not over, f"modules under streamsvc/ over {MAX_SERVICE_MODULE_LINES} lines: {over}"
+
+
+def test_streamsvc_is_packages_by_layer_each_naming_its_modules():
+    """At most MAX_TOP_LEVEL_MODULES modules at streamsvc/'s top level (its __init__ among them); every package's
+    docstring names each of its modules (`name`), so that a reader finds a room's contents in one place."""
+    top = sorted(p.name for p in (ROOT / "streamsvc").glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules at streamsvc/'s top level: {top}"
+    unnamed = {}
+    for init in sorted((ROOT / "streamsvc").glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        modules = [p.stem for p in sorted(init.parent.glob("*.py")) if p.stem != "__init__"]
+        missing = [m for m in modules if f"`{m}`" not in doc]
+        if missing:
+            unnamed[init.parent.name] = missing
+    assert not unnamed, f"packages whose docstring does not name these modules: {unnamed}"
 
 
 def test_model_cache_and_client_modules_stay_small():

@@ -35,7 +35,7 @@ import numpy as np
 from client import loadtest
 from client.viewer import ClientConfig, DecodeMode
 from client.ws_client import StreamClient
-from streamsvc import protocol as P
+from streamsvc.wire import protocol as P
 
 from .common import T
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 
 from client import loadtest
-from streamsvc import protocol as P
+from streamsvc.wire import protocol as P
 
 from .common import HOST, T, limited_server, rss_bytes
 

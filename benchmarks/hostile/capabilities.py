@@ -47,8 +47,8 @@ from aioice import stun
 from aiortc import RTCPeerConnection, RTCRtpSender, RTCSessionDescription, VideoStreamTrack
 from websockets.asyncio.client import connect
 
-from streamsvc import protocol as P
-from streamsvc.rtc import complete_local_description, rtc_configuration
+from streamsvc.wire import protocol as P
+from streamsvc.wire.rtc import complete_local_description, rtc_configuration
 
 from .common import HOST, Served, T, limited_server
 

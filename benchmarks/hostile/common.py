@@ -20,7 +20,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus, WebSocketException
 
 from client.loadtest import free_port, http_status
-from streamsvc import protocol as P
+from streamsvc.wire import protocol as P
 
 HOST = "127.0.0.1"  # where the server listens, and the attacker's address
 GOOD = "127.0.0.2"  # the well-behaved client's address (loopback: 127.0.0.0/8 all reaches this machine)

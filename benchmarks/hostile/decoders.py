@@ -4,11 +4,11 @@
 
 A fresh server (tiny preset, CPU, the defaults), on loopback. For each path, a stream with input starts and sends a
 few real frames (a 64x48 camera, libx264), and once the server's RSS has settled the bomb goes: a real 64x48 IDR whose
-SPS is rewritten to declare 8192x8192 (streamsvc/bitstream.py `with_size`; 197 kB of it took 289 MiB before issue
+SPS is rewritten to declare 8192x8192 (streamsvc/inputs/bitstream.py `with_size`; 197 kB of it took 289 MiB before issue
 41, and 1.9 CPU-seconds a second). The server's peak RSS is reset just before (Linux: /proc/PID/clear_refs, so
 VmHWM is the peak from then on) and read 1 s after.
 
-- WebSocket: a `start` with input, then input messages (streamsvc/wire_input.py). Refused: the `error`
+- WebSocket: a `start` with input, then input messages (streamsvc/wire/framing.py). Refused: the `error`
   (`input_refused`) reaches the client; timed from the bomb's send.
 - WHIP: the stream's steer secret publishes an aiortc track of encoded frames (aiortc packetizes an `av.Packet` as it
   is): the camera's, the bomb, then the camera's P-frames for a second. Refused: the server ends the session (its log's "refused" line, or the publisher's peer connection leaving
@@ -33,10 +33,10 @@ import numpy as np
 from aiortc import RTCPeerConnection, RTCRtpSender, RTCSessionDescription, VideoStreamTrack
 from websockets.asyncio.client import connect
 
-from streamsvc import protocol as P
-from streamsvc.bitstream import NAL_SPS, nal_units, with_size
-from streamsvc.rtc import complete_local_description, rtc_configuration
-from streamsvc.wire_input import InputHeader, pack_input
+from streamsvc.inputs.bitstream import NAL_SPS, nal_units, with_size
+from streamsvc.wire import protocol as P
+from streamsvc.wire.framing import InputHeader, pack_input
+from streamsvc.wire.rtc import complete_local_description, rtc_configuration
 
 from .common import HOST, Served, T, limited_server
 

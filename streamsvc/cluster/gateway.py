@@ -17,14 +17,14 @@ code), then hands each stream to an engine replica (streamsvc/cluster/replica.py
   before its placement is retried on another replica, unseen by the viewer.
 
 A `watch` goes to the replica that runs its stream, which its id names (a replica's stream ids are
-`<replica>-s<n>`): the replica's server admits the watcher as its own (streamsvc/server.py), and the
+`<replica>-s<n>`): the replica's server admits the watcher as its own (streamsvc/viewers/server.py), and the
 relay is the same as a stream's. Watchers do not count against the gateway's stream caps. The gateway
 knows no stream's secrets: the `watch` goes to the replica as the viewer sent it, watch secret and all,
 and the replica checks it (as it checks a `take`'s steer secret, relayed with the viewer's later
 messages); an id that names no replica gets the replica's own answer to a wrong secret, so that ids
 cannot be probed through the gateway either.
 
-WHEP and WHIP (issue 36): a WHEP POST is a connection of this handler (streamsvc/whep.py), so a new stream is placed
+WHEP and WHIP (issue 36): a WHEP POST is a connection of this handler (streamsvc/door/whep.py), so a new stream is placed
 as a /ws start is and a watch goes to its stream's replica; its DELETE closes that connection, which ends the session
 on the replica. A WHIP POST and its DELETE are forwarded to the stream's replica (streamsvc/cluster/whip_relay.py).
 
@@ -45,19 +45,19 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from streamsvc import protocol as P
-from streamsvc.access import Refusal, StreamLimits, exposure_warning
 from streamsvc.cluster.placement import ReplicaStats
 from streamsvc.cluster.replica import stream_prefix
 from streamsvc.cluster.router import Board, board
 from streamsvc.cluster.whip_relay import RelayedIngest
-from streamsvc.cpumeter import CpuMeter
-from streamsvc.front import Connection, ConnectionClosed
-from streamsvc.guard import Guard, raise_fd_limit
-from streamsvc.routes import HttpReply, HttpRequest, check_origin, metrics_refusal, reply, static_file
-from streamsvc.server import RECORDINGS_PATH, WS_PATH, Metrics, Server, ServerConfig
-from streamsvc.whep import Endpoints
-from streamsvc.wire_input import MAX_INPUT_BYTES
+from streamsvc.door.access import Refusal, StreamLimits, exposure_warning
+from streamsvc.door.cpumeter import CpuMeter
+from streamsvc.door.front import Connection, ConnectionClosed
+from streamsvc.door.guard import Guard, raise_fd_limit
+from streamsvc.door.routes import HttpReply, HttpRequest, check_origin, metrics_refusal, reply, static_file
+from streamsvc.door.whep import Endpoints
+from streamsvc.viewers.server import RECORDINGS_PATH, WS_PATH, Metrics, Server, ServerConfig
+from streamsvc.wire import protocol as P
+from streamsvc.wire.framing import MAX_INPUT_BYTES
 
 log = logging.getLogger("streamsvc.cluster.gateway")
 
@@ -101,7 +101,7 @@ class Gateway(Server):
         self.worker_lost = 0  # sessions whose replica died under them
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._front = self._metrics_front = None  # the port (streamsvc/front.py), --metrics-port's
+        self._front = self._metrics_front = None  # the port (streamsvc/door/front.py), --metrics-port's
         self._renewer: asyncio.Task | None = None
         self._relays: set[asyncio.Task] = set()
         # WHEP sessions are connections of _handle (placed and relayed as /ws viewers); WHIP goes to the stream's replica
@@ -136,7 +136,7 @@ class Gateway(Server):
         path = request.path
         if path == WS_PATH:
             return check_origin(request, self.config.access, self.metrics)
-        if Endpoints.takes(path):  # WHEP and WHIP (streamsvc/whep.py, streamsvc/cluster/whip_relay.py)
+        if Endpoints.takes(path):  # WHEP and WHIP (streamsvc/door/whep.py, streamsvc/cluster/whip_relay.py)
             return self.whep.handle(request)
         if path == "/healthz":
             ready = [s for s in self.board.stats() if s.ready and not s.draining]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from models.parallel import PARALLEL_ENV, parallel_env
 from streamsvc.cluster.replica import EngineReplica, ReplicaConfig
-from streamsvc.server import ServerConfig
+from streamsvc.viewers.server import ServerConfig
 
 log = logging.getLogger("streamsvc.cluster")
 

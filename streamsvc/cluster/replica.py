@@ -5,7 +5,7 @@ first item says where it runs (`Placement`); then come, in order, everything the
 sent on the viewer's WebSocket (text messages as str, chunks as bytes, and a `{"close": [code,
 reason]}` where it would close the socket). The viewer's later messages arrive as `feed(...)` calls
 pinned to this replica (streamsvc/cluster/router.py). `RelayConnection` is the `Connection`
-(streamsvc/front.py) the server's WebSocket handler sees instead of a socket, so admission, rate limits, prompt coalescing, WebRTC
+(streamsvc/door/front.py) the server's WebSocket handler sees instead of a socket, so admission, rate limits, prompt coalescing, WebRTC
 signaling and every reply are the server's own code.
 
 Ray does not cancel a streaming call whose caller died, so the gateway renews its sessions' leases
@@ -32,11 +32,11 @@ from dataclasses import dataclass, replace
 from multidict import CIMultiDict
 
 from streamsvc import library_logs
-from streamsvc import protocol as P
-from streamsvc.engine import EngineConfig
-from streamsvc.front import ConnectionClosed
-from streamsvc.routes import HttpRequest
-from streamsvc.server import Server, ServerConfig
+from streamsvc.door.front import ConnectionClosed
+from streamsvc.door.routes import HttpRequest
+from streamsvc.engine.engine import EngineConfig
+from streamsvc.viewers.server import Server, ServerConfig
+from streamsvc.wire import protocol as P
 
 log = logging.getLogger("streamsvc.cluster.replica")
 
@@ -56,7 +56,7 @@ class ReplicaConfig:
 
 
 class RelayConnection:
-    """A `Connection` (streamsvc/front.py) for `Server._handle`, fed by the gateway's calls.
+    """A `Connection` (streamsvc/door/front.py) for `Server._handle`, fed by the gateway's calls.
 
     Its two directions end apart: the viewer's messages end with a None in `inbox` (the viewer left, or
     the replica ends the session: its gateway's lease ran out), after which the server's last messages
@@ -90,7 +90,7 @@ class RelayConnection:
         self.outbox.put_nowait(data)
 
     def allow_messages(self, max_bytes: int) -> bool:
-        """Let the viewer's messages be up to `max_bytes` (a stream with input video, streamsvc/input_ws.py): the
+        """Let the viewer's messages be up to `max_bytes` (a stream with input video, streamsvc/inputs/ws.py): the
         gateway's socket is the one that reads them, so the gateway raises its limit when this reaches it."""
         if self.closed:
             return False

@@ -1,9 +1,9 @@
 """WHIP through the cluster's gateway (issue 36): a POST /whip/{stream} goes to the replica that runs the stream (its
-id names it, as a watch's does), whose server answers it (streamsvc/whip.py, through `EngineReplica.http`); the
+id names it, as a watch's does), whose server answers it (streamsvc/door/whip.py, through `EngineReplica.http`); the
 media then flows between the encoder and that replica. The gateway keeps the session's Location (its own secret) and
 forwards its DELETE to the replica. The gateway holds no steer secret: the replica checks the POST's, and ends the
-session when a handover or a take revokes it (streamsvc/whip.py). WHEP needs none of this: a WHEP session is a
-connection of the gateway's own handler (streamsvc/whep.py), placed and relayed as a /ws viewer is.
+session when a handover or a take revokes it (streamsvc/door/whip.py). WHEP needs none of this: a WHEP session is a
+connection of the gateway's own handler (streamsvc/door/whep.py), placed and relayed as a /ws viewer is.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import http
 import logging
 
 from streamsvc.cluster.replica import stream_prefix
-from streamsvc.routes import HttpReply, HttpRequest
-from streamsvc.whep import HttpSession, _text
+from streamsvc.door.routes import HttpReply, HttpRequest
+from streamsvc.door.whep import HttpSession, _text
 
 log = logging.getLogger("streamsvc.cluster.gateway")
 

@@ -24,17 +24,17 @@ is credited only by `delivered`.
 
 The package, each module depending only on those above it in this list:
 
-    config     SchedulerConfig (every knob, validated) and POLICIES
-    types      the shared types: Plan, StreamRequest, Admission, stats, Stage, WorkKind, ...
-    playback   PlaybackModel: one viewer's buffer, and when it stalls
-    costs      CostModel, CostEstimates: forwards', chunks' and stages' costs; SendSampler, without_streamless:
-               samples rid of the work of clients without a stream
-    stream     _Stream: one stream's state (and _Work, the view of its next forward)
-    admission  AdmissionControl: every refusal rule and its reason text
-    overload   OverloadMonitor: lateness, stalls, and the last resort (`overloaded`)
-    ranking    which runnable stream goes first (slack, the stall guard, the policies)
-    planner    Planner: the start rule, prompts, degrading, parking; next() and complete()
-    scheduler  Scheduler: the registry of streams, composing the parts (the engine's one object)
+    `config`    SchedulerConfig (every knob, validated) and POLICIES
+    `types`     the shared types: Plan, StreamRequest, Admission, stats, Stage, WorkKind, ...
+    `playback`  PlaybackModel: one viewer's buffer, and when it stalls
+    `costs`     CostModel, CostEstimates: forwards', chunks' and stages' costs; SendSampler, without_streamless:
+                samples rid of the work of clients without a stream
+    `stream`    _Stream: one stream's state (and _Work, the view of its next forward)
+    `admission` AdmissionControl: every refusal rule and its reason text
+    `overload`  OverloadMonitor: lateness, stalls, and the last resort (`overloaded`)
+    `ranking`   which runnable stream goes first (slack, the stall guard, the policies)
+    `planner`   Planner: the start rule, prompts, degrading, parking; next() and complete()
+    `scheduler` Scheduler: the registry of streams, composing the parts (the engine's one object)
 """
 
 from .admission import AdmissionControl

@@ -200,7 +200,7 @@ class Scheduler:
         lead (its chunk latency from release to delivery, measured or predicted, and the margin), the output stage,
         the forwards its chunk in progress has left, and, for a chunk whose input is missing (`frames` False), the
         forwards a text-to-video chunk runs beyond one with frames. None while its viewer is not playing (nothing to
-        be late for). The input stage declares a chunk's input missing by then at the latest (streamsvc/inputs.py
+        be late for). The input stage declares a chunk's input missing by then at the latest (streamsvc/inputs/frames.py
         `InputFrames.missing_at`)."""
         return self._planner.release_by(self._get(stream_id), frames)
 

@@ -1,8 +1,13 @@
 """Transports: how a stream's encoded frames reach its viewer.
 
-A stream is encoded once (``streamsvc.encode``); a transport only frames and
+A stream is encoded once (``streamsvc.engine.encode``); a transport only frames and
 sends the packets the stream's encoder made. The WebSocket transport is the
 server's own binary chunk messages (``protocol.pack_chunk``); WebRTC lives in
 ``streamsvc.transport.webrtc`` (aiortc: a paced track that hands aiortc the
 stream's own ``av.Packet`` s, and a data channel named ``control``).
+
+- `ws`: a viewer's outbox sent on its WebSocket, in order.
+- `webrtc`: delivery through aiortc: one paced track and one data channel per stream.
+- `sdp`: what a viewer's SDP offer may ask of the server, checked before aiortc sees it.
+- `ice`, `datachannel`: bounds on what a WebRTC peer's ICE and data channels make the server hold.
 """

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from aiortc.rtcsctptransport import InboundStream, RTCSctpCapabilities
 
-from streamsvc.protocol import MAX_MESSAGE_BYTES
+from streamsvc.wire.protocol import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("streamsvc.webrtc")
 

@@ -31,8 +31,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from streamsvc.protocol import MAX_MESSAGE_BYTES
-from streamsvc.rtc import H264_PACKETIZATION_MODE, H264_PROFILE_LEVEL_ID, MAX_REMOTE_CANDIDATES, SignalingError
+from streamsvc.wire.protocol import MAX_MESSAGE_BYTES
+from streamsvc.wire.rtc import H264_PACKETIZATION_MODE, H264_PROFILE_LEVEL_ID, MAX_REMOTE_CANDIDATES, SignalingError
 
 MAX_OFFER_BYTES = MAX_MESSAGE_BYTES
 """The protocol's bound on the message that carries it (a browser's offer with video, audio, a data channel and a
@@ -69,7 +69,7 @@ def check_offer(sdp: str, *, max_candidates: int = MAX_REMOTE_CANDIDATES, allow_
                 publish: bool = False) -> CheckedOffer:
     """The offer aiortc may be given, or ``SignalingError`` saying why not. ``allow_loopback``: keep candidates on
     loopback addresses (only when the server itself gathers there; else a remote peer could aim our checks at
-    this host's own services). ``publish``: a WHIP publisher's offer (streamsvc/whip.py), whose first video m-line
+    this host's own services). ``publish``: a WHIP publisher's offer (streamsvc/door/whip.py), whose first video m-line
     sends (sendonly or sendrecv) H.264 or VP8, rather than a viewer's, which receives the stream's H.264."""
     media = sdp.count("\nm=") + sdp.startswith("m=")  # first, and cheap: the flood the issue saw says so
     if media > MAX_MEDIA:

@@ -9,7 +9,7 @@ What goes where
   (``H264Encoder.pack``): a stream is encoded once whatever the transport.
   The RTP timestamp of stream frame i is ``origin + i * 90000 // fps``.
 - Control: a data channel named ``control``, opened by the viewer, carries
-  the same JSON messages as the WebSocket (``streamsvc.protocol``): the
+  the same JSON messages as the WebSocket (``streamsvc.wire.protocol``): the
   viewer's ``set_prompt``/``pause``/``resume``/``close``, the server's
   ``ack``/``error``/``closed``, and each chunk's ``chunk`` header, sent when
   the track sends the chunk's first frame, so a viewer maps frames (by RTP
@@ -58,7 +58,7 @@ bad input causes are at most one per peer every 10 s, with a count of those held
 Camera input (issue 35): the player always offers its video m-line sendrecv (the server refuses renegotiation, so
 turning the camera on later is the browser's ``replaceTrack``). The server answers it sendrecv only to the steerer of
 a stream that asked for input, and reads that track into the stream's ``InputFrames``
-(``streamsvc.transport.rtc_input.CameraInput``); to anyone else it answers sendonly: nothing is sent, nothing decoded.
+(``streamsvc.inputs.rtc.CameraInput``); to anyone else it answers sendonly: nothing is sent, nothing decoded.
 
 ICE: no STUN/TURN unless configured (``RTCConfiguration(iceServers=[])``; with
 ``None`` aiortc would ask a public STUN server). aioice gathers host
@@ -85,9 +85,14 @@ from aiortc import (
 )
 from aiortc.mediastreams import MediaStreamError
 
-from streamsvc import protocol as P
-from streamsvc.access import LogGate, ProtocolErrors
-from streamsvc.rtc import (
+from streamsvc.door.access import LogGate, ProtocolErrors
+from streamsvc.inputs.rtc import CameraInput
+from streamsvc.transport.datachannel import DataChannelLimits, ReassemblyGuard
+from streamsvc.transport.ice import PeerReflexiveCap, ice_connections
+from streamsvc.transport.sdp import CheckedOffer, check_offer, reject_media
+from streamsvc.viewers.session import SessionState
+from streamsvc.wire import protocol as P
+from streamsvc.wire.rtc import (
     ANY_INTERFACE,
     CONTROL_CHANNEL,
     H264_PACKETIZATION_MODE,
@@ -98,11 +103,6 @@ from streamsvc.rtc import (
     h264_preferences,
     rtc_configuration,
 )
-from streamsvc.session import SessionState
-from streamsvc.transport.datachannel import DataChannelLimits, ReassemblyGuard
-from streamsvc.transport.ice import PeerReflexiveCap, ice_connections
-from streamsvc.transport.rtc_input import CameraInput
-from streamsvc.transport.sdp import CheckedOffer, check_offer, reject_media
 
 log = logging.getLogger("streamsvc.webrtc")
 
@@ -349,7 +349,7 @@ class WebRtcTransport:
             self.ice_guard.install(connection)
         if pc.sctp is not None:
             self.guard.install(pc.sctp)
-        else:  # no data channel offered (a WHEP player, streamsvc/whep.py): the first frame waits for none
+        else:  # no data channel offered (a WHEP player, streamsvc/door/whep.py): the first frame waits for none
             self._channel_open.set()
         # An offer's setup:actpass is answered passive: this side is the DTLS server. As a client aiortc offers ECDSA
         # cipher suites only, which GStreamer 1.22's DTLS (webrtcbin: whepsrc, whepclientsrc) does not share with its
@@ -358,7 +358,7 @@ class WebRtcTransport:
             if dtls._role == "auto":
                 dtls._set_role("server")
         # the stream's video m-line is answered sendrecv only for a steerer whose stream takes input (then its camera
-        # is read into the stream's input, streamsvc/transport/rtc_input.py), else sendonly: nothing is sent to us
+        # is read into the stream's input, streamsvc/inputs/rtc.py), else sendonly: nothing is sent to us
         camera = CameraInput.for_viewer(self.session)
         self.camera = camera if camera is not None and camera.answering(transceiver) else None
         # Every other m-line (a microphone, a camera: input the server does not take yet) is answered inactive, so
@@ -505,7 +505,7 @@ class WebRtcTransport:
 
     def _backlogged(self) -> None:
         """The peer leaves the server's messages on its data channel unacknowledged past the bound: closed, as a
-        WebSocket that does not read is (streamsvc/outbox.py)."""
+        WebSocket that does not read is (streamsvc/viewers/outbox.py)."""
         if self._closed or self._closing_task is not None:
             return
         self._on_backlog()

@@ -1,19 +1,19 @@
-"""The WebSocket transport: a viewer's outbox (streamsvc/outbox.py) sent on its connection, in order.
+"""The WebSocket transport: a viewer's outbox (streamsvc/viewers/outbox.py) sent on its connection, in order.
 
 Chunks go as binary messages (the framing of ``protocol.pack_chunk``, built once per chunk by the output stage),
 messages as JSON text. A WebRTC viewer's chunks go to its track instead (``WebRtcTransport.feed``: the track paces
 them) and its messages on its data channel once that is open; the WebSocket still carries its signaling. The
 outbox's None ends it. A send blocks while the connection's buffers are full: the outbox fills behind it, up to its
-bound (then the connection is closed as a slow client, streamsvc/guard.py).
+bound (then the connection is closed as a slow client, streamsvc/door/guard.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from streamsvc import protocol as P
-from streamsvc.front import Connection, ConnectionClosed
-from streamsvc.output import ChunkOut
+from streamsvc.door.front import Connection, ConnectionClosed
+from streamsvc.engine.output import ChunkOut
+from streamsvc.wire import protocol as P
 
 
 async def send_outbox(ws: Connection, viewer, on_chunk: Callable[[], None]) -> None:

@@ -3,9 +3,9 @@
 import asyncio
 import contextlib
 
-from streamsvc.access import AccessConfig
-from streamsvc.engine import EngineConfig
-from streamsvc.server import Server, ServerConfig
+from streamsvc.door.access import AccessConfig
+from streamsvc.engine.engine import EngineConfig
+from streamsvc.viewers.server import Server, ServerConfig
 
 
 @contextlib.asynccontextmanager

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 import client
-from streamsvc import protocol as P
-from streamsvc.access import AccessConfig
-from streamsvc.engine import EngineConfig
-from streamsvc.server import Server, ServerConfig
-from streamsvc.rtc import WebRtcConfig
+from streamsvc.door.access import AccessConfig
+from streamsvc.engine.engine import EngineConfig
+from streamsvc.viewers.server import Server, ServerConfig
+from streamsvc.wire import protocol as P
+from streamsvc.wire.rtc import WebRtcConfig
 
 CHROMIUM = "/usr/bin/chromium"
 playwright_api = pytest.importorskip("playwright.async_api", reason="playwright is not installed (pip install playwright)")

@@ -26,7 +26,7 @@ import pytest
 
 from client.pixels import read_frame
 from client.rtc_camera import write_y4m
-from streamsvc.engine import EngineConfig
+from streamsvc.engine.engine import EngineConfig
 
 CHROMIUM = "/usr/bin/chromium"
 playwright_api = pytest.importorskip("playwright.async_api", reason="playwright is not installed (pip install playwright)")
@@ -81,7 +81,7 @@ async def _camera_session(tmp_path, monkeypatch) -> dict:
     the server took (by capture_ms), the page's glass-to-glass figures and overlay, the input's counts."""
     if _SESSION:
         return _SESSION
-    from streamsvc import inputs
+    from streamsvc.inputs import frames as inputs
 
     taken: dict[float, np.ndarray] = {}  # capture_ms -> the input frame (model size) a chunk took for it
     take = inputs.InputFrames.take

@@ -11,11 +11,11 @@ from websockets.exceptions import InvalidStatus
 from client.loadtest import scrape_metrics
 from client.viewer import ClientConfig, ClientState
 from client.ws_client import StreamClient
-from streamsvc import protocol as P
-from streamsvc.access import AccessConfig, Rate
-from streamsvc.server import Server
-from tests.clock import ManualClock as Clock
+from streamsvc.door.access import AccessConfig, Rate
+from streamsvc.viewers.server import Server
+from streamsvc.wire import protocol as P
 from tests.client.servers import running, url
+from tests.clock import ManualClock as Clock
 
 T = 10.0  # generous bound for anything that should take well under a second
 

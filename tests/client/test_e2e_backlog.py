@@ -13,10 +13,10 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from client.loadtest import scrape_metrics
-from streamsvc import input_ws
-from streamsvc import protocol as P
-from streamsvc.access import AccessConfig
-from streamsvc.outbox import OutboxLimits
+from streamsvc.door.access import AccessConfig
+from streamsvc.inputs import ws as input_ws
+from streamsvc.viewers.outbox import OutboxLimits
+from streamsvc.wire import protocol as P
 from tests.client.servers import running, url
 from tests.clock import ManualClock
 

@@ -1,4 +1,4 @@
-"""The port end to end (streamsvc/front.py behind the real server, tiny preset on CPU): a stream played over wss://
+"""The port end to end (streamsvc/door/front.py behind the real server, tiny preset on CPU): a stream played over wss://
 with a certificate made here, /metrics on --metrics-port, bad request targets on the server with its player."""
 
 import asyncio
@@ -16,7 +16,7 @@ import pytest
 
 from client.viewer import ClientConfig, ClientState
 from client.ws_client import StreamClient
-from streamsvc.access import AccessConfig
+from streamsvc.door.access import AccessConfig
 from tests.client.servers import running
 
 T = 10.0  # generous bound for anything that should take well under a second

@@ -11,8 +11,8 @@ from websockets.exceptions import ConnectionClosed
 
 from client.viewer import ClientConfig, DecodeMode
 from client.ws_client import StreamClient
-from streamsvc import protocol as P
-from streamsvc.wire_input import InputHeader, pack_input
+from streamsvc.wire import protocol as P
+from streamsvc.wire.framing import InputHeader, pack_input
 from tests.client.servers import running, url
 
 T = 15.0

@@ -8,8 +8,8 @@ import time
 
 from websockets.asyncio.client import connect
 
-from streamsvc import protocol as P
-from streamsvc.wire_input import InputHeader, pack_input
+from streamsvc.wire import protocol as P
+from streamsvc.wire.framing import InputHeader, pack_input
 from tests.client.servers import running, url
 from tests.streamsvc.test_bitstream import x264
 from tests.streamsvc.test_input_gate import bomb

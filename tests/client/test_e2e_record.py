@@ -8,8 +8,8 @@ import urllib.request
 
 import av
 
-from streamsvc import protocol as P
-from streamsvc.access import AccessConfig
+from streamsvc.door.access import AccessConfig
+from streamsvc.wire import protocol as P
 from tests.client.test_e2e_watch import Peer, running, start, watch
 
 

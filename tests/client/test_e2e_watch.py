@@ -16,9 +16,9 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from streamsvc import protocol as P
-from streamsvc.server import Server
-from streamsvc.session import GOP_CHUNKS
+from streamsvc.viewers.server import Server
+from streamsvc.viewers.session import GOP_CHUNKS
+from streamsvc.wire import protocol as P
 from tests.client.servers import running
 
 T = 10.0

@@ -13,7 +13,7 @@ import pytest
 from client import loadtest, loadtest_prompts, loadtest_report
 from client.viewer import ClientConfig, ClientState
 from client.ws_client import StreamClient
-from streamsvc import protocol as P
+from streamsvc.wire import protocol as P
 from tests.client.test_e2e_ws import running, url
 
 T = 10.0

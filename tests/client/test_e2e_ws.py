@@ -15,9 +15,9 @@ from client.viewer import ClientConfig, ClientState
 from client.ws_client import StreamClient
 from kvcache.units import format_bytes
 from models import GeneratorConfig, build_generator
-from streamsvc import protocol as P
-from streamsvc.engine import EngineConfig
-from streamsvc.server import Server, ServerConfig
+from streamsvc.engine.engine import EngineConfig
+from streamsvc.viewers.server import Server, ServerConfig
+from streamsvc.wire import protocol as P
 
 T = 10.0  # generous bound for anything that should take well under a second
 

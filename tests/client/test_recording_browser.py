@@ -1,4 +1,4 @@
-"""A recording made by streamsvc.record plays in headless Chromium's <video>, its prompts listed as chapters.
+"""A recording made by streamsvc.viewers.record plays in headless Chromium's <video>, its prompts listed as chapters.
 
 No server of ours: a 30 s steered stream (a prompt every 2 s, IDRs mid-chunk, a fast chunk, recording started
 mid-stream) is encoded as the output stage does and recorded; a loopback HTTP server (with Range, as the
@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import client
-from streamsvc.encode import StreamEncoder
-from streamsvc.protocol import Chunk
-from streamsvc.record import RecordingStore
+from streamsvc.engine.encode import StreamEncoder
+from streamsvc.viewers.record import RecordingStore
+from streamsvc.wire.protocol import Chunk
 
 CHROMIUM = "/usr/bin/chromium"
 playwright_api = pytest.importorskip("playwright.async_api", reason="playwright is not installed (pip install playwright)")

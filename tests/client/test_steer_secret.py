@@ -10,8 +10,8 @@ import aioice.ice
 import pytest
 from aiortc import RTCPeerConnection, RTCSessionDescription
 
-from streamsvc import protocol as P
-from streamsvc.rtc import WebRtcConfig
+from streamsvc.wire import protocol as P
+from streamsvc.wire.rtc import WebRtcConfig
 from tests.client.servers import running
 from tests.client.test_e2e_watch import Peer, watch
 from tests.client.test_whip import publisher_offer, until

@@ -1,5 +1,5 @@
 """A Python viewer's camera over WebRTC (issue 35): client/webrtc_client.py sends its ClientConfig.input (a scene of
-models/scenes.py) as a camera track (client/rtc_camera.py), its stream's input, the server reads it (streamsvc/transport/rtc_input.py) and the client
+models/scenes.py) as a camera track (client/rtc_camera.py), its stream's input, the server reads it (streamsvc/inputs/rtc.py) and the client
 measures glass-to-glass latency from the chunk headers' capture_ms, in its own clock."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import asyncio
 import numpy as np
 import pytest
 
+from client.viewer import ClientConfig
 from client.webrtc_client import WebRtcClient
 from models.scenes import Scene, Timeline
-from client.viewer import ClientConfig
-from streamsvc.engine import EngineConfig
-from streamsvc.rtc import WebRtcConfig
-from streamsvc.server import Server, ServerConfig
+from streamsvc.engine.engine import EngineConfig
+from streamsvc.viewers.server import Server, ServerConfig
+from streamsvc.wire.rtc import WebRtcConfig
 
 pytestmark = pytest.mark.slow
 LOOPBACK = ("127.0.0.1",)
@@ -55,7 +55,7 @@ async def test_a_python_viewers_camera_is_the_streams_input_and_it_measures_glas
 async def test_a_wide_camera_at_30_fps_is_cropped_and_thinned_to_the_streams_frames(monkeypatch):
     """A camera of another aspect (16:9, 320x180) at 30 fps into a 16 fps stream of a square model: the server crops
     and scales each frame and keeps one a frame slot (the others dropped and counted); every chunk still has input."""
-    from streamsvc import inputs
+    from streamsvc.inputs import frames as inputs
 
     server = Server(EngineConfig(weights="builtin"), ServerConfig(port=0, webrtc=WebRtcConfig(ice_addresses=LOOPBACK)))
     await asyncio.wait_for(server.start(), 60)

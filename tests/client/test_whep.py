@@ -15,9 +15,9 @@ import pytest
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
-from streamsvc.access import AccessConfig, Rate
-from streamsvc.rtc import IceServer, WebRtcConfig
-from streamsvc.whep import Endpoints, ice_link
+from streamsvc.door.access import AccessConfig, Rate
+from streamsvc.door.whep import Endpoints, ice_link
+from streamsvc.wire.rtc import IceServer, WebRtcConfig
 from tests.client.servers import running
 
 pytestmark = pytest.mark.slow
@@ -328,7 +328,7 @@ def test_session_lines_are_gated_per_kind(caplog, monkeypatch):
     the next one saying how many were held back (a flood of sessions is not a flood of lines)."""
     import logging
 
-    from streamsvc import whep
+    from streamsvc.door import whep
 
     now = [1000.0]
     monkeypatch.setattr(whep.time, "monotonic", lambda: now[0])

@@ -14,8 +14,8 @@ import shutil
 import pytest
 from aiohttp import web
 
-from streamsvc.access import AccessConfig
-from streamsvc.rtc import WebRtcConfig
+from streamsvc.door.access import AccessConfig
+from streamsvc.wire.rtc import WebRtcConfig
 from tests.client.servers import running
 from tests.client.test_browser import CHROMIUM, chromium
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from aiortc import RTCPeerConnection, RTCRtpSender, RTCSessionDescription, VideoStreamTrack
 
-from streamsvc.inputs import InputFrames
-from streamsvc.rtc import WebRtcConfig
+from streamsvc.inputs.frames import InputFrames
+from streamsvc.wire.rtc import WebRtcConfig
 from tests.client.servers import running
 
 pytestmark = pytest.mark.slow
@@ -122,7 +122,7 @@ async def test_an_aiortc_whip_publisher_feeds_the_streams_input():
 def test_the_input_guard_drops_frames_over_the_rate_and_refuses_large_ones():
     from types import SimpleNamespace
 
-    from streamsvc.whip import InputGuard
+    from streamsvc.door.whip import InputGuard
 
     pushed = []
     sink = SimpleNamespace(push_av=lambda frame, capture_s: pushed.append(capture_s), decode_error=lambda: None)
@@ -207,7 +207,7 @@ def vp8_key_frame(width: int, height: int) -> bytes:
 
 @pytest.mark.parametrize("codec", ["H264", "VP8"])
 async def test_a_frame_that_declares_8192x4096_ends_the_session_on_that_frame_undecoded(codec):
-    from streamsvc.bitstream import with_size
+    from streamsvc.inputs.bitstream import with_size
     from tests.streamsvc.test_bitstream import sps_of, x264
 
     if codec == "H264":

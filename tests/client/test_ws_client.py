@@ -10,8 +10,8 @@ import pytest
 from client.decode import FrameDecoder
 from client.viewer import ClientConfig, ClientState, DecodeMode
 from client.ws_client import StreamClient
-from streamsvc import protocol as P
-from streamsvc.encode import StreamEncoder
+from streamsvc.engine.encode import StreamEncoder
+from streamsvc.wire import protocol as P
 from tests.streamsvc.test_encode import FPS, H, W, encode_chunks
 
 

@@ -20,13 +20,22 @@ import torch.distributed as dist
 from kvcache import CachePool
 from models import ModelConfig
 from models.build import build_generator
-from models.generator import ChunkGenerator
-from models.stream import GeneratorConfig
 from models.decoder import NoDecoder
+from models.generator import ChunkGenerator
 from models.parallel import (
-    PARALLEL_ENV, ReceivedTextEncoder, RootTextEncoder, allowed_degrees, build_sharded_generator, build_worker_generator,
-    check_degree, init_rank, parallel_env, shard_spec, spawn_ranks,
+    PARALLEL_ENV,
+    ReceivedTextEncoder,
+    RootTextEncoder,
+    allowed_degrees,
+    build_sharded_generator,
+    build_worker_generator,
+    check_degree,
+    init_rank,
+    parallel_env,
+    shard_spec,
+    spawn_ranks,
 )
+from models.stream import GeneratorConfig
 
 PROMPTS = ("a red ball rolls on green grass", "a blue cube on sand", "a yellow star in the night sky")
 RING = GeneratorConfig(sink_frames=3, window_frames=6)  # the window turns from the fourth chunk on
@@ -204,7 +213,7 @@ def test_the_spawn_environment_turns_multicast_off():
 
 
 def _loading_main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
-    """Rank 0 builds as a group's rank 0 does, rank 1 as a worker (streamsvc/lockstep.py, offline.py), each
+    """Rank 0 builds as a group's rank 0 does, rank 1 as a worker (streamsvc/engine/lockstep.py, offline.py), each
     recording the calls that load a text encoder or a decoder; both then open a stream (rank 0 encodes its
     prompt and broadcasts it)."""
     import models.build as g

@@ -4,10 +4,28 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamsvc.access import (
-    FD_RESERVE, MAX_CONNECTIONS_CEILING, AccessConfig, ConnectionLimits, LogGate, ProtocolErrors, Rate, Refusal,
-    RequestRates, StreamLimits, TokenBucket, Work, address_key, bearer_token, client_address,
-    default_max_connections, exposure_warning, find_token, normalize_origin, origin_allowed, parse_auth_file,
+from streamsvc.door.access import (
+    FD_RESERVE,
+    MAX_CONNECTIONS_CEILING,
+    AccessConfig,
+    ConnectionLimits,
+    LogGate,
+    ProtocolErrors,
+    Rate,
+    Refusal,
+    RequestRates,
+    StreamLimits,
+    TokenBucket,
+    Work,
+    address_key,
+    bearer_token,
+    client_address,
+    default_max_connections,
+    exposure_warning,
+    find_token,
+    normalize_origin,
+    origin_allowed,
+    parse_auth_file,
 )
 
 tokens_alphabet = st.characters(min_codepoint=0x21, max_codepoint=0x7E)

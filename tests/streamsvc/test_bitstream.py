@@ -1,4 +1,4 @@
-"""What an encoded frame declares before it is decoded (streamsvc/bitstream.py, issue 41): the SPS reader on real
+"""What an encoded frame declares before it is decoded (streamsvc/inputs/bitstream.py, issue 41): the SPS reader on real
 SPS from PyAV's libx264 at several sizes, profiles and with cropping, on an SPS written bit by bit here, the pixel cap,
 and what `inspect` reads of H.264 and VP8 frames."""
 
@@ -10,7 +10,7 @@ import av
 import numpy as np
 import pytest
 
-from streamsvc import bitstream as B
+from streamsvc.inputs import bitstream as B
 
 
 def x264(width: int, height: int, frames: int = 2, **options) -> list[bytes]:

@@ -30,8 +30,8 @@ from client.ws_client import StreamClient  # noqa: E402
 from streamsvc.cluster.gateway import Gateway, GatewayConfig  # noqa: E402
 from streamsvc.cluster.launch import DeployConfig, deploy  # noqa: E402
 from streamsvc.cluster.replica import ReplicaConfig  # noqa: E402
-from streamsvc.engine import EngineConfig  # noqa: E402
-from streamsvc.server import ServerConfig  # noqa: E402
+from streamsvc.engine.engine import EngineConfig  # noqa: E402
+from streamsvc.viewers.server import ServerConfig  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 
@@ -205,8 +205,8 @@ async def test_a_stream_with_input_takes_its_cameras_large_messages_through_the_
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed
 
-    from streamsvc import protocol as P
-    from streamsvc.wire_input import InputHeader, pack_input
+    from streamsvc.wire import protocol as P
+    from streamsvc.wire.framing import InputHeader, pack_input
 
     big = b"\x00\x00\x00\x01\x65" + bytes(200_000)  # 200 KB: over the 64 KiB control limit (not decodable)
     message = pack_input(InputHeader.describe([big], [1.0e12], index=0, pts=0, keyframe=True), [big])
@@ -241,8 +241,8 @@ async def test_a_viewer_that_does_not_read_is_closed_by_the_gateway_as_a_slow_cl
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed
 
-    from streamsvc import protocol as P
-    from streamsvc.outbox import OutboxLimits
+    from streamsvc.viewers.outbox import OutboxLimits
+    from streamsvc.wire import protocol as P
 
     async with gateway(ray_cluster, ServerConfig(port=0, outbox=OutboxLimits(max_wait_s=2.0))) as g:
         # small kernel buffers on both sides (loopback's megabytes would take the tiny stream minutes to fill)

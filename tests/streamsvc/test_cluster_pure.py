@@ -13,11 +13,11 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from streamsvc import protocol as P
 from streamsvc.cluster.placement import ReplicaStats, rank_replicas
 from streamsvc.cluster.replica import EngineReplica, ReplicaConfig
-from streamsvc.engine import Engine, EngineConfig
-from streamsvc.server import Server, ServerConfig
+from streamsvc.engine.engine import Engine, EngineConfig
+from streamsvc.viewers.server import Server, ServerConfig
+from streamsvc.wire import protocol as P
 
 KV = 100  # one stream's KV bytes in these tests
 

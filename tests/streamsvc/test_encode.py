@@ -4,7 +4,7 @@ import av
 import numpy as np
 import pytest
 
-from streamsvc.encode import (
+from streamsvc.engine.encode import (
     NAL_IDR,
     NAL_PPS,
     NAL_SLICE,

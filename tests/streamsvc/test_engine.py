@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from streamsvc.encode import StreamDecoder
-from streamsvc.engine import Engine, EngineConfig, EngineError
+from streamsvc.engine.encode import StreamDecoder
+from streamsvc.engine.engine import Engine, EngineConfig, EngineError
 from streamsvc.scheduling import SchedulerConfig, WorkKind
 
 
@@ -113,7 +113,7 @@ def test_keep_freed_memory_serves_large_cpu_tensors_from_the_heap():
     """After keep_freed_memory a 4 MB tensor is not a fresh mapping of its own (glibc's mallinfo2 counts them)."""
     import ctypes
 
-    from streamsvc.engine import keep_freed_memory
+    from streamsvc.engine.engine import keep_freed_memory
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in
@@ -320,7 +320,7 @@ def test_the_warm_up_seeds_the_send_stage_with_what_sending_its_chunks_cost(engi
 
 
 def test_send_cost_s_is_the_loop_threads_cpu_per_chunk_written():
-    from streamsvc.warmup import send_cost_s
+    from streamsvc.engine.warmup import send_cost_s
 
     ticks = iter([1.0, 1.5])  # the loop thread's CPU clock, read before and after the 4 chunks
     assert send_cost_s([b"x" * 6000, b"y" * 70000, b"z", b"w" * 200], cpu_clock=lambda: next(ticks)) == 0.125

@@ -1,4 +1,4 @@
-"""The port (streamsvc/front.py, aiohttp) over loopback, with the real routes (streamsvc/routes.py) and no engine:
+"""The port (streamsvc/door/front.py, aiohttp) over loopback, with the real routes (streamsvc/door/routes.py) and no engine:
 WebSocket limits (1009, the handshake deadline), bad request targets, recordings served in bounded pieces with
 Range and a per-client cap, request bodies, the metrics' token, the connection hook.
 
@@ -17,12 +17,12 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from streamsvc import front as F
-from streamsvc import protocol as P
-from streamsvc.access import AccessConfig
-from streamsvc.front import FrontConfig, Handlers, HttpFront
+from streamsvc.door import front as F
+from streamsvc.door.access import AccessConfig
+from streamsvc.door.front import FrontConfig, Handlers, HttpFront
+from streamsvc.door.routes import HttpReply, HttpRequest, RangeNotSatisfiable, Routes, byte_range, reply
 from streamsvc.metrics import Metrics
-from streamsvc.routes import HttpReply, HttpRequest, RangeNotSatisfiable, Routes, byte_range, reply
+from streamsvc.wire import protocol as P
 
 T = 10.0  # bound on anything that takes well under a second
 NAME = "s0-20250101T000000-0123456789abcdef0123456789abcdef.mp4"  # a recording's link (its id and secret)

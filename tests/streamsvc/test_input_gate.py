@@ -1,12 +1,12 @@
-"""What one input decoder may cost (streamsvc/input_gate.py, issue 41): the pixel cap before decoding, the rate with
+"""What one input decoder may cost (streamsvc/inputs/gate.py, issue 41): the pixel cap before decoding, the rate with
 whole groups of pictures dropped, the decoder's CPU budget. Real libx264 access units, exact counts."""
 
 from __future__ import annotations
 
 import pytest
 
-from streamsvc import bitstream as B
-from streamsvc.input_gate import InputGate, Verdict
+from streamsvc.inputs import bitstream as B
+from streamsvc.inputs.gate import InputGate, Verdict
 from tests.streamsvc.test_bitstream import sps_of, x264
 
 

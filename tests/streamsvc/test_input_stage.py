@@ -1,4 +1,4 @@
-"""The engine's side of input video (streamsvc/input_stage.py) with a fake generator, a real scheduler and a manual
+"""The engine's side of input video (streamsvc/inputs/stage.py) with a fake generator, a real scheduler and a manual
 clock: chunks released by their last frame or as missing, frames to set_input, the header's input fields."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from streamsvc.input_stage import InputStage
-from streamsvc.inputs import FIRST_FRAME_WAIT_S, InputFrames
+from streamsvc.inputs.frames import FIRST_FRAME_WAIT_S, InputFrames
+from streamsvc.inputs.stage import InputStage
 from streamsvc.scheduling import Scheduler, SchedulerConfig, Stage, StreamRequest
 from tests.clock import ManualClock
 

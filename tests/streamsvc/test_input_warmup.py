@@ -1,4 +1,4 @@
-"""The input stage's warm-up (streamsvc/input_stage.py `seed_input_stage`) on the CPU with a spy encoder: the encoder
+"""The input stage's warm-up (streamsvc/inputs/stage.py `seed_input_stage`) on the CPU with a spy encoder: the encoder
 runs on both chunk shapes a stream gives it before serving, on a throwaway causal run, the INPUT seed comes from
 later chunks, and a device too slow for --input-latency is said at warm-up."""
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from models.encoder import EncoderState
-from streamsvc.input_stage import seed_input_stage
+from streamsvc.inputs.stage import seed_input_stage
 from streamsvc.scheduling import Scheduler, SchedulerConfig, Stage, WorkKind
 
 SETUP_S = 0.2  # what the spy's first call of a shape costs more (cuDNN's per-shape set-up on a GPU)

@@ -1,4 +1,4 @@
-"""The WebSocket's input decoder (streamsvc/input_ws.py `Upstream`, issue 41): a resolution bomb refused before it
+"""The WebSocket's input decoder (streamsvc/inputs/ws.py `Upstream`, issue 41): a resolution bomb refused before it
 is decoded, with an error the client reads and its decoder dropped; a flood dropped by whole groups of pictures,
 read from the NAL units and not from what the header claims. A fake viewer; real libx264 access units."""
 
@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from streamsvc import bitstream as B
-from streamsvc import protocol as P
-from streamsvc.input_ws import Upstream
-from streamsvc.inputs import InputFrames
-from streamsvc.wire_input import InputHeader, pack_input
+from streamsvc.inputs import bitstream as B
+from streamsvc.inputs.frames import InputFrames
+from streamsvc.inputs.ws import Upstream
+from streamsvc.wire import protocol as P
+from streamsvc.wire.framing import InputHeader, pack_input
 from tests.streamsvc.test_bitstream import x264
 from tests.streamsvc.test_input_gate import bomb
 
@@ -57,7 +57,7 @@ async def test_an_idr_whose_sps_declares_8192x8192_is_refused_before_it_is_decod
 
 
 async def test_a_decoded_frame_over_the_cap_is_refused_too(gop, monkeypatch):
-    import streamsvc.input_gate as G
+    import streamsvc.inputs.gate as G
 
     monkeypatch.setattr(G, "inspect", lambda frame: B.FrameInfo(None, True, True))  # a size no header declared
     up, sent = upstream()

@@ -1,4 +1,4 @@
-"""InputFrames (streamsvc/inputs.py): crop and scale, resampling to the stream's fps by capture time, the counts,
+"""InputFrames (streamsvc/inputs/frames.py): crop and scale, resampling to the stream's fps by capture time, the counts,
 pause, and the bound on what it holds; on a manual clock."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import av
 import numpy as np
 import pytest
 
-from streamsvc.inputs import FIRST_FRAME_WAIT_S, InputFrames, crop_box, scale_crop, scale_crop_av
+from streamsvc.inputs.frames import FIRST_FRAME_WAIT_S, InputFrames, crop_box, scale_crop, scale_crop_av
 from tests.clock import ManualClock
 
 FPS = 16

@@ -9,7 +9,7 @@ import torch
 from models import build_generator
 from models.scenes import Scene, Timeline
 from streamsvc.cli import main
-from streamsvc.offline_input import InputVideo, open_input
+from streamsvc.inputs.offline import InputVideo, open_input
 
 
 def write_video(path, frames: np.ndarray, fps: int) -> None:

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from streamsvc import protocol as P
-from streamsvc.access import Rate
-from streamsvc.outbox import MESSAGE_BYTES, Outbox, OutboxLimits
-from streamsvc.session import MAX_HELD_REPLIES, PromptGate
+from streamsvc.door.access import Rate
+from streamsvc.viewers.outbox import MESSAGE_BYTES, Outbox, OutboxLimits
+from streamsvc.viewers.session import MAX_HELD_REPLIES, PromptGate
+from streamsvc.wire import protocol as P
 from tests.clock import ManualClock
 
 

@@ -1,4 +1,4 @@
-"""The output stage (streamsvc/output.py): chunks of each stream encoded in order on worker threads (the
+"""The output stage (streamsvc/engine/output.py): chunks of each stream encoded in order on worker threads (the
 encoders in this process, or in one encoder process per worker), a closed stream's queued chunks dropped,
 an encoder failure reported for its stream only."""
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from streamsvc.encode import EncoderSpec, StreamDecoder
-from streamsvc.output import OutputStage
+from streamsvc.engine.encode import EncoderSpec, StreamDecoder
+from streamsvc.engine.output import OutputStage
 
 
 class Sink:

@@ -1,4 +1,4 @@
-"""`streamsvc generate --parallel K` (streamsvc/offline.py generate_parallel, streamsvc/group.py): K gloo ranks on
+"""`streamsvc generate --parallel K` (streamsvc/offline.py generate_parallel, streamsvc/engine/group.py): K gloo ranks on
 the CPU give one process's frames, and a rank that dies or hangs ends the command with a clear error.
 
 The group runs in this process (rank 0, through the CLI's main()) with K-1 spawned workers. 10 chunks of

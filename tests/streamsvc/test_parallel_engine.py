@@ -1,4 +1,4 @@
-"""The engine as rank 0 of a group of two gloo ranks on the CPU (streamsvc/lockstep.py), in this process with
+"""The engine as rank 0 of a group of two gloo ranks on the CPU (streamsvc/engine/lockstep.py), in this process with
 one spawned worker: what the worker holds follows rank 0's streams, a stream closed while paused included.
 """
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from streamsvc.engine import Engine, EngineConfig
-from streamsvc.group import GroupConfig
+from streamsvc.engine.engine import Engine, EngineConfig
+from streamsvc.engine.group import GroupConfig
 from streamsvc.scheduling import SchedulerConfig
 from tests.streamsvc.test_engine import Collector
 

@@ -1,4 +1,4 @@
-"""`streamsvc serve --parallel 2` on the CPU (streamsvc/lockstep.py): streams play through a group of two gloo
+"""`streamsvc serve --parallel 2` on the CPU (streamsvc/engine/lockstep.py): streams play through a group of two gloo
 ranks, and a rank killed or stopped mid-stream ends the group's streams with `worker_lost` within the
 collective timeout; then /healthz answers 503 and a start is refused with the reason. Nothing hangs.
 """
@@ -109,7 +109,7 @@ async def _reply(ws, kind: str) -> dict:
 
 @pytest.mark.slow
 def test_a_stream_steers_pauses_and_resumes_through_the_group_and_an_idle_group_notices_a_lost_rank():
-    """Pause parks the stream on both ranks, resume restores both (streamsvc/lockstep.py replays park and
+    """Pause parks the stream on both ranks, resume restores both (streamsvc/engine/lockstep.py replays park and
     restore); then, with no stream open, a killed rank is noticed by the ping: /healthz 503."""
     proc, port, worker = _launch()
     try:

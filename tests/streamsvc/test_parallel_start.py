@@ -1,4 +1,4 @@
-"""A group's start-up and its devices (streamsvc/group.py): a rank that dies or stops while the group starts
+"""A group's start-up and its devices (streamsvc/engine/group.py): a rank that dies or stops while the group starts
 is noticed within the collective timeout, not after the 300 s rendezvous; ranks die with the process that
 started them (a Ray replica's with it); --devices is checked against what the machine has; --cluster with
 --parallel K deploys G/K replicas of K GPUs each.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from streamsvc.cli import main
-from streamsvc.group import Group, GroupConfig, GroupError, group_devices
+from streamsvc.engine.group import Group, GroupConfig, GroupError, group_devices
 from tests.streamsvc.test_parallel_cli import RUN, _workers
 
 TIMEOUT = 5  # --parallel-timeout of these tests
@@ -92,7 +92,7 @@ def test_a_rank_that_dies_or_stops_at_start_up_ends_the_command_within_the_timeo
 PARENT = """
 import sys, threading, time
 sys.path.insert(0, {root!r})
-from streamsvc.group import Group, GroupConfig
+from streamsvc.engine.group import Group, GroupConfig
 from tests.streamsvc.test_parallel_start import sleeper
 
 def start():  # from another thread, as the engine's (or a Ray replica's engine's) thread does
@@ -126,7 +126,7 @@ def test_a_group_s_ranks_die_with_the_process_that_started_them():
 
 def test_a_rank_whose_parent_is_already_gone_exits_at_once():
     """The parent-death signal is armed in the child: a parent that died before that leaves no orphan."""
-    code = "from streamsvc.group import die_with_parent; die_with_parent({}); print('armed')"
+    code = "from streamsvc.engine.group import die_with_parent; die_with_parent({}); print('armed')"
     here = subprocess.run([sys.executable, "-c", code.format("__import__('os').getppid()")], capture_output=True,
                           text=True, timeout=60)
     assert here.returncode == 0 and here.stdout.strip() == "armed"

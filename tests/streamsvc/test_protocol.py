@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamsvc import protocol as p
-from streamsvc.protocol import ErrorCode, ProtocolError
+from streamsvc.wire import protocol as p
+from streamsvc.wire.protocol import ErrorCode, ProtocolError
 
 fast = settings(max_examples=150, deadline=None)
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from kvcache.units import format_bytes
-from streamsvc.encode import StreamDecoder, StreamEncoder, is_idr
-from streamsvc.protocol import Chunk
-from streamsvc.record import RecordingRefused, RecordingStore
+from streamsvc.engine.encode import StreamDecoder, StreamEncoder, is_idr
+from streamsvc.viewers.record import RecordingRefused, RecordingStore
+from streamsvc.wire.protocol import Chunk
 
 W, H, FPS = 64, 48, 16
 

@@ -1,4 +1,4 @@
-"""A viewer's camera over WebRTC into its stream's input (streamsvc/transport/rtc_input.py, issue 35): RTP -> the
+"""A viewer's camera over WebRTC into its stream's input (streamsvc/inputs/rtc.py, issue 35): RTP -> the
 sender's clock through RTCP sender reports, the arrival-time fallback, decoder errors, audio ignored; a fake track
 with fake reports, then aiortc peers over loopback."""
 
@@ -17,11 +17,22 @@ import pytest
 from aiortc import RTCPeerConnection, RTCSessionDescription, VideoStreamTrack
 from aiortc.mediastreams import MediaStreamError
 
-from streamsvc.rtc import CONTROL_CHANNEL, WebRtcConfig, complete_local_description, h264_preferences, \
-    rtc_configuration
-from streamsvc.transport.rtc_input import NTP_UNIX_OFFSET_S, CameraInput, MarkerJitterBuffer, SenderClock, \
-    prompt_frames, read_track
+from streamsvc.inputs.rtc import (
+    NTP_UNIX_OFFSET_S,
+    CameraInput,
+    MarkerJitterBuffer,
+    SenderClock,
+    prompt_frames,
+    read_track,
+)
 from streamsvc.transport.webrtc import WebRtcTransport
+from streamsvc.wire.rtc import (
+    CONTROL_CHANNEL,
+    WebRtcConfig,
+    complete_local_description,
+    h264_preferences,
+    rtc_configuration,
+)
 
 LOOPBACK = ("127.0.0.1",)
 
@@ -299,7 +310,7 @@ async def test_an_aiortc_senders_frames_are_timed_in_its_clock_through_its_repor
 def _viewer(*, takes_input: bool, steers: bool = True):
     """A steerer (or watcher) of a stream, as WebRtcTransport sees it, with the stream's input (a Sink) if it asked
     for input."""
-    from streamsvc.session import SessionState
+    from streamsvc.viewers.session import SessionState
 
     session = SimpleNamespace(stream_id="s1", fps=16, state=SessionState.PLAYING, closed=False,
                               input=Sink() if takes_input else None, steerer=None)
@@ -412,7 +423,7 @@ class BombCamera(Camera):
     async def recv(self):
         if self.count + 1 != self.bomb_at:
             return await super().recv()
-        from streamsvc.bitstream import with_size
+        from streamsvc.inputs.bitstream import with_size
         from tests.streamsvc.test_bitstream import sps_of, x264
 
         pts, time_base = await self.next_timestamp()
@@ -426,16 +437,16 @@ class BombCamera(Camera):
 def test_this_aiortc_has_what_the_receiver_gate_hooks():
     from aiortc import RTCRtpReceiver
 
-    from streamsvc.transport.rtc_input import _DECODER_HOOKS
+    from streamsvc.inputs.rtc import _DECODER_HOOKS
 
     receiver = RTCRtpReceiver("video", SimpleNamespace(state="new"))
     missing = [name for name in _DECODER_HOOKS + ("_RTCRtpReceiver__jitter_buffer",) if not hasattr(receiver, name)]
-    assert not missing, f"aiortc moved {missing}: update streamsvc/transport/rtc_input.py ReceiverGate"
+    assert not missing, f"aiortc moved {missing}: update streamsvc/inputs/rtc.py ReceiverGate"
 
 
 @pytest.mark.slow
 async def test_a_camera_frame_that_declares_8192x4096_is_refused_undecoded_and_the_decoder_ends():
-    from streamsvc import protocol as P
+    from streamsvc.wire import protocol as P
 
     viewer, camera = _viewer(takes_input=True), BombCamera(bomb_at=20)
     told: list = []
@@ -459,7 +470,7 @@ async def test_a_camera_frame_that_declares_8192x4096_is_refused_undecoded_and_t
 
 
 def test_the_decoder_threads_cpu_time_is_input_work_and_over_its_budget_refuses_the_input():
-    from streamsvc.transport.rtc_input import ReceiverGate
+    from streamsvc.inputs.rtc import ReceiverGate
 
     stop = threading.Event()
 

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamsvc import protocol as P
-from streamsvc.session import GOP_CHUNKS, PromptGate, Role, Session, Viewer
+from streamsvc.viewers.session import GOP_CHUNKS, PromptGate, Role, Session, Viewer
+from streamsvc.wire import protocol as P
 
 
 def limited(n: int) -> P.Error:

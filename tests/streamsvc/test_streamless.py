@@ -11,10 +11,10 @@ import pytest
 from client.loadtest import scrape_metrics
 from client.viewer import ClientConfig, ClientState
 from client.ws_client import StreamClient
-from streamsvc.cpumeter import CpuMeter
-from streamsvc.engine import EngineConfig
-from streamsvc import server as server_module
-from streamsvc.server import Server, ServerConfig
+from streamsvc.door.cpumeter import CpuMeter
+from streamsvc.engine.engine import EngineConfig
+from streamsvc.viewers import server as server_module
+from streamsvc.viewers.server import Server, ServerConfig
 
 T = 30.0  # bound on any one wait
 FLOOD_S = 6.0  # the flood's length

@@ -18,12 +18,12 @@ from websockets.asyncio.client import connect
 from client.playback import PlaybackBuffer
 from client.viewer import ClientConfig
 from client.webrtc_client import WebRtcClient, default_ice_addresses
-from streamsvc import protocol as P
-from streamsvc.engine import EngineConfig
-from streamsvc.server import Server, ServerConfig
-from streamsvc.rtc import IceServer, WebRtcConfig, complete_local_description, gather_on, h264_preferences
-from streamsvc.session import SessionState
+from streamsvc.engine.engine import EngineConfig
 from streamsvc.transport.webrtc import PacketTrack, WebRtcTransport
+from streamsvc.viewers.server import Server, ServerConfig
+from streamsvc.viewers.session import SessionState
+from streamsvc.wire import protocol as P
+from streamsvc.wire.rtc import IceServer, WebRtcConfig, complete_local_description, gather_on, h264_preferences
 
 LOOPBACK = ("127.0.0.1",)
 CANDIDATE = re.compile(r"^a=candidate:\S+ \d+ \S+ \d+ (\S+) \d+ typ (\S+)", re.M)
@@ -96,7 +96,7 @@ async def test_gather_on_is_scoped_to_its_block():
 
 
 def test_a_server_on_loopback_offers_loopback_too():
-    from streamsvc.rtc import server_ice_addresses
+    from streamsvc.wire.rtc import server_ice_addresses
 
     assert server_ice_addresses("127.0.0.1", None) == ("*", "127.0.0.1")
     assert server_ice_addresses("localhost", None) == ("*", "127.0.0.1")

@@ -14,15 +14,21 @@ import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.rtcconfiguration import RTCBundlePolicy
 
-from streamsvc import protocol as P
-from streamsvc.access import ProtocolErrors
-from streamsvc.rtc import CONTROL_CHANNEL, SignalingError, WebRtcConfig, complete_local_description, \
-    h264_preferences, rtc_configuration
-from streamsvc.session import SessionState
+from streamsvc.door.access import ProtocolErrors
 from streamsvc.transport import webrtc as webrtc_module
 from streamsvc.transport.datachannel import DataChannelLimits, ReassemblyGuard
 from streamsvc.transport.sdp import MAX_MEDIA, check_offer, reject_media
 from streamsvc.transport.webrtc import WebRtcTransport
+from streamsvc.viewers.session import SessionState
+from streamsvc.wire import protocol as P
+from streamsvc.wire.rtc import (
+    CONTROL_CHANNEL,
+    SignalingError,
+    WebRtcConfig,
+    complete_local_description,
+    h264_preferences,
+    rtc_configuration,
+)
 
 LOOPBACK = ("127.0.0.1",)
 CANDIDATE = re.compile(r"^a=candidate:\S+ \d+ \S+ \d+ (\S+) (\d+) typ \S+", re.M)

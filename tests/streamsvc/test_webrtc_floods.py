@@ -14,11 +14,16 @@ from aioice import stun
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.rtp import RTCP_PSFB_PLI, RtcpPsfbPacket
 
-from streamsvc.rtc import CONTROL_CHANNEL, WebRtcConfig, complete_local_description, h264_preferences, \
-    rtc_configuration
-from streamsvc.session import SessionState
 from streamsvc.transport.ice import ice_connections
 from streamsvc.transport.webrtc import WebRtcTransport
+from streamsvc.viewers.session import SessionState
+from streamsvc.wire.rtc import (
+    CONTROL_CHANNEL,
+    WebRtcConfig,
+    complete_local_description,
+    h264_preferences,
+    rtc_configuration,
+)
 
 LOOPBACK = ("127.0.0.1",)
 

@@ -9,8 +9,8 @@ from multidict import CIMultiDict
 
 from streamsvc.cluster import whip_relay
 from streamsvc.cluster.whip_relay import RelayedIngest
-from streamsvc.routes import HttpRequest
-from streamsvc.whep import Endpoints
+from streamsvc.door.routes import HttpRequest
+from streamsvc.door.whep import Endpoints
 
 
 class FakeGateway:

@@ -1,4 +1,4 @@
-"""The input messages of streamsvc/wire_input.py and the protocol's input fields (issue 35)."""
+"""The input messages of streamsvc/wire/framing.py and the protocol's input fields (issue 35)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from streamsvc import protocol as P
-from streamsvc.wire_input import MAX_INPUT_BYTES, InputHeader, pack_input, unpack_input
+from streamsvc.wire import protocol as P
+from streamsvc.wire.framing import MAX_INPUT_BYTES, InputHeader, pack_input, unpack_input
 
 
 def test_input_round_trip_and_layout():

@@ -1,0 +1,9 @@
+"""The door: how a client gets in, before it is a viewer.
+
+- `front`: the one port: HTTP and WebSocket through aiohttp, TCP or TLS, every request handed to its handlers.
+- `routes`: the plain HTTP answers (player, /healthz, /metrics, recordings) and their checks.
+- `guard`: per-address limits on connections and requests, and the refusals that say when to try again.
+- `access`: tokens, secrets, origins, rates and the caps on what a client may open; the refusal codes.
+- `whep`, `whip`: WebRTC's standard players (WHEP, to watch) and publishers (WHIP, a camera in).
+- `cpumeter`: the event loop's CPU on clients that hold no stream, counted apart from the streams'.
+"""

@@ -1,0 +1,481 @@
+"""WHEP on the server's port: any WHEP player (OBS, GStreamer's whepclientsrc, a page of plain JavaScript) starts or
+watches a stream with one HTTP POST of its SDP offer (draft-ietf-wish-whep; issue 36).
+
+The endpoints (paths under WHEP_PATH; `Endpoints.handle` answers them, the front awaits its reply):
+
+- ``POST /whep?prompt=...`` (optional ``&fps=``, ``&seed=``) with an SDP offer (``Content-Type: application/sdp``):
+  a new stream, steered by this session (``&input=1``, optional ``&strength=``: it takes a WHIP publisher's video). ``201 Created``, the answer, ``Location`` (the session, SESSION_PATH + a
+  128-bit secret), and the stream's capabilities in headers: ``X-Stream-Id``, ``X-Watch-Url`` (a WHEP URL that
+  watches it), ``X-Watch-Secret``, ``X-Steer-Secret``. With a data channel named ``control`` in the offer, the
+  player steers over it with the protocol's JSON as our player does (streamsvc/transport/webrtc.py). Without one
+  the stream plays on its start prompt, and a client with the steer secret may take the steer token from the WHEP
+  session over /ws (`take`; streamsvc/viewers/streams.py lets it, since a steerer without a control channel cannot steer).
+  ``X-Steer-Secret`` holds while this session steers: a handover or a take sends the new steerer a new one (in its
+  ``audience``) and revokes this one (a take, or a WHIP publish with it, is refused; a WHIP publisher under it ends).
+- ``POST /whep/{stream}?secret=WATCH_SECRET``: watch an open stream (the secret in the query: OBS and GStreamer
+  take a URL, and a URL's query is where the player's watch links keep it too). A wrong or missing secret and an
+  unknown stream get the same 404, as a /ws watch does.
+- ``DELETE`` on the Location ends the session (a steering session ends its stream; a watcher leaves);
+  ``PATCH`` (trickle ICE, ICE restart) is 405: the answer carries every server candidate, and a client's candidates
+  must be in its offer (every WHEP client gathers before it posts, or can: whip-client's -n, GStreamer's
+  whepclientsrc waits for gathering). ``OPTIONS`` answers a browser's CORS preflight.
+- Errors are an HTTP status and a line of text: 400 a bad offer or query, 401 no or a wrong access token (the
+  server's ``Authorization: Bearer``, where it has tokens), 403 a page of an origin not allowed (--allow-origin),
+  404 no such stream or session, 405, 415 not application/sdp, 429 over a rate or cap (with Retry-After), 503 no
+  room for the stream.
+
+How: each session is a `SignalingConnection`, a `Connection` (streamsvc/door/front.py) that the server's own WebSocket
+handler (`Server._handle`, or the gateway's in cluster mode) serves as it serves a socket. The POST becomes that
+connection's ``start`` (or ``watch``) with transport ``webrtc`` and then its ``offer``; the ``ready`` and the
+``answer`` become the 201. So admission, the token, per-address stream caps, the offer's checks, the peer
+connection, the data channel and a stream's end are the server's code, unchanged; in cluster mode the gateway places
+a new stream as it places a /ws start, and relays the session to its replica (the media flows between the replica
+and the player). The session ends with the connection: a DELETE closes it, and a stream that ends (or a peer
+connection that fails: ICE consent lost, aioice's 6 checks 5 s apart, about 30 s after the peer vanished) closes it
+from the server's side.
+
+Limits beside the server's: each POST is an HTTP request (--http-rate, by the front) and an upgrade (--connect-rate),
+and each session holds one of its address's connections (--max-connections-per-client) until it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import http
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import quote
+
+from multidict import CIMultiDict
+from pydantic import ValidationError
+
+from streamsvc.door.access import (
+    AccessConfig,
+    LogGate,
+    Refusal,
+    Work,
+    bearer_token,
+    find_token,
+    new_secret,
+    origin_allowed,
+)
+from streamsvc.door.front import ConnectionClosed
+from streamsvc.door.routes import HttpReply, HttpRequest, reply
+from streamsvc.transport.sdp import check_offer
+from streamsvc.wire import protocol as P
+from streamsvc.wire.rtc import MAX_REMOTE_CANDIDATES, IceServer, SignalingError
+
+log = logging.getLogger("streamsvc.whep")
+
+WHEP_PATH = "/whep"
+SESSION_PATH = "/whep/session/"  # + the session's secret: a WHEP session's Location
+SDP = "application/sdp"
+SETUP_TIMEOUT_S = 45.0  # POST to answer at most: a cluster's placement (30 s) and ICE gathering (10 s) fit
+MAX_QUEUED = 64  # the server's messages a session keeps before its answer (ready, answer, audience...): a bound
+EXPOSED = "Location, Link, X-Stream-Id, X-Watch-Url, X-Watch-Secret, X-Steer-Secret, Retry-After"
+SESSION_LOG_PERIOD_S = 6.0  # a WHEP session's log lines: one of each kind (opened, ended) this often at most
+
+# the status of a start, watch or offer the server refused, by its error code
+_STATUS = {
+    P.ErrorCode.UNAUTHORIZED: http.HTTPStatus.UNAUTHORIZED,
+    P.ErrorCode.TOO_MANY_STREAMS: http.HTTPStatus.TOO_MANY_REQUESTS,
+    P.ErrorCode.RATE_LIMITED: http.HTTPStatus.TOO_MANY_REQUESTS,
+    P.ErrorCode.REFUSED: http.HTTPStatus.SERVICE_UNAVAILABLE,
+    P.ErrorCode.OVERLOADED: http.HTTPStatus.SERVICE_UNAVAILABLE,
+    P.ErrorCode.UNAVAILABLE: http.HTTPStatus.SERVICE_UNAVAILABLE,
+    P.ErrorCode.WORKER_LOST: http.HTTPStatus.SERVICE_UNAVAILABLE,
+    P.ErrorCode.NOT_FOUND: http.HTTPStatus.NOT_FOUND,
+    P.ErrorCode.INVALID_FIELD: http.HTTPStatus.BAD_REQUEST,
+    P.ErrorCode.BAD_JSON: http.HTTPStatus.BAD_REQUEST,
+    P.ErrorCode.TOO_LARGE: http.HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+}
+
+
+class SignalingConnection:
+    """A `Connection` (streamsvc/door/front.py) with no socket: the server's handler reads the messages `put` here and
+    sends its own into it. Until the session is set up they queue for `expect`; after, only `closed` matters (it
+    ends the session); the rest (chunk headers, audience) is dropped: the player has the stream's media, and its
+    data channel when it has one."""
+
+    def __init__(self, headers: CIMultiDict, address: str) -> None:
+        self.headers = headers  # the POST's Authorization and X-Forwarded-For, as a socket's upgrade has them
+        self.remote_address = (address, 0)
+        self._inbox: asyncio.Queue[str | None] = asyncio.Queue()  # to the server's handler; None: the end
+        self._replies: asyncio.Queue[P.Ready | P.Answer | P.Error | P.Closed | None] = asyncio.Queue(MAX_QUEUED)
+        self.set_up = False  # the 201 went out: the server's messages are no longer queued
+        self.closed = False  # the server closed it, or the session ended
+        self.ended = asyncio.Event()  # the stream or the viewer ended (the server's `closed`, or a close)
+        self.reason = ""  # why it ended, as the server said
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> str:
+        item = await self._inbox.get()
+        if item is None:
+            self._inbox.put_nowait(None)  # read again by whoever asks next: still the end
+            raise StopAsyncIteration
+        return item
+
+    def put(self, message: str | None) -> None:
+        self._inbox.put_nowait(message)
+
+    async def send(self, data: str | bytes) -> None:
+        if self.closed:
+            raise ConnectionClosed("the WHEP session has ended")
+        if isinstance(data, bytes):  # a chunk on the socket: never asked for (transport webrtc)
+            return
+        if self.set_up and '"closed"' not in data:  # a chunk header, audience...: not parsed, dropped (cheap)
+            return
+        try:
+            msg = P.parse_server(data)
+        except P.ProtocolError:
+            return
+        if isinstance(msg, P.Closed):
+            self._end(msg.reason)
+        if not self.set_up and isinstance(msg, (P.Ready, P.Answer, P.Error, P.Closed)):
+            with contextlib.suppress(asyncio.QueueFull):
+                self._replies.put_nowait(msg)
+
+    def allow_messages(self, max_bytes: int) -> bool:
+        """A stream with input video (issue 35) lets its connection's messages be larger: this one has no socket (its
+        messages are the endpoint's own), and a WHEP stream's camera comes over WHIP: nothing to raise."""
+        return True
+
+    async def close(self, code: int = 1000, reason: str = "", linger: bool = True) -> None:
+        self._end(reason or f"closed ({code})")
+        self.closed = True
+
+    def _end(self, reason: str) -> None:
+        if not self.ended.is_set():
+            self.reason = reason
+            self.ended.set()
+            self.put(None)
+            with contextlib.suppress(asyncio.QueueFull):
+                self._replies.put_nowait(None)
+
+    async def expect(self, kind: type, deadline: float) -> P.Ready | P.Answer | P.Error | None:
+        """The server's next `kind` or `error` before `deadline` (loop time); None if it closed or took too long."""
+        loop = asyncio.get_running_loop()
+        for _ in range(MAX_QUEUED + 2):
+            try:
+                async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                    msg = await self._replies.get()
+            except TimeoutError:
+                return None
+            if msg is None or isinstance(msg, P.Closed):
+                return None
+            if isinstance(msg, (kind, P.Error)):
+                return msg
+        return None
+
+
+@dataclass
+class HttpSession:
+    """One WHEP (or WHIP) session, found by its Location's secret."""
+
+    kind: str  # "whep" (a player) or "whip" (an encoder)
+    stream_id: str
+    steers: bool  # a WHEP session that started its stream (its DELETE ends the stream)
+    conn: SignalingConnection | None  # WHEP: the connection the server's handler serves
+    close: Callable[[], Awaitable[None]]  # ends the session (its DELETE)
+    created_at: float = field(default_factory=time.monotonic)
+
+
+class Endpoints:
+    """The WHEP (and, with `whip`, WHIP) routes of one front: a `Server`'s or the gateway's. `host` gives what the
+    session needs: `_handle(conn)` (the WebSocket handler), `config` (access, webrtc), `guard`, `metrics`."""
+
+    def __init__(self, host, whip=None, setup_timeout_s: float = SETUP_TIMEOUT_S) -> None:
+        self.host = host
+        self.whip = whip  # streamsvc/door/whip.py's Ingest, or None (POST /whip is 404)
+        self.setup_timeout_s = setup_timeout_s
+        self.sessions: dict[bytes, HttpSession] = {}  # sha256 of the Location's secret -> the session
+        self._tasks: set[asyncio.Task] = set()
+        # a client opens watch sessions at its connect rate: their lines, one of each kind every 6 s at most
+        self._session_lines = LogGate(SESSION_LOG_PERIOD_S)
+
+    def _log_session(self, kind: str, what: str, *args) -> None:
+        """A session's line (`kind`: opened, ended), unless one of its kind went out within the period."""
+        held = self._session_lines.allow(kind, time.monotonic())
+        if held is not None:
+            log.info(what + (f" ({held} more sessions {kind} since the last such line)" if held else ""), *args)
+
+    @property
+    def access(self) -> AccessConfig:
+        return self.host.config.access
+
+    @staticmethod
+    def takes(path: str) -> bool:
+        """Whether a request for `path` is one of these routes'."""
+        return path == WHEP_PATH or path.startswith((WHEP_PATH + "/", "/whip/")) or path == "/whip"
+
+    # -- a request --------------------------------------------------------------------------
+
+    def handle(self, request: HttpRequest) -> HttpReply | Awaitable[HttpReply]:
+        origin = request.headers.get("Origin")
+        allowed = origin is None or origin_allowed(origin, request.headers.get("Host"), self.access.allowed_origins)
+        cors = (("Access-Control-Allow-Origin", origin), ("Access-Control-Expose-Headers", EXPOSED),
+                ("Vary", "Origin")) if origin is not None and allowed else (("Vary", "Origin"),)
+        if request.method == "OPTIONS":
+            return self._options(request, cors if allowed else ())
+        if not allowed:
+            self.host.metrics.refusals.labels(Refusal.ORIGIN.value).inc()
+            return _text(http.HTTPStatus.FORBIDDEN, f"origin {origin[:200]!r} may not use this server: only its own "
+                         "pages and origins given with --allow-origin may")
+        answer = self._route(request)
+        if isinstance(answer, HttpReply):
+            return _with(answer, cors)
+        return self._finish(answer, cors)
+
+    async def _finish(self, pending: Awaitable[HttpReply], cors: tuple) -> HttpReply:
+        return _with(await pending, cors)
+
+    def _route(self, request: HttpRequest) -> HttpReply | Awaitable[HttpReply]:
+        path, method = request.path, request.method
+        is_session = path.startswith(SESSION_PATH) or path.startswith("/whip/session/")
+        if is_session:
+            if method not in ("DELETE", "PATCH"):
+                return _not_allowed("DELETE, PATCH, OPTIONS")
+            refusal = self._unauthorized(request)
+            if refusal is not None:
+                return refusal
+            session = self.sessions.get(_key(path.rsplit("/", 1)[1]))
+            if session is None or not path.startswith(f"/{session.kind}/session/"):
+                return _text(http.HTTPStatus.NOT_FOUND, "no such session here (it ended, or its URL is wrong)")
+            if method == "PATCH":
+                return _not_allowed("DELETE, OPTIONS", "trickle ICE and ICE restarts are not supported: send every "
+                                    "candidate in the offer (gather before the POST); end this session with DELETE")
+            return self._delete(session)
+        if method != "POST":
+            return _not_allowed("POST, OPTIONS")
+        if path.startswith("/whip"):
+            if self.whip is None or path == "/whip":
+                return _text(http.HTTPStatus.NOT_FOUND, "WHIP: POST /whip/STREAM?secret=STEER_SECRET (the stream "
+                             "must be open here and take input)")
+        stream = path.removeprefix(WHEP_PATH).removeprefix("/whip").lstrip("/")
+        if "/" in stream:
+            return _text(http.HTTPStatus.NOT_FOUND, "not found")
+        refusal = self._unauthorized(request) or _bad_media_type(request) or self._over_rate(request)
+        if refusal is not None:
+            return refusal
+        try:
+            offer = request.body.decode("utf-8")
+            check_offer(offer, max_candidates=MAX_REMOTE_CANDIDATES, publish=path.startswith("/whip"))
+        except (UnicodeDecodeError, SignalingError) as e:
+            return _text(http.HTTPStatus.BAD_REQUEST, f"bad offer: {e if isinstance(e, SignalingError) else 'not UTF-8'}")
+        if path.startswith("/whip"):
+            return self.whip.publish(self, request, stream, offer)
+        first = self._first_message(request, stream)
+        if isinstance(first, HttpReply):
+            return first
+        return self._open(request, first, offer, steers=not stream)
+
+    def _first_message(self, request: HttpRequest, stream: str) -> str | HttpReply:
+        """The connection's `start` (a new stream, from the query) or `watch` (of `stream`), or the 400 or 404."""
+        query = {k: v[0] for k, v in request.query.items()}
+        try:
+            if stream:
+                return P.encode(P.Watch(stream_id=stream, secret=query.get("secret"), transport="webrtc"))
+            if "prompt" not in query:
+                return _text(http.HTTPStatus.BAD_REQUEST, "a new stream needs its prompt: POST /whep?prompt=...")
+            extra = {k: int(query[k]) for k in ("fps", "seed") if k in query}
+            if query.get("input", "0").lower() in ("1", "true", "yes"):  # a WHIP publisher's (streamsvc/door/whip.py)
+                extra["input"] = True
+                if "strength" in query:
+                    extra["strength"] = float(query["strength"])
+            return P.encode(P.Start(prompt=query["prompt"], transport="webrtc", **extra))
+        except ValueError as e:  # pydantic's ValidationError, or int()
+            status = http.HTTPStatus.NOT_FOUND if stream else http.HTTPStatus.BAD_REQUEST
+            if isinstance(e, ValidationError) and stream:  # a stream id or secret no stream has: as a wrong one
+                return _text(status, f"no open stream {stream[:64]!r} here with this watch secret")
+            return _text(status, f"bad query: {_first_line(e)}")
+
+    async def _open(self, request: HttpRequest, first: str, offer: str, steers: bool) -> HttpReply:
+        """The session: the server's handler serves its connection; `first`, then the offer; the 201 or the error."""
+        guard = self.host.guard
+        refusal = guard.admit_upgrade(request)  # the session holds one of its address's connections
+        if refusal is not None:
+            return refusal
+        headers = CIMultiDict((k, v) for k, v in request.headers.items()
+                              if k.lower() in ("authorization", "x-forwarded-for", "user-agent"))
+        conn = SignalingConnection(headers, request.remote or "unknown")
+        secret = new_secret()
+        task = asyncio.create_task(self.host._handle(conn), name=f"whep-{secret[:6]}")
+        self._tasks.add(task)
+        key = _key(secret)
+        task.add_done_callback(lambda t: self._ended(key, request, t))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.setup_timeout_s
+        conn.put(first)
+        ready = await conn.expect(P.Ready, deadline)
+        if not isinstance(ready, P.Ready):
+            await self._abandon(conn)
+            return _refused(ready, conn, "the stream could not be opened")
+        conn.put(P.encode(P.Offer(sdp=offer)))
+        answer = await conn.expect(P.Answer, deadline)
+        if not isinstance(answer, P.Answer):
+            await self._abandon(conn, steers)
+            return _refused(answer, conn, "the offer could not be answered")
+        conn.set_up = True
+        if conn.ended.is_set():  # it ended between its answer and now
+            return _text(http.HTTPStatus.SERVICE_UNAVAILABLE, f"the stream ended: {conn.reason}")
+
+        async def close() -> None:
+            if steers:
+                conn.put(P.encode(P.Close()))
+            conn.put(None)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10):
+                    await asyncio.shield(task)
+
+        self.sessions[key] = HttpSession("whep", ready.stream_id, steers, conn, close)
+        sid = quote(ready.stream_id, safe="")
+        extra = [("Location", SESSION_PATH + secret), ("X-Stream-Id", ready.stream_id)]
+        if ready.watch_secret:
+            extra += [("X-Watch-Url", f"{WHEP_PATH}/{sid}?secret={quote(ready.watch_secret, safe='')}"),
+                      ("X-Watch-Secret", ready.watch_secret)]
+        if ready.steer_secret:
+            extra.append(("X-Steer-Secret", ready.steer_secret))
+        self._log_session("opened", "WHEP session for stream %s (%s) from %s", ready.stream_id,
+                          "steers" if steers else "watches", conn.remote_address[0])
+        return self.created(answer.sdp, extra)
+
+    def created(self, sdp: str, extra: Sequence[tuple[str, str]]) -> HttpReply:
+        """The 201 of a session: the answer, `extra` headers (its Location...) and a Link for each ICE server."""
+        body = sdp.encode()
+        links = tuple(("Link", ice_link(s)) for s in self.host.config.webrtc.ice_servers)
+        return HttpReply(http.HTTPStatus.CREATED, (("Content-Type", SDP), ("Content-Length", str(len(body))),
+                                                   ("Cache-Control", "no-store"), *extra, *links), body)
+
+    def register(self, session: HttpSession) -> str:
+        """A session made elsewhere (WHIP): its Location's secret, the session kept until `forget`."""
+        secret = new_secret()
+        self.sessions[_key(secret)] = session
+        return secret
+
+    def forget(self, secret: str) -> None:
+        self.sessions.pop(_key(secret), None)
+
+    async def _abandon(self, conn: SignalingConnection, steers: bool = False) -> None:
+        """A session that did not come up: its stream (if it started one) ends, its connection closes."""
+        if steers:
+            conn.put(P.encode(P.Close()))
+        conn.put(None)
+
+    def _ended(self, key: bytes, request: HttpRequest, task: asyncio.Task) -> None:
+        """The server's handler of a session's connection returned: the session is gone, its connection slot too."""
+        self._tasks.discard(task)
+        session = self.sessions.pop(key, None)
+        self.host.guard.upgrade_ended(request)
+        if session is not None:
+            self._log_session("ended", "WHEP session for stream %s ended: %s", session.stream_id,
+                              session.conn.reason or "closed")
+
+    async def _delete(self, session: HttpSession) -> HttpReply:
+        await session.close()
+        return reply(http.HTTPStatus.OK, b"session ended\n", "text/plain")
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def _unauthorized(self, request: HttpRequest) -> HttpReply | None:
+        """401 without the server's access token (a Bearer header) where it has tokens."""
+        access = self.access
+        if not access.auth:
+            return None
+        given = bearer_token(request.headers.get("Authorization"))
+        if find_token(access.tokens, given) is not None:
+            return None
+        self.host.metrics.refusals.labels(Refusal.UNAUTHORIZED.value).inc()
+        answer = _text(http.HTTPStatus.UNAUTHORIZED, "the access token is not valid" if given else
+                       "this server needs an access token: send it as an 'Authorization: Bearer TOKEN' header")
+        return _with(answer, (("WWW-Authenticate", 'Bearer realm="streamsvc"'),))
+
+    def _over_rate(self, request: HttpRequest) -> HttpReply | None:
+        """A POST opens a session as an upgrade opens a socket: it spends its address's --connect-rate too."""
+        guard = self.host.guard
+        address = guard.client(request)
+        wait_s = guard.rates.take(Work.UPGRADE, address, guard.clock())
+        if wait_s is None:
+            return None
+        guard._refused(Refusal.CONNECT_RATE, address)
+        answer = _text(http.HTTPStatus.TOO_MANY_REQUESTS, "this address opens sessions faster than this server serves "
+                       "one address (--connect-rate); slow down")
+        return _with(answer, (("Retry-After", str(max(1, round(wait_s + 0.5)))),))
+
+    def _options(self, request: HttpRequest, cors: tuple) -> HttpReply:
+        """A CORS preflight (or a client asking what is allowed): 204 with the methods and headers, CORS only for an
+        allowed origin."""
+        session = request.path.startswith((SESSION_PATH, "/whip/session/"))
+        methods = "DELETE, PATCH, OPTIONS" if session else "POST, OPTIONS"
+        headers = (("Allow", methods), ("Cache-Control", "no-store"))
+        if not session:
+            headers += (("Accept-Post", SDP),)
+        if cors:
+            headers += cors + (("Access-Control-Allow-Methods", methods),
+                               ("Access-Control-Allow-Headers", "Authorization, Content-Type, If-Match"),
+                               ("Access-Control-Max-Age", "600"))
+        return HttpReply(http.HTTPStatus.NO_CONTENT, headers)
+
+    async def stop(self) -> None:
+        """End every session (the server is stopping)."""
+        await asyncio.gather(*(s.close() for s in list(self.sessions.values())), return_exceptions=True)
+
+
+def ice_link(server: IceServer) -> str:
+    """A Link header for one ICE server (WHIP, RFC 9725 section 4.6; WHEP does the same)."""
+    link = f'<{server.url}>; rel="ice-server"'
+    if server.username is not None:
+        link += (f'; username={json.dumps(server.username)}; credential={json.dumps(server.credential)}'
+                 '; credential-type="password"')
+    return link
+
+
+def _key(secret: str) -> bytes:
+    """What a session is kept under: its secret's hash (a dict lookup then tells nothing of a guess's prefix)."""
+    return hashlib.sha256(secret.encode("utf-8", "replace")).digest()
+
+
+def _text(status: http.HTTPStatus, text: str) -> HttpReply:
+    return reply(status, (text.rstrip("\n") + "\n").encode(), "text/plain; charset=utf-8")
+
+
+def _with(answer: HttpReply, headers: tuple) -> HttpReply:
+    return HttpReply(answer.status, answer.headers + tuple(headers), answer.body, answer.file, answer.span,
+                     answer.download)
+
+
+def _not_allowed(methods: str, why: str = "") -> HttpReply:
+    return _with(_text(http.HTTPStatus.METHOD_NOT_ALLOWED, why or f"allowed here: {methods}"), (("Allow", methods),))
+
+
+def _bad_media_type(request: HttpRequest) -> HttpReply | None:
+    ctype = (request.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+    if ctype == SDP:
+        return None
+    return _text(http.HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"the offer must be sent as Content-Type: {SDP} "
+                 f"(got {ctype[:60]!r})")
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+
+def _refused(msg: P.Error | None, conn: SignalingConnection, what: str) -> HttpReply:
+    """The status and text of a session the server refused (its error), or that ended or timed out on the way."""
+    if isinstance(msg, P.Error):
+        status = _STATUS.get(msg.code, http.HTTPStatus.INTERNAL_SERVER_ERROR)
+        answer = _text(status, f"{what}: {msg.message}")
+        if status is http.HTTPStatus.UNAUTHORIZED:
+            return _with(answer, (("WWW-Authenticate", 'Bearer realm="streamsvc"'),))
+        if status in (http.HTTPStatus.SERVICE_UNAVAILABLE, http.HTTPStatus.TOO_MANY_REQUESTS):
+            return _with(answer, (("Retry-After", "5"),))
+        return answer
+    if conn.ended.is_set():
+        return _text(http.HTTPStatus.SERVICE_UNAVAILABLE, f"{what}: the connection ended ({conn.reason})")
+    return _text(http.HTTPStatus.GATEWAY_TIMEOUT, f"{what}: no answer within {SETUP_TIMEOUT_S:g} s")

@@ -1,0 +1,11 @@
+"""The engine: the device's loop that turns the scheduler's plans into chunks.
+
+- `engine`: the `Engine` thread: streams in, forwards run by plan, chunks out to the event loop.
+- `config`: its configuration (`EngineConfig`), `errors`: its exception.
+- `warmup`: the start-up run that measures each forward's cost before the first stream is admitted.
+- `output`: the output stage (decode, encode) beside the device's work; `encode`: the H.264 encoders (x264 in
+  a child process: `python -m streamsvc.engine.encode`).
+- `parking`: a paused stream's KV cache moved off the device and back.
+- `timing`: forwards timed without waiting for them (CUDA events; wall time on a CPU).
+- `group`, `lockstep`: `--parallel K`, one stream's forwards split over K devices.
+"""

@@ -1,0 +1,62 @@
+"""The engine's configuration: one frozen dataclass of everything the engine builds (the model on its device,
+the KV pool, the scheduler, the output stage) and how it serves (warm-up, degradation, pausing), validated at
+construction. streamsvc.engine.engine re-exports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from models import GeneratorConfig
+from streamsvc.scheduling import SchedulerConfig
+
+if TYPE_CHECKING:
+    from streamsvc.engine.group import GroupConfig
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine builds: the model on its device, the KV pool, the scheduler."""
+
+    preset: str = "tiny"  # model preset (models.PRESETS)
+    device: str = "cpu"  # torch device of the model and the KV pool
+    checkpoint: str | None = None  # local DiT weights (file or Wan folder); None: wan_dir's, else random
+    weights_seed: int = 0
+    wan_dir: str | None = None  # Wan2.1 folder (either layout): umT5, the VAE, the base DiT
+    lora: str | None = None  # a LoRA merged into the checkpoint (LongLive)
+    lora_alpha: float | None = None  # None: the LoRA's rank (scale 1)
+    wrapper: str = "auto"  # which state dict of a training checkpoint: auto | generator | generator_ema
+    decoder: str = "auto"  # tiny | wan-vae | taehv | auto (wan-vae with wan_dir, else tiny)
+    taehv: str | None = None  # TAEHV's taew2_1.pth, for decoder taehv
+    # a whole model file (DiT, decoder, text vectors): "builtin" (the tiny preset's, shipped), a path, "auto" (builtin
+    # for the tiny preset without checkpoint or wan_dir); None / "random": the fields above (models.model_file.resolve_weights)
+    weights: str | None = None
+    generator: GeneratorConfig = GeneratorConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    kv_budget_bytes: int | None = None  # KV pool budget; None: 4 GiB on CPU, 85% of free memory on a GPU
+    cpu_threads: int = 1  # torch intra-op threads on CPU (the event loop and encoders need the other cores)
+    compile: bool | None = None  # torch.compile the DiT's elementwise helpers; None: on CUDA only
+    warmup_chunks: int = 6  # chunks the warm-up stream runs once its window is full (>= 5 samples per kind)
+    # A chunk about to be late runs fewer denoising steps (GeneratorConfig.degraded_steps) instead of stalling.
+    degrade: bool = True
+    output_workers: int | None = None  # encoder threads; None: a quarter of the cores, 1 to 4
+    # x264 in a child process per output worker, out of the server's GIL; None: on CPU hosts (on a GPU host the
+    # engine thread only launches, and a 480x832 chunk's frames would cross a pipe)
+    output_processes: bool | None = None
+    # Host memory all paused (parked) streams may hold: their KV caches and decoder states, pinned on a GPU host
+    # (a wan2.1-1.3b stream at sink 3 + window 9: 3.2 GiB of KV); a pause beyond it is refused. 0: no pausing.
+    park_budget_bytes: int = 8 * 2**30
+    park_timeout_s: float = 300.0  # a stream parked longer is ended ("park_expired")
+    input_latency_s: float = 0.5  # input video: a chunk is due this long after its last input frame (--input-latency)
+    # --parallel K: each forward split over a group of K ranks, this process rank 0 on `device` (streamsvc/engine/lockstep.py)
+    group: "GroupConfig | None" = None
+
+    def __post_init__(self) -> None:
+        if self.park_budget_bytes < 0:
+            raise ValueError(f"park_budget_bytes={self.park_budget_bytes}: must be >= 0 (0 refuses every pause)")
+        if not 0 < self.input_latency_s < 60:
+            raise ValueError(f"input_latency_s={self.input_latency_s}: must be in (0, 60) s (e.g. 0.5)")
+        if not self.park_timeout_s > 0:
+            raise ValueError(f"park_timeout_s={self.park_timeout_s}: must be > 0 s (e.g. 300)")
