@@ -331,7 +331,7 @@ FD_RESERVE = 128  # file descriptors kept for the engine, its encoders, recordin
 FDS_PER_CONNECTION = 3
 MAX_CONNECTIONS_CEILING = 16384  # beyond what one event loop serves: 256 streams of 64 watchers, with room
 PROTOCOL_ERROR_WINDOW_S = 10.0  # the window --max-protocol-errors counts in
-RATE_TABLE_SIZE = 8192  # addresses (times kinds of work) whose rates are tracked at once; the idlest go first
+RATE_TABLE_SIZE = 8192  # addresses (times kinds of request) whose rates are tracked at once; the idlest go first
 
 
 def default_max_connections(fd_limit: int) -> int:
@@ -402,7 +402,7 @@ class ConnectionLimits:
         return len(self._by_address)
 
 
-class Work(enum.StrEnum):
+class RateKind(enum.StrEnum):
     """What a client without a stream makes the server do, each kind with its own rate per address."""
 
     HTTP = "http"  # an HTTP request other than the upgrade: /metrics, /healthz, the player's files, recordings
@@ -411,53 +411,55 @@ class Work(enum.StrEnum):
 
 
 class RequestRates:
-    """Per-address token buckets for each kind of Work, in a table of at most `size` entries.
+    """Per-address token buckets for each RateKind, in a table of at most `size` entries.
 
     An attacker with many addresses cannot grow the table past `size`: a new entry evicts the least recently
     used one. Evicting loses nothing the attacker lacks anyway (a new address gets a full bucket too), and entries
     that have refilled to their burst, the same as absent ones, are dropped first by `prune`.
     """
 
-    REFUSALS = {Work.HTTP: Refusal.HTTP_RATE, Work.UPGRADE: Refusal.CONNECT_RATE, Work.MESSAGE: Refusal.MESSAGE_RATE}
+    REFUSALS = {RateKind.HTTP: Refusal.HTTP_RATE, RateKind.UPGRADE: Refusal.CONNECT_RATE,
+                RateKind.MESSAGE: Refusal.MESSAGE_RATE}
 
-    def __init__(self, rates: dict[Work, Rate], size: int = RATE_TABLE_SIZE) -> None:
+    def __init__(self, rates: dict[RateKind, Rate], size: int = RATE_TABLE_SIZE) -> None:
         if size < 1:
             raise ValueError(f"a rate table of {size} entries: give at least 1")
         self.rates = dict(rates)
         self.size = size
-        self._buckets: OrderedDict[tuple[Work, str], TokenBucket] = OrderedDict()
+        self._buckets: OrderedDict[tuple[RateKind, str], TokenBucket] = OrderedDict()
 
     @classmethod
     def from_config(cls, config: AccessConfig, size: int = RATE_TABLE_SIZE) -> RequestRates:
-        return cls({Work.HTTP: config.http_rate, Work.UPGRADE: config.connect_rate,
-                    Work.MESSAGE: config.connect_rate}, size)
+        return cls({RateKind.HTTP: config.http_rate, RateKind.UPGRADE: config.connect_rate,
+                    RateKind.MESSAGE: config.connect_rate}, size)
 
-    def take(self, work: Work, address: str, now: float) -> float | None:
-        """Spend one of the address's `work`: None if it may go on, else the seconds until it may (Retry-After)."""
-        key = (work, address_key(address))
+    def take(self, kind: RateKind, address: str, now: float) -> float | None:
+        """Spend one of the address's requests of `kind`: None if it may go on, else the seconds until it may
+        (Retry-After)."""
+        key = (kind, address_key(address))
         bucket = self._buckets.get(key)
         if bucket is None:
             if len(self._buckets) >= self.size:
                 self.prune(now)
             while len(self._buckets) >= self.size:
                 self._buckets.popitem(last=False)
-            bucket = self._buckets[key] = TokenBucket(self.rates[work], now)
+            bucket = self._buckets[key] = TokenBucket(self.rates[kind], now)
         else:
             self._buckets.move_to_end(key)
         return None if bucket.take(now) else bucket.wait_s()
 
-    def empty(self, work: Work, address: str, now: float) -> None:
-        """Spend all of the address's `work` at `now` (a penalty: an address whose connection was closed for a
-        flood gets no burst for its next ones, only the rate)."""
-        self.take(work, address, now)
-        self._buckets[(work, address_key(address))].empty(now)
+    def empty(self, kind: RateKind, address: str, now: float) -> None:
+        """Spend all of the address's requests of `kind` at `now` (a penalty: an address whose connection was closed
+        for a flood gets no burst for its next ones, only the rate)."""
+        self.take(kind, address, now)
+        self._buckets[(kind, address_key(address))].empty(now)
 
     def over_rate(self, address: str, now: float) -> bool:
         """Whether any of the address's buckets is empty at `now`: what it sends next waits for the rate. (A
         look only: nothing is spent, and an address never seen is not over.)"""
         key = address_key(address)
-        for work in self.rates:
-            bucket = self._buckets.get((work, key))
+        for kind in self.rates:
+            bucket = self._buckets.get((kind, key))
             if bucket is not None and not bucket.holds_one(now):
                 return True
         return False

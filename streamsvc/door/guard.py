@@ -38,9 +38,9 @@ from streamsvc.door.access import (
     ConnectionLimits,
     LogGate,
     ProtocolErrors,
+    RateKind,
     Refusal,
     RequestRates,
-    Work,
     client_address,
     default_max_connections,
 )
@@ -153,15 +153,15 @@ class Guard:
 
     def admit_request(self, request: HttpRequest) -> HttpReply | None:
         """Every request, before its route: within its address's rate (HTTP requests, or upgrades at WS_PATH)?"""
-        work = Work.UPGRADE if request.path == WS_PATH else Work.HTTP
+        kind = RateKind.UPGRADE if request.path == WS_PATH else RateKind.HTTP
         address = self.client(request)
-        wait_s = self.rates.take(work, address, self.clock())
+        wait_s = self.rates.take(kind, address, self.clock())
         if wait_s is None:
             return None
-        reason = RequestRates.REFUSALS[work]
+        reason = RequestRates.REFUSALS[kind]
         self._refused(reason, address)
-        what, flag = ("WebSocket upgrades", "--connect-rate") if work is Work.UPGRADE else ("HTTP requests",
-                                                                                          "--http-rate")
+        upgrade = kind is RateKind.UPGRADE
+        what, flag = ("WebSocket upgrades", "--connect-rate") if upgrade else ("HTTP requests", "--http-rate")
         return _too_busy(http.HTTPStatus.TOO_MANY_REQUESTS, f"this address sends {what} faster than this server "
                          f"serves one address ({flag}); slow down", wait_s)
 
@@ -222,7 +222,7 @@ class ConnectionGuard:
 
     def message(self) -> bool:
         """A message arrived while the connection has no stream: False (and closing) past its address's rate."""
-        if self.guard.rates.take(Work.MESSAGE, self.address, self.guard.clock()) is None:
+        if self.guard.rates.take(RateKind.MESSAGE, self.address, self.guard.clock()) is None:
             return True
         self._close(Refusal.MESSAGE_RATE, "too many messages before start or watch", linger=False)
         return False
@@ -269,7 +269,7 @@ class ConnectionGuard:
         self.closing = reason
         self.guard._refused(reason, self.address)
         if not linger:  # a flood: the address's next connections come at its rate, without a burst
-            self.guard.rates.empty(Work.UPGRADE, self.address, self.guard.clock())
+            self.guard.rates.empty(RateKind.UPGRADE, self.address, self.guard.clock())
         self._closer = asyncio.ensure_future(self.conn.close(POLICY_VIOLATION, text, linger=linger))
 
 

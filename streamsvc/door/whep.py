@@ -57,8 +57,8 @@ from pydantic import ValidationError
 from streamsvc.door.access import (
     AccessConfig,
     LogGate,
+    RateKind,
     Refusal,
-    Work,
     bearer_token,
     find_token,
     new_secret,
@@ -400,7 +400,7 @@ class Endpoints:
         """A POST opens a session as an upgrade opens a socket: it spends its address's --connect-rate too."""
         guard = self.host.guard
         address = guard.client(request)
-        wait_s = guard.rates.take(Work.UPGRADE, address, guard.clock())
+        wait_s = guard.rates.take(RateKind.UPGRADE, address, guard.clock())
         if wait_s is None:
             return None
         guard._refused(Refusal.CONNECT_RATE, address)

@@ -12,11 +12,11 @@ from streamsvc.door.access import (
     LogGate,
     ProtocolErrors,
     Rate,
+    RateKind,
     Refusal,
     RequestRates,
     StreamLimits,
     TokenBucket,
-    Work,
     address_key,
     bearer_token,
     client_address,
@@ -248,45 +248,45 @@ def test_default_caps_let_one_address_open_the_load_tests_connections_and_leave_
 
 
 def test_request_rates_per_address_and_kind():
-    rates = RequestRates({Work.HTTP: Rate(2.0, 3), Work.UPGRADE: Rate(1.0, 1), Work.MESSAGE: Rate(1.0, 1)})
-    assert [rates.take(Work.HTTP, "10.0.0.1", 0.0) for _ in range(4)] == [None, None, None, pytest.approx(0.5)]
-    assert rates.take(Work.HTTP, "10.0.0.2", 0.0) is None  # another address has its own bucket
-    assert rates.take(Work.UPGRADE, "10.0.0.1", 0.0) is None  # and another kind
-    assert rates.take(Work.HTTP, "10.0.0.1", 0.5) is None
-    assert RequestRates.REFUSALS[Work.HTTP] is Refusal.HTTP_RATE
+    rates = RequestRates({RateKind.HTTP: Rate(2.0, 3), RateKind.UPGRADE: Rate(1.0, 1), RateKind.MESSAGE: Rate(1.0, 1)})
+    assert [rates.take(RateKind.HTTP, "10.0.0.1", 0.0) for _ in range(4)] == [None, None, None, pytest.approx(0.5)]
+    assert rates.take(RateKind.HTTP, "10.0.0.2", 0.0) is None  # another address has its own bucket
+    assert rates.take(RateKind.UPGRADE, "10.0.0.1", 0.0) is None  # and another kind
+    assert rates.take(RateKind.HTTP, "10.0.0.1", 0.5) is None
+    assert RequestRates.REFUSALS[RateKind.HTTP] is Refusal.HTTP_RATE
 
 
 def test_request_rates_table_stays_bounded_under_many_addresses():
-    rates = RequestRates({w: Rate(1.0, 2) for w in Work}, size=100)
+    rates = RequestRates({w: Rate(1.0, 2) for w in RateKind}, size=100)
     for i in range(10_000):
-        rates.take(Work.HTTP, f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", now=i * 1e-3)
+        rates.take(RateKind.HTTP, f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", now=i * 1e-3)
     assert len(rates) == 100
 
 
 def test_request_rates_evict_the_idlest_address_and_keep_a_busy_one():
-    rates = RequestRates({w: Rate(0.001, 2) for w in Work}, size=3)
-    assert rates.take(Work.HTTP, "busy", 0.0) is None and rates.take(Work.HTTP, "busy", 0.0) is None
+    rates = RequestRates({w: Rate(0.001, 2) for w in RateKind}, size=3)
+    assert rates.take(RateKind.HTTP, "busy", 0.0) is None and rates.take(RateKind.HTTP, "busy", 0.0) is None
     for i in range(10):  # new addresses come and go; the busy one keeps coming back
-        rates.take(Work.HTTP, f"new{i}", 1.0 + i)
-        assert rates.take(Work.HTTP, "busy", 1.0 + i) is not None  # its bucket, still empty, was kept
+        rates.take(RateKind.HTTP, f"new{i}", 1.0 + i)
+        assert rates.take(RateKind.HTTP, "busy", 1.0 + i) is not None  # its bucket, still empty, was kept
 
 
 def test_emptying_an_address_bucket_leaves_it_only_the_rate():
-    rates = RequestRates({w: Rate(2.0, 10) for w in Work})
-    rates.empty(Work.UPGRADE, "10.0.0.1", 0.0)
-    assert rates.take(Work.UPGRADE, "10.0.0.1", 0.0) == pytest.approx(0.5)  # no burst left
-    assert rates.take(Work.UPGRADE, "10.0.0.1", 0.5) is None  # the rate still refills it
-    assert rates.take(Work.UPGRADE, "10.0.0.2", 0.0) is None and rates.take(Work.HTTP, "10.0.0.1", 0.0) is None
+    rates = RequestRates({w: Rate(2.0, 10) for w in RateKind})
+    rates.empty(RateKind.UPGRADE, "10.0.0.1", 0.0)
+    assert rates.take(RateKind.UPGRADE, "10.0.0.1", 0.0) == pytest.approx(0.5)  # no burst left
+    assert rates.take(RateKind.UPGRADE, "10.0.0.1", 0.5) is None  # the rate still refills it
+    assert rates.take(RateKind.UPGRADE, "10.0.0.2", 0.0) is None and rates.take(RateKind.HTTP, "10.0.0.1", 0.0) is None
     bucket = TokenBucket(Rate(1.0, 5), now=0.0)
     bucket.empty(100.0)
     assert not bucket.take(100.0) and bucket.take(101.0)
 
 
 def test_prune_drops_refilled_buckets_only():
-    rates = RequestRates({w: Rate(1.0, 2) for w in Work}, size=10)
-    rates.take(Work.HTTP, "a", 0.0)
-    rates.take(Work.HTTP, "b", 0.0)
-    rates.take(Work.HTTP, "b", 0.9)
+    rates = RequestRates({w: Rate(1.0, 2) for w in RateKind}, size=10)
+    rates.take(RateKind.HTTP, "a", 0.0)
+    rates.take(RateKind.HTTP, "b", 0.0)
+    rates.take(RateKind.HTTP, "b", 0.9)
     rates.prune(1.0)  # a has refilled to 2; b holds 1.0 (0.9 left at 0.9 s, plus 0.1)
     assert len(rates) == 1
 
