@@ -143,7 +143,7 @@ async def drive(seconds: float) -> dict:
     import asyncio
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from streamsvc.engine.engine import EngineConfig
+    from streamsvc.engine.config import EngineConfig
     from streamsvc.viewers.server import Server, ServerConfig
 
     # the server gathers on this host's addresses and loopback (libnice offers no loopback candidate)

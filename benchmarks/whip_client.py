@@ -50,7 +50,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.scenes import Scene, draw  # noqa: E402
-from streamsvc.engine.engine import EngineConfig  # noqa: E402
+from streamsvc.engine.config import EngineConfig  # noqa: E402
 from streamsvc.viewers.server import Server, ServerConfig  # noqa: E402
 from streamsvc.wire import protocol as P  # noqa: E402
 from streamsvc.wire.rtc import WebRtcConfig  # noqa: E402

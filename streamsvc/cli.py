@@ -91,7 +91,7 @@ def _generator(args):
     """The generator `generate` runs: the fastest configuration of its device that --fidelity allows."""
     import logging
 
-    from streamsvc.engine.engine import log_attention
+    from streamsvc.engine.warmup import log_attention
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     device, kw = _generator_args(args)
@@ -194,7 +194,7 @@ def _check_weights(args) -> None:
 
 
 def _engine_config(args):
-    from streamsvc.engine.engine import EngineConfig
+    from streamsvc.engine.config import EngineConfig
     from streamsvc.offline import default_device
     from streamsvc.scheduling import SchedulerConfig
 

@@ -100,13 +100,14 @@ class Metrics:
         """Set the gauges from the engine's counters and its latest snapshot, the open streams (`sessions`), the
         disk the recordings use, the event loop's CPU on clients without a stream so far (`streamless_s`) and the
         open connections by kind (`connections`)."""
-        m, snap = self, engine.snapshot
+        m, st = self, engine.stats()
+        snap = st.scheduler
         m.streamless_s.set(streamless_s)
         for kind, n in (connections or {}).items():
             m.connections.labels(kind).set(n)
         for state in SessionState:
             m.streams.labels(state.value).set(sum(1 for s in sessions if s.state is state))
-        m.kv_bytes.set(engine.kv_used_bytes)
+        m.kv_bytes.set(st.kv_used_bytes)
         m.watchers.set(sum(s.watchers for s in sessions))
         m.orphans.set(sum(1 for s in sessions if s.steerer is None))
         m.recordings.set(sum(1 for s in sessions if s.recorder is not None))
@@ -114,23 +115,23 @@ class Metrics:
         for kind in ("received", "dropped", "repeated", "decode_errors", "chunks", "missing_chunks"):
             m.input.labels(kind).set(sum(i[kind] for i in inputs))
         m.recording_bytes.set(recording_bytes)
-        m.kv_budget.set(engine.kv_budget_bytes)
-        for kind, n in engine.forwards.items():
+        m.kv_budget.set(st.kv_budget_bytes)
+        for kind, n in st.forwards.items():
             m.forwards.labels(kind).set(n)
-            m.forward_s.labels(kind).set(engine.forward_seconds[kind])
-            m.forward_gpu_s.labels(kind).set(engine.gpu_seconds[kind])
-        m.encode_s.set(engine.encode_seconds)
-        m.chunks_encoded.set(engine.chunks_encoded)
-        m.chunk_latency_max.set(engine.chunk_latency_max_s)
-        m.parked.set(engine.parked_streams)
-        m.parked_bytes.set(engine.parked_bytes)
+            m.forward_s.labels(kind).set(st.forward_seconds[kind])
+            m.forward_gpu_s.labels(kind).set(st.gpu_seconds[kind])
+        m.encode_s.set(st.encode_seconds)
+        m.chunks_encoded.set(st.chunks_encoded)
+        m.chunk_latency_max.set(st.chunk_latency_max_s)
+        m.parked.set(st.parked_streams)
+        m.parked_bytes.set(st.parked_bytes)
         m.park_budget.set(engine.config.park_budget_bytes)
-        for op, n, seconds in (("park", engine.parks, engine.park_seconds),
-                               ("restore", engine.restores, engine.restore_seconds)):
+        for op, n, seconds in (("park", st.parks, st.park_seconds),
+                               ("restore", st.restores, st.restore_seconds)):
             m.parks.labels(op).set(n)
             m.park_s.labels(op).set(seconds)
-        m.degraded.labels("device").set(engine.degraded_chunks)
-        m.degraded.labels("encode").set(engine.fast_encodes)
+        m.degraded.labels("device").set(st.degraded_chunks)
+        m.degraded.labels("encode").set(st.fast_encodes)
         if snap is not None:
             for stage, load in snap.stage_load.items():
                 m.stage_load.labels(stage.value).set(load)

@@ -34,7 +34,7 @@ from multidict import CIMultiDict
 from streamsvc import library_logs
 from streamsvc.door.front import ConnectionClosed
 from streamsvc.door.routes import HttpRequest
-from streamsvc.engine.engine import EngineConfig
+from streamsvc.engine.config import EngineConfig
 from streamsvc.viewers.server import Server, ServerConfig
 from streamsvc.wire import protocol as P
 
@@ -255,11 +255,11 @@ class EngineReplica:
         from streamsvc.cluster.placement import ReplicaStats
 
         engine = self.server.engine
-        snap = engine.snapshot
-        sched = engine.config.scheduler
+        st = engine.stats()
+        snap, sched = st.scheduler, engine.config.scheduler
         return ReplicaStats(
             replica=self.uid, ready=snap is not None, draining=self.draining, streams=len(self.server.sessions),
-            free_kv_bytes=max(0, engine.kv_budget_bytes - engine.kv_used_bytes), stream_kv_bytes=self.stream_kv_bytes,
+            free_kv_bytes=max(0, st.kv_budget_bytes - st.kv_used_bytes), stream_kv_bytes=self.stream_kv_bytes,
             predicted_load=snap.predicted_load if snap is not None else 0.0,
             utilization_target=sched.utilization_target, host=self.host, node=self.node, pid=os.getpid(),
             metrics=self._metrics(),

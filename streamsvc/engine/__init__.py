@@ -2,6 +2,7 @@
 
 - `engine`: the `Engine` thread: streams in, forwards run by plan, chunks out to the event loop.
 - `config`: its configuration (`EngineConfig`), `errors`: its exception.
+- `reports`: what the event loop reads of it: frozen descriptions (a stream's, its figures), never the model.
 - `warmup`: the start-up run that measures each forward's cost before the first stream is admitted.
 - `output`: the output stage (decode, encode) beside the device's work; `encode`: the H.264 encoders (x264 in
   a child process: `python -m streamsvc.engine.encode`).

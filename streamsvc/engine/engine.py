@@ -45,7 +45,8 @@ from streamsvc.engine.config import EngineConfig
 from streamsvc.engine.encode import EncoderSpec
 from streamsvc.engine.errors import EngineError
 from streamsvc.engine.output import ChunkOut, OutputStage, StreamOutput
-from streamsvc.engine.parking import Parking, ParkResult
+from streamsvc.engine.parking import Parking
+from streamsvc.engine.reports import PARKING_FIGURES, EngineStats, ModelShape, Opened, PromptAccepted, StreamDescription
 from streamsvc.engine.timing import InFlight, Timer
 from streamsvc.engine.warmup import keep_freed_memory, log_attention, warm_up
 from streamsvc.inputs.stage import InputStage, seed_input_stage
@@ -54,13 +55,6 @@ from streamsvc.scheduling import (Admission, Plan, Scheduler, SchedulerStats, St
 
 log = logging.getLogger("streamsvc.engine")
 
-# EngineConfig, EngineError, ParkResult, keep_freed_memory and log_attention are re-exported: import them from here
-__all__ = ["ChunkOut", "Engine", "EngineConfig", "EngineError", "ParkResult", "keep_freed_memory", "log_attention"]
-
-
-def _parking(name: str, default=None) -> property:
-    """One of Parking's figures as a read-only property of the engine (`default` before it is built)."""
-    return property(lambda self: getattr(self.parking, name) if self.parking else default)
 
 
 @dataclass
@@ -83,6 +77,9 @@ class _Command:
     later: bool = False  # fn(future, *args) resolves the future itself, maybe later (fn's errors still do)
 
 
+_WAKE = object()  # what `Engine.wake` queues: the loop turns, nothing runs (None: it stops)
+
+
 class Engine:
     def __init__(
         self,
@@ -98,21 +95,21 @@ class Engine:
         self._streamless = streamless
         self._on_chunk, self._on_error = on_chunk, on_error
         self.clock = clock
-        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command | object | None] = queue.SimpleQueue()  # None: stop
         self._streams: dict[str, _Stream] = {}
         self._in_flight: deque[InFlight] = deque()
         self._thread = threading.Thread(target=self._main, name=f"engine-{config.device}", daemon=True)
         self._ready = Future()
         self._stopping = False
-        # read by the event loop (metrics); replaced, never mutated, by the engine thread
-        self.snapshot: SchedulerStats | None = None
-        self.kv_used_bytes = 0
-        self.kv_budget_bytes = 0
-        self.forwards: dict[str, int] = {w.value: 0 for w in WorkKind}  # forwards run, by kind
-        self.forward_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # wall: launch to finish, by kind
-        self.gpu_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}  # device time (CUDA events; CPU: wall)
+        # the engine thread's figures (replaced, never mutated): the event loop reads them through `stats()`
+        self._snapshot: SchedulerStats | None = None
+        self._kv_used_bytes = 0
+        self._kv_budget_bytes = 0
+        self._forwards: dict[str, int] = {w.value: 0 for w in WorkKind}  # (see EngineStats)
+        self._forward_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}
+        self._gpu_seconds: dict[str, float] = {w.value: 0.0 for w in WorkKind}
         self.decoder_bytes = 0  # device memory of one stream's decoder state, counted with its KV cache
-        self.degraded_chunks = 0  # chunks made with fewer denoising steps than the schedule's (instead of a stall)
+        self._degraded_chunks = 0
         self.park_budget = ParkBudget(config.park_budget_bytes)  # host memory of parked streams (engine thread)
         self._cheap_encode = False  # the warm-up measured the cheaper encode cheaper: a late chunk's encode degrades
         self.heartbeat_at: float | None = None  # engine clock at the loop's latest turn (None: not serving yet)
@@ -121,30 +118,19 @@ class Engine:
         self.output: OutputStage | None = None
         self.parking: Parking | None = None  # paused streams (streamsvc/engine/parking.py)
         self.inputs: InputStage | None = None  # streams' input video (issue 35): releases, frames to the generator
+        self.shape: ModelShape | None = None  # what every stream has (frame size, chunks, words): set once ready
 
-    # output-stage figures, read by the event loop (metrics)
-    @property
-    def encode_seconds(self) -> float:
-        return self.output.encode_seconds if self.output else 0.0
-
-    @property
-    def chunks_encoded(self) -> int:
-        return self.output.chunks if self.output else 0
-
-    @property
-    def fast_encodes(self) -> int:
-        """Chunks the output stage encoded cheaper to meet their deadline."""
-        return self.output.fast_chunks if self.output else 0
-
-    @property
-    def chunk_latency_max_s(self) -> float:
-        return self.output.latency_max_s if self.output else 0.0
-
-    # paused streams' figures (Parking's: 0, or None for the last ones, before it is built), read by the event loop
-    parked_streams, parked_bytes, parks, restores = (_parking(n, 0) for n in ("parked_streams", "parked_bytes",
-                                                                              "parks", "restores"))
-    park_seconds, restore_seconds = _parking("park_seconds", 0.0), _parking("restore_seconds", 0.0)
-    last_park_seconds, last_restore_seconds = _parking("last_park_seconds"), _parking("last_restore_seconds")
+    def stats(self) -> EngineStats:
+        """The engine's figures now (any thread)."""
+        out, park = self.output, self.parking
+        return EngineStats(
+            scheduler=self._snapshot, kv_used_bytes=self._kv_used_bytes, kv_budget_bytes=self._kv_budget_bytes,
+            forwards=dict(self._forwards), forward_seconds=dict(self._forward_seconds),
+            gpu_seconds=dict(self._gpu_seconds), degraded_chunks=self._degraded_chunks,
+            **({} if out is None else dict(encode_seconds=out.encode_seconds, chunks_encoded=out.chunks,
+                                           fast_encodes=out.fast_chunks, chunk_latency_max_s=out.latency_max_s)),
+            **({} if park is None else {name: getattr(park, name) for name in PARKING_FIGURES}),
+        )
 
     @property
     def failure(self) -> str | None:
@@ -177,8 +163,8 @@ class Engine:
 
     def open_stream(self, stream_id: str, prompt: str, seed: int, fps: int, input=None,
                     strength: float | None = None) -> Future:
-        """Future[Admission]: admitted streams start generating at once; with `input` (an InputFrames) they restyle
-        it at `strength` (refused, with the reason, by a model without an encoder)."""
+        """Future[Opened]: admitted streams start generating at once, described for their viewers; with `input` (an
+        InputFrames) they restyle it at `strength` (refused, with the reason, by a model without an encoder)."""
         return self._submit(self._open, stream_id, prompt, seed, fps, input, strength)
 
     def set_strength(self, stream_id: str, strength: float) -> Future:
@@ -186,7 +172,7 @@ class Engine:
         return self._submit(lambda: self.inputs.set_strength(self._get(stream_id).state.stream_id, strength))
 
     def set_prompt(self, stream_id: str, prompt: str) -> Future:
-        """Future[int]: the new prompt's version."""
+        """Future[PromptAccepted]: the new prompt's version and its words the model does not know."""
         return self._submit(self._set_prompt, stream_id, prompt)
 
     def pause(self, stream_id: str) -> Future:
@@ -228,6 +214,10 @@ class Engine:
     def close_stream(self, stream_id: str) -> Future:
         """Future[bool]: frees the stream's KV cache at once; False if it was not open."""
         return self._submit(self._close, stream_id)
+
+    def wake(self) -> None:
+        """Make the engine thread's loop turn now (any thread): something it plans by has changed."""
+        self._commands.put(_WAKE)
 
     def _submit_later(self, fn, *args) -> Future:
         return self._submit(fn, *args, later=True)
@@ -293,7 +283,7 @@ class Engine:
 
             budget -= scratch_bytes(spec)
         self.pool = CachePool(budget, device)
-        self.kv_budget_bytes = budget
+        self._kv_budget_bytes = budget
         # the scheduler plans the generator's schedule, and its shorter ones instead of stalls unless told not to
         degrade = gen.cfg.shorter_steps if cfg.degrade else ()
         workers = cfg.output_workers or min(4, max(1, (os.cpu_count() or 1) // 4))
@@ -312,10 +302,14 @@ class Engine:
             n = gen.capture_graphs()
             log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
         self._cheap_encode = warm_up(gen, self.sched, cfg.warmup_chunks, self.clock)
-        self.inputs = InputStage(gen, self.sched, self.clock, lambda: self._commands.put(_Command(int, ())),
+        self.inputs = InputStage(gen, self.sched, self.clock, self.wake,
                                  cfg.input_latency_s, parallel=cfg.group is not None)
         seed_input_stage(gen, self.sched, latency_s=cfg.input_latency_s)  # and warns if it cannot be met
-        self.snapshot = self.sched.stats(self.clock())
+        words = gen.text_encoder.vocabulary
+        self.shape = ModelShape(gen.model_cfg.width, gen.model_cfg.height, gen.frames_in_chunk(0),
+                                gen.frames_in_chunk(1), len(gen.sigmas), None if words is None else tuple(words),
+                                tuple(float(s) for s in gen.input_strengths()))
+        self._snapshot = self.sched.stats(self.clock())
 
     # -- engine thread: the loop ------------------------------------------------------------------
 
@@ -326,7 +320,7 @@ class Engine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return out
-            if cmd is not None:
+            if isinstance(cmd, _Command):
                 out.append(cmd)
 
     def _apply(self, cmd: _Command) -> None:
@@ -355,7 +349,7 @@ class Engine:
                     self._retire(wait=True)
                 self._launch(plan)
                 continue
-            self.snapshot = self.sched.stats(now)
+            self._snapshot = self.sched.stats(now)
             if self._in_flight:  # nothing to launch: wait for the device instead of the clock
                 self._retire(wait=True)
                 continue
@@ -368,7 +362,7 @@ class Engine:
                 cmd = self._commands.get(timeout=timeout)
             except queue.Empty:
                 continue
-            if cmd is not None:
+            if isinstance(cmd, _Command):
                 self._apply(cmd)
 
     def _launch(self, plan: Plan) -> None:
@@ -394,12 +388,12 @@ class Engine:
         self.sched.complete(plan, now, None, deliver=False)
         for st, chunk in chunks:
             keyframe, st.keyframe = st.keyframe, False
-            self.degraded_chunks += chunk.steps < len(self.gen.sigmas)
+            self._degraded_chunks += chunk.steps < len(self.gen.sigmas)
             self.output.submit(st.output, chunk.frames, index=chunk.index, first_frame=chunk.first_frame,
                                prompt_version=chunk.prompt_version, steps=chunk.steps, keyframe=keyframe,
                                started_at=st.chunk_started_at, encode_by=self._encode_by(st.state.stream_id),
                                extra=self.inputs.header(st.state.stream_id, chunk) if st.has_input else None)
-        self.snapshot = self.sched.stats(now)
+        self._snapshot = self.sched.stats(now)
 
     def _retire(self, wait: bool) -> None:
         """Account the forwards the device has finished (with `wait`: at least the oldest one)."""
@@ -414,9 +408,9 @@ class Engine:
             wait = False
             self._in_flight.popleft()
             kind = f.kind.value
-            self.forwards[kind] += 1
-            self.gpu_seconds[kind] += f.elapsed_s
-            self.forward_seconds[kind] += self.clock() - f.launched_at
+            self._forwards[kind] += 1
+            self._gpu_seconds[kind] += f.elapsed_s
+            self._forward_seconds[kind] += self.clock() - f.launched_at
             # on CPU, the wall time less what the event loop did meanwhile for clients without a stream (or no sample)
             seconds = without_streamless(f.elapsed_s, f.streamless_s, self.sched.config.streamless_max_share,
                                          f.streamless_events)
@@ -519,7 +513,7 @@ class Engine:
         refusal = f"this server cannot generate: {self.failure}" if self.failure else \
             self.inputs.refusal() if input is not None else None
         if refusal:
-            return Admission(False, refusal, 0.0)
+            return Opened(Admission(False, refusal, 0.0))
         gen = self.gen
         spec = gen.cache_spec()
         req = StreamRequest(
@@ -528,7 +522,7 @@ class Engine:
             input_latency_s=self.config.input_latency_s)
         admission = self.sched.admit(req, self.clock(), kv_refusal=self.pool.refusal(spec, self.decoder_bytes))
         if not admission.accepted:
-            return admission
+            return Opened(admission)
         try:
             cache = self.pool.allocate_or_raise(stream_id, spec, self.decoder_bytes)
             state = gen.open_stream(stream_id, prompt, seed, cache)
@@ -540,19 +534,23 @@ class Engine:
             raise
         self._streams[stream_id] = _Stream(state, fps, self.output.open(stream_id, spec), {0: prompt},
                                            has_input=input is not None)
-        if input is not None:
-            self.inputs.open(stream_id, input, state, strength, fps)
-        self.kv_used_bytes = self.pool.used_bytes
-        return admission
+        snapped = None if input is None else self.inputs.open(stream_id, input, state, strength, fps).strength
+        self._kv_used_bytes = self.pool.used_bytes
+        return Opened(admission, StreamDescription(
+            self.shape, fps, self._unknown_words(prompt), strength=snapped,
+            input_latency_s=None if input is None else self.config.input_latency_s))
 
-    def _set_prompt(self, stream_id: str, prompt: str) -> int:
+    def _set_prompt(self, stream_id: str, prompt: str) -> PromptAccepted:
         st = self._get(stream_id)
         self.gen.encode_prompt(prompt)  # now, not inside its recache: the text encoder runs off the plan's time
         version = self.sched.set_prompt(stream_id, self.clock())
         st.prompts[version] = prompt
         for old in [v for v in st.prompts if v < version - 8]:  # keep a few recent versions only
             del st.prompts[old]
-        return version
+        return PromptAccepted(version, self._unknown_words(prompt))
+
+    def _unknown_words(self, prompt: str) -> tuple[str, ...]:
+        return tuple(self.gen.text_encoder.unknown_words(prompt))
 
     def _pause(self, future: Future, stream_id: str) -> None:
         self.parking.pause(future, self._get(stream_id).state)
@@ -570,7 +568,7 @@ class Engine:
 
     def _kv_changed(self) -> None:
         """The parking gave a stream's device memory back to the pool or took it again."""
-        self.kv_used_bytes = self.pool.used_bytes
+        self._kv_used_bytes = self.pool.used_bytes
 
     def _observe(self, stream_id: str, buffered_frames: float, at_most: bool, grace_s: float) -> None:
         self._get(stream_id)
@@ -587,7 +585,7 @@ class Engine:
         if st is not None:  # a paused one's too: a group's workers forget its parked copy (streamsvc/engine/lockstep.py)
             self.gen.close_stream(st.state)
         self.pool.release(stream_id)  # launched forwards that write it run first on the device's one queue
-        self.kv_used_bytes = self.pool.used_bytes
+        self._kv_used_bytes = self.pool.used_bytes
         if st is None:
             return False
         self.output.close(st.output)

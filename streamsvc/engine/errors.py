@@ -1,5 +1,5 @@
 """The engine's exception, in a module of its own so that the engine's parts (streamsvc/engine/parking.py) raise it
-without importing the engine. Import it from streamsvc.engine.engine, which re-exports it."""
+without importing the engine."""
 
 
 class EngineError(RuntimeError):

@@ -50,9 +50,9 @@ def input_frames(engine, msg: P.Start, fps: int) -> InputFrames | None:
     phases spread over a chunk (InputFrames's docstring)."""
     if not msg.input:
         return None
-    mc, first = engine.gen.model_cfg, engine.gen.frames_in_chunk(0)
-    return InputFrames(mc.width, mc.height, fps, phase=(PHASE_STEP * next(_streams)) % first,
-                       max_frames=4 * engine.gen.frames_in_chunk(1))  # 4 chunks ahead of the engine at most
+    shape = engine.shape
+    return InputFrames(shape.width, shape.height, fps, phase=(PHASE_STEP * next(_streams)) % shape.first_chunk_frames,
+                       max_frames=4 * shape.chunk_frames)  # 4 chunks ahead of the engine at most
 
 
 def allow_input(ws, session) -> None:
@@ -64,13 +64,12 @@ def allow_input(ws, session) -> None:
         log.warning("this connection cannot take input messages over the control limit (%s)", type(ws).__name__)
 
 
-def ready_fields(engine, session) -> dict:
-    """`ready`'s input fields for a stream's viewers."""
-    stream = engine.inputs.streams.get(session.stream_id) if engine.inputs is not None else None
-    if stream is None:
+def ready_fields(desc) -> dict:
+    """`ready`'s input fields for the viewers of a stream (`desc`: its StreamDescription)."""
+    if desc.strength is None:
         return {}
-    return dict(input=True, strengths=[round(float(s), 6) for s in engine.gen.input_strengths()],
-                strength=round(stream.strength, 6), input_latency_s=engine.config.input_latency_s)
+    return dict(input=True, strengths=[round(s, 6) for s in desc.shape.strengths], strength=round(desc.strength, 6),
+                input_latency_s=desc.input_latency_s)
 
 
 class Upstream:

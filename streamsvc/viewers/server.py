@@ -53,7 +53,8 @@ from streamsvc.door.guard import ConnectionGuard, Guard, raise_fd_limit
 from streamsvc.door.routes import RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequest, Routes
 from streamsvc.door.whep import Endpoints
 from streamsvc.door.whip import Ingest
-from streamsvc.engine.engine import ChunkOut, Engine, EngineConfig
+from streamsvc.engine.config import EngineConfig
+from streamsvc.engine.engine import ChunkOut, Engine
 from streamsvc.inputs.ws import Upstream, allow_input, input_frames, ready_fields
 from streamsvc.metrics import Metrics
 from streamsvc.scheduling import SendSampler
@@ -62,7 +63,7 @@ from streamsvc.transport.ws import send_outbox
 from streamsvc.viewers.outbox import Outbox, OutboxLimits
 from streamsvc.viewers.record import RecordingStore
 from streamsvc.viewers.session import Role, Session, Viewer
-from streamsvc.viewers.streams import Streams, unknown_words, vocabulary
+from streamsvc.viewers.streams import Streams, wire_vocabulary, wire_words
 from streamsvc.wire import protocol as P
 from streamsvc.wire.rtc import WebRtcConfig, server_ice_addresses
 
@@ -143,7 +144,7 @@ class Server:
         self.streams = Streams(self.engine, self.sessions, self.limits, self.recordings, self.metrics, clock,
                                config.orphan_timeout_s)
         self.routes = Routes(config.access, config.static_dir, self.recordings, self.metrics,
-                             ready=lambda: self.engine.snapshot is not None and not self.engine.failure,
+                             ready=lambda: self.engine.stats().scheduler is not None and not self.engine.failure,
                              refresh_metrics=self._refresh_metrics,
                              metrics_apart=config.metrics_port is not None)
         self.whep = Endpoints(self, whip=Ingest(self))  # WHEP (a POST's offer served as a connection) and WHIP
@@ -434,21 +435,22 @@ class Server:
         stream_id, fps = session.stream_id, session.fps
         session.input = input_frames(self.engine, msg, fps)  # input video (issue 35), if it asked for it
         try:
-            admission = await asyncio.wrap_future(self.engine.open_stream(stream_id, msg.prompt, seed, fps,
-                                                                          session.input, msg.strength))
+            opened = await asyncio.wrap_future(self.engine.open_stream(stream_id, msg.prompt, seed, fps,
+                                                                       session.input, msg.strength))
         except Exception as e:  # noqa: BLE001 - reported to the client, the server goes on
             log.exception("open_stream failed")
-            admission = None
+            opened = None
             reason = f"could not open the stream: {type(e).__name__}: {e}"
         else:
-            reason = admission.reason
-        if admission is None or not admission.accepted:
+            reason = opened.reason
+        if opened is None or not opened.accepted:
             self.sessions.pop(stream_id, None)
             session.close("refused")
             self.limits.release(session.token, session.address)
             await self._refuse(ws, Refusal.ADMISSION, reason or "refused")
             return None
         self.metrics.admitted.inc()
+        session.description = opened.stream
         viewer = self._new_viewer(ws, session, Role.STEER, session.token)
         allow_input(ws, session)  # with input: before its ready, its input messages may be larger than control ones
         await ws.send(P.encode(self._ready(viewer)))
@@ -459,17 +461,19 @@ class Server:
         return viewer
 
     def _ready(self, viewer: Viewer) -> P.Ready:
-        gen = self.engine.gen
+        """A viewer's `ready`: its stream as admission described it, and what is the viewer's own."""
+        session = viewer.session
+        desc, shape = session.description, session.description.shape
         return P.Ready(
-            stream_id=viewer.stream_id, fps=viewer.fps, width=gen.model_cfg.width, height=gen.model_cfg.height,
-            first_chunk_frames=gen.frames_in_chunk(0), chunk_frames=gen.frames_in_chunk(1),
-            prompt_version=viewer.session.prompt_version, steps=len(gen.sigmas), role=viewer.role.value,
-            viewer_id=viewer.viewer_id, vocabulary=vocabulary(self.engine),
-            unknown_words=unknown_words(self.engine, viewer.session.prompt),
+            stream_id=viewer.stream_id, fps=desc.fps, width=shape.width, height=shape.height,
+            first_chunk_frames=shape.first_chunk_frames, chunk_frames=shape.chunk_frames,
+            prompt_version=session.prompt_version, steps=shape.steps, role=viewer.role.value,
+            viewer_id=viewer.viewer_id, vocabulary=wire_vocabulary(shape.vocabulary),
+            unknown_words=wire_words(desc.unknown_words),
             # the stream's capabilities go to its steerer alone (a watcher came with the watch secret; neither grants
             # a watcher steering)
-            **({"watch_secret": viewer.session.watch_secret, "steer_secret": viewer.session.steer_secret}
-               if viewer.role is Role.STEER else {}), **ready_fields(self.engine, viewer.session),
+            **({"watch_secret": session.watch_secret, "steer_secret": session.steer_secret}
+               if viewer.role is Role.STEER else {}), **ready_fields(desc),
         )
 
     def _connect(self, viewer: Viewer, transport: str | None) -> None:

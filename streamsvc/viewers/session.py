@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from streamsvc.door.access import TokenBucket, new_secret, secret_matches
+from streamsvc.engine.reports import StreamDescription
 from streamsvc.viewers.outbox import Outbox
 from streamsvc.wire import protocol as P
 
@@ -226,6 +227,7 @@ class Session:
     track_queues: dict[str, float] = field(default_factory=dict)  # frames queued in each WebRTC viewer's track
     audience_due: bool = False  # an `audience` message to every viewer is on its way
     input: object | None = None  # its input video's timeline (streamsvc.inputs.frames.InputFrames), if its start asked for it
+    description: StreamDescription | None = None  # what admission described it as (its viewers' `ready`)
     _paused_from: SessionState = SessionState.PLAYING
 
     def may_watch(self, secret: str | None) -> bool:

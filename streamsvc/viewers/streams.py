@@ -17,10 +17,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 
 from streamsvc.door.access import Refusal, StreamLimits
 from streamsvc.door.routes import RECORDINGS_PATH
-from streamsvc.engine.engine import ChunkOut, Engine, EngineError
+from streamsvc.engine.engine import ChunkOut, Engine
+from streamsvc.engine.errors import EngineError
 from streamsvc.metrics import Metrics
 from streamsvc.viewers.record import RecordingRefused, RecordingStore
 from streamsvc.viewers.session import Session, SessionState, Viewer
@@ -90,6 +92,7 @@ class Streams:
                         "this stream takes no input video: start it with \"input\": true to set a strength")))
                     return
                 strength = await asyncio.wrap_future(self.engine.set_strength(sid, msg.strength))
+                session.description = replace(session.description, strength=strength)  # a later watcher's `ready`
                 viewer.send(P.Ack(request="set_strength", strength=strength))
             elif isinstance(msg, P.Handover):
                 self._handover(viewer, msg.to)
@@ -207,10 +210,9 @@ class Streams:
         """Record the stream from its next keyframe on (`record`, or every stream with --record)."""
         session = viewer.session
         if session.recorder is None:
-            gen = self.engine.gen
+            shape = session.description.shape
             try:
-                session.recorder = self.recordings.open(session.stream_id, session.fps, gen.model_cfg.width,
-                                                        gen.model_cfg.height)
+                session.recorder = self.recordings.open(session.stream_id, session.fps, shape.width, shape.height)
             except RecordingRefused as e:
                 viewer.send(P.Error(code=P.ErrorCode.UNAVAILABLE, request="record", message=str(e)[: P.MAX_TEXT_CHARS]))
                 return
@@ -272,12 +274,13 @@ class Streams:
     async def _prompt_to_engine(self, session: Session, prompt: str) -> P.Ack | P.Error:
         """The stream's next chunks run under ``prompt``: the ack with their version, or the error."""
         try:
-            version = await asyncio.wrap_future(self.engine.set_prompt(session.stream_id, prompt))
+            accepted = await asyncio.wrap_future(self.engine.set_prompt(session.stream_id, prompt))
         except Exception as e:  # noqa: BLE001 - reported to the client, the stream goes on
             return failed("set_prompt", e)
-        session.prompt, session.prompt_version = prompt, version
-        session.prompt_texts[version] = prompt
-        return P.Ack(request="set_prompt", prompt_version=version, unknown_words=unknown_words(self.engine, prompt))
+        session.prompt, session.prompt_version = prompt, accepted.version
+        session.prompt_texts[accepted.version] = prompt
+        return P.Ack(request="set_prompt", prompt_version=accepted.version,
+                     unknown_words=wire_words(accepted.unknown_words))
 
     def _spawn(self, coro: Coroutine) -> None:
         task = asyncio.ensure_future(coro)
@@ -342,14 +345,13 @@ def _cannot_steer(viewer: Viewer) -> bool:
 _STEER_TYPES = (P.SetPrompt, P.Pause, P.Resume, P.Record, P.Handover, P.SetStrength)  # only a stream's steerer
 
 
-def unknown_words(engine: Engine, prompt: str) -> list[str]:
-    """The words of `prompt` outside the model's vocabulary (drawn as noise), as many as the wire carries."""
-    return [w[: P.MAX_WORD_CHARS] for w in engine.gen.text_encoder.unknown_words(prompt)[: P.MAX_UNKNOWN_WORDS]]
+def wire_words(words: tuple[str, ...]) -> list[str]:
+    """Words the model does not know (of a prompt), as many as the wire carries."""
+    return [w[: P.MAX_WORD_CHARS] for w in words[: P.MAX_UNKNOWN_WORDS]]
 
 
-def vocabulary(engine: Engine) -> list[str] | None:
+def wire_vocabulary(words: tuple[str, ...] | None) -> list[str] | None:
     """The words the model was trained with, as many as the wire carries; None for an open vocabulary."""
-    words = engine.gen.text_encoder.vocabulary
     return None if words is None else [w for w in words if len(w) <= P.MAX_WORD_CHARS][: P.MAX_VOCABULARY]
 
 

@@ -4,7 +4,7 @@ import asyncio
 import contextlib
 
 from streamsvc.door.access import AccessConfig
-from streamsvc.engine.engine import EngineConfig
+from streamsvc.engine.config import EngineConfig
 from streamsvc.viewers.server import Server, ServerConfig
 
 

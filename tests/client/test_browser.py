@@ -18,7 +18,7 @@ import pytest
 
 import client
 from streamsvc.door.access import AccessConfig
-from streamsvc.engine.engine import EngineConfig
+from streamsvc.engine.config import EngineConfig
 from streamsvc.viewers.server import Server, ServerConfig
 from streamsvc.wire import protocol as P
 from streamsvc.wire.rtc import WebRtcConfig
@@ -122,7 +122,7 @@ async def test_player_plays_steers_and_reports(tmp_path):
         await asyncio.wait_for(server.stop(), 30)
         await page.wait_for_function("player.phase === 'closed' || player.phase === 'failed'", timeout=10_000)
         assert "server shutting down" in await page.inner_text("#banner-text")
-        assert server.engine.kv_used_bytes == 0
+        assert server.engine.stats().kv_used_bytes == 0
 
 
 async def test_the_player_shows_the_built_in_models_words_and_a_prompts_unknown_ones(tmp_path):

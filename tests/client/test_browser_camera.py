@@ -26,7 +26,7 @@ import pytest
 
 from client.pixels import read_frame
 from client.rtc_camera import write_y4m
-from streamsvc.engine.engine import EngineConfig
+from streamsvc.engine.config import EngineConfig
 
 CHROMIUM = "/usr/bin/chromium"
 playwright_api = pytest.importorskip("playwright.async_api", reason="playwright is not installed (pip install playwright)")

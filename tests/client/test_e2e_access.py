@@ -190,14 +190,14 @@ async def test_fifty_prompts_in_one_second_cost_at_most_one_recache_per_chunk():
         engine = server.engine
         async with viewer(server) as c:
             assert await c.wait_until(lambda: c.chunks >= 1, T)
-            recaches0, chunks0 = engine.forwards["recache"], c.chunks
+            recaches0, chunks0 = engine.stats().forwards["recache"], c.chunks
             for i in range(50):
                 await c.set_prompt(f"prompt {i}")
                 await asyncio.sleep(0.02)
             assert await c.wait_until(lambda: len(c.acks) >= 50, T), c.errors
             last = c.acks[-1].prompt_version
             assert await c.wait_until(lambda: c.headers[-1].prompt_version == last, T)
-            recaches, chunks = engine.forwards["recache"] - recaches0, c.chunks - chunks0
+            recaches, chunks = engine.stats().forwards["recache"] - recaches0, c.chunks - chunks0
             stream = engine._streams[c.ready.stream_id]
             assert stream.prompts[last] == "prompt 49"  # the newest is the one generated
             assert await c.wait_until(lambda: c.stats().prompts_pending == 0, T)  # every prompt settled on screen

@@ -12,7 +12,6 @@ import contextlib
 import json
 
 import av
-import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -190,10 +189,10 @@ async def test_the_stream_outlives_its_steerer_while_watchers_remain_and_a_watch
         await b.send({"type": "close"})  # the steerer's close ends the stream
         await b.until(lambda: b.of(P.Closed), "closed")
         for _ in range(100):
-            if not server.sessions and server.engine.kv_used_bytes == 0:
+            if not server.sessions and server.engine.stats().kv_used_bytes == 0:
                 break
             await asyncio.sleep(0.05)
-        assert not server.sessions and server.engine.kv_used_bytes == 0
+        assert not server.sessions and server.engine.stats().kv_used_bytes == 0
         await a.close()
         await b.close()
 

@@ -15,7 +15,7 @@ from client.viewer import ClientConfig, ClientState
 from client.ws_client import StreamClient
 from kvcache.units import format_bytes
 from models import GeneratorConfig, build_generator
-from streamsvc.engine.engine import EngineConfig
+from streamsvc.engine.config import EngineConfig
 from streamsvc.viewers.server import Server, ServerConfig
 from streamsvc.wire import protocol as P
 
@@ -162,15 +162,15 @@ async def test_protocol_errors_get_error_messages_and_the_stream_goes_on(server)
 
 
 async def test_a_client_dropped_mid_stream_leaves_the_kv_pool_at_its_baseline(server):
-    baseline = server.engine.kv_used_bytes
+    baseline = server.engine.stats().kv_used_bytes
     async with viewer(server, "the one that stays") as stays:
-        with_one = server.engine.kv_used_bytes
+        with_one = server.engine.stats().kv_used_bytes
         assert with_one > baseline
         ws = await asyncio.wait_for(connect(url(server), compression=None, max_size=P.MAX_CHUNK_BYTES), T)
         await ws.send(P.encode(P.Start(prompt="the one that drops", seed=2)))
         ready = P.parse_server(await asyncio.wait_for(ws.recv(), T))
         assert isinstance(ready, P.Ready)
-        assert server.engine.kv_used_bytes > with_one
+        assert server.engine.stats().kv_used_bytes > with_one
         for _ in range(5):  # ready, then the first chunk
             msg = await asyncio.wait_for(ws.recv(), T)
             if isinstance(msg, bytes):
@@ -179,19 +179,19 @@ async def test_a_client_dropped_mid_stream_leaves_the_kv_pool_at_its_baseline(se
         ws.transport.abort()  # no close frame: the TCP connection just goes away
 
         assert await wait_for_server(lambda: ready.stream_id not in server.sessions)
-        assert await wait_for_server(lambda: server.engine.kv_used_bytes == with_one)  # the other one's cache stays
+        assert await wait_for_server(lambda: server.engine.stats().kv_used_bytes == with_one)  # the other one's cache stays
         n = stays.chunks
         assert await stays.wait_until(lambda: stays.chunks >= n + 2, T)  # and still plays
-    assert await wait_for_server(lambda: server.engine.kv_used_bytes == baseline and not server.sessions)
+    assert await wait_for_server(lambda: server.engine.stats().kv_used_bytes == baseline and not server.sessions)
 
 
 async def test_a_viewer_gone_while_its_stream_opens_leaves_nothing_behind(server):
-    baseline = server.engine.kv_used_bytes
+    baseline = server.engine.stats().kv_used_bytes
     for _ in range(5):  # the TCP connection goes away right after the start, before or after the ready
         ws = await connect(url(server))
         await ws.send(P.encode(P.Start(prompt="gone at once")))
         ws.transport.abort()
-    assert await wait_for_server(lambda: not server.sessions and server.engine.kv_used_bytes == baseline)
+    assert await wait_for_server(lambda: not server.sessions and server.engine.stats().kv_used_bytes == baseline)
     assert await wait_for_server(lambda: not server.limits.held())
     async with viewer(server) as c:  # and the server goes on serving
         assert await c.wait_until(lambda: c.chunks >= 2, T)
@@ -211,7 +211,7 @@ async def test_refusal_with_the_kv_pools_reason_when_the_server_is_full():
             assert f"free of {format_bytes(stream_bytes * 3 // 2)} (1 streams open)" in r.refused_reason  # not 0.3 MiB
             assert [e.code for e in second.server_errors] == [P.ErrorCode.REFUSED]
             assert first.state is ClientState.PLAYING
-        assert await wait_for_server(lambda: server.engine.kv_used_bytes == 0)
+        assert await wait_for_server(lambda: server.engine.stats().kv_used_bytes == 0)
 
 
 async def test_a_burst_of_connects_is_refused_without_model_work_while_the_admitted_play_on():
@@ -282,7 +282,7 @@ async def test_a_pause_without_park_budget_is_unavailable_with_the_reason_and_th
             assert error.code == P.ErrorCode.UNAVAILABLE and error.request == "pause" and "budget" in error.message
             n = c.chunks
             assert await c.wait_until(lambda: c.chunks >= n + 2, T)  # it was never paused
-            assert c.acks == [] and server.engine.parked_streams == 0
+            assert c.acks == [] and server.engine.stats().parked_streams == 0
 
 
 async def test_graceful_stop_sends_closed_to_every_connected_client():

@@ -12,7 +12,7 @@ import pytest
 from client.viewer import ClientConfig
 from client.webrtc_client import WebRtcClient
 from models.scenes import Scene, Timeline
-from streamsvc.engine.engine import EngineConfig
+from streamsvc.engine.config import EngineConfig
 from streamsvc.viewers.server import Server, ServerConfig
 from streamsvc.wire.rtc import WebRtcConfig
 

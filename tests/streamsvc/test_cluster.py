@@ -30,7 +30,7 @@ from client.ws_client import StreamClient  # noqa: E402
 from streamsvc.cluster.gateway import Gateway, GatewayConfig  # noqa: E402
 from streamsvc.cluster.launch import DeployConfig, deploy  # noqa: E402
 from streamsvc.cluster.replica import ReplicaConfig  # noqa: E402
-from streamsvc.engine.engine import EngineConfig  # noqa: E402
+from streamsvc.engine.config import EngineConfig  # noqa: E402
 from streamsvc.viewers.server import ServerConfig  # noqa: E402
 
 pytestmark = pytest.mark.cluster

@@ -15,7 +15,8 @@ from websockets.exceptions import ConnectionClosed
 
 from streamsvc.cluster.placement import ReplicaStats, rank_replicas
 from streamsvc.cluster.replica import EngineReplica, ReplicaConfig
-from streamsvc.engine.engine import Engine, EngineConfig
+from streamsvc.engine.config import EngineConfig
+from streamsvc.engine.engine import Engine
 from streamsvc.viewers.server import Server, ServerConfig
 from streamsvc.wire import protocol as P
 

@@ -7,8 +7,10 @@ import time
 import pytest
 import torch
 
+from streamsvc.engine.config import EngineConfig
 from streamsvc.engine.encode import StreamDecoder
-from streamsvc.engine.engine import Engine, EngineConfig, EngineError
+from streamsvc.engine.engine import Engine
+from streamsvc.engine.errors import EngineError
 from streamsvc.scheduling import SchedulerConfig, WorkKind
 
 
@@ -55,9 +57,12 @@ def test_streams_get_their_chunks_in_order_and_prompts_take_effect(engine):
     for kind in (WorkKind.DENOISE, WorkKind.COMMIT):
         assert 0 < eng.sched.costs.estimate(kind, batch) != batch * eng.sched.costs.estimate(kind, 1)
     for sid in ("a", "b"):
-        assert eng.open_stream(sid, f"prompt {sid}", seed=1, fps=16).result(timeout=10).accepted
+        opened = eng.open_stream(sid, f"prompt {sid}", seed=1, fps=16).result(timeout=10)
+        # admitted, and described for its viewers' `ready` from the engine thread (the event loop reads no model)
+        assert opened.accepted and opened.stream.shape is eng.shape and opened.stream.fps == 16
+        assert (eng.shape.width, eng.shape.steps) == (eng.gen.model_cfg.width, len(eng.gen.sigmas))
     got.wait(lambda g: all(len(g.chunks.get(s, [])) >= 2 for s in ("a", "b")))
-    version = eng.set_prompt("a", "a new prompt").result(timeout=10)
+    version = eng.set_prompt("a", "a new prompt").result(timeout=10).version
     assert version == 1
     got.wait(lambda g: any(c.header.prompt_version == 1 for c in g.chunks["a"]))
     assert not got.errors
@@ -71,18 +76,18 @@ def test_streams_get_their_chunks_in_order_and_prompts_take_effect(engine):
         frames = [f for c in chunks for au in c.access_units for f in dec.decode(au)]
         assert len(frames) == sum(c.header.frames for c in chunks) and frames[0].shape == (128, 128, 3)
         assert all(c.latency_s > 0 for c in chunks)
-    assert eng.forwards["denoise"] >= 4 * eng.forwards["commit"] > 0 and eng.forwards["recache"] >= 1
-    assert eng.gpu_seconds["denoise"] > 0 and eng.chunks_encoded >= len(got.chunks["a"]) + len(got.chunks["b"])
+    assert eng.stats().forwards["denoise"] >= 4 * eng.stats().forwards["commit"] > 0 and eng.stats().forwards["recache"] >= 1
+    assert eng.stats().gpu_seconds["denoise"] > 0 and eng.stats().chunks_encoded >= len(got.chunks["a"]) + len(got.chunks["b"])
 
 
 def test_close_frees_the_stream_and_unknown_streams_are_errors(engine):
     eng, got = engine
     assert eng.open_stream("a", "x", seed=0, fps=16).result(timeout=10).accepted
     got.wait(lambda g: len(g.chunks.get("a", [])) >= 1)
-    used = eng.kv_used_bytes
+    used = eng.stats().kv_used_bytes
     assert used > 0
     assert eng.close_stream("a").result(timeout=10) is True
-    assert eng.kv_used_bytes == 0 and eng.gen.workspace.owner is None
+    assert eng.stats().kv_used_bytes == 0 and eng.gen.workspace.owner is None
     assert eng.close_stream("a").result(timeout=10) is False
     with pytest.raises(EngineError, match="not open"):
         eng.set_prompt("a", "y").result(timeout=10)
@@ -102,7 +107,7 @@ def test_the_stream_the_scheduler_names_overloaded_is_ended_with_that_code_and_t
     eng.sched.overloaded = lambda now: next(named, None) or real(now)  # degradation ran out: the scheduler names b
     got.wait(lambda g: g.errors)
     assert got.errors == [("b", got.errors[0][1], "overloaded")] and "overloaded" in got.errors[0][1]
-    assert "b" not in eng.sched and eng.kv_used_bytes == eng.pool.used_bytes
+    assert "b" not in eng.sched and eng.stats().kv_used_bytes == eng.pool.used_bytes
     with pytest.raises(EngineError, match="not open"):
         eng.set_prompt("b", "y").result(timeout=10)
     n = len(got.chunks["a"])
@@ -113,7 +118,7 @@ def test_keep_freed_memory_serves_large_cpu_tensors_from_the_heap():
     """After keep_freed_memory a 4 MB tensor is not a fresh mapping of its own (glibc's mallinfo2 counts them)."""
     import ctypes
 
-    from streamsvc.engine.engine import keep_freed_memory
+    from streamsvc.engine.warmup import keep_freed_memory
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in
@@ -168,27 +173,27 @@ def test_a_paused_stream_parks_in_host_memory_and_resumes_exactly_where_it_was()
         for sid in ("a", "b"):
             assert eng.open_stream(sid, prompts[0], seed=5, fps=16).result(timeout=10).accepted
         got.wait(lambda g: len(g.chunks.get("a", [])) >= 2)
-        assert eng.set_prompt("a", prompts[1]).result(timeout=10) == 1
-        used = eng.kv_used_bytes
+        assert eng.set_prompt("a", prompts[1]).result(timeout=10).version == 1
+        used = eng.stats().kv_used_bytes
         reservation = eng.gen.cache_spec().stream_bytes() + eng.decoder_bytes
         paused = eng.pause("a").result(timeout=20)
         # the stream's device memory is back in the pool, its state in host memory
         assert paused.stream_id == "a" and paused.device_bytes == reservation and paused.seconds >= 0
         assert paused.nbytes > eng.gen.cache_spec().stream_bytes()
-        assert eng.kv_used_bytes == eng.pool.used_bytes == used - reservation
-        assert (eng.parked_streams, eng.parked_bytes, eng.parks, eng.restores) == (1, paused.nbytes, 1, 0)
-        assert eng.sched.is_parked("a") and eng.park_seconds == eng.last_park_seconds == paused.seconds
-        assert eng.last_restore_seconds is None
+        assert eng.stats().kv_used_bytes == eng.pool.used_bytes == used - reservation
+        assert (eng.stats().parked_streams, eng.stats().parked_bytes, eng.stats().parks, eng.stats().restores) == (1, paused.nbytes, 1, 0)
+        assert eng.sched.is_parked("a") and eng.stats().park_seconds == eng.stats().last_park_seconds == paused.seconds
+        assert eng.stats().last_restore_seconds is None
         with pytest.raises(EngineError, match="'a' is already paused"):
             eng.pause("a").result(timeout=10)
         n = len(made["a"])
         time.sleep(0.5)
         assert len(made["a"]) == n  # no chunk while parked (b goes on)
-        assert eng.set_prompt("a", prompts[2]).result(timeout=10) == 2  # steered while parked
+        assert eng.set_prompt("a", prompts[2]).result(timeout=10).version == 2  # steered while parked
         resumed = eng.resume("a").result(timeout=20)
         assert (resumed.nbytes, resumed.device_bytes) == (paused.nbytes, reservation)
-        assert eng.kv_used_bytes == used and (eng.parked_streams, eng.parked_bytes, eng.restores) == (0, 0, 1)
-        assert eng.restore_seconds == eng.last_restore_seconds == resumed.seconds
+        assert eng.stats().kv_used_bytes == used and (eng.stats().parked_streams, eng.stats().parked_bytes, eng.stats().restores) == (0, 0, 1)
+        assert eng.stats().restore_seconds == eng.stats().last_restore_seconds == resumed.seconds
         with pytest.raises(EngineError, match="'a' is not paused"):
             eng.resume("a").result(timeout=10)
         got.wait(lambda g: len(g.chunks.get("a", [])) >= n + 3)
@@ -224,7 +229,7 @@ def test_pause_beyond_the_park_budget_is_refused_and_the_stream_goes_on():
             eng.pause("a").result(timeout=10)
         n = len(got.chunks["a"])
         got.wait(lambda g: len(g.chunks["a"]) >= n + 2)
-        assert eng.parked_streams == 0 and eng.park_budget.used_bytes == 0
+        assert eng.stats().parked_streams == 0 and eng.park_budget.used_bytes == 0
     finally:
         eng.stop()
 
@@ -240,11 +245,11 @@ def test_a_park_larger_than_its_reservation_is_counted_whole_and_refuses_the_nex
         eng.gen.park_bytes = lambda state: 1  # what pause() reserves: far less than what the park copies
         paused = eng.pause("a").result(timeout=20)
         assert paused.nbytes > 1000
-        assert eng.parked_bytes == eng.park_budget.used_bytes == paused.nbytes  # the host memory it really holds
+        assert eng.stats().parked_bytes == eng.park_budget.used_bytes == paused.nbytes  # the host memory it really holds
         assert eng.park_budget.free_bytes == 1000 - paused.nbytes < 0
         with pytest.raises(EngineError, match="cannot pause stream 'b': parking needs"):
             eng.pause("b").result(timeout=10)
-        assert eng.close_stream("a").result(timeout=10) and eng.park_budget.used_bytes == eng.parked_bytes == 0
+        assert eng.close_stream("a").result(timeout=10) and eng.park_budget.used_bytes == eng.stats().parked_bytes == 0
     finally:
         eng.stop()
 
@@ -256,11 +261,11 @@ def test_a_stream_parked_past_the_timeout_is_ended_and_its_memory_freed():
         got.wait(lambda g: len(g.chunks.get("a", [])) >= 1)
         eng.pause("a").result(timeout=20)
         time.sleep(0.3)
-        assert not got.errors and eng.parked_streams == 1
+        assert not got.errors and eng.stats().parked_streams == 1
         offset[0] += 61.0  # a minute later
         got.wait(lambda g: g.errors)
         assert got.errors == [("a", got.errors[0][1], "park_expired")] and "--park-timeout" in got.errors[0][1]
-        assert (eng.parked_streams, eng.parked_bytes, eng.park_budget.used_bytes, eng.kv_used_bytes) == (0, 0, 0, 0)
+        assert (eng.stats().parked_streams, eng.stats().parked_bytes, eng.park_budget.used_bytes, eng.stats().kv_used_bytes) == (0, 0, 0, 0)
         assert "a" not in eng.sched
         with pytest.raises(EngineError, match="not open"):
             eng.resume("a").result(timeout=10)
@@ -283,14 +288,14 @@ def test_resume_is_refused_without_kv_room_and_the_stream_stays_parked():
         with pytest.raises(EngineError, match=r"cannot resume stream 'a' now: kv cache: KV cache needs .* but the "
                                               r"pool has 100 bytes free"):  # (not "0.0 MiB": issue 33)
             eng.resume("a").result(timeout=10)
-        assert eng.parked_streams == 1 and eng.sched.is_parked("a")
+        assert eng.stats().parked_streams == 1 and eng.sched.is_parked("a")
         with pytest.raises(EngineError, match="'zz' is not open"):
             eng.resume("zz").result(timeout=10)
         assert eng.close_stream("b").result(timeout=10)
         eng.resume("a").result(timeout=20)
         n = len(got.chunks["a"])
         got.wait(lambda g: len(g.chunks["a"]) >= n + 2)
-        assert eng.close_stream("a").result(timeout=10) and eng.kv_used_bytes == 0
+        assert eng.close_stream("a").result(timeout=10) and eng.stats().kv_used_bytes == 0
     finally:
         eng.stop()
 
@@ -301,9 +306,9 @@ def test_closing_a_paused_stream_frees_its_host_memory():
         assert eng.open_stream("a", "x", seed=0, fps=16).result(timeout=10).accepted
         got.wait(lambda g: len(g.chunks.get("a", [])) >= 1)
         eng.pause("a").result(timeout=20)
-        assert eng.parked_bytes > 0
+        assert eng.stats().parked_bytes > 0
         assert eng.close_stream("a").result(timeout=10) is True
-        assert (eng.parked_streams, eng.parked_bytes, eng.kv_used_bytes) == (0, 0, 0) and "a" not in eng.sched
+        assert (eng.stats().parked_streams, eng.stats().parked_bytes, eng.stats().kv_used_bytes) == (0, 0, 0) and "a" not in eng.sched
     finally:
         eng.stop()
 
@@ -344,7 +349,7 @@ def test_on_cpu_a_forwards_cost_sample_leaves_out_the_loops_work_for_clients_wit
         seeded = {kind: eng.sched.costs.estimate(kind) for kind in WorkKind}
         assert eng.open_stream("a", "x", seed=0, fps=16).result(timeout=10).accepted
         got.wait(lambda g: len(g.chunks.get("a", [])) >= 2)
-        assert eng.forwards[WorkKind.DENOISE.value] > 0
+        assert eng.stats().forwards[WorkKind.DENOISE.value] > 0
         # every sample was mostly the flood's (a second against a forward of milliseconds): dropped, not believed
         assert {kind: eng.sched.costs.estimate(kind) for kind in WorkKind} == seeded
         flooding[0] = False

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from streamsvc.engine.engine import Engine, EngineConfig
+from streamsvc.engine.config import EngineConfig
+from streamsvc.engine.engine import Engine
 from streamsvc.engine.group import GroupConfig
 from streamsvc.scheduling import SchedulerConfig
 from tests.streamsvc.test_engine import Collector
@@ -39,7 +40,7 @@ def test_a_stream_closed_while_paused_leaves_nothing_parked_on_the_workers(group
     # the worker parked its own copy (its heads of the cache: a share of rank 0's bytes)
     assert (held["streams"], held["parked"]) == (1, 1) and 0 < held["parked_bytes"] <= paused.nbytes
     assert eng.close_stream("a").result(timeout=20) is True  # closed while paused
-    assert (eng.parked_streams, eng.parked_bytes) == (0, 0)
+    assert (eng.stats().parked_streams, eng.stats().parked_bytes) == (0, 0)
     assert gen.worker_holdings() == [{"streams": 1, "parked": 0, "parked_bytes": 0}]
     n = len(got.chunks["b"])
     got.wait(lambda g: len(g.chunks["b"]) >= n + 2, timeout=60)  # the group goes on with b

@@ -12,7 +12,7 @@ from client.loadtest import scrape_metrics
 from client.viewer import ClientConfig, ClientState
 from client.ws_client import StreamClient
 from streamsvc.door.cpumeter import CpuMeter
-from streamsvc.engine.engine import EngineConfig
+from streamsvc.engine.config import EngineConfig
 from streamsvc.viewers import server as server_module
 from streamsvc.viewers.server import Server, ServerConfig
 

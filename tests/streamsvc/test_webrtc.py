@@ -18,7 +18,7 @@ from websockets.asyncio.client import connect
 from client.playback import PlaybackBuffer
 from client.viewer import ClientConfig
 from client.webrtc_client import WebRtcClient, default_ice_addresses
-from streamsvc.engine.engine import EngineConfig
+from streamsvc.engine.config import EngineConfig
 from streamsvc.transport.webrtc import PacketTrack, WebRtcTransport
 from streamsvc.viewers.server import Server, ServerConfig
 from streamsvc.viewers.session import SessionState
@@ -233,7 +233,7 @@ async def test_python_client_plays_steers_and_frees_the_stream():
             assert rtc.keyframe_requests == 1
             assert await client.wait_until(lambda: any(h.keyframe for h in client.headers[seen:]), 10)
 
-            assert server.engine.kv_used_bytes > 0
+            assert server.engine.stats().kv_used_bytes > 0
             rtc.track._on_stall()  # what the track calls when a frame is due and none is queued
             assert server.metrics.registry.get_sample_value("streamsvc_webrtc_track_stalls_total") == 1
         finally:
@@ -243,10 +243,10 @@ async def test_python_client_plays_steers_and_frees_the_stream():
         assert result.playback.stalls == 0 and result.playback.ttff_s < 3
         # closing freed the stream: KV pool, session and peer connection
         for _ in range(100):
-            if server.engine.kv_used_bytes == 0 and not server.webrtc and not server.sessions:
+            if server.engine.stats().kv_used_bytes == 0 and not server.webrtc and not server.sessions:
                 break
             await asyncio.sleep(0.05)
-        assert server.engine.kv_used_bytes == 0 and not server.webrtc and not server.sessions
+        assert server.engine.stats().kv_used_bytes == 0 and not server.webrtc and not server.sessions
 
 
 @pytest.mark.slow
@@ -260,10 +260,10 @@ async def test_dropped_peer_connection_ends_the_stream():
         assert "WebRTC connection" in client.closed_reason
         await client.close()
         for _ in range(100):
-            if server.engine.kv_used_bytes == 0 and not server.sessions:
+            if server.engine.stats().kv_used_bytes == 0 and not server.sessions:
                 break
             await asyncio.sleep(0.05)
-        assert server.engine.kv_used_bytes == 0 and not server.sessions
+        assert server.engine.stats().kv_used_bytes == 0 and not server.sessions
 
 
 async def _recv_type(ws, type_: str, timeout: float = 10.0) -> dict:
