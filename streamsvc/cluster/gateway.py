@@ -53,9 +53,11 @@ from streamsvc.door.access import Refusal, StreamLimits, exposure_warning
 from streamsvc.door.cpumeter import CpuMeter
 from streamsvc.door.front import Connection, ConnectionClosed
 from streamsvc.door.guard import Guard, raise_fd_limit
-from streamsvc.door.routes import HttpReply, HttpRequest, check_origin, metrics_refusal, reply, static_file
+from streamsvc.door.routes import (RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequest, check_origin, metrics_refusal, reply,
+                                   static_file)
 from streamsvc.door.whep import Endpoints
-from streamsvc.viewers.server import RECORDINGS_PATH, WS_PATH, Metrics, Server, ServerConfig
+from streamsvc.metrics import Metrics
+from streamsvc.viewers.server import Server, ServerConfig
 from streamsvc.wire import protocol as P
 from streamsvc.wire.framing import MAX_INPUT_BYTES
 

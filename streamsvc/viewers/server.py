@@ -11,7 +11,7 @@ Who may do what (streamsvc/door/access.py): a browser's upgrade must come from a
 a stream starts only with a valid token when tokens are configured, each token and address
 holds a limited number of streams, and each stream's control messages are rate-limited; every
 refusal says why on the wire and is counted in /metrics by reason. Prompts are coalesced
-(session.PromptGate): one recache per chunk at most, however fast a viewer sends them.
+(viewers/session.py PromptGate): one recache per chunk at most, however fast a viewer sends them.
 
 Here: the server's life (the engine, the listening socket), the engine's chunks to each stream's viewers, and a
 connection's WebSocket: who may start or watch a stream, its `ready`, its sender. Beside it: streamsvc/viewers/streams.py
@@ -35,18 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamsvc.door.access import (
-    AccessConfig,
-    ProtocolErrors,
-    Refusal,
-    StreamLimits,
-    TokenBucket,
-    bearer_token,
-    client_address,
-    exposure_warning,
-    find_token,
-    secret_matches,
-)
+from streamsvc.door.access import (AccessConfig, ProtocolErrors, Refusal, StreamLimits, TokenBucket, bearer_token,
+                                    client_address, exposure_warning, find_token, secret_matches)
 from streamsvc.door.cpumeter import CpuMeter, MeteredClose
 from streamsvc.door.front import Connection, ConnectionClosed, FrontConfig, Handlers, HttpFront, tls_context
 from streamsvc.door.guard import ConnectionGuard, Guard, raise_fd_limit
@@ -66,9 +56,6 @@ from streamsvc.viewers.session import Role, Session, Viewer
 from streamsvc.viewers.streams import Streams, wire_vocabulary, wire_words
 from streamsvc.wire import protocol as P
 from streamsvc.wire.rtc import WebRtcConfig, server_ice_addresses
-
-# Metrics and the paths live in streamsvc/metrics.py and streamsvc/door/routes.py; importable from here as before
-__all__ = ["Metrics", "RECORDINGS_PATH", "Server", "ServerConfig", "WS_PATH", "run_server"]
 
 log = logging.getLogger("streamsvc.server")
 
