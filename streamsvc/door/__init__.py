@@ -6,4 +6,6 @@
 - `access`: tokens, secrets, origins, rates and the caps on what a client may open; the refusal codes.
 - `whep`, `whip`: WebRTC's standard players (WHEP, to watch) and publishers (WHIP, a camera in).
 - `cpumeter`: the event loop's CPU on clients that hold no stream, counted apart from the streams'.
+- `aiohttp_hooks`: the only module of streamsvc/ that touches aiohttp's private names (a WebSocket's message limit
+  raised), listed in its `HOOKED` with the version it was tested against.
 """

@@ -2,9 +2,9 @@
 
 `HttpFront` listens (TCP, or TLS with `FrontConfig.tls`) and hands every request to its `Handlers`: an HTTP
 request to `route` (streamsvc/door/routes.py's `Routes.handle`, or the gateway's), whose `HttpReply` it sends; the
-WebSocket upgrade at /ws (`route` answers None) to `websocket`, as a `Connection`. Nothing else knows aiohttp:
-server.py, streams.py and the cluster's relay see a `Connection` (a socket's here, a relayed one in
-streamsvc/cluster/replica.py).
+WebSocket upgrade at /ws (`route` answers None) to `websocket`, as a `Connection`. Nothing else knows aiohttp
+(but streamsvc/door/aiohttp_hooks.py, where the private names this uses are): server.py, streams.py and the
+cluster's relay see a `Connection` (a socket's here, a relayed one in streamsvc/cluster/replica.py).
 
 Why aiohttp (issue 33): one server for HTTP and WebSocket on one port that streams a response body (a recording
 in bounded pieces) and reads a request body (the WHIP/WHEP POSTs to come), which websockets' `process_request`
@@ -49,6 +49,8 @@ from aiohttp import WSMsgType, web
 from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
+from streamsvc.door.aiohttp_hooks import MISMATCH as MESSAGE_LIMIT_MISMATCH
+from streamsvc.door.aiohttp_hooks import raise_message_limit
 from streamsvc.door.routes import HttpReply, HttpRequest, bad_target, reply
 
 log = logging.getLogger("streamsvc.front")
@@ -155,18 +157,9 @@ class WebSocketConnection:
         parser it makes at the upgrade, so a new parser with the new limit takes over (between messages: this runs
         while the `start` is handled, before the viewer has its `ready`). False (the limit unchanged) where this
         aiohttp's internals differ."""
-        ws = self._ws
         try:
-            from aiohttp._websocket.reader import WebSocketReader
-
-            protocol = ws._req.protocol
-            parser = WebSocketReader(ws._reader, max_bytes + 1, compress=bool(ws._compress),
-                                     decode_text=getattr(ws, "_decode_text", True))
-            callback = protocol._data_received_cb
-            protocol._payload_parser = None
-            ws._parser = parser
-            protocol.set_parser(parser, data_received_cb=callback)
-        except (AttributeError, ImportError, TypeError, AssertionError):
+            raise_message_limit(self._ws, max_bytes)  # (streamsvc/door/aiohttp_hooks.py: aiohttp's private names)
+        except MESSAGE_LIMIT_MISMATCH:
             log.warning("this aiohttp's WebSocket cannot raise its message limit: input messages over the control "
                         "limit close the connection (1009)", exc_info=True)
             return False

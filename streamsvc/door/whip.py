@@ -47,7 +47,8 @@ from streamsvc.door.routes import HttpReply, HttpRequest
 from streamsvc.door.whep import HttpSession, _text
 from streamsvc.inputs.bitstream import MAX_PIXELS, MAX_SIDE, size_refusal
 from streamsvc.inputs.rtc import MAX_RTC_FPS, ReadStats, ReceiverGate, SenderClock, prompt_frames, read_track
-from streamsvc.transport.ice import PeerReflexiveCap, ice_connections
+from streamsvc.transport.aiortc_hooks import answer_as_dtls_server, ice_connections
+from streamsvc.transport.ice import PeerReflexiveCap
 from streamsvc.transport.sdp import check_offer, reject_media
 from streamsvc.wire.rtc import (
     ANY_INTERFACE,
@@ -219,11 +220,9 @@ class Ingest:
             for other in pc.getTransceivers():
                 if other is not video:
                     other.direction = "inactive"
-            # the offer's setup:actpass: answered passive (this side the DTLS server). aiortc as a DTLS client offers
-            # ECDSA cipher suites only, and GStreamer's DTLS (webrtcbin 1.22: whip-client, whipclientsink) serves an
-            # RSA certificate: "no shared cipher". As the server, aiortc's ECDSA certificate suits every client.
-            if video.receiver.transport._role == "auto":
-                video.receiver.transport._set_role("server")
+            # the offer's setup:actpass: answered passive (this side the DTLS server), for GStreamer's whip-client and
+            # whipclientsink, which share no cipher suite with aiortc as a DTLS client (aiortc_hooks says why)
+            answer_as_dtls_server(pc, [video])
             clock = SenderClock()
             hooked = clock.install(video.receiver)
             try:

@@ -26,7 +26,7 @@ time as ``remoteTimestamp`` but no RTP timestamp). So ``SenderClock.install(rece
 the one receiver instance (other receivers in the process keep aiortc's own), calling aiortc's first, and
 keeps the last report's (NTP, RTP) pair. A decoded frame's ``pts`` is its RTP timestamp less the first
 frame's (aiortc's ``TimestampMapper``, which also unwraps), so the clock reads that origin back
-(``_RTCRtpReceiver__timestamp_mapper._origin``) to rebuild the RTP timestamp modulo 2**32.
+(``aiortc_hooks.timestamp_origin``) to rebuild the RTP timestamp modulo 2**32.
 
 Before the first report (the first second or so) a frame is timed by its arrival here (``time.time()``, the
 server's clock: right on one host, off by the clocks' offset otherwise); ``ReadStats.arrival_clock`` counts
@@ -34,19 +34,22 @@ those frames and ``sender_clock`` the others. A report with an NTP time of 0 (ai
 before its first packet) is ignored.
 
 Decoder errors: aiortc's decoder thread catches a frame's ``av.FFmpegError``, logs it and sets the
-receiver's ``threading.Event`` (``_RTCRtpReceiver__decoder_error``, read to send a PLI); the frame never
+receiver's ``threading.Event`` (private to the receiver, read to send a PLI); the frame never
 reaches the track. ``install`` replaces that event by one that also counts each error and reports it on the
 event loop, where ``read_track`` calls ``sink.decode_error()``. It must run before the receiver starts (its
 decoder thread is given the event then): right after ``setRemoteDescription``, as the server does.
 
-``install`` returns False (and frames are timed on arrival, errors not counted) if a later aiortc lacks what
-it uses (``_HOOKS``); ``tests/streamsvc/test_rtc_input.py`` fails loudly then.
+Every private name of aiortc this module needs is reached through streamsvc/transport/aiortc_hooks.py, which names
+them all. ``install`` returns False (and frames are timed on arrival, errors not counted) if a later aiortc lacks what
+it uses (``aiortc_hooks.CLOCK_HOOKS``); ``tests/streamsvc/test_hooks.py`` and ``tests/streamsvc/test_rtc_input.py``
+fail loudly then.
 
 A frame as soon as it is whole: aiortc's jitter buffer hands a video frame to the decoder only when a packet of the
-next frame arrives (its ``_remove_frame``), one frame period late (62 ms at 16 fps, 33 ms from a 30 fps camera),
-which delays every chunk's release by as much. ``MarkerJitterBuffer`` also hands it over on the packet that carries
-the RTP marker bit (the last packet of an access unit: RFC 6184 for H.264, RFC 7741 for VP8) once every packet from
-the frame's first is there; ``prompt_frames(receiver)`` puts one in a receiver before it starts.
+next frame arrives (``aiortc_hooks.HandOverJitterBuffer.aiortc_hand_over``), one frame period late (62 ms at 16 fps,
+33 ms from a 30 fps camera), which delays every chunk's release by as much. ``MarkerJitterBuffer`` also hands it over
+on the packet that carries the RTP marker bit (the last packet of an access unit: RFC 6184 for H.264, RFC 7741 for
+VP8) once every packet from the frame's first is there; ``prompt_frames(receiver)`` puts one in a receiver before it
+starts.
 
 What a sender's frames may cost (``ReceiverGate``, issue 41): the jitter buffer hands each whole frame to the
 stream's ``InputGate`` (streamsvc/inputs/gate.py) before aiortc's decoder sees it. A frame that declares a size over
@@ -54,7 +57,7 @@ the pixel cap (an H.264 SPS, a VP8 key frame: streamsvc/inputs/bitstream.py) is 
 frame (``on_refused``: WHIP ends the session, the camera stops its receiver and its decoder, and the viewer gets an
 ``input_refused`` error); frames over the rate (``MAX_RTC_FPS``) are dropped undecoded, a reference frame with its
 group of pictures, with a PLI to the sender for the next key frame. The decoder thread's CPU time
-(``time.pthread_getcpuclockid`` of aiortc's ``_RTCRtpReceiver__decoder_thread``) is charged to the gate's budget and
+(``time.pthread_getcpuclockid`` of aiortc's ``aiortc_hooks.decoder_thread``) is charged to the gate's budget and
 to the input stage's cost (``InputFrames.add_work``), and each decoded frame's size is checked against the cap again
 before it is scaled. Reading stops on the frame that refused the input, not on the next one.
 
@@ -77,10 +80,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from aiortc.jitterbuffer import JitterBuffer, JitterFrame
+from aiortc.jitterbuffer import JitterFrame
 from aiortc.mediastreams import MediaStreamError
 
 from streamsvc.inputs.gate import InputGate, Verdict
+from streamsvc.transport import aiortc_hooks
+from streamsvc.transport.aiortc_hooks import HandOverJitterBuffer
 from streamsvc.wire import protocol as P
 
 log = logging.getLogger("streamsvc.webrtc")
@@ -89,24 +94,22 @@ RTP_VIDEO_CLOCK_HZ = 90_000
 """The media clock of video RTP (RFC 6184, RFC 7741): a frame's RTP timestamp counts 1/90000 s."""
 NTP_UNIX_OFFSET_S = 2_208_988_800
 """Seconds from the NTP epoch (1900-01-01) to the Unix epoch (1970-01-01)."""
-_MANGLED = "_RTCRtpReceiver__"
 MAX_HOLD_S = 10.0
 """The longest a track holds its first chunk of input frames for its due time (a bound, never reached: it is the
 input latency and a chunk's duration)."""
-_HOOKS = ("_handle_rtcp_packet", f"{_MANGLED}timestamp_mapper", f"{_MANGLED}decoder_error")
-_DECODER_HOOKS = (f"{_MANGLED}decoder_thread", f"{_MANGLED}stop_decoder", "_enabled")  # ReceiverGate's
+_DECODER_HOOKS = aiortc_hooks.DECODER_HOOKS  # what ReceiverGate.stop_decoder needs (test_rtc_input reads it)
 MAX_RTC_FPS = 60.0
 """Frames a second a WebRTC sender's decoder takes (a second's burst): a camera or OBS at 60 fps passes; more are
 dropped undecoded (ReceiverGate)."""
 CPU_METER_S = 0.25  # how often the decoder thread's CPU time is read
 
 
-class MarkerJitterBuffer(JitterBuffer):
+class MarkerJitterBuffer(HandOverJitterBuffer):
     """aiortc's video jitter buffer that also hands a frame over on its marker packet (see the module docstring),
     through `gate` (a ReceiverGate) when it has one."""
 
     def __init__(self, capacity: int = 512, gate: ReceiverGate | None = None) -> None:  # aiortc's video capacity
-        super().__init__(capacity=capacity, is_video=True)
+        super().__init__(capacity=capacity)
         self.early = 0  # frames handed over on their marker packet (before the next frame's first packet)
         self.gate = gate
 
@@ -116,33 +119,32 @@ class MarkerJitterBuffer(JitterBuffer):
             return pli, frame
         return self.gate.pass_frame(pli, frame, time.monotonic())
 
-    def _remove_frame(self, sequence_number: int) -> JitterFrame | None:
+    def hand_over(self, sequence_number: int) -> JitterFrame | None:
         packets = []
-        for count in range(self.capacity):
-            packet = self._packets[(self._origin + count) % self.capacity]
-            if packet is None or packets and packet.timestamp != packets[0].timestamp:
-                break  # a gap (a packet to come, or lost) or the next frame: aiortc's own rule
+        for count, packet in enumerate(self.packets_from_origin()):  # up to a gap (a packet to come, or lost)
+            if packets and packet.timestamp != packets[0].timestamp:
+                break  # the next frame: aiortc's own rule
             packets.append(packet)
             if packet.marker:
-                frame = JitterFrame(data=b"".join(p._data for p in packets), timestamp=packet.timestamp)
+                frame = JitterFrame(data=b"".join(self.payload(p) for p in packets), timestamp=packet.timestamp)
                 self.remove(count + 1)
                 self.early += 1
                 return frame
-        return super()._remove_frame(sequence_number)
+        return self.aiortc_hand_over(sequence_number)
 
 
 def prompt_frames(receiver, gate: ReceiverGate | None = None) -> MarkerJitterBuffer | None:
     """Give a video `receiver` (not started yet) a ``MarkerJitterBuffer`` (through `gate`, installed on it); None if
     this aiortc keeps it elsewhere."""
-    name = f"{_MANGLED}jitter_buffer"
-    if not isinstance(getattr(receiver, name, None), JitterBuffer):
-        log.warning("aiortc %s keeps no %s: input frames reach the decoder a frame late%s", _aiortc_version(), name,
+    if not aiortc_hooks.has_jitter_buffer(receiver):
+        log.warning("aiortc %s keeps no %s: input frames reach the decoder a frame late%s",
+                    aiortc_hooks.aiortc_version(), aiortc_hooks.JITTER_BUFFER,
                     ", and their size is checked only once decoded" if gate is not None else "")
         return None
     buffer = MarkerJitterBuffer(gate=gate)
     if gate is not None:
         gate.receiver = receiver
-    setattr(receiver, name, buffer)
+    aiortc_hooks.replace_jitter_buffer(receiver, buffer)
     return buffer
 
 
@@ -185,7 +187,7 @@ class ReceiverGate:
     def _meter(self, now: float) -> None:
         """The decoder thread's CPU time since the last reading: to the gate's budget and the input stage's cost."""
         self._cpu_at = now
-        thread = getattr(self.receiver, f"{_MANGLED}decoder_thread", None)
+        thread = aiortc_hooks.decoder_thread(self.receiver)
         try:
             cpu_s = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
         except (AttributeError, TypeError, OSError):  # not started, ended, or a platform without thread clocks
@@ -202,13 +204,8 @@ class ReceiverGate:
 
     def stop_decoder(self) -> bool:
         """Drop the receiver's packets from now on and end its decoder thread (its pictures freed; call it off the
-        event loop: it joins the thread). False when this aiortc lacks the hooks (``_DECODER_HOOKS``)."""
-        receiver = self.receiver
-        if receiver is None or any(not hasattr(receiver, name) for name in _DECODER_HOOKS):
-            return False
-        receiver._enabled = False
-        getattr(receiver, f"{_MANGLED}stop_decoder")()
-        return True
+        event loop: it joins the thread). False when this aiortc lacks the hooks (``aiortc_hooks.DECODER_HOOKS``)."""
+        return aiortc_hooks.stop_decoder(self.receiver)
 
     # -- after the decoder: a sink for read_track ---------------------------------------------------
 
@@ -286,23 +283,20 @@ class SenderClock:
     def install(self, receiver) -> bool:
         """Keep `receiver`'s sender reports and count its decoder errors from now on. False: this aiortc lacks
         the hooks (then frames are timed on arrival). Call it before the receiver starts (its `receive`)."""
-        missing = [name for name in _HOOKS if not hasattr(receiver, name)]
+        missing = aiortc_hooks.missing(receiver, aiortc_hooks.CLOCK_HOOKS)
         if missing:
             log.warning("aiortc %s lacks %s: input frames are timed on arrival, not in the sender's clock",
-                        _aiortc_version(), ", ".join(missing))
+                        aiortc_hooks.aiortc_version(), ", ".join(missing))
             return False
         from aiortc.rtp import RtcpSrPacket
 
-        handle = receiver._handle_rtcp_packet
-
-        async def handle_rtcp_packet(packet) -> None:
-            await handle(packet)  # aiortc's own handling (stats, LSR for its receiver reports) first
+        def on_rtcp(packet) -> None:  # after aiortc's own handling (stats, LSR for its receiver reports)
             if isinstance(packet, RtcpSrPacket):
                 info = packet.sender_info
                 self.on_report(info.ntp_timestamp, info.rtp_timestamp)
 
-        receiver._handle_rtcp_packet = handle_rtcp_packet
-        setattr(receiver, f"{_MANGLED}decoder_error", _CountingEvent(self._decoder_error))
+        aiortc_hooks.wrap_rtcp_handler(receiver, on_rtcp)
+        aiortc_hooks.replace_decoder_error_event(receiver, _CountingEvent(self._decoder_error))
         self._receiver = receiver
         return True
 
@@ -335,7 +329,7 @@ class SenderClock:
         """The RTP timestamp (32 bits) of a decoded frame whose pts is `pts`, or None if the origin is unknown."""
         origin = self._origin
         if self._receiver is not None:
-            origin = getattr(getattr(self._receiver, f"{_MANGLED}timestamp_mapper", None), "_origin", None)
+            origin = aiortc_hooks.timestamp_origin(self._receiver)
         if origin is None:
             return None
         return (int(pts) + origin) & 0xFFFFFFFF
@@ -496,7 +490,7 @@ class CameraInput:
                          active=lambda: self.active() and self.gate.refused is None, stats=self.stats)
         self.gate.report()  # a decoded frame over the cap: refused on the loop
         if self.stats.ended == "stopped" and self.gate.refused is None:
-            self.receiver._enabled = False  # aiortc's own switch (a sendonly transceiver's): packets dropped undecoded
+            aiortc_hooks.disable_decoding(self.receiver)  # aiortc's own switch: packets dropped undecoded
             log.info("stream %s: the camera input stopped (its viewer no longer steers)", self.stream_id)
 
     def _refused(self, reason: str) -> None:
@@ -504,7 +498,7 @@ class CameraInput:
         (off the loop: it joins aiortc's decoder thread), and the viewer is told; the stream goes on without input."""
         log.info("stream %s: the camera input refused: %s", self.stream_id, reason)
         if self.receiver is not None:
-            self.receiver._enabled = False
+            aiortc_hooks.disable_decoding(self.receiver)
         self._stopping = asyncio.ensure_future(asyncio.to_thread(self.gate.stop_decoder))
         if self.tell is not None:
             self.tell(P.Error(code=P.ErrorCode.INPUT_REFUSED, message=(
@@ -542,11 +536,3 @@ def _is_video(frame) -> bool:
 
     return isinstance(frame, av.VideoFrame)
 
-
-def _aiortc_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("aiortc")
-    except PackageNotFoundError:
-        return "(unknown version)"

@@ -10,4 +10,6 @@ stream's own ``av.Packet`` s, and a data channel named ``control``).
 - `webrtc`: delivery through aiortc: one paced track and one data channel per stream.
 - `sdp`: what a viewer's SDP offer may ask of the server, checked before aiortc sees it.
 - `ice`, `datachannel`: bounds on what a WebRTC peer's ICE and data channels make the server hold.
+- `aiortc_hooks`, `aioice_hooks`: the only modules of streamsvc/ that touch aiortc's and aioice's private names
+  (each lists them in `HOOKED`, with the version it was tested against; tests/streamsvc/test_hooks.py checks them).
 """

@@ -7,11 +7,10 @@ each chunk), and checks above aiortc (our message size) only come once a message
 of the cumulative TSN are kept too (and each one adds a gap to every SACK), on as many streams as the peer
 names (up to 65,535).
 
-``ReassemblyGuard.install(sctp)`` bounds one association, ours only: it replaces ``_receive_data_chunk`` and
-``_get_inbound_stream`` on that instance (other peer connections in the process, the Python client's
-included, keep aiortc's own), and ``getCapabilities`` so that the answer advertises ``max_message_bytes``
-(a well-behaved sender, a browser's ``RTCDataChannel.send`` too, refuses to send more). Before aiortc takes
-a DATA chunk, the guard:
+``ReassemblyGuard.install(sctp)`` bounds one association, ours only: it wraps how that instance receives a DATA
+chunk and makes a stream's ``InboundStream`` (other peer connections in the process, the Python client's included,
+keep aiortc's own), and has the answer advertise ``max_message_bytes`` (a well-behaved sender, a browser's
+``RTCDataChannel.send`` too, refuses to send more). Before aiortc takes a DATA chunk, the guard:
 
 - drops, unacknowledged, a chunk more than ``tsn_window`` TSNs ahead (the peer sends it again: RFC 4960 lets
   a receiver drop what it cannot hold);
@@ -25,9 +24,11 @@ a DATA chunk, the guard:
 
 Each refusal calls ``on_refused(reason)``, a message aiortc fails to deliver ``on_failed(reason)`` (by default the
 same): the transport answers it with an error the peer sees, and counts it as a protocol error. What the guard uses of
-aiortc (``_HOOKS``, ``InboundStream.reassembly`` and ``sequence_number``, ``DataChunk`` fields) is the same in
-aiortc 1.9 to 1.16; ``install`` returns False (and the transport keeps its own message-level checks) if a
-later aiortc lacks it, and ``tests/streamsvc/test_webrtc_abuse.py`` fails loudly.
+aiortc's association below its API goes through ``SctpAssociation`` (streamsvc/transport/aiortc_hooks.py, which names
+it: ``SCTP_HOOKS``); besides it, ``InboundStream.reassembly`` and ``sequence_number`` and the ``DataChunk`` fields,
+the same in aiortc 1.9 to 1.16. ``install`` returns False (and the transport keeps its own message-level checks) if a
+later aiortc lacks it, and ``tests/streamsvc/test_hooks.py`` and ``tests/streamsvc/test_webrtc_abuse.py`` fail
+loudly.
 """
 
 from __future__ import annotations
@@ -36,16 +37,16 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from aiortc.rtcsctptransport import InboundStream, RTCSctpCapabilities
+from aiortc.rtcsctptransport import InboundStream
 
+from streamsvc.transport import aiortc_hooks
+from streamsvc.transport.aiortc_hooks import SctpAssociation
 from streamsvc.wire.protocol import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("streamsvc.webrtc")
 
 _LAST, _FIRST, _UNORDERED = 0x01, 0x02, 0x04  # DATA chunk flags (RFC 4960 section 3.3.1)
 _TSN_MODULO, _SSN_MODULO = 2**32, 2**16
-_HOOKS = ("_receive_data_chunk", "_get_inbound_stream", "_mark_received", "_inbound_streams", "_last_received_tsn",
-          "_sack_misordered", "_sack_needed", "_advertised_rwnd", "getCapabilities")
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class ReassemblyGuard:
         self.limits = limits
         self._on_refused = on_refused
         self._on_failed = on_failed or on_refused
-        self._sctp = None
+        self._sctp: SctpAssociation | None = None
         self._skip: dict[int, int] = {}  # stream id -> next TSN of an unordered refused message still arriving
         self.refused = 0  # messages refused
         self.dropped_chunks = 0  # chunks dropped: of refused messages, or out of the window
@@ -88,35 +89,31 @@ class ReassemblyGuard:
 
     def install(self, sctp) -> bool:
         """Bound this association (an ``RTCSctpTransport``) from now on. False: this aiortc lacks the hooks."""
-        missing = [name for name in _HOOKS if not hasattr(sctp, name)]
+        missing = aiortc_hooks.missing(sctp, aiortc_hooks.SCTP_HOOKS)
         if missing:
             log.warning("aiortc %s lacks %s: data channel reassembly is not bounded below aiortc",
-                        _aiortc_version(), ", ".join(missing))
+                        aiortc_hooks.aiortc_version(), ", ".join(missing))
             return False
-        self._sctp = sctp
-        receive, get_stream = sctp._receive_data_chunk, sctp._get_inbound_stream
+        self._sctp = association = SctpAssociation(sctp)
         max_streams = self.limits.max_streams
 
-        async def receive_data_chunk(chunk) -> None:
-            await self._receive(chunk, receive)
-
-        def get_inbound_stream(stream_id: int):
+        def get_inbound_stream(stream_id: int, get_stream):
             # a FORWARD TSN chunk may name any stream: past the cap it gets one that is not kept
-            if stream_id in sctp._inbound_streams or len(sctp._inbound_streams) < max_streams:
+            streams = association.inbound_streams
+            if stream_id in streams or len(streams) < max_streams:
                 return get_stream(stream_id)
             return InboundStream()
 
-        capabilities = RTCSctpCapabilities(maxMessageSize=self.limits.max_message_bytes)
-        sctp._receive_data_chunk = receive_data_chunk
-        sctp._get_inbound_stream = get_inbound_stream
-        sctp.getCapabilities = lambda: capabilities
+        association.wrap_receive_data_chunk(self._receive)
+        association.wrap_get_inbound_stream(get_inbound_stream)
+        association.advertise_max_message_size(self.limits.max_message_bytes)
         return True
 
     def held(self) -> tuple[int, int]:
         """Bytes and chunks of partial messages held now, all streams together (0, 0 before `install`)."""
         if self._sctp is None:
             return 0, 0
-        chunks = [c for stream in self._sctp._inbound_streams.values() for c in stream.reassembly]
+        chunks = [c for stream in self._sctp.inbound_streams.values() for c in stream.reassembly]
         return sum(len(c.user_data) for c in chunks), len(chunks)
 
     async def _receive(self, chunk, receive) -> None:
@@ -130,16 +127,16 @@ class ReassemblyGuard:
                 self._on_failed(f"a data channel message aiortc could not deliver ({type(e).__name__}: {e})")
             return
         self.dropped_chunks += 1
-        sctp._sack_needed = True
+        sctp.request_sack()
         if verdict != "window":
-            sctp._mark_received(chunk.tsn)  # acknowledged: the peer does not send it again
+            sctp.acknowledge(chunk.tsn)  # acknowledged: the peer does not send it again
 
     def _verdict(self, chunk) -> str | None:
         """None: aiortc takes the chunk. Else why it is dropped: "window", "skip" (a refused message's fragment) or
         "refused" (it is refused now)."""
         sctp, limits = self._sctp, self.limits
-        last = sctp._last_received_tsn
-        if last is None or chunk.tsn in sctp._sack_misordered:
+        last = sctp.last_received_tsn
+        if last is None or sctp.is_misordered(chunk.tsn):
             return None  # before the association is up, or a duplicate: aiortc's own handling
         ahead = (chunk.tsn - last) % _TSN_MODULO
         if ahead == 0 or ahead >= _TSN_MODULO // 2:
@@ -147,8 +144,8 @@ class ReassemblyGuard:
         if ahead > limits.tsn_window:
             return "window"
         sid = chunk.stream_id
-        stream = sctp._inbound_streams.get(sid)
-        if stream is None and len(sctp._inbound_streams) >= limits.max_streams:
+        stream = sctp.inbound_streams.get(sid)
+        if stream is None and len(sctp.inbound_streams) >= limits.max_streams:
             return self._refuse(chunk, f"a message on more than {limits.max_streams} SCTP streams")
         if chunk.flags & _UNORDERED:
             if self._skip.get(sid) == chunk.tsn and not chunk.flags & _FIRST:
@@ -172,12 +169,12 @@ class ReassemblyGuard:
     def _refuse(self, chunk, reason: str) -> str:
         """Discard every partial message, skip past them, and drop the rest of `chunk`'s message as it comes."""
         sctp = self._sctp
-        for stream in sctp._inbound_streams.values():
+        for stream in sctp.inbound_streams.values():
             self._discard(stream)
         if not chunk.flags & _UNORDERED:
-            stream = sctp._inbound_streams.get(chunk.stream_id)
-            if stream is None and len(sctp._inbound_streams) < self.limits.max_streams:
-                stream = sctp._get_inbound_stream(chunk.stream_id)
+            stream = sctp.inbound_streams.get(chunk.stream_id)
+            if stream is None and len(sctp.inbound_streams) < self.limits.max_streams:
+                stream = sctp.inbound_stream(chunk.stream_id)
             if stream is not None:
                 _skip_past(stream, [chunk.stream_seq])
         elif not chunk.flags & _LAST:
@@ -189,7 +186,7 @@ class ReassemblyGuard:
     def _discard(self, stream) -> None:
         if not stream.reassembly:
             return
-        self._sctp._advertised_rwnd += sum(len(c.user_data) for c in stream.reassembly)
+        self._sctp.release_window(sum(len(c.user_data) for c in stream.reassembly))
         _skip_past(stream, [c.stream_seq for c in stream.reassembly if not c.flags & _UNORDERED])
         stream.reassembly = []  # aiortc rebinds this list itself (it slices it), so a new one is safe
 
@@ -231,11 +228,3 @@ def _skip_past(stream, sequence_numbers: list[int]) -> None:
     if ahead:
         stream.sequence_number = (current + max(ahead) + 1) % _SSN_MODULO
 
-
-def _aiortc_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("aiortc")
-    except PackageNotFoundError:
-        return "(unknown version)"

@@ -12,11 +12,12 @@ only): it wraps that instance's ``check_incoming`` (called for an authenticated 
 so that a check from an unknown address is dropped once the connection holds ``cap`` peer-reflexive candidates; a
 check from a known address (signalled, or learned within the cap) goes on as aioice would have it. Each drop calls
 ``on_dropped(addr)``. ``ice_connections(pc)`` finds the agents of a peer connection (aiortc's ``RTCIceTransport``
-keeps each).
+keeps each: streamsvc/transport/aiortc_hooks.py, re-exported here).
 
-What this uses of aioice (``_HOOKS``, and ``Candidate.type``, ``.port``, ``._network_host``) is aioice 0.13's
-(aiortc 1.16's); ``install`` returns False (the prflx candidates are then unbounded, a warning says so) if a later
-aioice lacks it, and ``tests/streamsvc/test_ice.py`` fails loudly.
+What this uses of aioice below its API (the connection's check hook, its remote candidates and their addresses) is
+reached through streamsvc/transport/aioice_hooks.py, which names it (``CONNECTION_HOOKS``, ``HOOKED``: aioice 0.13's,
+aiortc 1.16's); ``install`` returns False (the prflx candidates are then unbounded, a warning says so) if a later
+aioice lacks it, and ``tests/streamsvc/test_hooks.py`` and ``tests/streamsvc/test_ice.py`` fail loudly.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from streamsvc.transport import aioice_hooks
+from streamsvc.transport.aiortc_hooks import ice_connections  # noqa: F401 - re-exported (webrtc, whip, tests)
+
 log = logging.getLogger("streamsvc.webrtc")
 
-_HOOKS = ("check_incoming", "_remote_candidates")
+_HOOKS = aioice_hooks.CONNECTION_HOOKS  # what install needs of a connection (tests/streamsvc/test_ice.py reads it)
 
 
 class PeerReflexiveCap:
@@ -41,41 +45,24 @@ class PeerReflexiveCap:
 
     def install(self, connection) -> bool:
         """Bound this ``aioice.Connection`` from now on. False: this aioice lacks the hooks."""
-        missing = [name for name in _HOOKS if not hasattr(connection, name)]
+        missing = aioice_hooks.missing(connection, _HOOKS)
         if missing:
-            log.warning("aioice %s lacks %s: a peer's peer-reflexive ICE candidates are not capped", _aioice_version(),
-                        ", ".join(missing))
+            log.warning("aioice %s lacks %s: a peer's peer-reflexive ICE candidates are not capped",
+                        aioice_hooks.aioice_version(), ", ".join(missing))
             return False
-        check_incoming = connection.check_incoming
 
-        def capped_check_incoming(message, addr, protocol) -> None:
-            candidates = connection._remote_candidates
-            known = any(getattr(c, "_network_host", c.host) == addr[0] and c.port == addr[1] for c in candidates)
-            if not known and sum(c.type == "prflx" for c in candidates) >= self.cap:
-                self.dropped += 1
-                self._on_dropped(addr)
-                return
-            check_incoming(message, addr, protocol)
+        def cap(check_incoming):
+            def capped_check_incoming(message, addr, protocol) -> None:
+                candidates = aioice_hooks.remote_candidates(connection)
+                known = any(aioice_hooks.candidate_address(c) == (addr[0], addr[1]) for c in candidates)
+                if not known and sum(c.type == "prflx" for c in candidates) >= self.cap:
+                    self.dropped += 1
+                    self._on_dropped(addr)
+                    return
+                check_incoming(message, addr, protocol)
 
-        connection.check_incoming = capped_check_incoming
+            return capped_check_incoming
+
+        aioice_hooks.wrap_check_incoming(connection, cap)
         return True
 
-
-def ice_connections(pc) -> list:
-    """The aioice ``Connection`` of each of an aiortc peer connection's transports (one under BUNDLE)."""
-    dtls = [t.receiver.transport for t in pc.getTransceivers()] + ([pc.sctp.transport] if pc.sctp else [])
-    found = {}
-    for transport in dtls:
-        connection = getattr(transport.transport, "_connection", None)  # RTCDtlsTransport -> RTCIceTransport -> it
-        if connection is not None:
-            found[id(connection)] = connection
-    return list(found.values())
-
-
-def _aioice_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("aioice")
-    except Exception:  # noqa: BLE001 - only for the warning's text
-        return "(unknown version)"

@@ -87,8 +87,13 @@ from aiortc.mediastreams import MediaStreamError
 
 from streamsvc.door.access import LogGate, ProtocolErrors
 from streamsvc.inputs.rtc import CameraInput
+from streamsvc.transport.aiortc_hooks import (
+    answer_as_dtls_server,
+    ice_connections,
+    route_keyframe_requests,
+)
 from streamsvc.transport.datachannel import DataChannelLimits, ReassemblyGuard
-from streamsvc.transport.ice import PeerReflexiveCap, ice_connections
+from streamsvc.transport.ice import PeerReflexiveCap
 from streamsvc.transport.sdp import CheckedOffer, check_offer, reject_media
 from streamsvc.viewers.session import SessionState
 from streamsvc.wire import protocol as P
@@ -331,9 +336,8 @@ class WebRtcTransport:
         pc.on("connectionstatechange", lambda: self._on_connection_state(pc))
         transceiver = pc.addTransceiver(self.track, direction="sendonly")
         transceiver.setCodecPreferences(h264_preferences())
-        # aiortc turns an RTCP PLI/FIR into sender._send_keyframe(), which only affects frames aiortc encodes
-        # itself; our packets come from the stream's encoder, so the request goes there.
-        transceiver.sender._send_keyframe = self._keyframe_requested
+        # a viewer's PLI/FIR goes to the stream's encoder (aiortc's own only affects frames aiortc encodes itself)
+        route_keyframe_requests(transceiver.sender, self._keyframe_requested)
         try:
             await pc.setRemoteDescription(RTCSessionDescription(sdp=offer.sdp, type="offer"))
         except Exception as e:  # noqa: BLE001 - aiortc raises several types for a bad offer; the viewer gets the text
@@ -351,12 +355,9 @@ class WebRtcTransport:
             self.guard.install(pc.sctp)
         else:  # no data channel offered (a WHEP player, streamsvc/door/whep.py): the first frame waits for none
             self._channel_open.set()
-        # An offer's setup:actpass is answered passive: this side is the DTLS server. As a client aiortc offers ECDSA
-        # cipher suites only, which GStreamer 1.22's DTLS (webrtcbin: whepsrc, whepclientsrc) does not share with its
-        # RSA certificate ("no shared cipher"); as the server its ECDSA certificate suits every client.
-        for dtls in {t.receiver.transport for t in pc.getTransceivers()} | ({pc.sctp.transport} if pc.sctp else set()):
-            if dtls._role == "auto":
-                dtls._set_role("server")
+        # An offer's setup:actpass is answered passive: this side is the DTLS server, whose ECDSA certificate suits
+        # every client (GStreamer's whepsrc shares no cipher suite with aiortc as a client: aiortc_hooks says why)
+        answer_as_dtls_server(pc)
         # the stream's video m-line is answered sendrecv only for a steerer whose stream takes input (then its camera
         # is read into the stream's input, streamsvc/inputs/rtc.py), else sendonly: nothing is sent to us
         camera = CameraInput.for_viewer(self.session)
