@@ -97,7 +97,6 @@ NTP_UNIX_OFFSET_S = 2_208_988_800
 MAX_HOLD_S = 10.0
 """The longest a track holds its first chunk of input frames for its due time (a bound, never reached: it is the
 input latency and a chunk's duration)."""
-_DECODER_HOOKS = aiortc_hooks.DECODER_HOOKS  # what ReceiverGate.stop_decoder needs (test_rtc_input reads it)
 MAX_RTC_FPS = 60.0
 """Frames a second a WebRTC sender's decoder takes (a second's burst): a camera or OBS at 60 fps passes; more are
 dropped undecoded (ReceiverGate)."""

@@ -11,8 +11,8 @@ each one more candidate, pair and check the server keeps for the session's life.
 only): it wraps that instance's ``check_incoming`` (called for an authenticated check, after aioice has answered it)
 so that a check from an unknown address is dropped once the connection holds ``cap`` peer-reflexive candidates; a
 check from a known address (signalled, or learned within the cap) goes on as aioice would have it. Each drop calls
-``on_dropped(addr)``. ``ice_connections(pc)`` finds the agents of a peer connection (aiortc's ``RTCIceTransport``
-keeps each: streamsvc/transport/aiortc_hooks.py, re-exported here).
+``on_dropped(addr)``. ``aiortc_hooks.ice_connections(pc)`` finds the agents of a peer connection (aiortc's
+``RTCIceTransport`` keeps each).
 
 What this uses of aioice below its API (the connection's check hook, its remote candidates and their addresses) is
 reached through streamsvc/transport/aioice_hooks.py, which names it (``CONNECTION_HOOKS``, ``HOOKED``: aioice 0.13's,
@@ -26,11 +26,9 @@ import logging
 from collections.abc import Callable
 
 from streamsvc.transport import aioice_hooks
-from streamsvc.transport.aiortc_hooks import ice_connections  # noqa: F401 - re-exported (webrtc, whip, tests)
 
 log = logging.getLogger("streamsvc.webrtc")
 
-_HOOKS = aioice_hooks.CONNECTION_HOOKS  # what install needs of a connection (tests/streamsvc/test_ice.py reads it)
 
 
 class PeerReflexiveCap:
@@ -45,7 +43,7 @@ class PeerReflexiveCap:
 
     def install(self, connection) -> bool:
         """Bound this ``aioice.Connection`` from now on. False: this aioice lacks the hooks."""
-        missing = aioice_hooks.missing(connection, _HOOKS)
+        missing = aioice_hooks.missing(connection, aioice_hooks.CONNECTION_HOOKS)
         if missing:
             log.warning("aioice %s lacks %s: a peer's peer-reflexive ICE candidates are not capped",
                         aioice_hooks.aioice_version(), ", ".join(missing))

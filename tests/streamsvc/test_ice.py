@@ -7,13 +7,13 @@ import aioice
 import aioice.ice
 from aioice import stun
 
-from streamsvc.transport import ice as ice_module
+from streamsvc.transport import aioice_hooks
 from streamsvc.transport.ice import PeerReflexiveCap
 
 
 def test_the_hooks_the_prflx_cap_needs_are_in_this_aioice():
     connection = aioice.Connection(ice_controlling=False)
-    assert all(hasattr(connection, name) for name in ice_module._HOOKS)
+    assert all(hasattr(connection, name) for name in aioice_hooks.CONNECTION_HOOKS)
     assert PeerReflexiveCap(2).install(connection)
     assert connection.check_incoming.__name__ == "capped_check_incoming"
     assert aioice.Connection.check_incoming.__name__ == "check_incoming"  # other connections keep aioice's own

@@ -437,10 +437,10 @@ class BombCamera(Camera):
 def test_this_aiortc_has_what_the_receiver_gate_hooks():
     from aiortc import RTCRtpReceiver
 
-    from streamsvc.inputs.rtc import _DECODER_HOOKS
+    from streamsvc.transport.aiortc_hooks import DECODER_HOOKS
 
     receiver = RTCRtpReceiver("video", SimpleNamespace(state="new"))
-    missing = [name for name in _DECODER_HOOKS + ("_RTCRtpReceiver__jitter_buffer",) if not hasattr(receiver, name)]
+    missing = [name for name in DECODER_HOOKS + ("_RTCRtpReceiver__jitter_buffer",) if not hasattr(receiver, name)]
     assert not missing, f"aiortc moved {missing}: update streamsvc/inputs/rtc.py ReceiverGate"
 
 

@@ -14,7 +14,7 @@ from aioice import stun
 from aiortc import RTCPeerConnection, RTCSessionDescription
 from aiortc.rtp import RTCP_PSFB_PLI, RtcpPsfbPacket
 
-from streamsvc.transport.ice import ice_connections
+from streamsvc.transport.aiortc_hooks import ice_connections
 from streamsvc.transport.webrtc import WebRtcTransport
 from streamsvc.viewers.session import SessionState
 from streamsvc.wire.rtc import (
