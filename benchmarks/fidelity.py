@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models import ChunkGenerator, GeneratorConfig, Work, build_generator, fidelity  # noqa: E402
+from models import ChunkGenerator, GeneratorConfig, WorkKind, build_generator, fidelity  # noqa: E402
 
 # name -> speed options (None: the tier's defaults on the device)
 VARIANTS: dict[str, list[str] | None] = {
@@ -127,8 +127,9 @@ class ForwardTimer:
 def attention_check(gen: ChunkGenerator, state) -> dict:
     """INT8 against exact attention on the model's own self-attention inputs: one denoising forward of the
     stream at its current (full) cache, every layer's queries, keys and values; relative error per layer."""
-    from models import sage
     import torch.nn.functional as F
+
+    from models import sage
 
     errs = []
     real = sage.attend
@@ -200,7 +201,7 @@ def run_variant(name, options, base_gen, base_cfg, models, args, ref) -> dict:
     for i in range(args.timed_recaches + 1 if args.timed_recaches > 0 else 0):
         gen.set_prompt(state, (args.prompt, args.prompt2)[i % 2])
         timer.on = True
-        ms = elapsed_ms(lambda: gen.run(Work.RECACHE, [state]), cuda)
+        ms = elapsed_ms(lambda: gen.run(WorkKind.RECACHE, [state]), cuda)
         f = timer.take()
         timer.on = False
         if i > 0:

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models import PRESETS, CacheAccess, ChunkGenerator, GeneratorConfig, Work, build_generator, fidelity  # noqa: E402
+from models import PRESETS, CacheAccess, ChunkGenerator, GeneratorConfig, build_generator, fidelity  # noqa: E402
 from models.build import DECODERS  # noqa: E402
 
 

@@ -54,7 +54,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from streamsvc.scheduling import POLICIES, Plan, Scheduler, SchedulerConfig, StreamRequest, WorkKind
+from models.work import WorkKind
+from streamsvc.scheduling import POLICIES, Plan, Scheduler, SchedulerConfig, StreamRequest
 
 
 @dataclass(frozen=True)

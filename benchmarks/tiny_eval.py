@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client import pixels  # noqa: E402
-from models import GeneratorConfig, Work, build_generator  # noqa: E402
+from models import GeneratorConfig, WorkKind, build_generator  # noqa: E402
 from models.scenes import COLOURS, HELD_OUT, MOTIONS, SHAPES, Scene  # noqa: E402
 
 Triple = tuple[str, str, str]
@@ -83,10 +83,10 @@ def run(gen, jobs: Sequence[Job], read_chunk) -> Iterator[tuple[Job, int, np.nda
             for j, s in zip(jobs, states):
                 if c == j.switch_at:
                     gen.set_prompt(s, caption(j.then, j.seed))
-                    gen.run(Work.RECACHE, [s])
-            while gen.next_work(states[0]) is Work.DENOISE:
-                gen.run(Work.DENOISE, states)
-            for j, chunk in zip(jobs, gen.run(Work.COMMIT, states)):
+                    gen.run(WorkKind.RECACHE, [s])
+            while gen.next_work(states[0]) is WorkKind.DENOISE:
+                gen.run(WorkKind.DENOISE, states)
+            for j, chunk in zip(jobs, gen.run(WorkKind.COMMIT, states)):
                 if read_chunk(j, c):
                     yield j, c, chunk.frames.cpu().numpy()
     finally:

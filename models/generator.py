@@ -40,8 +40,9 @@ from models.decoder import StreamingDecoder, TinyStreamingDecoder, frames_per_ch
 from models.dit import CacheAccess, CausalWanModel, TextKV, in_place
 from models.encoder import BlockPCAEncoder, StreamingEncoder, check_frames
 from models.graphs import GraphedForward
-from models.stream import PARKED_FIELDS, Chunk, GeneratorConfig, ParkedStream, StreamState, Work
+from models.stream import PARKED_FIELDS, Chunk, GeneratorConfig, ParkedStream, StreamState
 from models.text import HashTextEncoder, TextEncoder
+from models.work import WorkKind
 
 
 def apply_speed_options(model: CausalWanModel, cfg: GeneratorConfig) -> CausalWanModel:
@@ -286,10 +287,10 @@ class ChunkGenerator:
             )
         state.steps = steps
 
-    def next_work(self, state: StreamState) -> Work:
+    def next_work(self, state: StreamState) -> WorkKind:
         if state.step == 0 and state.pending_prompt is not None and self._needs_recache(state):
-            return Work.RECACHE
-        return Work.COMMIT if state.step == state.steps else Work.DENOISE
+            return WorkKind.RECACHE
+        return WorkKind.COMMIT if state.step == state.steps else WorkKind.DENOISE
 
     def frames_in_chunk(self, chunk_index: int) -> int:
         return frames_per_chunk(self.cfg.frames_per_chunk, chunk_index == 0, self.model_cfg.temporal_upsample)
@@ -329,13 +330,13 @@ class ChunkGenerator:
             ws.detach()
 
     @torch.inference_mode()
-    def run(self, work: Work, states: Sequence[StreamState]) -> list[Chunk | None]:
+    def run(self, work: WorkKind, states: Sequence[StreamState]) -> list[Chunk | None]:
         """One forward of `work` for `states` (batched where shapes allow). Commit returns chunks."""
-        if work is Work.RECACHE:
+        if work is WorkKind.RECACHE:
             for s in states:
                 self.recache(s)
             return [None] * len(states)
-        if work is Work.DENOISE:
+        if work is WorkKind.DENOISE:
             self.denoise(states)
             return [None] * len(states)
         return self.commit(states)
@@ -358,7 +359,7 @@ class ChunkGenerator:
         if state.pending_prompt is None:
             raise ValueError(f"stream {state.stream_id}: recache without a pending prompt")
         self._apply_prompt(state)
-        state.forwards[Work.RECACHE.value] += 1
+        state.forwards[WorkKind.RECACHE.value] += 1
         cache, nf = state.cache, self.cfg.frames_per_chunk
         sinks = cache.sinks_filled
         old_window = cache.window_slots_in_order()
@@ -409,7 +410,7 @@ class ChunkGenerator:
         x0 = (x.double() - sig.view(-1, 1, 1, 1, 1) * v.double()).float()
         for j, s in enumerate(states):
             s.reused_slots = writes[j]
-            s.forwards[Work.DENOISE.value] += 1
+            s.forwards[WorkKind.DENOISE.value] += 1
             s.x0 = x0[j]
             s.step += 1
             if s.step < s.steps:  # re-noise to the next level with fresh noise
@@ -436,7 +437,7 @@ class ChunkGenerator:
         for j, s in enumerate(states):
             s.cache.advance(slots[j])
             s.clean[_rows(slots[j], self.device)] = x0[j].transpose(0, 1)
-            s.forwards[Work.COMMIT.value] += s.reused_slots is None
+            s.forwards[WorkKind.COMMIT.value] += s.reused_slots is None
             s.reused_slots = None
             frames = self.decoder.decode(x0[j], s.decoder)
             chunks.append(Chunk(s.chunks_done, s.frames_done, frames, x0[j], s.chunk_version, s.steps, s.input, s.start))

@@ -7,7 +7,6 @@ Data only, with the config's validation and derived schedule; models/generator.p
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +15,7 @@ from kvcache import ParkedCache, StreamCache, Transfer
 from models.decoder import DecoderState
 from models.dit import TextKV
 from models.encoder import EncoderState
+from models.work import WorkKind
 
 
 @dataclass(frozen=True)
@@ -90,14 +90,6 @@ class GeneratorConfig:
         return len(self.timesteps) + (0 if self.commit_reuse else 1)
 
 
-class Work(enum.Enum):
-    """The unit of work: one forward of one stream."""
-
-    RECACHE = "recache"
-    DENOISE = "denoise"
-    COMMIT = "commit"
-
-
 @dataclass
 class Chunk:
     """One decoded chunk of a stream."""
@@ -144,7 +136,7 @@ class StreamState:
     input_latents: torch.Tensor | None = None  # [C, F, h, w] the next chunk's encoded input, kept until its commit
     input: str = "none"  # the next (or in-progress) chunk's input: "none" | "frames" | "missing"
     start: int = 0  # the step the chunk in progress started at (set at its first denoise)
-    forwards: dict[str, int] = field(default_factory=lambda: {w.value: 0 for w in Work})
+    forwards: dict[str, int] = field(default_factory=lambda: {w.value: 0 for w in WorkKind})
 
 
 # StreamState's fields that hold device tensors, moved to the host when the stream is parked (its cache apart)

@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models import ChunkGenerator, GeneratorConfig, Work, build_generator
-
+from models import ChunkGenerator, GeneratorConfig, WorkKind, build_generator
 
 # `pytest -m quick`: a first check in about 2 minutes on 2 cores (the whole suite takes 20-30): the pure parts
 # (scheduler, KV accounting, wire protocol, sessions, access rules, input framing and gates, the client's playback
@@ -78,7 +77,7 @@ def solo_and_batched(gen: ChunkGenerator, prompts: list[str], chunks: int = 2):
     batch_out = [[] for _ in prompts]
     for _ in range(chunks):
         for _ in range(len(gen.sigmas)):
-            gen.run(Work.DENOISE, batch)
-        for j, ch in enumerate(gen.run(Work.COMMIT, batch)):
+            gen.run(WorkKind.DENOISE, batch)
+        for j, ch in enumerate(gen.run(WorkKind.COMMIT, batch)):
             batch_out[j].append(ch)
     return solo, batch, solo_out, batch_out

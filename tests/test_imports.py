@@ -272,3 +272,16 @@ def test_edges_follow_the_rules(tmp_path):
     assert [(sorted(members), [e.source for e in cycle]) for members, cycle in cycles(graph)] == [
         (["pkg.sub.b", "pkg.sub.d"], ["pkg.sub.b", "pkg.sub.d"])
     ]
+
+
+def test_the_scheduler_imports_without_torch():
+    """The scheduler is pure: importing it (and the forward kinds it shares with the generator, models.work) loads
+    neither torch nor the model."""
+    import subprocess
+    import sys
+
+    code = ("import sys, streamsvc.scheduling, models.work; "
+            "print(sorted(m for m in ('torch', 'models.generator', 'models.stream') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

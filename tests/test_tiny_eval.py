@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks import tiny_eval as te
-from models import Work
+from models import WorkKind
 from models.scenes import HELD_OUT, Scene, Timeline
 
 
@@ -31,11 +31,11 @@ class RenderedScenes:
     def set_prompt(self, s, prompt) -> None:
         s.pending = prompt
 
-    def next_work(self, s) -> Work:
-        return Work.COMMIT
+    def next_work(self, s) -> WorkKind:
+        return WorkKind.COMMIT
 
-    def run(self, work: Work, states):
-        if work is Work.RECACHE:
+    def run(self, work: WorkKind, states):
+        if work is WorkKind.RECACHE:
             for s in states:
                 s.segments.append((s.chunk, self.scene(s.pending), s.pending))
             return [None] * len(states)

@@ -41,6 +41,7 @@ import torch
 
 from kvcache import CachePool, ParkBudget
 from models import ChunkGenerator, StreamState, build_generator, fidelity
+from models.work import WorkKind
 from streamsvc.engine.config import EngineConfig
 from streamsvc.engine.encode import EncoderSpec
 from streamsvc.engine.errors import EngineError
@@ -50,11 +51,9 @@ from streamsvc.engine.reports import PARKING_FIGURES, EngineStats, ModelShape, O
 from streamsvc.engine.timing import InFlight, Timer
 from streamsvc.engine.warmup import keep_freed_memory, log_attention, warm_up
 from streamsvc.inputs.stage import InputStage, seed_input_stage
-from streamsvc.scheduling import (Admission, Plan, Scheduler, SchedulerStats, Stage, StreamRequest, WorkKind,
-                                  without_streamless)
+from streamsvc.scheduling import Admission, Plan, Scheduler, SchedulerStats, Stage, StreamRequest, without_streamless
 
 log = logging.getLogger("streamsvc.engine")
-
 
 
 @dataclass
@@ -62,7 +61,6 @@ class _Stream:
     state: StreamState
     fps: int
     output: StreamOutput  # its encoder, on its output worker
-    prompts: dict[int, str]  # prompt text by version
     chunk_started_at: float = 0.0  # launch of the chunk in progress's first forward
     recached: bool = False  # a recache launched the chunk about to start (its time counts from there)
     keyframe: bool = True  # next chunk starts with an IDR (a viewer joined)
@@ -427,11 +425,11 @@ class Engine:
 
     def _run(self, plan: Plan, streams: list[_Stream], now: float) -> list[tuple[_Stream, object]]:
         gen = self.gen
-        for st, seq, restart, steps, index in zip(streams, plan.prompt_seqs, plan.restart, plan.steps,
-                                                  plan.chunk_index):
+        for st, seq, prompt, restart, steps, index in zip(streams, plan.prompt_seqs, plan.prompts, plan.restart,
+                                                          plan.steps, plan.chunk_index):
             state = st.state
             if seq > state.prompt_version:
-                gen.set_prompt(state, st.prompts[seq], version=seq)
+                gen.set_prompt(state, prompt, version=seq)
             if restart or (plan.kind is not WorkKind.COMMIT and plan.step <= 0 and state.step != 0):
                 gen.abandon_chunk(state)
             if st.has_input and plan.kind is WorkKind.DENOISE and plan.step == 0:  # its input, before its first step
@@ -517,7 +515,7 @@ class Engine:
         gen = self.gen
         spec = gen.cache_spec()
         req = StreamRequest(
-            stream_id, fps=float(fps), first_chunk_frames=gen.frames_in_chunk(0), chunk_frames=gen.frames_in_chunk(1),
+            stream_id, prompt=prompt, fps=float(fps), first_chunk_frames=gen.frames_in_chunk(0), chunk_frames=gen.frames_in_chunk(1),
             input_start_step=None if input is None else self.inputs.start_step(strength)[0],
             input_latency_s=self.config.input_latency_s)
         admission = self.sched.admit(req, self.clock(), kv_refusal=self.pool.refusal(spec, self.decoder_bytes))
@@ -532,8 +530,7 @@ class Engine:
             self.sched.remove(stream_id)
             self.pool.release(stream_id)
             raise
-        self._streams[stream_id] = _Stream(state, fps, self.output.open(stream_id, spec), {0: prompt},
-                                           has_input=input is not None)
+        self._streams[stream_id] = _Stream(state, fps, self.output.open(stream_id, spec), has_input=input is not None)
         snapped = None if input is None else self.inputs.open(stream_id, input, state, strength, fps).strength
         self._kv_used_bytes = self.pool.used_bytes
         return Opened(admission, StreamDescription(
@@ -541,12 +538,9 @@ class Engine:
             input_latency_s=None if input is None else self.config.input_latency_s))
 
     def _set_prompt(self, stream_id: str, prompt: str) -> PromptAccepted:
-        st = self._get(stream_id)
+        self._get(stream_id)  # (an EngineError for a stream not open)
         self.gen.encode_prompt(prompt)  # now, not inside its recache: the text encoder runs off the plan's time
-        version = self.sched.set_prompt(stream_id, self.clock())
-        st.prompts[version] = prompt
-        for old in [v for v in st.prompts if v < version - 8]:  # keep a few recent versions only
-            del st.prompts[old]
+        version = self.sched.set_prompt(stream_id, self.clock(), prompt)  # its plans carry the text
         return PromptAccepted(version, self._unknown_words(prompt))
 
     def _unknown_words(self, prompt: str) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streamsvc.scheduling import WorkKind
+from models.work import WorkKind
 
 __all__ = ["InFlight", "Timer"]
 

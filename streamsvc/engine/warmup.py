@@ -22,10 +22,11 @@ from collections.abc import Callable
 
 import torch
 
-from models import ChunkGenerator, StreamState, Work
+from models import ChunkGenerator, StreamState
+from models.work import WorkKind
 from streamsvc.engine.encode import StreamEncoder
 from streamsvc.engine.timing import Timer
-from streamsvc.scheduling import Scheduler, Stage, WorkKind
+from streamsvc.scheduling import Scheduler, Stage
 from streamsvc.wire.protocol import Chunk, pack_chunk
 
 log = logging.getLogger("streamsvc.engine")  # the engine's own log: its start-up is part of it
@@ -33,7 +34,6 @@ log = logging.getLogger("streamsvc.engine")  # the engine's own log: its start-u
 __all__ = ["CHEAP_ENCODE_GAIN", "keep_freed_memory", "log_attention", "send_cost_s", "warm_up"]
 
 CHEAP_ENCODE_GAIN = 0.9  # the cheaper encode degrades a late chunk only when the warm-up timed it under this share
-_KIND = {Work.RECACHE: WorkKind.RECACHE, Work.DENOISE: WorkKind.DENOISE, Work.COMMIT: WorkKind.COMMIT}  # generator -> scheduler
 
 
 def keep_freed_memory(limit: int = 1 << 30) -> bool:
@@ -142,7 +142,7 @@ def _run_chunk(gen: ChunkGenerator, states: list[StreamState], costs: dict[WorkK
         timer = Timer(gen.device, clock)
         out = gen.run(work, states)
         if costs is not None:
-            costs[_KIND[work]].append(timer.seconds())
+            costs[work].append(timer.seconds())
         if out[0] is not None:
             return out
 

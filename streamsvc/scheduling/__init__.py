@@ -25,7 +25,7 @@ is credited only by `delivered`.
 The package, each module depending only on those above it in this list:
 
     `config`    SchedulerConfig (every knob, validated) and POLICIES
-    `types`     the shared types: Plan, StreamRequest, Admission, stats, Stage, WorkKind, ...
+    `types`     the shared types: Plan, StreamRequest, Admission, stats, Stage, ... (WorkKind: models.work)
     `playback`  PlaybackModel: one viewer's buffer, and when it stalls
     `costs`     CostModel, CostEstimates: forwards', chunks' and stages' costs; SendSampler, without_streamless:
                 samples rid of the work of clients without a stream
@@ -54,7 +54,6 @@ from .types import (
     StreamLoad,
     StreamRequest,
     StreamStats,
-    WorkKind,
 )
 
 __all__ = [
@@ -78,6 +77,5 @@ __all__ = [
     "StreamLoad",
     "StreamRequest",
     "StreamStats",
-    "WorkKind",
     "without_streamless",
 ]

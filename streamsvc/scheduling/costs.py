@@ -36,8 +36,10 @@ import math
 from collections import deque
 from collections.abc import Collection, Hashable
 
+from models.work import WorkKind
+
 from .config import SchedulerConfig
-from .types import Stage, StreamRequest, WorkKind
+from .types import Stage, StreamRequest
 
 RECACHE_WINDOW_S = 10.0  # admission counts the recaches of this many past seconds as the streams' steering load
 

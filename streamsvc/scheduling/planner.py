@@ -82,12 +82,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from models.work import WorkKind
+
 from .config import SchedulerConfig
 from .costs import CostEstimates, input_steps, percentile
 from .overload import OverloadMonitor
 from .ranking import rank_key
 from .stream import _InFlight, _Stream, _Work
-from .types import EPS_S, RECACHE_STAGE, Plan, SchedulerError, Stage, StreamStats, WorkKind
+from .types import EPS_S, RECACHE_STAGE, Plan, SchedulerError, Stage, StreamStats
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,7 @@ class Planner:
             prompt_seqs=tuple(w.prompt_seq for _, w in batch),
             chunk_index=tuple(s.chunks_done for s, _ in batch),
             steps=tuple(w.steps for _, w in batch),
+            prompts=tuple(s.prompt_texts[w.prompt_seq] for s, w in batch),
         )
         floor = min(cfg.degrade_steps, default=cfg.denoise_steps)
         for s, w in batch:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from models.work import WorkKind
+
 from .admission import AdmissionControl
 from .config import SchedulerConfig
 from .costs import CostEstimates
@@ -19,17 +21,7 @@ from .overload import OverloadMonitor
 from .planner import Planner
 from .playback import PlaybackModel
 from .stream import _Stream
-from .types import (
-    Admission,
-    Plan,
-    SchedulerError,
-    SchedulerStats,
-    Stage,
-    StreamLoad,
-    StreamRequest,
-    StreamStats,
-    WorkKind,
-)
+from .types import Admission, Plan, SchedulerError, SchedulerStats, Stage, StreamLoad, StreamRequest, StreamStats
 
 
 class Scheduler:
@@ -89,6 +81,7 @@ class Scheduler:
             playback=PlaybackModel(fps=req.fps, updated_at=now, own=PlaybackModel(fps=req.fps, updated_at=now)),
             latencies=deque(maxlen=self.config.latency_window),
             last_commit_at=now,
+            prompt_texts={0: req.prompt},
         )
         self._next_order += 1
         return admission
@@ -170,14 +163,18 @@ class Scheduler:
 
     # ----- what viewers do and get ------------------------------------------------------
 
-    def set_prompt(self, stream_id: str, now: float) -> int:
-        """A new prompt; returns its version. The next chunk runs under it (after a RECACHE if
-        the stream has committed frames) and may start as soon as the cap allows; with
+    def set_prompt(self, stream_id: str, now: float, prompt: str = "") -> int:
+        """A new prompt (its text: the plans that run under it carry it); returns its version. The next chunk runs
+        under it (after a RECACHE if the stream has committed frames) and may start as soon as the cap allows; with
         restart_on_prompt a chunk in progress is abandoned when the stream's slack allows."""
         s = self._get(stream_id)
         s.playback.advance(now)
         s.prompt_seq += 1
         s.prompt_at = now
+        s.prompt_texts[s.prompt_seq] = prompt
+        keep = (s.cache_seq, s.chunk_seq, s.prompt_seq)  # a plan runs under one of these, never another (planner)
+        for old in [v for v in s.prompt_texts if v not in keep]:
+            del s.prompt_texts[old]
         return s.prompt_seq
 
     def release(self, stream_id: str, chunk_index: int, start_step: int, now: float, frames: bool = True) -> None:

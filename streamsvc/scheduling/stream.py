@@ -15,8 +15,10 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from models.work import WorkKind
+
 from .playback import PlaybackModel
-from .types import StreamLoad, StreamRequest, WorkKind
+from .types import StreamLoad, StreamRequest
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class _Stream:
     last_commit_at: float = 0.0  # time of the last COMMIT (admission before the first): no chunk is due before it
     fresh_samples: int = 0  # latency samples taken since the last admission (of any stream)
     prompt_at: float = 0.0  # time of the latest set_prompt
+    prompt_texts: dict[int, str] = field(default_factory=dict)  # by version: those a plan may still run under
     steps: int = 0  # denoising steps of the chunk in progress (set by each of its DENOISE forwards: it may be cut)
     degraded: int = 0  # chunks committed with fewer steps than the schedule's
     viewers: int = 1  # connections each of its chunks is sent to (its steerer and its watchers): the send's load

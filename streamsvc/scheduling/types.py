@@ -1,4 +1,5 @@
-"""The scheduling package's shared types: its errors, stages, work kinds, requests, plans and answers.
+"""The scheduling package's shared types: its errors, stages, requests, plans and answers (the forward kinds are
+models.work.WorkKind, the generator's own).
 
 Plans and answers are frozen dataclasses with a comment on every field: the engine runs
 a plan, it does not decide. Nothing here depends on another module of the package.
@@ -10,6 +11,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from models.work import WorkKind
 
 RECACHE_STAGE = -1  # Plan.step of a RECACHE forward: it comes before a chunk's step 0
 EPS_S = 1e-9  # tolerance on time comparisons, so a wake-up at exactly the computed time is runnable
@@ -28,14 +31,6 @@ class Stage(enum.Enum):
     INPUT = "input"  # a stream's input video (issue 35): decode, scale and encode; streams with input only
 
 
-class WorkKind(enum.Enum):
-    """The unit of work: one forward of one stream (or a batch of them), of one of these kinds."""
-
-    RECACHE = "recache"  # recompute the window's K/V under a new prompt (one forward, no frames)
-    DENOISE = "denoise"  # one denoising step of the chunk in progress
-    COMMIT = "commit"  # write the clean chunk's K/V, decode and deliver its frames
-
-
 @dataclass(frozen=True)
 class StreamRequest:
     stream_id: str  # unique among the scheduler's streams
@@ -45,6 +40,7 @@ class StreamRequest:
     # Input video (issue 35): the step its chunks start at (the stream's strength, snapped); None: no input
     input_start_step: int | None = None
     input_latency_s: float = 0.5  # with input: a chunk is due this long after its last input frame came (its release)
+    prompt: str = ""  # its opening prompt (version 0): the text of the plans that run under it
 
     def __post_init__(self) -> None:
         if not (self.fps > 0 and math.isfinite(self.fps)):
@@ -79,6 +75,9 @@ class Plan:
     # Per stream: the denoising steps its chunk runs with (denoise_steps, fewer when degraded; RECACHE: those
     # the chunk after it would run with now). A COMMIT's `step` is denoise_steps whatever a degraded chunk's count.
     steps: tuple[int, ...]
+    # Per stream: the text of the prompt `prompt_seqs` names (what a RECACHE, or a chunk under a new prompt, needs:
+    # the engine applies what the plan says and keeps no prompts of its own)
+    prompts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcache import StreamCache
-from models import CacheAccess, GeneratorConfig, Work, fidelity
+from models import CacheAccess, GeneratorConfig, WorkKind, fidelity
 from tests.conftest import solo_and_batched, tiny_generator
 
 
@@ -111,7 +111,7 @@ def test_commit_reuse_with_a_chunk_cut_short_commits_with_a_forward():
     gen.denoise([state])
     gen.denoise([state])
     gen.set_steps(state, 2)  # degraded after its 2nd step: that step did not write the cache
-    assert gen.next_work(state) is Work.COMMIT
+    assert gen.next_work(state) is WorkKind.COMMIT
     gen.commit([state])
     assert state.forwards["commit"] == 1 and seen[-1][1].abs().sum() == 0  # a real commit at t = 0
     gen.set_steps(state, 4)
@@ -135,8 +135,8 @@ def test_commit_reuse_abandoned_over_live_slots_recaches_them():
     assert state.reused_slots == [3, 4, 5]
     version = state.prompt_version
     gen.abandon_chunk(state)
-    assert gen.next_work(state) is Work.RECACHE and state.pending_prompt == "a red kite"
-    gen.run(Work.RECACHE, [state])
+    assert gen.next_work(state) is WorkKind.RECACHE and state.pending_prompt == "a red kite"
+    gen.run(WorkKind.RECACHE, [state])
     assert state.prompt_version == version and state.forwards["recache"] == 1
 
 
@@ -154,11 +154,11 @@ def test_commit_reuse_batched_streams_equal_one_by_one():
             torch.testing.assert_close(s.cache.read(layer)[0], b.cache.read(layer)[0], atol=1e-4, rtol=1e-4)
     # one of the batch cut short after its 2nd step commits with a forward, the others without
     for _ in range(2):
-        gen.run(Work.DENOISE, batch)
+        gen.run(WorkKind.DENOISE, batch)
     gen.set_steps(batch[1], 2)
     for _ in range(2):
-        gen.run(Work.DENOISE, [batch[0], batch[2]])
-    gen.run(Work.COMMIT, batch)
+        gen.run(WorkKind.DENOISE, [batch[0], batch[2]])
+    gen.run(WorkKind.COMMIT, batch)
     assert [b.forwards["commit"] for b in batch] == [0, 1, 0]
 
 
@@ -233,7 +233,7 @@ def switched(stage_kv=True, **cfg):
     gen, state, it, seen = six_chunks(stage_kv, **cfg)
     before = len(seen)
     gen.set_prompt(state, "a desert")
-    gen.run(Work.RECACHE, [state])
+    gen.run(WorkKind.RECACHE, [state])
     forwards = len(seen) - before
     kv = kv_by_frame(gen, state)
     newest = state.clean[[state.cache.frame_ids.index(f) for f in (15, 16, 17)]].transpose(0, 1).clone()
@@ -317,7 +317,7 @@ def test_recache_last_kept_kv_go_home_when_another_stream_takes_the_workspace():
         if other:
             next(it_b)  # b takes the workspace: a goes home
         gen.set_prompt(a, "a desert")
-        gen.run(Work.RECACHE, [a])  # a is copied in again, its kept K/V moved there
+        gen.run(WorkKind.RECACHE, [a])  # a is copied in again, its kept K/V moved there
         if other:
             next(it_b)  # and a goes home again
             assert gen.workspace.owner is b.cache
@@ -338,11 +338,11 @@ def test_recache_last_recaches_the_whole_window_after_commit_reuse_abandoned_ove
     assert state.reused_slots == [3, 4, 5]
     gen.abandon_chunk(state)
     before = len(seen)
-    gen.run(Work.RECACHE, [state])
+    gen.run(WorkKind.RECACHE, [state])
     assert len(seen) - before == 3 and not state.recache_all  # every window chunk, the overwritten one included
     gen.set_prompt(state, "a blue kite")
     before = len(seen)
-    gen.run(Work.RECACHE, [state])
+    gen.run(WorkKind.RECACHE, [state])
     assert len(seen) - before == 1  # then the newest chunk only again
 
 

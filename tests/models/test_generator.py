@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvcache import StreamCache
-from models import CacheAccess, Work
+from models import CacheAccess, WorkKind
 from tests.conftest import solo_and_batched, tiny_generator
 
 
@@ -103,9 +103,9 @@ def test_prompt_switch_recache_equals_fresh_computation(recache_sinks):
     state = gen.open_stream("s", "a forest", seed=2)
     run_chunks(gen, state, 4)  # window has rolled once: frames 0-2 sinks, 6-11 window
     gen.set_prompt(state, "a desert")
-    assert gen.next_work(state) is Work.RECACHE
+    assert gen.next_work(state) is WorkKind.RECACHE
     sinks_before = [t.clone() for t in state.cache.read(0, 3)]
-    gen.run(Work.RECACHE, [state])
+    gen.run(WorkKind.RECACHE, [state])
     assert state.prompt_version == 1 and state.prompt == "a desert"
 
     # reference: a fresh cache that commits the same clean latents chunk by chunk under the new prompt
@@ -139,7 +139,7 @@ def test_recache_chunk_by_chunk_equals_one_masked_forward_over_the_window():
     run_chunks(gen, state, 6)  # the window has rolled: its slots are out of time order
     ref = StreamCache(state.cache.spec)
     gen.set_prompt(state, "a desert")
-    gen.run(Work.RECACHE, [state])
+    gen.run(WorkKind.RECACHE, [state])
     assert state.forwards["recache"] == 1
     for layer in range(gen.model_cfg.num_layers):  # the sinks as they were, the window in time order
         k, v = state.cache.read(layer)
@@ -167,12 +167,12 @@ def test_streams_switching_through_the_workspace_equal_each_alone():
     for c in range(5):
         for _ in range(len(gen.sigmas)):
             for s in states:
-                gen.run(Work.DENOISE, [s])
+                gen.run(WorkKind.DENOISE, [s])
         if c == 3:
             gen.set_prompt(states[0], "prompt 1")  # the same prompt again: a recache that changes nothing
-            gen.run(Work.RECACHE, [states[0]])
+            gen.run(WorkKind.RECACHE, [states[0]])
         for j, s in enumerate(states):
-            together[j] += gen.run(Work.COMMIT, [s])
+            together[j] += gen.run(WorkKind.COMMIT, [s])
     assert gen.workspace.switches > 2 * 5 * len(gen.sigmas)
     for a, b in zip(alone, together):
         for x, y in zip(a, b):
@@ -185,7 +185,7 @@ def test_first_prompt_switch_without_cache_needs_no_recache():
     gen = tiny_generator()
     state = gen.open_stream("s", "one", seed=0)
     gen.set_prompt(state, "two")
-    assert gen.next_work(state) is Work.DENOISE
+    assert gen.next_work(state) is WorkKind.DENOISE
     chunk = run_chunks(gen, state, 1)[0]
     assert chunk.prompt_version == 1 and state.forwards["recache"] == 0
 
@@ -220,17 +220,17 @@ def test_degraded_chunk_is_the_full_schedules_early_exit():
     # noise draws up to there), tagged with its steps; the next chunk runs the full schedule again
     gen = tiny_generator()
     full = gen.open_stream("full", "a kite", seed=3)
-    gen.run(Work.DENOISE, [full])
-    gen.run(Work.DENOISE, [full])
-    gen.run(Work.DENOISE, [full])
+    gen.run(WorkKind.DENOISE, [full])
+    gen.run(WorkKind.DENOISE, [full])
+    gen.run(WorkKind.DENOISE, [full])
     exit_at_3 = full.x0.clone()
     short = gen.open_stream("short", "a kite", seed=3)
     gen.set_steps(short, 3)
     for _ in range(3):
-        assert gen.next_work(short) is Work.DENOISE
-        gen.run(Work.DENOISE, [short])
-    assert gen.next_work(short) is Work.COMMIT
-    chunk = gen.run(Work.COMMIT, [short])[0]
+        assert gen.next_work(short) is WorkKind.DENOISE
+        gen.run(WorkKind.DENOISE, [short])
+    assert gen.next_work(short) is WorkKind.COMMIT
+    chunk = gen.run(WorkKind.COMMIT, [short])[0]
     assert chunk.steps == 3 and torch.equal(chunk.latents, exit_at_3)
     assert short.steps == len(gen.sigmas) and run_chunks(gen, short, 1)[0].steps == len(gen.sigmas)
 
@@ -240,13 +240,13 @@ def test_a_chunk_in_progress_can_only_be_cut_short():
     state = gen.open_stream("s", "a kite", seed=0)
     with pytest.raises(ValueError, match="use 4 or one of"):
         gen.set_steps(state, 1)
-    gen.run(Work.DENOISE, [state])
-    gen.run(Work.DENOISE, [state])
+    gen.run(WorkKind.DENOISE, [state])
+    gen.run(WorkKind.DENOISE, [state])
     gen.set_steps(state, 2)  # cut at the step it has reached: the commit is next
-    assert gen.next_work(state) is Work.COMMIT
+    assert gen.next_work(state) is WorkKind.COMMIT
     with pytest.raises(ValueError, match="only be cut short"):
         gen.set_steps(state, 3)
-    assert gen.run(Work.COMMIT, [state])[0].steps == 2
+    assert gen.run(WorkKind.COMMIT, [state])[0].steps == 2
 
 
 def test_bf16_generation_runs_and_tracks_fp32():
@@ -300,7 +300,7 @@ def test_parked_and_restored_stream_continues_exactly(at_step, quant, parked_aft
     it = gen.stream(state, dict(prompts))
     got = [next(it) for _ in range(parked_after)]
     for _ in range(at_step):
-        gen.run(Work.DENOISE, [state])
+        gen.run(WorkKind.DENOISE, [state])
     head = state.cache.head
     parked = _parked_and_back_after(gen, state, lambda: run_chunks(gen, other, 2))
     assert state.cache.head == head == (3 if parked_after == 4 else 0)

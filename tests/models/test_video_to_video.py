@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvcache import StreamCache
-from models import Work, build_generator
+from models import WorkKind, build_generator
 from models.encoder import BlockPCAEncoder, EncoderState, grouped, latent_frames
 from models.scenes import Scene, Timeline
 from tests.conftest import tiny_generator
@@ -96,15 +96,15 @@ def test_degrading_drops_steps_after_the_start_step_and_one_step_always_runs():
     gen.set_strength(state, 0.6)  # start step 3 of 4: one step
     gen.set_input(state, scene_frames(gen, 0, 9))
     gen.set_steps(state, 2)  # between chunks: a degraded chunk of 2 steps, whose start step is already past it
-    gen.run(Work.DENOISE, [state])
-    assert (state.start, state.step, state.steps) == (3, 4, 4) and gen.next_work(state) is Work.COMMIT
+    gen.run(WorkKind.DENOISE, [state])
+    assert (state.start, state.step, state.steps) == (3, 4, 4) and gen.next_work(state) is WorkKind.COMMIT
     gen.set_steps(state, 2)  # cutting it short in progress: it keeps its one step
-    out = gen.run(Work.COMMIT, [state])[0]
+    out = gen.run(WorkKind.COMMIT, [state])[0]
     assert (out.start_step, out.steps, state.forwards["denoise"]) == (3, 4, 1)
     gen.set_strength(state, 0.94)  # start step 1: a 2-step degraded chunk runs steps 1 .. 1, one step
     gen.set_input(state, scene_frames(gen, 9, 12))
     gen.set_steps(state, 2)
-    gen.run(Work.DENOISE, [state])
+    gen.run(WorkKind.DENOISE, [state])
     assert (state.start, state.step, state.steps) == (1, 2, 2)
     out = gen.run(gen.next_work(state), [state])[0]
     assert (out.start_step, out.steps, state.forwards["denoise"]) == (1, 2, 2)
@@ -119,7 +119,7 @@ def test_input_survives_an_abandoned_chunk_and_a_recache():
     got = stream_chunks(gen, state, 1, strength=0.6)
     gen.set_input(state, scene_frames(gen, 9, 12))
     noise = state.noise.get_state()
-    gen.run(Work.DENOISE, [state])
+    gen.run(WorkKind.DENOISE, [state])
     gen.abandon_chunk(state)  # restarted: the same input, drawn from the noise where it was
     state.noise.set_state(noise)
     assert state.input == "frames" and state.step == 0
@@ -139,9 +139,9 @@ def test_set_input_refuses_what_does_not_fit():
     gen.set_input(state, scene_frames(gen, 0, 9))
     with pytest.raises(ValueError, match="has its input already"):
         gen.set_input(state, scene_frames(gen, 0, 9))
-    gen.run(Work.DENOISE, [state])
+    gen.run(WorkKind.DENOISE, [state])
     gen.abandon_chunk(state)
-    gen.run(Work.DENOISE, [state])
+    gen.run(WorkKind.DENOISE, [state])
     with pytest.raises(ValueError, match="between chunks"):
         gen.set_input(state, None)
 

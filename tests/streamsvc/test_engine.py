@@ -7,11 +7,12 @@ import time
 import pytest
 import torch
 
+from models.work import WorkKind
 from streamsvc.engine.config import EngineConfig
 from streamsvc.engine.encode import StreamDecoder
 from streamsvc.engine.engine import Engine
 from streamsvc.engine.errors import EngineError
-from streamsvc.scheduling import SchedulerConfig, WorkKind
+from streamsvc.scheduling import SchedulerConfig
 
 
 class Collector:

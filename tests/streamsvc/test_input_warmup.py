@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import torch
 
 from models.encoder import EncoderState
+from models.work import WorkKind
 from streamsvc.inputs.stage import seed_input_stage
-from streamsvc.scheduling import Scheduler, SchedulerConfig, Stage, WorkKind
+from streamsvc.scheduling import Scheduler, SchedulerConfig, Stage
 
 SETUP_S = 0.2  # what the spy's first call of a shape costs more (cuDNN's per-shape set-up on a GPU)
 RUN_START_S = 0.1  # what a chunk that starts a causal run costs (a first chunk, or a run restarted)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 
-from streamsvc.scheduling import Plan, Scheduler, SchedulerConfig, StreamRequest, WorkKind
+from models.work import WorkKind
+from streamsvc.scheduling import Plan, Scheduler, SchedulerConfig, StreamRequest
 
 FPS = 16.0
 COST = 0.0625  # one forward

@@ -44,7 +44,8 @@ def test_plan_fields_for_a_commit():
     Clock(sched).run(4)
     plan = sched.next(0.25)
     assert plan == Plan(
-        kind=C, stream_ids=("a",), step=4, restart=(False,), prompt_seqs=(0,), chunk_index=(0,), steps=(4,)
+        kind=C, stream_ids=("a",), step=4, restart=(False,), prompt_seqs=(0,), chunk_index=(0,), steps=(4,),
+        prompts=("",),  # the opening prompt's text (the request's: none here)
     )
 
 
@@ -327,22 +328,42 @@ def test_pause_keeps_generating_until_the_buffer_reaches_the_lead_then_stops():
 # ----- prompts ------------------------------------------------------------------------------------
 
 
+def test_a_flood_of_prompts_runs_the_newest_and_keeps_no_old_texts():
+    """Twenty prompts between two chunks: the recache runs the newest's text, and the scheduler keeps only the texts a
+    plan may still run under (the cache's, the chunk's and the newest prompt's), not one per prompt ever sent."""
+    sched = make()
+    admit(sched, "a")
+    clock = Clock(sched)
+    clock.run(5)
+    sched.observe_buffer("a", 12, clock.now)
+    for k in range(1, 21):
+        assert sched.set_prompt("a", clock.now, f"prompt {k}") == k
+    plan = sched.next(clock.now)
+    assert (plan.kind, plan.prompt_seqs, plan.prompts) == (R, (20,), ("prompt 20",))
+    sched.complete(plan, clock.now + COST, COST)
+    clock.now += COST
+    sched.set_prompt("a", clock.now, "prompt 21")
+    assert set(sched._streams["a"].prompt_texts) <= {0, 20, 21}
+
+
 def test_a_new_prompt_adds_a_recache_before_the_next_chunk():
     sched = make()
     admit(sched, "a")
     clock = Clock(sched)
     clock.run(5)
     sched.observe_buffer("a", 12, clock.now)  # 0.75 s: room for the recache (slack 0.375 after it)
-    assert sched.set_prompt("a", clock.now) == 1
+    assert sched.set_prompt("a", clock.now, "a blue square") == 1
     assert sched.stream_stats("a", clock.now).prompt_pending
     plan = sched.next(clock.now)
-    assert plan == Plan(
-        kind=R, stream_ids=("a",), step=RECACHE_STAGE, restart=(False,), prompt_seqs=(1,), chunk_index=(1,), steps=(4,)
+    assert plan == Plan(  # the plan carries the prompt's text: the engine keeps none
+        kind=R, stream_ids=("a",), step=RECACHE_STAGE, restart=(False,), prompt_seqs=(1,), chunk_index=(1,), steps=(4,),
+        prompts=("a blue square",),
     )
     sched.complete(plan, clock.now + COST, COST)
     clock.now += COST
     assert not sched.stream_stats("a", clock.now).prompt_pending
-    assert [(p.kind, p.step, p.prompt_seqs) for p in [sched.next(clock.now)]] == [(D, 0, (1,))]
+    assert [(p.kind, p.step, p.prompt_seqs, p.prompts) for p in [sched.next(clock.now)]] == [
+        (D, 0, (1,), ("a blue square",))]
 
 
 def test_a_stream_that_committed_nothing_uses_the_new_prompt_without_a_recache():
