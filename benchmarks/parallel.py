@@ -65,8 +65,9 @@ from models import flash, fp8, triton_ops  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.dit import CausalWanModel, attention_backends, feed_forward, sinusoidal_embedding  # noqa: E402
 from models.dit_ops import KERNELS, Rope  # noqa: E402
+from models.work import WorkKind  # noqa: E402
 from streamsvc.scheduling import (  # noqa: E402  (pure: no asyncio, no torch)
-    AdmissionControl, CostEstimates, SchedulerConfig, Stage, StreamLoad, StreamRequest, WorkKind,
+    AdmissionControl, CostEstimates, SchedulerConfig, Stage, StreamLoad, StreamRequest,
 )
 
 KS = (1, 2, 4, 8)
