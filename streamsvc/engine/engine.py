@@ -367,6 +367,9 @@ class Engine:
         """Launch `plan`'s forward (and for a COMMIT, its decode and the copy of its frames to the
         host) and count it done in the scheduler; its cost is read from its events later."""
         streams = [self._streams[sid] for sid in plan.stream_ids]
+        for st, seq, prompt in zip(streams, plan.prompt_seqs, plan.prompts):
+            if seq > st.state.prompt_version:  # a new prompt's text encoded now, off the forward's timed cost (and
+                self.gen.encode_prompt(prompt)  # only the prompts a plan runs: of a flood, one a chunk)
         now = self.clock()
         timer = Timer(self.gen.device, self.clock, self._streamless)
         try:
@@ -539,8 +542,7 @@ class Engine:
 
     def _set_prompt(self, stream_id: str, prompt: str) -> PromptAccepted:
         self._get(stream_id)  # (an EngineError for a stream not open)
-        self.gen.encode_prompt(prompt)  # now, not inside its recache: the text encoder runs off the plan's time
-        version = self.sched.set_prompt(stream_id, self.clock(), prompt)  # its plans carry the text
+        version = self.sched.set_prompt(stream_id, self.clock(), prompt)  # its plans carry the text (encoded then)
         return PromptAccepted(version, self._unknown_words(prompt))
 
     def _unknown_words(self, prompt: str) -> tuple[str, ...]:

@@ -24,8 +24,10 @@ in progress goes on while under the cap; a RECACHE is always runnable (no video)
 
 Which runnable stream goes first: see `ranking` (slack, the stall guard, the policies).
 
-Prompts: the next chunk runs under the newest prompt, after a RECACHE when the
-stream has committed frames. A chunk in progress is abandoned for the new prompt
+Prompts: the next chunk runs under the newest prompt planned, after a RECACHE when the
+stream has committed frames. Prompts are coalesced before they are planned (and only
+there: `_Stream.new_prompt`): the first since the last commit at once, a later one at
+the next commit, the newest of those that came meanwhile. A chunk in progress is abandoned for the new prompt
 (`restart_on_prompt`) only while the stream keeps `restart_margin_chunks` chunks
 of slack after redoing it; a RECACHE that would leave the stream less slack than
 `start_margin_s` (one forward at least), where skipping it would not stall it,
@@ -234,6 +236,7 @@ class Planner:
                 s.chunks_done += 1
                 s.cache_seq = s.chunk_seq  # the committed frames' K/V were computed under the chunk's prompt
                 s.step = 0
+                s.chunk_committed(now)  # a prompt that waited for this chunk is planned
                 if deliver:
                     self._credit(s, chunk, now)
                     delivered.append(stream_id)

@@ -149,6 +149,7 @@ class Scheduler:
         s.fresh_samples = 0
         s.last_commit_at = max(s.last_commit_at, now)  # no chunk of it was due while parked
         s.playback.resume(now)
+        s.chunk_committed(now)  # a prompt that waited while it was parked is planned (as after a commit)
         self._streams[stream_id] = s
         return admission
 
@@ -164,18 +165,16 @@ class Scheduler:
     # ----- what viewers do and get ------------------------------------------------------
 
     def set_prompt(self, stream_id: str, now: float, prompt: str = "") -> int:
-        """A new prompt (its text: the plans that run under it carry it); returns its version. The next chunk runs
-        under it (after a RECACHE if the stream has committed frames) and may start as soon as the cap allows; with
-        restart_on_prompt a chunk in progress is abandoned when the stream's slack allows."""
+        """A new prompt (its text: the plans that run under it carry it); returns its version, one per call.
+
+        Prompts are coalesced here, so that a flood of them costs one prompt switch a chunk at most: the first since
+        the stream's last committed chunk is planned at once (its next chunk runs under it, after a RECACHE if the
+        stream has committed frames, and may start as soon as the cap allows; with restart_on_prompt a chunk in
+        progress is abandoned when the stream's slack allows); a later one waits for the next commit, and a newer
+        one replaces it (of those that come between two chunks only the newest is planned)."""
         s = self._get(stream_id)
         s.playback.advance(now)
-        s.prompt_seq += 1
-        s.prompt_at = now
-        s.prompt_texts[s.prompt_seq] = prompt
-        keep = (s.cache_seq, s.chunk_seq, s.prompt_seq)  # a plan runs under one of these, never another (planner)
-        for old in [v for v in s.prompt_texts if v not in keep]:
-            del s.prompt_texts[old]
-        return s.prompt_seq
+        return s.new_prompt(prompt, now)
 
     def release(self, stream_id: str, chunk_index: int, start_step: int, now: float, frames: bool = True) -> None:
         """Input video (issue 35): chunk `chunk_index` of the stream may start at `now`, at `start_step` (its

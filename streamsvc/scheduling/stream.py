@@ -45,7 +45,7 @@ class _Stream:
     latencies: deque[float]  # the most recent chunk latencies (due -> delivered), at most latency_window
     step: int = 0  # next denoise step of the chunk in progress; 0: none in progress; denoise_steps: COMMIT is next
     chunks_done: int = 0  # chunks committed (delivered or in flight)
-    prompt_seq: int = 0  # latest prompt version (number of set_prompt calls)
+    prompt_seq: int = 0  # the prompt version the planner steers to (the newest planned; see new_prompt)
     cache_seq: int = 0  # prompt version the KV cache was last computed under
     chunk_seq: int = 0  # prompt version the chunk in progress (or, between chunks, the last one) runs under
     deferred_seq: int = 0  # newest prompt version a chunk was already made without (a prompt waits one chunk at most)
@@ -55,7 +55,10 @@ class _Stream:
     chunk_sampled: bool = True  # the chunk being made started due (at or under the lead), so its latency is a sample
     last_commit_at: float = 0.0  # time of the last COMMIT (admission before the first): no chunk is due before it
     fresh_samples: int = 0  # latency samples taken since the last admission (of any stream)
-    prompt_at: float = 0.0  # time of the latest set_prompt
+    prompt_at: float = 0.0  # when `prompt_seq` was planned
+    latest_seq: int = 0  # the newest prompt version given out (one per set_prompt)
+    waiting_seq: int | None = None  # a prompt that waits for the next commit (`new_prompt`)
+    prompted_since_chunk: bool = False  # a prompt was planned since the last commit: a newer one waits
     prompt_texts: dict[int, str] = field(default_factory=dict)  # by version: those a plan may still run under
     steps: int = 0  # denoising steps of the chunk in progress (set by each of its DENOISE forwards: it may be cut)
     degraded: int = 0  # chunks committed with fewer steps than the schedule's
@@ -110,6 +113,33 @@ class _Stream:
     def in_flight_s(self) -> float:
         """Video committed but not yet delivered, in seconds."""
         return sum(c.frames for c in self.in_flight) / self.request.fps
+
+    def new_prompt(self, text: str, now: float) -> int:
+        """A prompt arrives (Scheduler.set_prompt): its version. Planned at once if none was since the last commit,
+        else it waits for the next one, replacing any that waited."""
+        self.latest_seq += 1
+        self.prompt_texts[self.latest_seq] = text
+        if self.waiting_seq is not None:  # replaced before it was planned
+            del self.prompt_texts[self.waiting_seq]
+        self.waiting_seq = None
+        if self.prompted_since_chunk:
+            self.waiting_seq = self.latest_seq
+        else:
+            self._plan_prompt(self.latest_seq, now)
+        return self.latest_seq
+
+    def chunk_committed(self, now: float) -> None:
+        """A chunk was committed (or the stream comes back from parking): a prompt that waited is planned now."""
+        waiting, self.waiting_seq = self.waiting_seq, None
+        if waiting is not None:
+            self._plan_prompt(waiting, now)
+        else:
+            self.prompted_since_chunk = False
+
+    def _plan_prompt(self, version: int, now: float) -> None:
+        self.prompt_seq, self.prompt_at, self.prompted_since_chunk = version, now, True
+        for old in [v for v in self.prompt_texts if v < min(self.cache_seq, self.chunk_seq)]:  # never planned again
+            del self.prompt_texts[old]
 
     def prompt_pending(self) -> bool:
         """A newer prompt than the one its cache or its chunk in progress was computed under."""

@@ -42,7 +42,7 @@ class OutboxLimits:
     max_bytes: int = 8 << 20  # their bytes (a chunk's payload, MESSAGE_BYTES a message) and its connection's unsent
     max_wait_s: float = 15.0  # how long the oldest may wait: a viewer further behind is not watching live
     # `error` messages a second, and a burst (a client that sends a burst of prompts over their rate still gets a
-    # reply to each, in order: streamsvc/viewers/session.py's PromptGate); more are dropped and counted
+    # reply to each, in order: streamsvc/viewers/streams.py); more are dropped and counted
     error_replies: Rate = Rate(10.0, 50)
 
     def __post_init__(self) -> None:

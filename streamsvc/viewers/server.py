@@ -10,8 +10,8 @@ closed, 1008), and once its stream ends its connection closes: nothing more of i
 Who may do what (streamsvc/door/access.py): a browser's upgrade must come from an allowed origin,
 a stream starts only with a valid token when tokens are configured, each token and address
 holds a limited number of streams, and each stream's control messages are rate-limited; every
-refusal says why on the wire and is counted in /metrics by reason. Prompts are coalesced
-(viewers/session.py PromptGate): one recache per chunk at most, however fast a viewer sends them.
+refusal says why on the wire and is counted in /metrics by reason. Prompts are coalesced by the
+scheduler: one recache per chunk at most, however fast a viewer sends them.
 
 Here: the server's life (the engine, the listening socket), the engine's chunks to each stream's viewers, and a
 connection's WebSocket: who may start or watch a stream, its `ready`, its sender. Beside it: streamsvc/viewers/streams.py

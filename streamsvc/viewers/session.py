@@ -52,63 +52,6 @@ class InvalidState(RuntimeError):
     """A transition the state machine does not allow; the message says the state."""
 
 
-MAX_HELD_REPLIES = 64  # replies a stream's PromptGate holds behind a waiting prompt (a flood's are dropped past it)
-
-
-class PromptGate:
-    """Coalesces a stream's prompts, so that a flood of them costs one recache per chunk at most.
-
-    A prompt goes to the engine at once when none went since the stream's last chunk; otherwise it
-    waits for the next chunk, and a newer one replaces it: of the prompts that arrive between two
-    chunks only the newest is recached. Every set_prompt is answered, in the order of the requests
-    (clients pair replies with their prompts by order): a prompt that waited, or was replaced while
-    waiting, is acked with the version of the prompt that went to the engine in its place, and the
-    replies to later set_prompts (a rate-limit error) wait behind that ack. At most MAX_HELD_REPLIES
-    wait (a flood between two chunks, or while paused, when none come): the ones past it are dropped
-    (`dropped`), as the outbox drops error replies over their rate (streamsvc/viewers/outbox.py).
-    """
-
-    def __init__(self) -> None:
-        self.waiting: str | None = None  # the prompt for the engine at the next chunk
-        self._sent_since_chunk = False
-        self._held: list[P.Error | None] = []  # replies owed until `waiting` has its version; None: its ack
-        self.dropped = 0  # replies not held: MAX_HELD_REPLIES were already
-
-    def submit(self, prompt: str) -> bool:
-        """True: send ``prompt`` to the engine now. False: it waits for the next chunk."""
-        if not self._sent_since_chunk and self.waiting is None:
-            self._sent_since_chunk = True
-            return True
-        self.waiting = prompt
-        self._hold(None)
-        return False
-
-    def refuse(self, error: P.Error) -> list[P.Error]:
-        """A set_prompt answered by ``error``: what to send now (nothing while an earlier ack is owed)."""
-        if self.waiting is None:
-            return [error]
-        self._hold(error)
-        return []
-
-    def _hold(self, reply: P.Error | None) -> None:
-        if len(self._held) < MAX_HELD_REPLIES:
-            self._held.append(reply)
-        else:
-            self.dropped += 1
-
-    def chunk_done(self) -> str | None:
-        """The stream finished a chunk: the waiting prompt, to send to the engine now, or None."""
-        prompt, self.waiting = self.waiting, None
-        self._sent_since_chunk = prompt is not None
-        return prompt
-
-    def answered(self, reply: P.Ack | P.Error) -> list[P.Ack | P.Error]:
-        """Every reply held behind the prompt ``chunk_done`` gave, in request order, now that the engine
-        answered it with ``reply`` (its ack, or the error that failed it)."""
-        held, self._held = self._held, []
-        return [reply if r is None else r for r in held]
-
-
 GOP_CHUNKS = 8  # chunks a stream keeps for watchers who join: from its second-last keyframe chunk, or its last
 
 
@@ -213,7 +156,6 @@ class Session:
     chunks_sent: int = 0
     first_chunk_at: float | None = None
     close_reason: str | None = None
-    prompts: PromptGate = field(default_factory=PromptGate)
     prompt_texts: dict[int, str] = field(default_factory=dict)  # recent prompts by version (recording's chapters)
     # held while a set_prompt is decided and answered, so replies keep the order of the requests
     steering: asyncio.Lock = field(default_factory=asyncio.Lock)

@@ -4,7 +4,7 @@ viewer leaving and a stream ending.
 
 streamsvc/viewers/server.py admits viewers (`start`, `watch`), carries their messages and hands each one after the first to
 `Streams.control`. Each stream's control messages are rate-limited (streamsvc/door/access.py); a refusal says why on the
-wire and is counted in /metrics by reason. Prompts are coalesced (session.PromptGate): one recache per chunk at
+wire and is counted in /metrics by reason. Prompts are coalesced by the scheduler: one recache per chunk at
 most, however fast a viewer sends them. A stream whose steerer left goes on for its watchers until one takes the
 steer token (`take` needs the stream's steer secret: a watch link does not carry it), or the orphan timeout ends it.
 The steer secret follows the token: a handover or a take sends the new steerer a new one in its `audience` and
@@ -47,7 +47,7 @@ class Streams:
         self.metrics = metrics
         self.clock = clock  # the control rates' time (tests inject one)
         self.orphan_timeout_s = orphan_timeout_s  # how long a stream whose steerer left goes on for its watchers
-        self._tasks: set[asyncio.Task] = set()  # prompts released at a chunk (kept referenced until done)
+        self._tasks: set[asyncio.Task] = set()  # work spawned off a caller (kept referenced until done)
 
     async def control(self, viewer: Viewer, msg) -> None:
         """A viewer's message after its `start` or `watch` (on its WebSocket, or a WebRTC viewer's data channel).
@@ -243,33 +243,15 @@ class Streams:
                                        message=recorder.stopped_reason[: P.MAX_TEXT_CHARS]))
 
     def chunk_done(self, session: Session, out: ChunkOut) -> None:
-        """A chunk of the stream went out to its viewers: its recording gets it, and the prompt that waited for it
-        goes to the engine."""
+        """A chunk of the stream went out to its viewers: its recording gets it."""
         if session.recorder is not None:
             self._record_chunk(session, out)
-        self._spawn(self._release_prompt(session))
 
     async def _steer(self, session: Session, prompt: str, refusal: P.Error | None) -> None:
-        """A set_prompt: refused, sent to the engine now, or left waiting for the next chunk (PromptGate)."""
+        """A set_prompt: refused, or to the engine (whose scheduler coalesces a flood: the newest takes the next
+        chunk). Replies keep the order of the requests."""
         async with session.steering:
-            if refusal is not None:
-                replies = session.prompts.refuse(refusal)
-            elif session.prompts.submit(prompt):
-                replies = [await self._prompt_to_engine(session, prompt)]
-            else:
-                replies = []
-            for reply in replies:
-                session.to_steerer(reply)
-
-    async def _release_prompt(self, session: Session) -> None:
-        """A chunk of the stream is done: the prompt that waited for it goes to the engine, and the
-        replies held behind it go out."""
-        async with session.steering:
-            prompt = session.prompts.chunk_done()
-            if prompt is None or session.closed:
-                return
-            for reply in session.prompts.answered(await self._prompt_to_engine(session, prompt)):
-                session.to_steerer(reply)
+            session.to_steerer(refusal if refusal is not None else await self._prompt_to_engine(session, prompt))
 
     async def _prompt_to_engine(self, session: Session, prompt: str) -> P.Ack | P.Error:
         """The stream's next chunks run under ``prompt``: the ack with their version, or the error."""
@@ -279,6 +261,8 @@ class Streams:
             return failed("set_prompt", e)
         session.prompt, session.prompt_version = prompt, accepted.version
         session.prompt_texts[accepted.version] = prompt
+        for old in [v for v in session.prompt_texts if v <= accepted.version - PROMPT_TEXTS_KEPT]:
+            del session.prompt_texts[old]  # (a flood's: each prompt has its version; chunks run under recent ones)
         return P.Ack(request="set_prompt", prompt_version=accepted.version,
                      unknown_words=wire_words(accepted.unknown_words))
 
@@ -341,6 +325,8 @@ def _cannot_steer(viewer: Viewer) -> bool:
     pc = viewer.rtc.pc if viewer.rtc is not None else None
     return pc is not None and pc.sctp is None and pc.connectionState == "connected"
 
+
+PROMPT_TEXTS_KEPT = 64  # a stream's recent prompts by version, for its recording's chapters
 
 _STEER_TYPES = (P.SetPrompt, P.Pause, P.Resume, P.Record, P.Handover, P.SetStrength)  # only a stream's steerer
 

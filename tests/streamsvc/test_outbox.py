@@ -9,7 +9,6 @@ import pytest
 
 from streamsvc.door.access import Rate
 from streamsvc.viewers.outbox import MESSAGE_BYTES, Outbox, OutboxLimits
-from streamsvc.viewers.session import MAX_HELD_REPLIES, PromptGate
 from streamsvc.wire import protocol as P
 from tests.clock import ManualClock
 
@@ -108,17 +107,3 @@ def test_limits_are_checked():
         OutboxLimits(max_items=0)
     with pytest.raises(ValueError, match="max_wait_s=0"):
         OutboxLimits(max_wait_s=0)
-
-
-def test_the_prompt_gate_holds_a_bounded_number_of_replies():
-    gate = PromptGate()
-    assert gate.submit("a") and not gate.submit("b")  # to the engine now; the next waits for the chunk
-    for k in range(MAX_HELD_REPLIES + 40):  # a flood before the chunk (or while paused): refusals, prompts that wait
-        if k % 2:
-            gate.submit(f"p{k}")
-        else:
-            assert gate.refuse(error(k)) == []
-    assert gate.dropped == 41 and gate.chunk_done() == f"p{MAX_HELD_REPLIES + 39}"
-    replies = gate.answered(P.Ack(request="set_prompt", prompt_version=2))
-    assert len(replies) == MAX_HELD_REPLIES
-    assert replies[0].prompt_version == 2 and replies[1].message == "bad 0" and replies[2].prompt_version == 2

@@ -26,6 +26,7 @@ from tests.streamsvc.scheduling.helpers import (
     C,
     Clock,
     D,
+    R,
     admit,
     first_chunk,
     make,
@@ -245,9 +246,18 @@ def test_admission_counts_the_recaches_of_the_last_seconds_as_the_streams_steeri
     base = sched.predicted_load()  # 2 x 4/3 chunks/s x 5/64 s
     clock = Clock(sched, cost=1 / 64)
     clock.run(10)  # both first chunks
-    for _ in range(4):  # four prompt switches of a: four recaches
+    for _ in range(4):  # four prompt switches of a, each once the chunk after the last one is done: four recaches
         sched.set_prompt("a", clock.now)
-        clock.run(2)
+        kinds = []
+        for _ in range(200):
+            plan = clock.step()
+            if plan is None:
+                clock.now += 1 / 64
+            elif "a" in plan.stream_ids:
+                kinds.append(plan.kind)
+                if R in kinds and plan.kind is C:
+                    break
+        assert R in kinds and kinds[-1] is C
     assert sched.predicted_load() == pytest.approx(base + 4 / 10 * (1 / 64))
     adm = sched.admit(StreamRequest("c", FPS), clock.now)
     assert adm.predicted_load == pytest.approx(base * 3 / 2 + 4 / 10 * (1 / 64) * 3 / 2)  # c steers as a and b do

@@ -328,22 +328,25 @@ def test_pause_keeps_generating_until_the_buffer_reaches_the_lead_then_stops():
 # ----- prompts ------------------------------------------------------------------------------------
 
 
-def test_a_flood_of_prompts_runs_the_newest_and_keeps_no_old_texts():
-    """Twenty prompts between two chunks: the recache runs the newest's text, and the scheduler keeps only the texts a
-    plan may still run under (the cache's, the chunk's and the newest prompt's), not one per prompt ever sent."""
+def test_a_flood_of_prompts_between_two_chunks_plans_the_first_now_and_the_newest_after_the_next_chunk():
+    """Prompts are coalesced in the scheduler: of twenty prompts between two chunks, the first is planned at once (its
+    recache runs its text), the others wait for the next commit and only the newest of them is planned then. Each
+    has its own version; the scheduler keeps no text of those replaced."""
     sched = make()
     admit(sched, "a")
     clock = Clock(sched)
     clock.run(5)
     sched.observe_buffer("a", 12, clock.now)
-    for k in range(1, 21):
-        assert sched.set_prompt("a", clock.now, f"prompt {k}") == k
+    assert [sched.set_prompt("a", clock.now, f"prompt {k}") for k in range(1, 21)] == list(range(1, 21))
+    assert set(sched._streams["a"].prompt_texts) == {0, 1, 20}
     plan = sched.next(clock.now)
-    assert (plan.kind, plan.prompt_seqs, plan.prompts) == (R, (20,), ("prompt 20",))
+    assert (plan.kind, plan.prompt_seqs, plan.prompts) == (R, (1,), ("prompt 1",))
     sched.complete(plan, clock.now + COST, COST)
     clock.now += COST
-    sched.set_prompt("a", clock.now, "prompt 21")
-    assert set(sched._streams["a"].prompt_texts) <= {0, 20, 21}
+    plans = clock.launch(5)  # the chunk under "prompt 1"
+    assert [(p.kind, p.prompts) for p in plans] == [(D, ("prompt 1",))] * 4 + [(C, ("prompt 1",))]
+    plan = sched.next(clock.now)
+    assert (plan.kind, plan.prompt_seqs, plan.prompts) == (R, (20,), ("prompt 20",))
 
 
 def test_a_new_prompt_adds_a_recache_before_the_next_chunk():
@@ -437,20 +440,53 @@ def test_a_recache_that_would_cause_a_stall_waits_one_chunk():
     assert (plan.kind, plan.prompt_seqs) == (R, (1,))
 
 
-def test_a_prompt_during_a_recache_in_flight_needs_another_recache():
+def test_a_prompt_during_a_recache_in_flight_takes_the_next_chunk():
+    """One prompt switch a chunk (prompts are coalesced in the scheduler): the chunk after the recache runs under the
+    prompt recached, and the one that came meanwhile (the newest of any more) gets the recache after that chunk."""
     sched = make()
     admit(sched, "a")
     clock = Clock(sched)
     clock.run(5)
     sched.observe_buffer("a", 16, clock.now)  # 1 s: room for two recaches
-    sched.set_prompt("a", clock.now)
+    sched.set_prompt("a", clock.now, "one")
     plan = sched.next(clock.now)
     assert plan.kind is R and plan.prompt_seqs == (1,)
-    sched.set_prompt("a", clock.now)  # arrives while the recache runs
+    sched.set_prompt("a", clock.now, "two")  # arrives while the recache runs
     sched.complete(plan, clock.now + COST, COST)
     clock.now += COST
+    assert sched.stream_stats("a", clock.now).prompt_pending is False  # not before the next chunk
+    plans = clock.launch(5)  # the chunk: 4 steps and its commit, under "one", no restart
+    assert [(p.kind, p.prompt_seqs, p.prompts, p.restart) for p in plans] == [
+        (D, (1,), ("one",), (False,))] * 4 + [(C, (1,), ("one",), (False,))]
     plan = sched.next(clock.now)
-    assert (plan.kind, plan.prompt_seqs) == (R, (2,))
+    assert (plan.kind, plan.prompt_seqs, plan.prompts) == (R, (2,), ("two",))
+
+
+def test_fifty_prompts_in_a_chunk_restart_it_once_and_the_newest_takes_the_next():
+    """A flood while a chunk runs: the first prompt may restart the chunk (slack allows), no later one does; the
+    chunk after runs under the newest of them, after one recache."""
+    sched = make()
+    admit(sched, "a")
+    clock = Clock(sched)
+    clock.run(5)
+    clock.run(2)  # steps 0 and 1 of the next chunk under prompt 0
+    sched.observe_buffer("a", 20, clock.now)  # 1.25 s: room to redo the chunk (as the restart test above)
+    kinds, restarts = [], 0
+    for k in range(50):
+        sched.set_prompt("a", clock.now, f"prompt {k}")
+        plan = sched.next(clock.now)
+        clock.now += COST
+        if plan is None:
+            continue
+        sched.complete(plan, clock.now, COST, deliver=False)
+        kinds.append(plan.kind)
+        restarts += any(plan.restart)
+        if plan.kind is C:
+            break
+    assert restarts == 1 and kinds.count(R) == 1
+    plan = sched.next(clock.now)
+    assert plan.kind is R and plan.prompts == ("prompt " + str(plan.prompt_seqs[0] - 1),)
+    assert plan.prompt_seqs[0] > 1  # a newer one than the prompt that restarted the chunk
 
 
 # ----- batching -----------------------------------------------------------------------------------
