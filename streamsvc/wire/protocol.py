@@ -283,7 +283,9 @@ class Watch(_Message):
 
 
 class SetPrompt(_Message):
-    """Steer the stream. Answered by ``ack`` carrying the prompt version it will be generated under."""
+    """Steer the stream. Answered at once by ``ack`` carrying the prompt's own version: its frames carry it, unless a
+    newer prompt came before its chunk (prompts are coalesced: of those between two chunks the newest shows), so a
+    frame of this version or a later one means it took effect."""
 
     type: Literal["set_prompt"] = "set_prompt"
     prompt: Prompt
@@ -438,7 +440,7 @@ class Chunk(_Message):
 
 
 class Ack(_Message):
-    """A request was applied. For ``set_prompt``, the version its frames will carry."""
+    """A request was applied. For ``set_prompt``, the prompt's version (its frames carry it, or a later one's)."""
 
     type: Literal["ack"] = "ack"
     request: ClientType
