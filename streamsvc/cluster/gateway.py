@@ -24,9 +24,10 @@ and the replica checks it (as it checks a `take`'s steer secret, relayed with th
 messages); an id that names no replica gets the replica's own answer to a wrong secret, so that ids
 cannot be probed through the gateway either.
 
-WHEP and WHIP (issue 36): a WHEP POST is a connection of this handler (streamsvc/door/whep.py), so a new stream is placed
-as a /ws start is and a watch goes to its stream's replica; its DELETE closes that connection, which ends the session
-on the replica. A WHIP POST and its DELETE are forwarded to the stream's replica (streamsvc/cluster/whip_relay.py).
+WHEP and WHIP (issue 36): a WHEP POST is a connection of this handler (streamsvc/door/whep.py), so a new stream is
+placed as a /ws start is and a watch goes to its stream's replica; its DELETE closes that connection, which ends the
+session on the replica. A WHIP POST and its DELETE are forwarded to the stream's replica
+(streamsvc/cluster/whip_relay.py).
 
 WebRTC: signaling rides the relayed WebSocket; the answer comes from the replica's own peer
 connection with its host's candidates, so media flows between the browser and the replica directly.
@@ -53,8 +54,8 @@ from streamsvc.door.access import Refusal, StreamLimits, exposure_warning
 from streamsvc.door.cpumeter import CpuMeter
 from streamsvc.door.front import Connection, ConnectionClosed
 from streamsvc.door.guard import Guard, raise_fd_limit
-from streamsvc.door.routes import (RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequest, check_origin, metrics_refusal, reply,
-                                   static_file)
+from streamsvc.door.routes import (RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequest, check_origin, metrics_refusal,
+                                   reply, static_file)
 from streamsvc.door.whep import Endpoints
 from streamsvc.metrics import Metrics
 from streamsvc.viewers.server import Server, ServerConfig
@@ -106,7 +107,8 @@ class Gateway(Server):
         self._front = self._metrics_front = None  # the port (streamsvc/door/front.py), --metrics-port's
         self._renewer: asyncio.Task | None = None
         self._relays: set[asyncio.Task] = set()
-        # WHEP sessions are connections of _handle (placed and relayed as /ws viewers); WHIP goes to the stream's replica
+        # WHEP sessions are connections of _handle (placed and relayed as /ws viewers); WHIP goes to the stream's
+        # replica
         self.whep = Endpoints(self, whip=RelayedIngest(self))
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -5,8 +5,8 @@ first item says where it runs (`Placement`); then come, in order, everything the
 sent on the viewer's WebSocket (text messages as str, chunks as bytes, and a `{"close": [code,
 reason]}` where it would close the socket). The viewer's later messages arrive as `feed(...)` calls
 pinned to this replica (streamsvc/cluster/router.py). `RelayConnection` is the `Connection`
-(streamsvc/door/front.py) the server's WebSocket handler sees instead of a socket, so admission, rate limits, prompt coalescing, WebRTC
-signaling and every reply are the server's own code.
+(streamsvc/door/front.py) the server's WebSocket handler sees instead of a socket, so admission, rate limits, prompt
+coalescing, WebRTC signaling and every reply are the server's own code.
 
 Ray does not cancel a streaming call whose caller died, so the gateway renews its sessions' leases
 (`renew`, every second); a session not renewed for `lease_s` ends as if its viewer had left (a

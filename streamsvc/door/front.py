@@ -144,7 +144,8 @@ class WebSocketConnection:
 
     def buffered(self) -> int:
         """Bytes written and not yet handed to the kernel (the transport's buffer: aiohttp waits for it to drain
-        only every 256 KiB): what a viewer's outbox counts with its own against its bound (streamsvc/viewers/outbox.py)."""
+        only every 256 KiB): what a viewer's outbox counts with its own against its bound
+        (streamsvc/viewers/outbox.py)."""
         return self._transport.get_write_buffer_size() if self._transport is not None else 0
 
     @property

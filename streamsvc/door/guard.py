@@ -15,8 +15,8 @@ Per address, as token buckets (access.RequestRates): HTTP requests (--http-rate:
 and messages before start or watch (--connect-rate: an upgrade past it gets 429, a message closes its connection).
 Each WebSocket (`ConnectionGuard`) must send start or watch within --start-timeout, and is closed after
 --max-protocol-errors bad messages within access.PROTOCOL_ERROR_WINDOW_S (a stream's malformed input messages count),
-or when its viewer does not read (its outbox past its bound, streamsvc/viewers/outbox.py: `slow_client`). Closes use code
-1008 (policy violation) with the reason in words; every refusal and close is counted in /metrics by its Refusal
+or when its viewer does not read (its outbox past its bound, streamsvc/viewers/outbox.py: `slow_client`). Closes use
+code 1008 (policy violation) with the reason in words; every refusal and close is counted in /metrics by its Refusal
 reason, and the log lines they cause are rate-limited (access.LogGate). Once its viewer is done (its stream ended, or
 it left), a WebSocket is closed (1000) and nothing more it sends is read.
 """
@@ -113,8 +113,9 @@ class Guard:
         total, per_client = self.clients.total, self.clients.per_client
         http_rate, connect_rate = access.http_rate, access.connect_rate
         log.info("connections: at most %d in total and %d per address (WebSockets; sockets of any kind are dropped "
-                 "past %d in total and %d per address); a WebSocket without start or watch is closed after %g s; per address a second: %g HTTP "
-                 "requests (burst %d), %g upgrades and messages before start (burst %d); %d protocol errors within "
+                 "past %d in total and %d per address); a WebSocket without start or watch is closed after %g s; "
+                 "per address a second: %g HTTP requests (burst %d), %g upgrades and messages before start "
+                 "(burst %d); %d protocol errors within "
                  "%g s close a connection", total, per_client, self.sockets.total, self.sockets.per_client,
                  access.start_timeout_s, http_rate.per_s, http_rate.burst, connect_rate.per_s, connect_rate.burst,
                  access.max_protocol_errors, PROTOCOL_ERROR_WINDOW_S)
@@ -236,8 +237,8 @@ class ConnectionGuard:
         return False
 
     def backlogged(self, text: str) -> None:
-        """The connection's viewer does not read: its outbox passed its bound (streamsvc/viewers/outbox.py). Closed (1008)
-        without reading more; a peer that reads nothing of what is queued is dropped (front.Connection.close)."""
+        """The connection's viewer does not read: its outbox passed its bound (streamsvc/viewers/outbox.py). Closed
+        (1008) without reading more; a peer that reads nothing of what is queued is dropped (front.Connection.close)."""
         self._close(Refusal.SLOW_CLIENT, text, linger=False)
 
     def ended(self, text: str) -> None:

@@ -4,14 +4,15 @@ watches a stream with one HTTP POST of its SDP offer (draft-ietf-wish-whep; issu
 The endpoints (paths under WHEP_PATH; `Endpoints.handle` answers them, the front awaits its reply):
 
 - ``POST /whep?prompt=...`` (optional ``&fps=``, ``&seed=``) with an SDP offer (``Content-Type: application/sdp``):
-  a new stream, steered by this session (``&input=1``, optional ``&strength=``: it takes a WHIP publisher's video). ``201 Created``, the answer, ``Location`` (the session, SESSION_PATH + a
-  128-bit secret), and the stream's capabilities in headers: ``X-Stream-Id``, ``X-Watch-Url`` (a WHEP URL that
-  watches it), ``X-Watch-Secret``, ``X-Steer-Secret``. With a data channel named ``control`` in the offer, the
-  player steers over it with the protocol's JSON as our player does (streamsvc/transport/webrtc.py). Without one
-  the stream plays on its start prompt, and a client with the steer secret may take the steer token from the WHEP
-  session over /ws (`take`; streamsvc/viewers/streams.py lets it, since a steerer without a control channel cannot steer).
-  ``X-Steer-Secret`` holds while this session steers: a handover or a take sends the new steerer a new one (in its
-  ``audience``) and revokes this one (a take, or a WHIP publish with it, is refused; a WHIP publisher under it ends).
+  a new stream, steered by this session (``&input=1``, optional ``&strength=``: it takes a WHIP publisher's video).
+  ``201 Created``, the answer, ``Location`` (the session, SESSION_PATH + a 128-bit secret), and the stream's
+  capabilities in headers: ``X-Stream-Id``, ``X-Watch-Url`` (a WHEP URL that watches it), ``X-Watch-Secret``,
+  ``X-Steer-Secret``. With a data channel named ``control`` in the offer, the player steers over it with the protocol's
+  JSON as our player does (streamsvc/transport/webrtc.py). Without one the stream plays on its start prompt, and a
+  client with the steer secret may take the steer token from the WHEP session over /ws (`take`;
+  streamsvc/viewers/streams.py lets it, since a steerer without a control channel cannot steer). ``X-Steer-Secret``
+  holds while this session steers: a handover or a take sends the new steerer a new one (in its ``audience``) and
+  revokes this one (a take, or a WHIP publish with it, is refused; a WHIP publisher under it ends).
 - ``POST /whep/{stream}?secret=WATCH_SECRET``: watch an open stream (the secret in the query: OBS and GStreamer
   take a URL, and a URL's query is where the player's watch links keep it too). A wrong or missing secret and an
   unknown stream get the same 404, as a /ws watch does.
@@ -268,7 +269,8 @@ class Endpoints:
             offer = request.body.decode("utf-8")
             check_offer(offer, max_candidates=MAX_REMOTE_CANDIDATES, publish=path.startswith("/whip"))
         except (UnicodeDecodeError, SignalingError) as e:
-            return _text(http.HTTPStatus.BAD_REQUEST, f"bad offer: {e if isinstance(e, SignalingError) else 'not UTF-8'}")
+            return _text(http.HTTPStatus.BAD_REQUEST,
+                         f"bad offer: {e if isinstance(e, SignalingError) else 'not UTF-8'}")
         if path.startswith("/whip"):
             return self.whip.publish(self, request, stream, offer)
         first = self._first_message(request, stream)

@@ -31,7 +31,8 @@ class EngineConfig:
     decoder: str = "auto"  # tiny | wan-vae | taehv | auto (wan-vae with wan_dir, else tiny)
     taehv: str | None = None  # TAEHV's taew2_1.pth, for decoder taehv
     # a whole model file (DiT, decoder, text vectors): "builtin" (the tiny preset's, shipped), a path, "auto" (builtin
-    # for the tiny preset without checkpoint or wan_dir); None / "random": the fields above (models.model_file.resolve_weights)
+    # for the tiny preset without checkpoint or wan_dir); None / "random": the fields above
+    # (models.model_file.resolve_weights)
     weights: str | None = None
     generator: GeneratorConfig = GeneratorConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -50,7 +51,8 @@ class EngineConfig:
     park_budget_bytes: int = 8 * 2**30
     park_timeout_s: float = 300.0  # a stream parked longer is ended ("park_expired")
     input_latency_s: float = 0.5  # input video: a chunk is due this long after its last input frame (--input-latency)
-    # --parallel K: each forward split over a group of K ranks, this process rank 0 on `device` (streamsvc/engine/lockstep.py)
+    # --parallel K: each forward split over a group of K ranks, this process rank 0 on `device`
+    # (streamsvc/engine/lockstep.py)
     group: "GroupConfig | None" = None
 
     def __post_init__(self) -> None:

@@ -468,7 +468,8 @@ class Engine:
         if self._is_open(stream):  # not a closed stream whose id was opened again
             self.sched.delivered(stream.stream_id, now)
             if out.fast:
-                self.sched.mark_late(stream.stream_id, now, f"chunk {out.header.index} encoded cheaper to meet its deadline")
+                self.sched.mark_late(stream.stream_id, now,
+                                     f"chunk {out.header.index} encoded cheaper to meet its deadline")
 
     def _encode_by(self, stream_id: str) -> float | None:
         """The latest start of a normal encode of the stream's newest chunk: its viewer's deadline less the output
@@ -518,7 +519,8 @@ class Engine:
         gen = self.gen
         spec = gen.cache_spec()
         req = StreamRequest(
-            stream_id, prompt=prompt, fps=float(fps), first_chunk_frames=gen.frames_in_chunk(0), chunk_frames=gen.frames_in_chunk(1),
+            stream_id, prompt=prompt, fps=float(fps), first_chunk_frames=gen.frames_in_chunk(0),
+            chunk_frames=gen.frames_in_chunk(1),
             input_start_step=None if input is None else self.inputs.start_step(strength)[0],
             input_latency_s=self.config.input_latency_s)
         admission = self.sched.admit(req, self.clock(), kv_refusal=self.pool.refusal(spec, self.decoder_bytes))
@@ -528,7 +530,8 @@ class Engine:
             cache = self.pool.allocate_or_raise(stream_id, spec, self.decoder_bytes)
             state = gen.open_stream(stream_id, prompt, seed, cache)
             # on a GPU host, two x264 threads per stream: the encode is part of every chunk's latency
-            spec = EncoderSpec(gen.model_cfg.width, gen.model_cfg.height, fps, threads=2 if gen.device.type == "cuda" else 1)
+            spec = EncoderSpec(gen.model_cfg.width, gen.model_cfg.height, fps,
+                               threads=2 if gen.device.type == "cuda" else 1)
         except Exception:
             self.sched.remove(stream_id)
             self.pool.release(stream_id)
@@ -578,7 +581,8 @@ class Engine:
         self.sched.remove(stream_id)
         self.inputs.close(stream_id)
         self.parking.drop(stream_id)  # a paused stream's host memory goes (with the parked copies)
-        if st is not None:  # a paused one's too: a group's workers forget its parked copy (streamsvc/engine/lockstep.py)
+        # a paused one's too: a group's workers forget its parked copy (streamsvc/engine/lockstep.py)
+        if st is not None:
             self.gen.close_stream(st.state)
         self.pool.release(stream_id)  # launched forwards that write it run first on the device's one queue
         self._kv_used_bytes = self.pool.used_bytes

@@ -53,8 +53,8 @@ starts.
 
 What a sender's frames may cost (``ReceiverGate``, issue 41): the jitter buffer hands each whole frame to the
 stream's ``InputGate`` (streamsvc/inputs/gate.py) before aiortc's decoder sees it. A frame that declares a size over
-the pixel cap (an H.264 SPS, a VP8 key frame: streamsvc/inputs/bitstream.py) is never decoded and refuses the input on that
-frame (``on_refused``: WHIP ends the session, the camera stops its receiver and its decoder, and the viewer gets an
+the pixel cap (an H.264 SPS, a VP8 key frame: streamsvc/inputs/bitstream.py) is never decoded and refuses the input on
+that frame (``on_refused``: WHIP ends the session, the camera stops its receiver and its decoder, and the viewer gets an
 ``input_refused`` error); frames over the rate (``MAX_RTC_FPS``) are dropped undecoded, a reference frame with its
 group of pictures, with a PLI to the sender for the next key frame. The decoder thread's CPU time
 (``time.pthread_getcpuclockid`` of aiortc's ``aiortc_hooks.decoder_thread``) is charged to the gate's budget and

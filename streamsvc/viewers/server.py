@@ -14,10 +14,11 @@ refusal says why on the wire and is counted in /metrics by reason. Prompts are c
 scheduler: one recache per chunk at most, however fast a viewer sends them.
 
 Here: the server's life (the engine, the listening socket), the engine's chunks to each stream's viewers, and a
-connection's WebSocket: who may start or watch a stream, its `ready`, its sender. Beside it: streamsvc/viewers/streams.py
-(what happens in an open stream once a viewer is in: its control messages, leaving, ending), streamsvc/door/routes.py
-(the HTTP routes, behind an interface any front can serve), streamsvc/door/front.py (the port itself: aiohttp's HTTP
-and WebSocket server, and the `Connection` a session talks through) and streamsvc/metrics.py (the metrics).
+connection's WebSocket: who may start or watch a stream, its `ready`, its sender. Beside it:
+streamsvc/viewers/streams.py (what happens in an open stream once a viewer is in: its control messages, leaving,
+ending), streamsvc/door/routes.py (the HTTP routes, behind an interface any front can serve), streamsvc/door/front.py
+(the port itself: aiohttp's HTTP and WebSocket server, and the `Connection` a session talks through) and
+streamsvc/metrics.py (the metrics).
 """
 
 from __future__ import annotations
@@ -261,7 +262,8 @@ class Server:
 
     def _route(self, request: HttpRequest) -> HttpReply | None:
         """The routes' reply to a request on the port; None: the WebSocket upgrade goes on (the gateway has its
-        own). Its CPU is stream-less work (self.streamless). WHEP and WHIP: streamsvc/door/whep.py (the front awaits them)."""
+        own). Its CPU is stream-less work (self.streamless). WHEP and WHIP: streamsvc/door/whep.py (the front awaits
+        them)."""
         if Endpoints.takes(request.path):
             return self.whep.handle(request)
         with self.streamless.measure():
@@ -397,8 +399,8 @@ class Server:
         outbox = Outbox(self.config.outbox, self.clock, below=getattr(ws, "buffered", lambda: 0),
                         on_dropped=self.metrics.replies_dropped.inc)
         return Viewer(f"v{next(self._viewer_ids)}", session, role, token=token, address=self._address(ws),
-                      control_rate=TokenBucket(access.control_rate, now), stats_rate=TokenBucket(access.stats_rate, now),
-                      outbox=outbox)
+                      control_rate=TokenBucket(access.control_rate, now),
+                      stats_rate=TokenBucket(access.stats_rate, now), outbox=outbox)
 
     async def _start(self, ws: Connection, msg: P.Start) -> Viewer | None:
         client = await self._let_in(ws, msg)

@@ -80,7 +80,8 @@ class Viewer:
     queued_end: int = 0  # stream index after the last frame queued for it
     left: bool = False  # its connection is gone (or it closed): nothing more is put in its outbox
     rtc: object | None = None  # its WebRTC transport (streamsvc.transport.webrtc.WebRtcTransport), if any
-    # messages for the transport, in order: a ChunkOut, a protocol model, or None (end); bounded (streamsvc/viewers/outbox.py)
+    # messages for the transport, in order: a ChunkOut, a protocol model, or None (end); bounded
+    # (streamsvc/viewers/outbox.py)
     outbox: Outbox = field(default_factory=Outbox)
 
     # what a transport reads of its stream (WebRtcTransport takes a viewer where it took a session)
@@ -168,7 +169,8 @@ class Session:
     address: str = ""  # the client address that opened it (it counts against the address's limit)
     track_queues: dict[str, float] = field(default_factory=dict)  # frames queued in each WebRTC viewer's track
     audience_due: bool = False  # an `audience` message to every viewer is on its way
-    input: object | None = None  # its input video's timeline (streamsvc.inputs.frames.InputFrames), if its start asked for it
+    # its input video's timeline (streamsvc.inputs.frames.InputFrames), if its start asked for it
+    input: object | None = None
     description: StreamDescription | None = None  # what admission described it as (its viewers' `ready`)
     _paused_from: SessionState = SessionState.PLAYING
 
@@ -281,7 +283,8 @@ class Session:
         if self.input is not None:
             self.input.resume()
         if self.state is SessionState.PAUSED:
-            self.transition(SessionState.PLAYING if self._paused_from is not SessionState.STARTING else SessionState.STARTING)
+            self.transition(SessionState.PLAYING if self._paused_from is not SessionState.STARTING
+                            else SessionState.STARTING)
 
     def delivered(self, now: float) -> None:
         """A chunk went out to the transport."""

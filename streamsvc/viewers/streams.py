@@ -2,9 +2,9 @@
 (prompts, pause and resume, the steer token, recording, stats, WebRTC offers), the `audience` each viewer hears, a
 viewer leaving and a stream ending.
 
-streamsvc/viewers/server.py admits viewers (`start`, `watch`), carries their messages and hands each one after the first to
-`Streams.control`. Each stream's control messages are rate-limited (streamsvc/door/access.py); a refusal says why on the
-wire and is counted in /metrics by reason. Prompts are coalesced by the scheduler: one recache per chunk at
+streamsvc/viewers/server.py admits viewers (`start`, `watch`), carries their messages and hands each one after the first
+to `Streams.control`. Each stream's control messages are rate-limited (streamsvc/door/access.py); a refusal says why on
+the wire and is counted in /metrics by reason. Prompts are coalesced by the scheduler: one recache per chunk at
 most, however fast a viewer sends them. A stream whose steerer left goes on for its watchers until one takes the
 steer token (`take` needs the stream's steer secret: a watch link does not carry it), or the orphan timeout ends it.
 The steer secret follows the token: a handover or a take sends the new steerer a new one in its `audience` and
@@ -103,7 +103,8 @@ class Streams:
             elif isinstance(msg, P.Offer):
                 if viewer.rtc is None:
                     viewer.send(P.Error(code=P.ErrorCode.INVALID_FIELD, message=(
-                        f"this connection's transport is 'ws'; send {viewer.role.value == 'watch' and 'watch' or 'start'}"
+                        "this connection's transport is 'ws'; send "
+                        f"{viewer.role.value == 'watch' and 'watch' or 'start'}"
                         " with transport 'webrtc' to use an offer")))
                     return
                 try:

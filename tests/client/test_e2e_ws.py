@@ -129,7 +129,8 @@ async def test_the_load_test_learns_the_servers_vocabulary_from_one_short_stream
     from models.scenes import vocabulary
 
     async with running(engine_config(weights="builtin")) as server:
-        assert await asyncio.wait_for(loadtest_prompts.probe_vocabulary(url(server), None, T), 2 * T) == (True, vocabulary())
+        assert (await asyncio.wait_for(loadtest_prompts.probe_vocabulary(url(server), None, T), 2 * T)
+                == (True, vocabulary()))
         assert await wait_for_server(lambda: not server.sessions)
     full = Server(engine_config(), ServerConfig(port=0, max_streams=0))  # every stream refused
     await asyncio.wait_for(full.start(), 60)
@@ -179,7 +180,8 @@ async def test_a_client_dropped_mid_stream_leaves_the_kv_pool_at_its_baseline(se
         ws.transport.abort()  # no close frame: the TCP connection just goes away
 
         assert await wait_for_server(lambda: ready.stream_id not in server.sessions)
-        assert await wait_for_server(lambda: server.engine.stats().kv_used_bytes == with_one)  # the other one's cache stays
+        # the other one's cache stays
+        assert await wait_for_server(lambda: server.engine.stats().kv_used_bytes == with_one)
         n = stays.chunks
         assert await stays.wait_until(lambda: stays.chunks >= n + 2, T)  # and still plays
     assert await wait_for_server(lambda: server.engine.stats().kv_used_bytes == baseline and not server.sessions)

@@ -1,6 +1,7 @@
 """A Python viewer's camera over WebRTC (issue 35): client/webrtc_client.py sends its ClientConfig.input (a scene of
-models/scenes.py) as a camera track (client/rtc_camera.py), its stream's input, the server reads it (streamsvc/inputs/rtc.py) and the client
-measures glass-to-glass latency from the chunk headers' capture_ms, in its own clock."""
+models/scenes.py) as a camera track (client/rtc_camera.py), its stream's input, the server reads it
+(streamsvc/inputs/rtc.py) and the client measures glass-to-glass latency from the chunk headers' capture_ms, in its own
+clock."""
 
 from __future__ import annotations
 

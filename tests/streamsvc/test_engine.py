@@ -42,7 +42,8 @@ class Collector:
 @pytest.fixture
 def engine():
     got = Collector()
-    eng = Engine(EngineConfig(preset="tiny", device="cpu", scheduler=SchedulerConfig(buffer_cap_s=2.0, max_batch=4), warmup_chunks=5),
+    eng = Engine(EngineConfig(preset="tiny", device="cpu", scheduler=SchedulerConfig(buffer_cap_s=2.0, max_batch=4),
+                              warmup_chunks=5),
                  got.on_chunk, got.on_error)
     eng.start().result(timeout=60)
     yield eng, got
@@ -77,8 +78,10 @@ def test_streams_get_their_chunks_in_order_and_prompts_take_effect(engine):
         frames = [f for c in chunks for au in c.access_units for f in dec.decode(au)]
         assert len(frames) == sum(c.header.frames for c in chunks) and frames[0].shape == (128, 128, 3)
         assert all(c.latency_s > 0 for c in chunks)
-    assert eng.stats().forwards["denoise"] >= 4 * eng.stats().forwards["commit"] > 0 and eng.stats().forwards["recache"] >= 1
-    assert eng.stats().gpu_seconds["denoise"] > 0 and eng.stats().chunks_encoded >= len(got.chunks["a"]) + len(got.chunks["b"])
+    assert eng.stats().forwards["denoise"] >= 4 * eng.stats().forwards["commit"] > 0
+    assert eng.stats().forwards["recache"] >= 1
+    assert eng.stats().gpu_seconds["denoise"] > 0
+    assert eng.stats().chunks_encoded >= len(got.chunks["a"]) + len(got.chunks["b"])
 
 
 def test_close_frees_the_stream_and_unknown_streams_are_errors(engine):
@@ -123,7 +126,8 @@ def test_keep_freed_memory_serves_large_cpu_tensors_from_the_heap():
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in
-                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")]
 
     try:
         mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
@@ -182,7 +186,8 @@ def test_a_paused_stream_parks_in_host_memory_and_resumes_exactly_where_it_was()
         assert paused.stream_id == "a" and paused.device_bytes == reservation and paused.seconds >= 0
         assert paused.nbytes > eng.gen.cache_spec().stream_bytes()
         assert eng.stats().kv_used_bytes == eng.pool.used_bytes == used - reservation
-        assert (eng.stats().parked_streams, eng.stats().parked_bytes, eng.stats().parks, eng.stats().restores) == (1, paused.nbytes, 1, 0)
+        assert (eng.stats().parked_streams, eng.stats().parked_bytes, eng.stats().parks,
+                eng.stats().restores) == (1, paused.nbytes, 1, 0)
         assert eng.sched.is_parked("a") and eng.stats().park_seconds == eng.stats().last_park_seconds == paused.seconds
         assert eng.stats().last_restore_seconds is None
         with pytest.raises(EngineError, match="'a' is already paused"):
@@ -193,7 +198,8 @@ def test_a_paused_stream_parks_in_host_memory_and_resumes_exactly_where_it_was()
         assert eng.set_prompt("a", prompts[2]).result(timeout=10).version == 2  # steered while parked
         resumed = eng.resume("a").result(timeout=20)
         assert (resumed.nbytes, resumed.device_bytes) == (paused.nbytes, reservation)
-        assert eng.stats().kv_used_bytes == used and (eng.stats().parked_streams, eng.stats().parked_bytes, eng.stats().restores) == (0, 0, 1)
+        assert eng.stats().kv_used_bytes == used
+        assert (eng.stats().parked_streams, eng.stats().parked_bytes, eng.stats().restores) == (0, 0, 1)
         assert eng.stats().restore_seconds == eng.stats().last_restore_seconds == resumed.seconds
         with pytest.raises(EngineError, match="'a' is not paused"):
             eng.resume("a").result(timeout=10)
@@ -246,7 +252,8 @@ def test_a_park_larger_than_its_reservation_is_counted_whole_and_refuses_the_nex
         eng.gen.park_bytes = lambda state: 1  # what pause() reserves: far less than what the park copies
         paused = eng.pause("a").result(timeout=20)
         assert paused.nbytes > 1000
-        assert eng.stats().parked_bytes == eng.park_budget.used_bytes == paused.nbytes  # the host memory it really holds
+        # the host memory it really holds
+        assert eng.stats().parked_bytes == eng.park_budget.used_bytes == paused.nbytes
         assert eng.park_budget.free_bytes == 1000 - paused.nbytes < 0
         with pytest.raises(EngineError, match="cannot pause stream 'b': parking needs"):
             eng.pause("b").result(timeout=10)
@@ -266,7 +273,8 @@ def test_a_stream_parked_past_the_timeout_is_ended_and_its_memory_freed():
         offset[0] += 61.0  # a minute later
         got.wait(lambda g: g.errors)
         assert got.errors == [("a", got.errors[0][1], "park_expired")] and "--park-timeout" in got.errors[0][1]
-        assert (eng.stats().parked_streams, eng.stats().parked_bytes, eng.park_budget.used_bytes, eng.stats().kv_used_bytes) == (0, 0, 0, 0)
+        assert (eng.stats().parked_streams, eng.stats().parked_bytes, eng.park_budget.used_bytes,
+                eng.stats().kv_used_bytes) == (0, 0, 0, 0)
         assert "a" not in eng.sched
         with pytest.raises(EngineError, match="not open"):
             eng.resume("a").result(timeout=10)
@@ -309,7 +317,8 @@ def test_closing_a_paused_stream_frees_its_host_memory():
         eng.pause("a").result(timeout=20)
         assert eng.stats().parked_bytes > 0
         assert eng.close_stream("a").result(timeout=10) is True
-        assert (eng.stats().parked_streams, eng.stats().parked_bytes, eng.stats().kv_used_bytes) == (0, 0, 0) and "a" not in eng.sched
+        assert (eng.stats().parked_streams, eng.stats().parked_bytes, eng.stats().kv_used_bytes) == (0, 0, 0)
+        assert "a" not in eng.sched
     finally:
         eng.stop()
 

@@ -1,5 +1,5 @@
-"""The port (streamsvc/door/front.py, aiohttp) over loopback, with the real routes (streamsvc/door/routes.py) and no engine:
-WebSocket limits (1009, the handshake deadline), bad request targets, recordings served in bounded pieces with
+"""The port (streamsvc/door/front.py, aiohttp) over loopback, with the real routes (streamsvc/door/routes.py) and no
+engine: WebSocket limits (1009, the handshake deadline), bad request targets, recordings served in bounded pieces with
 Range and a per-client cap, request bodies, the metrics' token, the connection hook.
 
 Raw sockets where a client library would not send what a hostile client sends. Every wait is bounded."""

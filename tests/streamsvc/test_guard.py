@@ -209,7 +209,8 @@ def test_serve_flags_reach_the_access_config():
 
 def test_serve_raises_the_soft_fd_limit_to_the_hard_one():
     code = "import logging, resource; logging.basicConfig(level=logging.INFO); " \
-           "from streamsvc.door.guard import raise_fd_limit; print(raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))"
+           "from streamsvc.door.guard import raise_fd_limit; " \
+           "print(raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512)))
     assert out.stdout.split("\n")[0] == "512 (512, 512)"

@@ -1,5 +1,5 @@
-"""`streamsvc generate --parallel K` (streamsvc/offline.py generate_parallel, streamsvc/engine/group.py): K gloo ranks on
-the CPU give one process's frames, and a rank that dies or hangs ends the command with a clear error.
+"""`streamsvc generate --parallel K` (streamsvc/offline.py generate_parallel, streamsvc/engine/group.py): K gloo ranks
+on the CPU give one process's frames, and a rank that dies or hangs ends the command with a clear error.
 
 The group runs in this process (rank 0, through the CLI's main()) with K-1 spawned workers. 10 chunks of
 the tiny model with a small window (sink 3 + window 6: the ring turns from the fourth chunk on) and a
@@ -31,7 +31,8 @@ def reference(tmp_path_factory):
     torch.set_num_threads(1)
     out, refs = tmp_path_factory.mktemp("one"), {}
     for weights in ("builtin", "random"):
-        assert main(RUN + ["--weights", weights, "-o", str(out / f"{weights}.mp4"), "--dump", str(out / f"{weights}.pt")]) == 0
+        assert main(RUN + ["--weights", weights, "-o", str(out / f"{weights}.mp4"),
+                           "--dump", str(out / f"{weights}.pt")]) == 0
         refs[weights] = torch.load(out / f"{weights}.pt")
     return refs
 
@@ -41,7 +42,8 @@ def test_k_ranks_give_one_process_frames(tmp_path, capsys, reference, weights, k
     start = time.monotonic()
     args = RUN + ["--weights", weights, "--parallel", str(k), "--parallel-timeout", "60"]
     assert main(args + ["-o", str(tmp_path / "k.mp4"), "--dump", str(tmp_path / "k.pt")]) == 0
-    assert f"wrote 117 frames (128x128, 16 fps, H.264) to {tmp_path / 'k.mp4'} with {k} ranks" in capsys.readouterr().out
+    assert (f"wrote 117 frames (128x128, 16 fps, H.264) to {tmp_path / 'k.mp4'} with {k} ranks"
+            in capsys.readouterr().out)
     ref, got = reference[weights], torch.load(tmp_path / "k.pt")
     assert got["latents"].shape == ref["latents"].shape == (10, 16, 3, 16, 16)  # 10 chunks
     lat = (got["latents"] - ref["latents"]).abs().max().item()
@@ -86,8 +88,8 @@ def test_a_rank_killed_or_stopped_mid_run_ends_the_command_with_a_clear_error(tm
     timeout = 5
     out = tmp_path / "x.mp4"
     run = [a if a != "7.3" else "600" for a in RUN]  # 600 s of video: minutes
-    cmd = [sys.executable, "-m", "streamsvc.cli"] + run + ["--weights", "random", "--parallel", "2", "--parallel-timeout",
-                                                           str(timeout), "-o", str(out)]
+    cmd = [sys.executable, "-m", "streamsvc.cli"] + run + ["--weights", "random", "--parallel", "2",
+                                                           "--parallel-timeout", str(timeout), "-o", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90

@@ -1,6 +1,6 @@
 """The chunks a stream keeps for watchers who join, and where a newcomer starts; a viewer's buffer as the stream's
-model counts it; a stream's secrets. (Prompts are coalesced by the scheduler: tests/streamsvc/scheduling/test_planner.py,
-and through a running server in tests/client/test_e2e_access.py.)"""
+model counts it; a stream's secrets. (Prompts are coalesced by the scheduler:
+tests/streamsvc/scheduling/test_planner.py, and through a running server in tests/client/test_e2e_access.py.)"""
 
 from types import SimpleNamespace
 
