@@ -41,7 +41,7 @@ from streamsvc.door.access import (AccessConfig, ProtocolErrors, Refusal, Stream
 from streamsvc.door.cpumeter import CpuMeter, MeteredClose
 from streamsvc.door.front import Connection, ConnectionClosed, FrontConfig, Handlers, HttpFront, tls_context
 from streamsvc.door.guard import ConnectionGuard, Guard, raise_fd_limit
-from streamsvc.door.routes import RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequest, Routes
+from streamsvc.door.routes import WS_PATH, HttpReply, HttpRequest, Routes
 from streamsvc.door.whep import Endpoints
 from streamsvc.door.whip import Ingest
 from streamsvc.engine.config import EngineConfig
