@@ -32,6 +32,7 @@ import random
 import re
 import signal
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ from streamsvc.scheduling import SendSampler
 from streamsvc.transport.webrtc import WebRtcTransport
 from streamsvc.transport.ws import send_outbox
 from streamsvc.viewers.outbox import Outbox, OutboxLimits
+from streamsvc.viewers.protocol import Admit, Input, Send, State, Violation, ViewerProtocol, Watch
 from streamsvc.viewers.record import RecordingStore
 from streamsvc.viewers.session import Role, Session, Viewer
 from streamsvc.viewers.streams import Streams, wire_vocabulary, wire_words
@@ -292,58 +294,58 @@ class Server:
         await self.streamless.run(self._connection(MeteredClose(ws, self.streamless, stream_less), conn), stream_less)
 
     async def _connection(self, ws: Connection, conn: _Connection) -> None:
+        """One WebSocket's viewer: its messages through its protocol (streamsvc/viewers/protocol.py), whose actions
+        are carried out here, in order."""
         viewer: Viewer | None = None
         sender: asyncio.Task | None = None
         guard = self.guard.connection(ws, self._address(ws))  # its start deadline, pre-start rate, protocol errors
         upstream: Upstream | None = None  # its input video, if it steers a stream that takes input over it
+        protocol = ViewerProtocol()
         try:
             async for raw in ws:
-                if viewer is not None and viewer.closed:
+                if protocol.state is State.CLOSED or viewer is not None and viewer.closed:
                     break  # its stream ended (or it left): nothing more of it is parsed; the sender closes it
-                if upstream is not None and isinstance(raw, bytes):
-                    try:
-                        await upstream.receive(raw)  # input video: decoded into its stream's input
-                    except P.ProtocolError:  # it broke the framing (answered): a protocol error
-                        self.metrics.errors.inc()
-                        if not guard.protocol_error():
-                            break
-                    continue
                 if viewer is None:
                     self.streamless.event()  # a junk flood's parsing is mostly aiohttp's: counted, if not timed
                     if not guard.message():
                         break
-                try:
-                    msg = P.parse_client(raw)
-                except P.ProtocolError as e:
-                    self.metrics.errors.inc()
-                    await self._send_now(ws, viewer, e.to_message())
-                    if not guard.protocol_error():
-                        break
-                    continue
-                if isinstance(msg, (P.Start, P.Watch)):
-                    if viewer is not None:
-                        await self._send_now(ws, viewer, P.Error(code=P.ErrorCode.ALREADY_STARTED, message=(
-                            f"this connection already {'steers' if viewer.role is Role.STEER else 'watches'} stream "
-                            f"{viewer.stream_id}; open another connection for another stream")))
+                else:
+                    protocol.role(viewer.role is Role.STEER)  # (a handover or a take moves the steer token)
+                actions = deque(protocol.receive(raw))
+                while actions:
+                    action = actions.popleft()
+                    if isinstance(action, Send):
+                        await self._send_now(ws, viewer, action.message)
+                    elif isinstance(action, Violation):
+                        self.metrics.errors.inc()
                         if not guard.protocol_error():
-                            break
-                        continue
-                    viewer = await (self._start(ws, msg) if isinstance(msg, P.Start) else self._watch(ws, msg))
-                    conn.viewer = viewer
-                    upstream = Upstream.for_viewer(viewer)
-                    if viewer is not None:
+                            protocol.closed()
+                    elif isinstance(action, Input):
+                        try:
+                            await upstream.receive(action.data)  # input video: decoded into its stream's input
+                        except P.ProtocolError:  # it broke the framing (answered): a protocol error
+                            actions.appendleft(Violation())
+                    elif isinstance(action, (Admit, Watch)):
+                        viewer = await (self._start(ws, action.start) if isinstance(action, Admit)
+                                        else self._watch(ws, action.watch))
+                        conn.viewer = viewer
+                        if viewer is None:
+                            actions.extend(protocol.refused())
+                            continue
+                        upstream = Upstream.for_viewer(viewer)
                         guard.started()
                         viewer.outbox.on_overflow(guard.backlogged)  # a client that does not read is closed
                         sender = asyncio.create_task(self._sender(ws, viewer, guard), name=f"send-{viewer.viewer_id}")
-                elif viewer is None:
-                    await ws.send(P.encode(P.Error(code=P.ErrorCode.NOT_STARTED,
-                                                   message=f"send 'start' or 'watch' before '{msg.type}'")))
-                    if not guard.protocol_error():
+                        actions.extend(protocol.admitted(viewer.stream_id, viewer.role is Role.STEER,
+                                                         takes_input=upstream is not None))
+                    else:  # Control: a request of its stream
+                        await self.streams.control(viewer, action.message)
+                        if viewer.closed:
+                            protocol.closed()
+                    if protocol.state is State.CLOSED:
                         break
-                else:
-                    await self.streams.control(viewer, msg)
-                    if viewer.closed:
-                        break
+                if protocol.state is State.CLOSED:
+                    break
         except ConnectionClosed:
             pass
         finally:
