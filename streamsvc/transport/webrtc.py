@@ -95,6 +95,7 @@ from streamsvc.transport.aiortc_hooks import (
 from streamsvc.transport.datachannel import DataChannelLimits, ReassemblyGuard
 from streamsvc.transport.ice import PeerReflexiveCap
 from streamsvc.transport.sdp import CheckedOffer, check_offer, reject_media
+from streamsvc.viewers.protocol import Send, Violation, ViewerProtocol
 from streamsvc.viewers.session import SessionState
 from streamsvc.wire import protocol as P
 from streamsvc.wire.rtc import (
@@ -274,6 +275,7 @@ class WebRtcTransport:
         self._inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue(maxsize=limits.inbox)
         self.inbox_dropped = 0  # messages dropped because the inbox was full
         self.errors = protocol_errors or ProtocolErrors(DEFAULT_MAX_PROTOCOL_ERRORS)
+        self.protocol = ViewerProtocol.on_channel(self.stream_id)  # what its data channel's messages mean
         self.guard = ReassemblyGuard(limits, on_refused=lambda what: self._refused(P.ErrorCode.TOO_LARGE, what),
                                      on_failed=lambda what: self._refused(P.ErrorCode.BAD_JSON, what))
         self.ice_guard = PeerReflexiveCap(config.max_remote_candidates, on_dropped=lambda addr: self._log_gated(
@@ -569,18 +571,16 @@ class WebRtcTransport:
             raw = await self._inbox.get()
             if raw is None or self._closed:
                 return
-            try:
-                msg = P.parse_client(raw)
-            except P.ProtocolError as e:
-                self.send_control(e.to_message())
-                self._protocol_error(f"a bad message on the data channel ({e.code.value}: {e.message[:200]})")
-                continue
-            if isinstance(msg, (P.Start, P.Offer)):
-                self.send_control(P.Error(code=P.ErrorCode.INVALID_FIELD,
-                                          message=f"send '{msg.type}' on the WebSocket, not on the data channel"))
-                self._protocol_error(f"'{msg.type}' on the data channel")
-                continue
-            await self._on_control(msg)
+            answer = None
+            for action in self.protocol.receive_on_channel(raw):  # streamsvc/viewers/protocol.py decides
+                if isinstance(action, Send):
+                    answer = action.message
+                    self.send_control(answer)
+                elif isinstance(action, Violation):
+                    self._protocol_error(f"a bad message on the data channel ({answer.code.value}: "
+                                         f"{answer.message[:200]})")
+                else:
+                    await self._on_control(action.message)
 
 
 def _held_back(count: int) -> str:

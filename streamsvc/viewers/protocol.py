@@ -6,7 +6,8 @@ socket, no engine and no clock: each event returns the actions to take, in order
 States: ``new`` (nothing asked yet), ``admitting`` (a ``start`` or ``watch`` is being decided), ``steering`` or
 ``watching`` (admitted; its role can change with a handover or a take), ``closed`` (nothing more of it is read).
 
-Events: a message that came (`receive`: text, or binary input video), `admitted` (with its role, and whether its
+Events: a message that came (`receive`: text, or binary input video; `receive_on_channel`: text on a WebRTC
+viewer's data channel, where only its stream's requests belong), `admitted` (with its role, and whether its
 stream takes input from it), `refused` (it may ask again), `role` (a handover or a take moved the steer token),
 `closed` (its stream ended, or it left).
 
@@ -85,6 +86,14 @@ class ViewerProtocol:
         self.takes_input = False  # it started a stream that takes its input video: its binary messages are frames
         self._held: list[str | bytes] = []  # what came while admitting
 
+    @classmethod
+    def on_channel(cls, stream_id: str) -> ViewerProtocol:
+        """The protocol of an admitted WebRTC viewer's data channel, for `receive_on_channel` (which of its requests
+        its role allows is its stream's to decide: a watcher's and a steerer's channel are the same here)."""
+        protocol = cls()
+        protocol.admitted(stream_id, steers=False)
+        return protocol
+
     def receive(self, data: str | bytes) -> list[Action]:
         """A message came."""
         if self.state is State.CLOSED:
@@ -112,6 +121,20 @@ class ViewerProtocol:
         if self.state is State.NEW:
             return [Send(P.Error(code=P.ErrorCode.NOT_STARTED, message=f"send 'start' or 'watch' before '{msg.type}'")),
                     Violation()]
+        return [Control(msg)]
+
+    def receive_on_channel(self, text: str) -> list[Action]:
+        """A message on an admitted WebRTC viewer's data channel: its stream's requests only (a start, a watch or an
+        offer belongs on the WebSocket that signals the peer connection)."""
+        if self.state not in (State.STEERING, State.WATCHING):
+            return []
+        try:
+            msg = P.parse_client(text)
+        except P.ProtocolError as e:
+            return [Send(e.to_message()), Violation()]
+        if isinstance(msg, (P.Start, P.Watch, P.Offer)):
+            return [Send(P.Error(code=P.ErrorCode.INVALID_FIELD,
+                                 message=f"send '{msg.type}' on the WebSocket, not on the data channel")), Violation()]
         return [Control(msg)]
 
     def admitted(self, stream_id: str, steers: bool, takes_input: bool = False) -> list[Action]:

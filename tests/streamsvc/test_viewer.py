@@ -115,3 +115,17 @@ def test_once_closed_nothing_more_is_read():
     v.closed()
     assert v.state is State.CLOSED
     assert v.receive(msg("set_prompt", prompt="x")) == [] and v.receive(b"frame") == [] and v.receive(START) == []
+
+
+def test_a_data_channel_carries_a_stream_s_requests_only():
+    """A WebRTC viewer's data channel (transport/webrtc.py): its stream's requests; a start, a watch or an offer
+    belongs on the WebSocket that signals the peer connection."""
+    v = ViewerProtocol.on_channel("s2")
+    assert v.receive_on_channel(msg("set_prompt", prompt="x")) == [Control(P.SetPrompt(prompt="x"))]
+    for text in (START, WATCH, msg("offer", sdp="v=0\r\n")):
+        actions = v.receive_on_channel(text)
+        assert [type(a) for a in actions] == [Send, Violation]
+        assert actions[0].message.code is P.ErrorCode.INVALID_FIELD and "on the WebSocket" in actions[0].message.message
+    assert [type(a) for a in v.receive_on_channel("{")] == [Send, Violation]
+    v.closed()
+    assert v.receive_on_channel(msg("pause")) == []
