@@ -367,12 +367,13 @@ class Engine:
         """Launch `plan`'s forward (and for a COMMIT, its decode and the copy of its frames to the
         host) and count it done in the scheduler; its cost is read from its events later."""
         streams = [self._streams[sid] for sid in plan.stream_ids]
-        for st, seq, prompt in zip(streams, plan.prompt_seqs, plan.prompts):
-            if seq > st.state.prompt_version:  # a new prompt's text encoded now, off the forward's timed cost (and
-                self.gen.encode_prompt(prompt)  # only the prompts a plan runs: of a flood, one a chunk)
-        now = self.clock()
-        timer = Timer(self.gen.device, self.clock, self._streamless)
         try:
+            for st, seq, prompt in zip(streams, plan.prompt_seqs, plan.prompts):
+                if seq > st.state.prompt_version:  # the plan brings a new prompt: its text encoded now, off the
+                    self.gen.encode_prompt(prompt)  # forward's timed cost (of a flood, one a chunk), and applied
+                    self.gen.set_prompt(st.state, prompt, version=seq)
+            now = self.clock()
+            timer = Timer(self.gen.device, self.clock, self._streamless)
             chunks = self._run(plan, streams, now)
         except Exception as e:  # noqa: BLE001 - one plan's failure ends its streams, not the engine
             log.exception("forward %s for %s failed", plan.kind.value, plan.stream_ids)
@@ -428,11 +429,8 @@ class Engine:
 
     def _run(self, plan: Plan, streams: list[_Stream], now: float) -> list[tuple[_Stream, object]]:
         gen = self.gen
-        for st, seq, prompt, restart, steps, index in zip(streams, plan.prompt_seqs, plan.prompts, plan.restart,
-                                                          plan.steps, plan.chunk_index):
+        for st, restart, steps, index in zip(streams, plan.restart, plan.steps, plan.chunk_index):
             state = st.state
-            if seq > state.prompt_version:
-                gen.set_prompt(state, prompt, version=seq)
             if restart or (plan.kind is not WorkKind.COMMIT and plan.step <= 0 and state.step != 0):
                 gen.abandon_chunk(state)
             if st.has_input and plan.kind is WorkKind.DENOISE and plan.step == 0:  # its input, before its first step
