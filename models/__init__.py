@@ -22,28 +22,7 @@ _HOMES = {
     "CheckpointError": "models.weights", "load_checkpoint": "models.weights", "save_checkpoint": "models.weights",
     "WorkKind": "models.work",
 }
-__all__ = [
-    "CacheAccess",
-    "CausalWanModel",
-    "CheckpointError",
-    "Chunk",
-    "ChunkGenerator",
-    "DecoderState",
-    "GeneratorConfig",
-    "HashTextEncoder",
-    "ModelConfig",
-    "PRESETS",
-    "ParkedStream",
-    "StreamState",
-    "StreamingDecoder",
-    "TextEncoder",
-    "TinyStreamingDecoder",
-    "WorkKind",
-    "build_generator",
-    "frames_per_chunk",
-    "load_checkpoint",
-    "save_checkpoint",
-]
+__all__ = sorted(_HOMES)
 
 
 def __getattr__(name: str):
@@ -55,7 +34,7 @@ def __getattr__(name: str):
     return value
 
 
-if TYPE_CHECKING:  # what the names are, for readers and type checkers
+if TYPE_CHECKING:  # what the names are, for readers and type checkers (exported by __all__)
     from models.build import build_generator
     from models.config import PRESETS, ModelConfig
     from models.decoder import DecoderState, StreamingDecoder, TinyStreamingDecoder, frames_per_chunk
