@@ -134,7 +134,7 @@ class Server:
         self.streams = Streams(self.engine, self.sessions, self.limits, self.recordings, self.metrics, clock,
                                config.orphan_timeout_s)
         self.routes = Routes(config.access, config.static_dir, self.recordings, self.metrics,
-                             ready=lambda: self.engine.stats().scheduler is not None and not self.engine.failure,
+                             ready=lambda: self.engine.shape is not None and not self.engine.failure,
                              refresh_metrics=self._refresh_metrics,
                              metrics_apart=config.metrics_port is not None)
         self.whep = Endpoints(self, whip=Ingest(self))  # WHEP (a POST's offer served as a connection) and WHIP
