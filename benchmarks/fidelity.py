@@ -166,13 +166,13 @@ def run_variant(name, options, base_gen, base_cfg, models, args, ref) -> dict:
     model = models["fp8" if cfg.fp8_linears else "exact"]
     gen = ChunkGenerator(model, cfg, base_gen.text_encoder, base_gen.decoder)
     timer = ForwardTimer(gen)
-    start = gen._start_chunk
+    start = gen.start_chunk
 
     def start_aligned(st):  # chunk k starts from the same noise in every variant, whatever the steps before drew
         st.noise.manual_seed(args.seed * 100_003 + st.chunks_done)
         start(st)
 
-    gen._start_chunk = start_aligned
+    gen.start_chunk = start_aligned
     state = gen.open_stream("fidelity", args.prompt, seed=args.seed)
     switched = 0 < args.switch_at < args.chunks  # chunks [switch_at, chunks) are the new prompt's
     it = gen.stream(state, {args.switch_at: args.prompt2} if switched else None)

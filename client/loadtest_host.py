@@ -9,7 +9,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from client.viewer import StreamResult, _max_count
+from client.viewer import StreamResult, max_count
 
 
 class LoopPauses:
@@ -30,7 +30,7 @@ class LoopPauses:
         self.max_s = 0.0
 
     async def run(self, until: float) -> None:
-        for _ in range(_max_count(max(0.0, until - time.monotonic()), self.period_s)):
+        for _ in range(max_count(max(0.0, until - time.monotonic()), self.period_s)):
             t, cpu = time.monotonic(), time.thread_time()
             if t >= until:
                 return

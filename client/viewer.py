@@ -334,7 +334,7 @@ class ViewerClient:
             if await self.open():
                 start = self._connected_at
                 deadline = start + duration_s
-                schedule = sorted(prompts)[: _max_count(duration_s, 0.01)]
+                schedule = sorted(prompts)[: max_count(duration_s, 0.01)]
                 for _ in range(len(schedule) + self.config.max_reconnects + 2):
                     until = deadline if not schedule else min(deadline, start + schedule[0][0])
                     if not await self._sleep_until(until):
@@ -396,7 +396,7 @@ class ViewerClient:
     async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) until ``predicate()`` holds, re-checking after every message."""
         deadline = self.clock() + timeout_s
-        for _ in range(_max_count(timeout_s, 0.001)):
+        for _ in range(max_count(timeout_s, 0.001)):
             if predicate():
                 return True
             remaining = deadline - self.clock()
@@ -515,6 +515,6 @@ class ViewerClient:
         self.errors.append(text)
 
 
-def _max_count(seconds: float, period: float) -> int:
+def max_count(seconds: float, period: float) -> int:
     """A loop bound: iterations of ``period`` in ``seconds``, with room to spare."""
     return int(seconds / period) + 10

@@ -51,7 +51,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from client.camera import H264Camera
 from client.decode import FrameDecoder
 from client.playback import PlaybackState
-from client.viewer import ClientConfig, ClientState, DecodeMode, ViewerClient, _max_count
+from client.viewer import ClientConfig, ClientState, DecodeMode, ViewerClient, max_count
 from streamsvc.wire import protocol as P
 from streamsvc.wire.framing import InputHeader, pack_input
 
@@ -235,7 +235,7 @@ class StreamClient(ViewerClient):
     async def _play_clock(self) -> None:
         """Advance the buffer every frame, so the state is current even with no chunk arriving."""
         period = 1.0 / self.ready.fps
-        for _ in range(_max_count(self.config.max_session_s, period)):
+        for _ in range(max_count(self.config.max_session_s, period)):
             await asyncio.sleep(period)
             if self._ended_at is not None:
                 return
@@ -245,7 +245,7 @@ class StreamClient(ViewerClient):
         """The fallback reporter: a `stats` message when none went out for 2 x stats_every_s (the
         stream is stalled or paused, so no chunk arrival triggers one; see _on_chunk)."""
         period = self.config.stats_every_s
-        for _ in range(_max_count(self.config.max_session_s, period)):
+        for _ in range(max_count(self.config.max_session_s, period)):
             await asyncio.sleep(period)
             if self._ended_at is not None or self._ended.is_set():
                 return
@@ -258,7 +258,7 @@ class StreamClient(ViewerClient):
         input (`input_refused`)."""
         camera, fps, index = H264Camera(self.ready.fps), self.ready.fps, 0
         start = self.clock()
-        for i in range(_max_count(self.config.max_session_s, 1.0 / fps)):
+        for i in range(max_count(self.config.max_session_s, 1.0 / fps)):
             delay = start + i / fps - self.clock()
             if delay > 0:
                 await asyncio.sleep(delay)

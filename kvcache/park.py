@@ -48,6 +48,12 @@ class Transfer:
             self._end.synchronize()
         self._sources = None
 
+    def make_stream_wait(self, stream: torch.cuda.Stream) -> None:
+        """Make `stream` wait for the copies (the host does not): work queued on it after this call reads what
+        they wrote. Nothing to wait for where they ran at once."""
+        if self._end is not None:
+            stream.wait_event(self._end)
+
     @property
     def seconds(self) -> float:
         """The copies' time on the side stream (CUDA events; CPU: wall time). Needs `done()`."""
@@ -77,7 +83,7 @@ class HostCopier:
             out = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in tensors]
         moved = self._copy(tensors, out)
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(moved._end)
+            moved.make_stream_wait(torch.cuda.current_stream(self.device))
         return moved
 
     def _copy(self, src: list[torch.Tensor], dst: list[torch.Tensor]) -> Transfer:

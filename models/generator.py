@@ -391,6 +391,28 @@ class ChunkGenerator:
         if self.workspace is not None:
             self.workspace.written(cache, dst)  # copied home when another stream takes the workspace
 
+    def start_chunk(self, state: StreamState) -> None:
+        """Start `state`'s next chunk without a denoising step: its pending prompt applied (recached where the
+        cache holds frames), its starting noise drawn and, with input video, the input noised to the strength's
+        step, where the chunk then starts. `denoise` calls it at a chunk's step 0; the training rollout calls it
+        for a chunk's starting point without a step."""
+        if state.pending_prompt is not None:
+            if self._needs_recache(state):
+                self.recache(state)
+            else:
+                self._apply_prompt(state)
+        mc = self.model_cfg
+        shape = (mc.in_channels, self.cfg.frames_per_chunk, mc.latent_height, mc.latent_width)
+        state.x = torch.randn(shape, generator=state.noise, device=self.device)
+        state.chunk_version = state.prompt_version
+        state.start = 0
+        if state.input_latents is not None:  # SDEdit: the input noised to the strength's step, which it starts at
+            k = self.start_step(state.strength)
+            sigma = self.sigmas[k]
+            state.x = ((1 - sigma) * state.input_latents.double() + sigma * state.x.double()).float()
+            state.start = state.step = k
+            state.steps = max(state.steps, k + 1)
+
     @torch.inference_mode()
     def denoise(self, states: Sequence[StreamState]) -> None:
         """One denoising step for each stream (each at its own step)."""
@@ -398,7 +420,7 @@ class ChunkGenerator:
             if s.step >= s.steps:
                 raise ValueError(f"stream {s.stream_id}: chunk is denoised, commit it first")
             if s.step == 0:
-                self._start_chunk(s)
+                self.start_chunk(s)
         nf = self.cfg.frames_per_chunk
         x = torch.stack([s.x for s in states])  # [B, C, F, h, w]
         sig = torch.stack([self._sigmas[s.step] for s in states])  # [B] float64, no copy from the host
@@ -508,24 +530,6 @@ class ChunkGenerator:
         state.text = self.encode_prompt(state.prompt)
         state.prompt_version = state.prompt_version + 1 if state.pending_version is None else state.pending_version
         state.pending_version = None
-
-    def _start_chunk(self, state: StreamState) -> None:
-        if state.pending_prompt is not None:
-            if self._needs_recache(state):
-                self.recache(state)
-            else:
-                self._apply_prompt(state)
-        mc = self.model_cfg
-        shape = (mc.in_channels, self.cfg.frames_per_chunk, mc.latent_height, mc.latent_width)
-        state.x = torch.randn(shape, generator=state.noise, device=self.device)
-        state.chunk_version = state.prompt_version
-        state.start = 0
-        if state.input_latents is not None:  # SDEdit: the input noised to the strength's step, which it starts at
-            k = self.start_step(state.strength)
-            sigma = self.sigmas[k]
-            state.x = ((1 - sigma) * state.input_latents.double() + sigma * state.x.double()).float()
-            state.start = state.step = k
-            state.steps = max(state.steps, k + 1)
 
 
 def _tensors(obj) -> list[torch.Tensor]:

@@ -61,7 +61,8 @@ class HashTextEncoder:
     def _known(self) -> frozenset[str]:
         return frozenset(self.vocabulary or ())
 
-    def _word(self, word: str) -> torch.Tensor:
+    def word_vector(self, word: str) -> torch.Tensor:
+        """[text_dim]: `word`'s vector, before the position code (a model file stores these for its words)."""
         if word not in self._words:
             seed = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "little") & (2**63 - 1)
             vec = torch.randn(self.text_dim, generator=torch.Generator().manual_seed(seed))
@@ -75,7 +76,7 @@ class HashTextEncoder:
         for b, prompt in enumerate(prompts):
             words = self.tokenize(prompt)
             if words:
-                out[b, : len(words)] = torch.stack([self._word(w) for w in words]) + self._positions[: len(words)]
+                out[b, : len(words)] = torch.stack([self.word_vector(w) for w in words]) + self._positions[: len(words)]
         return out
 
     @functools.cached_property
@@ -100,6 +101,6 @@ class VocabTextEncoder(HashTextEncoder):
         self.vocabulary = tuple(words)
         self._vectors: dict[str, torch.Tensor] = {w: v for w, v in zip(words, vectors.float().clone())}
 
-    def _word(self, word: str) -> torch.Tensor:
+    def word_vector(self, word: str) -> torch.Tensor:
         vec = self._vectors.get(word)
-        return vec if vec is not None else super()._word(word)
+        return vec if vec is not None else super().word_vector(word)

@@ -470,7 +470,7 @@ class Trainer:
                     gen.commit(states)
             if step == 0:  # start chunk k (its prompt, a recache after a switch, its noise) without a step
                 for s in states:
-                    gen._start_chunk(s)
+                    gen.start_chunk(s)
             self.model.train()
             x = torch.stack([s.x for s in states]).clone()  # out of inference mode: autograd may keep it
             sigma = gen.sigmas[step]
@@ -529,7 +529,7 @@ class Trainer:
         tensors = {f"dit.{k}": v for k, v in self.model.state_dict().items()}
         tensors |= {f"decoder.{k}": v for k, v in self.decoder.state_dict().items()}
         tensors |= {f"pca.{k}": v for k, v in self.pca.state_dict().items()}
-        tensors["text.vectors"] = torch.stack([self.encoder._word(w) for w in words])
+        tensors["text.vectors"] = torch.stack([self.encoder.word_vector(w) for w in words])
         tensors = {k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}
         metadata = {"preset": self.cfg.preset, "model": json.dumps(asdict(self.mc)), "text.words": json.dumps(words),
                     "sampler.timesteps": json.dumps([float(t) for t in timesteps or self.gen.timesteps])}

@@ -94,8 +94,8 @@ class EngineRouter(RequestRouter):
         ranked = rank_replicas(stats, self.board.pending(now), excluded)
         # Serve tries the ranks in order and skips a replica that does not answer its queue-length probe in
         # time (a busy CPU replica may not): the best one alone for the first tries, every one after
-        tries = getattr(pending_request, "_streamsvc_tries", 0)
-        pending_request._streamsvc_tries = tries + 1
+        tries = getattr(pending_request, "streamsvc_tries", 0)
+        pending_request.streamsvc_tries = tries + 1
         if tries < STRICT_TRIES:
             ranked = ranked[:1]
         if ranked:  # counted now: sessions routed at once (a burst of viewers) must see each other's choice

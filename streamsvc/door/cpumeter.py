@@ -105,34 +105,33 @@ class CpuMeter:
         `charging()` is true; the time it spends suspended, when other tasks run, is not its own and is not
         charged, nor is a step taken inside a section metered already (a run awaited from a run's step).
         Cancellation and errors pass through as if `coro` were awaited directly."""
-        return await _metered(coro, self, charging)
+        return await self._metered(coro, charging)
 
-
-@types.coroutine
-def _metered(coro: Coroutine[Any, Any, T], meter: CpuMeter, charging: Callable[[], bool]) -> Generator[Any, Any, T]:
-    """Drive `coro` as `await coro` would (what it yields goes to the task, what the task sends or throws goes to
-    it), timing each step."""
-    value: Any = None
-    error: BaseException | None = None
-    while True:
-        charge = not meter._depth and charging()
-        t0 = meter.clock()
-        meter._depth += charge
-        try:
-            yielded = coro.send(value) if error is None else coro.throw(error)
-        except StopIteration as stop:
-            return stop.value
-        finally:
-            if charge:
-                meter._depth -= 1
-                meter.charge(meter.clock() - t0)
-        try:
-            value, error = (yield yielded), None
-        except GeneratorExit:  # closed while suspended (a task garbage-collected): close it too
-            coro.close()
-            raise
-        except BaseException as e:  # noqa: BLE001 - thrown in by the task (CancelledError, ...): it goes to coro
-            value, error = None, e
+    @types.coroutine
+    def _metered(self, coro: Coroutine[Any, Any, T], charging: Callable[[], bool]) -> Generator[Any, Any, T]:
+        """Drive `coro` as `await coro` would (what it yields goes to the task, what the task sends or throws
+        goes to it), timing each step."""
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            charge = not self._depth and charging()
+            t0 = self.clock()
+            self._depth += charge
+            try:
+                yielded = coro.send(value) if error is None else coro.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                if charge:
+                    self._depth -= 1
+                    self.charge(self.clock() - t0)
+            try:
+                value, error = (yield yielded), None
+            except GeneratorExit:  # closed while suspended (a task garbage-collected): close it too
+                coro.close()
+                raise
+            except BaseException as e:  # noqa: BLE001 - thrown in by the task (CancelledError, ...): it goes to coro
+                value, error = None, e
 
 
 class MeteredClose:

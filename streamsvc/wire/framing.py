@@ -37,10 +37,10 @@ from pydantic import Field, ValidationError, model_validator
 from streamsvc.wire import errors as wire_errors
 from streamsvc.wire.protocol import (
     CHUNK_PREFIX_BYTES,
+    BaseMessage,
     ErrorCode,
     FrameCount,
     ProtocolError,
-    _Message,
     framed_header,
     framed_units,
     pack_framed,
@@ -51,7 +51,7 @@ MAX_INPUT_BYTES = 4 * 1024 * 1024
 MAX_CAPTURE_MS = 1e15  # capture times are milliseconds in [0, this] (epoch milliseconds until the year 33658)
 
 
-class InputHeader(_Message):
+class InputHeader(BaseMessage):
     """Header of one input message of H.264 frames (see the module docstring)."""
 
     type: Literal["input"] = "input"

@@ -215,7 +215,7 @@ class ProtocolError(Exception):
 # ---------------------------------------------------------------- messages
 
 
-class _Message(BaseModel):
+class BaseMessage(BaseModel):  # every message's model: strict, no unknown fields, immutable
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
 
@@ -254,7 +254,7 @@ Secret = Annotated[str, Field(min_length=1, max_length=MAX_SECRET_CHARS, pattern
 # Client -> server.
 
 
-class Start(_Message):
+class Start(BaseMessage):
     """Open a stream. Answered by ``ready`` (or ``error`` with code ``refused``)."""
 
     type: Literal["start"] = "start"
@@ -271,7 +271,7 @@ class Start(_Message):
     strength: Strength | None = None  # with input: how far from the input (1: text-to-video); None: the server's
 
 
-class Watch(_Message):
+class Watch(BaseMessage):
     """Receive an open stream's chunks as a watcher (no generation of one's own). Answered by ``ready`` with role
     ``watch``, or ``error`` (``not_found``, ``refused``, ...)."""
 
@@ -282,7 +282,7 @@ class Watch(_Message):
     token: Token | None = None
 
 
-class SetPrompt(_Message):
+class SetPrompt(BaseMessage):
     """Steer the stream. Answered at once by ``ack`` carrying the prompt's own version: its frames carry it, unless a
     newer prompt came before its chunk (prompts are coalesced: of those between two chunks the newest shows), so a
     frame of this version or a later one means it took effect."""
@@ -291,46 +291,46 @@ class SetPrompt(_Message):
     prompt: Prompt
 
 
-class SetStrength(_Message):
+class SetStrength(BaseMessage):
     """Steerer only, a stream with input: its strength from the next chunk on; ``ack`` carries the snapped value."""
 
     type: Literal["set_strength"] = "set_strength"
     strength: Strength
 
 
-class Handover(_Message):
+class Handover(BaseMessage):
     """Steerer only: give the steer token to the watcher ``to``; the sender watches from then on."""
 
     type: Literal["handover"] = "handover"
     to: ViewerId
 
 
-class Take(_Message):
+class Take(BaseMessage):
     """Take the steer token of a stream whose steerer left (refused while someone steers)."""
 
     type: Literal["take"] = "take"
     secret: Secret | None = None  # the stream's steer secret (its first steerer's ready); refused without it
 
 
-class Record(_Message):
+class Record(BaseMessage):
     """Steerer only: record the stream to MP4 from its next keyframe on; answered by ``recording``."""
 
     type: Literal["record"] = "record"
 
 
-class Pause(_Message):
+class Pause(BaseMessage):
     """Steerer only: stop generating; the stream's cache is parked in host memory until ``resume``."""
 
     type: Literal["pause"] = "pause"
 
 
-class Resume(_Message):
+class Resume(BaseMessage):
     """Steerer only: bring a paused stream's cache back and generate again, exactly where it stopped."""
 
     type: Literal["resume"] = "resume"
 
 
-class Stats(_Message):
+class Stats(BaseMessage):
     """The viewer's playback state, sent now and then so the server sees the real buffer."""
 
     type: Literal["stats"] = "stats"
@@ -344,13 +344,13 @@ class Stats(_Message):
     delivered_fps: Annotated[float, Field(ge=0.0, le=1000.0, description="a number in [0, 1000]")] | None = None
 
 
-class Close(_Message):
+class Close(BaseMessage):
     """End the stream; the server frees it and answers ``closed``."""
 
     type: Literal["close"] = "close"
 
 
-class Offer(_Message):
+class Offer(BaseMessage):
     """WebRTC signaling: the viewer's SDP offer with its complete ICE candidate list. Answered by ``answer``."""
 
     type: Literal["offer"] = "offer"
@@ -360,7 +360,7 @@ class Offer(_Message):
 # Server -> client.
 
 
-class Ready(_Message):
+class Ready(BaseMessage):
     """The stream is admitted: what the viewer will receive."""
 
     type: Literal["ready"] = "ready"
@@ -384,7 +384,7 @@ class Ready(_Message):
     input_latency_s: Seconds | None = None  # a chunk is due this long after its last input frame's capture
 
 
-class Audience(_Message):
+class Audience(BaseMessage):
     """Who is on the stream, as one viewer sees it; sent when its role or the watcher count changes."""
 
     type: Literal["audience"] = "audience"
@@ -396,7 +396,7 @@ class Audience(_Message):
     steer_secret: Secret | None = None
 
 
-class Recording(_Message):
+class Recording(BaseMessage):
     """The stream is being recorded: where the MP4 and its chapters (one per prompt, WebVTT) can be fetched."""
 
     type: Literal["recording"] = "recording"
@@ -404,7 +404,7 @@ class Recording(_Message):
     chapters: Annotated[str, Field(min_length=1, max_length=512)] | None = None
 
 
-class Chunk(_Message):
+class Chunk(BaseMessage):
     """Header of one chunk of video (see the module docstring for the binary framing)."""
 
     type: Literal["chunk"] = "chunk"
@@ -439,7 +439,7 @@ class Chunk(_Message):
                    **extra)
 
 
-class Ack(_Message):
+class Ack(BaseMessage):
     """A request was applied. For ``set_prompt``, the prompt's version (its frames carry it, or a later one's)."""
 
     type: Literal["ack"] = "ack"
@@ -449,7 +449,7 @@ class Ack(_Message):
     strength: Strength | None = None  # set_strength: the strength snapped to the model's schedule
 
 
-class Error(_Message):
+class Error(BaseMessage):
     """A request failed; unless the code is in ``START_REFUSALS`` or is ``internal`` the stream goes on."""
 
     type: Literal["error"] = "error"
@@ -458,14 +458,14 @@ class Error(_Message):
     request: ClientType | None = None  # the request this error answers; None when unknown (e.g. unparseable)
 
 
-class Closed(_Message):
+class Closed(BaseMessage):
     """The stream has ended; nothing more follows."""
 
     type: Literal["closed"] = "closed"
     reason: Text
 
 
-class Answer(_Message):
+class Answer(BaseMessage):
     """WebRTC signaling: the server's SDP answer with its complete ICE candidate list."""
 
     type: Literal["answer"] = "answer"
@@ -503,7 +503,7 @@ def encode(msg: Message) -> str:
     return msg.model_dump_json()
 
 
-def _parse(data: str | bytes, adapter: TypeAdapter, types: dict[str, type[_Message]]) -> Any:
+def _parse(data: str | bytes, adapter: TypeAdapter, types: dict[str, type[BaseMessage]]) -> Any:
     if isinstance(data, str):
         if len(data) > MAX_MESSAGE_BYTES:  # cheap early exit: a char is at least one byte
             raise _too_large(len(data))
@@ -531,7 +531,7 @@ def _too_large(size: int) -> ProtocolError:
     return ProtocolError(ErrorCode.TOO_LARGE, f"message is {size} bytes; the limit is {MAX_MESSAGE_BYTES} bytes")
 
 
-def _from_validation(exc: ValidationError, types: dict[str, type[_Message]]) -> ProtocolError:
+def _from_validation(exc: ValidationError, types: dict[str, type[BaseMessage]]) -> ProtocolError:
     """Turn pydantic's errors into one ProtocolError with a message a person can act on (streamsvc/wire/errors.py)."""
     return ProtocolError(*wire_errors.describe(exc, types))
 

@@ -73,8 +73,8 @@ def test_vocabulary_words_take_the_stored_vectors_others_the_hashed_ones():
     vectors = torch.arange(2 * 8, dtype=torch.float32).view(2, 8)
     enc, plain = VocabTextEncoder(8, 6, words, vectors), HashTextEncoder(8, 6)
     got, want = enc.encode(["red ball zebra"]), plain.encode(["red ball zebra"])
-    assert torch.allclose(got[0, 0] - want[0, 0], vectors[0] - plain._word("red"))
-    assert torch.allclose(got[0, 1] - want[0, 1], vectors[1] - plain._word("ball"))
+    assert torch.allclose(got[0, 0] - want[0, 0], vectors[0] - plain.word_vector("red"))
+    assert torch.allclose(got[0, 1] - want[0, 1], vectors[1] - plain.word_vector("ball"))
     assert torch.equal(got[0, 2:], want[0, 2:])  # "zebra" and the padding: as before
     with pytest.raises(ValueError, match="do not fit 3 words"):
         VocabTextEncoder(8, 6, ["a", "b", "c"], vectors)
@@ -152,7 +152,7 @@ def test_golden_vocabulary_vectors_of_the_built_in_model(model_file):
     assert list(mf.words) == vocabulary()
     plain = HashTextEncoder(mf.config.text_dim, mf.config.text_len)
     for word, vec in zip(mf.words, mf.vectors):
-        assert torch.equal(vec, plain._word(word)), word
+        assert torch.equal(vec, plain.word_vector(word)), word
     gen = build_generator("tiny", weights=str(path))
     prompts = ["a red ball moving right", "show me the little blue box, falling on a white background", "a cat"]
     assert torch.equal(gen.text_encoder.encode(prompts), plain.encode(prompts))
