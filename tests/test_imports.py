@@ -237,6 +237,52 @@ def test_model_cache_and_client_modules_stay_small():
     assert not over, f"modules under models/, kvcache/ or client/ over {MAX_SERVICE_MODULE_LINES} lines: {over}"
 
 
+# -- private names: a module uses its own, and another's public API -----------------------------
+
+# `x._name` where x is not `self`, `cls` or `super()`, allowed only as these (other packages' names, each with why)
+PRIVATE_ALLOWED = {
+    "torch._addmm_activation": "the fused matmul + bias + GELU of the DiT's feed-forward (models/dit.py): no public op",
+    "torch._dynamo": "torch.compile's recompile limit (models/dit_ops.py) is set in its config only",
+    "torch._scaled_mm": "the FP8 matmul of the FP8 linears (models/fp8.py): torch has no public one",
+    "torch._foreach_copy_": "a graph's text inputs copied in one launch (models/graphs.py): no public op",
+    "os._exit": "public despite its name: the documented exit without cleanup (streamsvc/engine/group.py)",
+}
+PRIVATE_HOOKS = "_hooks.py"  # streamsvc/**/*_hooks.py hold our private hooks into aiortc, aioice and aiohttp
+
+
+def private_reaches(path: Path, packages: tuple[str, ...] = PACKAGES, root: Path = ROOT) -> list[str]:
+    """"path:line: expression" for each private name of another object or module that `path` uses: an
+    attribute `x._name` (one leading underscore) where x is not `self`, `cls` or `super()`, and
+    `from <ours> import _name`. Relative imports are not checked: a package's modules sharing its private
+    names among themselves (streamsvc/scheduling/'s `from .stream import _Stream`) are outside this rule."""
+    rel = path.relative_to(root) if path.is_relative_to(root) else path
+    found = []
+    nodes = ast.walk(ast.parse(path.read_text(), str(path)))
+    for node in sorted(nodes, key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0))):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue
+            if ast.unparse(node) not in PRIVATE_ALLOWED:
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module.split(".")[0] in packages:
+            found += [f"{rel}:{node.lineno}: from {node.module} import {a.name}"
+                      for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+@pytest.mark.xfail(strict=False, reason="door and cluster private calls being removed")
+def test_no_private_reach():
+    """No module reaches into another class's or module's private names (but for PRIVATE_ALLOWED, and in the
+    streamsvc/ modules named *_hooks.py, which exist to hold the hooks into the libraries' private names)."""
+    paths = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
+             if not (p.name.endswith(PRIVATE_HOOKS) and p.is_relative_to(ROOT / "streamsvc"))]
+    found = [line for p in paths for line in private_reaches(p)]
+    assert not found, f"{len(found)} private name(s) of another object or module used:\n" + "\n".join(found)
+
+
 # -- the rules above, on a made-up tree ---------------------------------------------------------
 
 
@@ -271,6 +317,23 @@ def test_edges_follow_the_rules(tmp_path):
     graph, _ = build_graph(tmp_path, ("pkg",))
     assert [(sorted(members), [e.source for e in cycle]) for members, cycle in cycles(graph)] == [
         (["pkg.sub.b", "pkg.sub.d"], ["pkg.sub.b", "pkg.sub.d"])
+    ]
+
+
+def test_private_reaches_follow_the_rules(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import os, torch\n"
+        "from pkg.a import _hidden, shown\n"  # ours: _hidden
+        "from . import _sibling\n"  # relative: not checked
+        "from other import _theirs\n"  # not ours (the attribute rule sees its uses)
+        "class C(B):\n"
+        "    def f(self, x):\n"
+        "        self._a, x._b = super()._c, type(self)._d\n"  # x._b and type(self)._d
+        "        return x.__dict__, cls._e, torch._scaled_mm(x), os._exit\n"  # all allowed
+    )
+    assert private_reaches(path, ("pkg",), tmp_path) == [
+        "m.py:2: from pkg.a import _hidden", "m.py:7: x._b", "m.py:7: type(self)._d"
     ]
 
 
