@@ -29,7 +29,7 @@ The package, each module depending only on those above it in this list:
     `playback`  PlaybackModel: one viewer's buffer, and when it stalls
     `costs`     CostModel, CostEstimates: forwards', chunks' and stages' costs; SendSampler, without_streamless:
                 samples rid of the work of clients without a stream
-    `stream`    _Stream: one stream's state (and _Work, the view of its next forward)
+    `stream`    ScheduledStream: one stream's state (and NextWork, the view of its next forward)
     `admission` AdmissionControl: every refusal rule and its reason text
     `overload`  OverloadMonitor: lateness, stalls, and the last resort (`overloaded`)
     `ranking`   which runnable stream goes first (slack, the stall guard, the policies)

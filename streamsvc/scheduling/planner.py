@@ -26,7 +26,7 @@ Which runnable stream goes first: see `ranking` (slack, the stall guard, the pol
 
 Prompts: the next chunk runs under the newest prompt planned, after a RECACHE when the
 stream has committed frames. Prompts are coalesced before they are planned (and only
-there: `_Stream.new_prompt`): the first since the last commit at once, a later one at
+there: `ScheduledStream.new_prompt`): the first since the last commit at once, a later one at
 the next commit, the newest of those that came meanwhile. A chunk in progress is abandoned for the new prompt
 (`restart_on_prompt`) only while the stream keeps `restart_margin_chunks` chunks
 of slack after redoing it; a RECACHE that would leave the stream less slack than
@@ -46,7 +46,7 @@ stalling; their RECACHE may start only its own cost plus the headroom before the
 (at the lead it would not fit, and the prompt would wait a whole chunk). Plan.steps
 carries the choice; the engine tags the chunk with it. A degraded chunk is lateness (the
 closed loop), and one that ran its fewest steps short is evidence for the last resort
-(see `overload`), when the server's own account demanded it (`_Stream.server_dry_in`).
+(see `overload`), when the server's own account demanded it (`ScheduledStream.server_dry_in`).
 
 Whose lateness (issue 41). The planner plans on its viewer's buffer as the viewer's reports
 leave it (a viewer behind the model makes its stream urgent), but lateness is the server's only
@@ -56,24 +56,25 @@ pauses, its WebRTC track's queue), and for a chunk of input video its promise, d
 its grace) and after that promise, or degraded when with all its steps it would miss that
 deadline by the degrade margin, is the server's (`overload`); a chunk whose input was missing is
 its client's whatever happens to it. What the server's account does not see (the viewer's
-report, input that came late or not at all) is charged to the stream (`_Stream.client_late`).
+report, input that came late or not at all) is charged to the stream (`ScheduledStream.client_late`).
 
 Input video (issue 35). A chunk of a stream with input starts only once released (`Scheduler.release`: its last
 input frame came, or its input was declared missing), and then at once, whatever its lead (the viewer plays it
 `input_latency_s` after its release; the cap still bounds it): it cannot run ahead of its input, and waiting for
 the lead would only spend its deadline. It starts at its release's start step (the stream's strength, snapped;
-0 when its input was missing), so it runs fewer forwards (`_Stream.forwards`): steps k .. max(n, k + 1) - 1 for a
-chunk of n steps (degrading drops steps after the start step). Plan.step counts a chunk's forwards from 0 (the
+0 when its input was missing), so it runs fewer forwards (`ScheduledStream.forwards`): steps k .. max(n, k + 1) - 1
+for a chunk of n steps (degrading drops steps after the start step). Plan.step counts a chunk's forwards from 0 (the
 engine adds k); Plan.steps is n, the schedule's step the chunk ends at. A chunk is degraded when it runs fewer
 forwards than its full count from its start step. A new prompt never restarts a chunk of input video in progress
 (the next chunk takes it): its deadline is short, and streams with input released together (viewers started
-together) have theirs at the same time, so the redone work would come when every stream needs the device. The first chunk with input frames plays from its release +
-input_latency_s + (chunk_frames - first_chunk_frames) / fps: from then on chunk c (c >= 1) is due exactly
-input_latency_s after its release when the input comes in real time. A chunk whose input is missing is released
-by its viewer's buffer instead (`release_by`: the buffer's dry time less its lead, the output stage and the forwards
-of text-to-video beyond a chunk with frames), so that it runs all its steps and is on time (issue 41).
+together) have theirs at the same time, so the redone work would come when every stream needs the device. The first
+chunk with input frames plays from its release + input_latency_s + (chunk_frames - first_chunk_frames) / fps: from
+then on chunk c (c >= 1) is due exactly input_latency_s after its release when the input comes in real time. A chunk
+whose input is missing is released by its viewer's buffer instead (`release_by`: the buffer's dry time less its
+lead, the output stage and the forwards of text-to-video beyond a chunk with frames), so that it runs all its steps
+and is on time (issue 41).
 
-Parking: a stream held for parking (`_Stream.parking`) starts no new chunk nor RECACHE, and
+Parking: a stream held for parking (`ScheduledStream.parking`) starts no new chunk nor RECACHE, and
 a new prompt does not restart its chunk in progress; once that chunk is committed and the
 stream is in no outstanding plan it is `parkable`.
 """
@@ -90,7 +91,7 @@ from .config import SchedulerConfig
 from .costs import CostEstimates, input_steps, percentile
 from .overload import OverloadMonitor
 from .ranking import rank_key
-from .stream import _InFlight, _Stream, _Work
+from .stream import InFlight, ScheduledStream, NextWork
 from .types import EPS_S, RECACHE_STAGE, Plan, SchedulerError, Stage, StreamStats
 
 
@@ -100,14 +101,14 @@ class _Outstanding:
     orders: tuple[int, ...]  # admission order of each of its streams (a re-admitted id is another stream)
     # Per stream: when its chunk became due, for a forward that starts a chunk (RECACHE, step 0); else None.
     due_at: tuple[float | None, ...]
-    due: tuple[bool, ...]  # per stream: at or under its lead when the plan was made (see _Work.due)
+    due: tuple[bool, ...]  # per stream: at or under its lead when the plan was made (see NextWork.due)
 
 
 class Planner:
     """Plans one forward at a time over the registry's admitted streams, and advances them as plans complete."""
 
     def __init__(self, config: SchedulerConfig, costs: CostEstimates, overload: OverloadMonitor,
-                 streams: Mapping[str, _Stream]) -> None:
+                 streams: Mapping[str, ScheduledStream]) -> None:
         self.config = config
         self.costs = costs
         self.overload = overload
@@ -229,7 +230,7 @@ class Planner:
                     owed_at = release[1] + req.input_latency_s
                     if s.chunks_done == 0:  # the first chunk of input frames
                         play_from = owed_at + (req.chunk_frames - req.first_chunk_frames) / req.fps
-                chunk = _InFlight(frames, now if s.chunk_due_at is None else s.chunk_due_at, s.chunk_sampled, play_from,
+                chunk = InFlight(frames, now if s.chunk_due_at is None else s.chunk_due_at, s.chunk_sampled, play_from,
                                   missing=release is not None and not release[2], owed_at=owed_at)
                 s.chunk_due_at = None
                 s.last_commit_at = now
@@ -244,7 +245,7 @@ class Planner:
                     s.in_flight.append(chunk)
         return delivered
 
-    def delivered(self, s: _Stream, now: float) -> float:
+    def delivered(self, s: ScheduledStream, now: float) -> float:
         """The oldest in-flight chunk of `s` (admitted, parked or not) reached the transports at `now`; returns its
         latency (see `Scheduler.delivered`)."""
         if not s.in_flight:
@@ -262,7 +263,7 @@ class Planner:
         """Whether the stream is in the outstanding plan."""
         return self._outstanding is not None and stream_id in self._outstanding.plan.stream_ids
 
-    def parkable(self, s: _Stream) -> bool:
+    def parkable(self, s: ScheduledStream) -> bool:
         """Whether the admitted stream `s` is held, between chunks and in no outstanding plan: it may be parked."""
         return s.parking and s.step == 0 and not self.busy(s.request.stream_id)
 
@@ -292,7 +293,7 @@ class Planner:
 
     # ----- figures -----------------------------------------------------------------------
 
-    def lead_s(self, s: _Stream) -> float:
+    def lead_s(self, s: ScheduledStream) -> float:
         """The start rule's lead: the lead_percentile of its chunk latencies (at least the prediction while samples
         are few) + the margin (+ the late margin while a stream stalled within late_margin_hold_s)."""
         cfg = self.config
@@ -302,7 +303,7 @@ class Planner:
             latency = max(measured or 0.0, self._predicted_latency_s(s))
         return latency + cfg.start_margin_s + (cfg.late_margin_s if self._late_margin else 0.0)
 
-    def release_by(self, s: _Stream, frames: bool) -> float | None:
+    def release_by(self, s: ScheduledStream, frames: bool) -> float | None:
         """The latest release of stream `s`'s next chunk of input video that reaches its viewer on time (see
         `Scheduler.release_by`); None while its viewer is not playing."""
         cfg = self.config
@@ -318,7 +319,7 @@ class Planner:
             lead += self.costs.chunk_s() - self.costs.chunk_s(steps=input_steps(s.request, cfg.denoise_steps))
         return deadline - lead
 
-    def stream_stats(self, s: _Stream, now: float) -> StreamStats:
+    def stream_stats(self, s: ScheduledStream, now: float) -> StreamStats:
         """A snapshot of stream `s` (admitted, parked or not) for metrics."""
         work = self._work(s, now)
         pb = s.playback
@@ -350,7 +351,7 @@ class Planner:
         self._outstanding = None
         return outstanding
 
-    def _credit(self, s: _Stream, chunk: _InFlight, now: float) -> float:
+    def _credit(self, s: ScheduledStream, chunk: InFlight, now: float) -> float:
         """The viewer gets `chunk` at `now`; returns its latency, recorded if the chunk started due."""
         s.playback.advance(now)
         own = s.playback.own or s.playback
@@ -370,11 +371,11 @@ class Planner:
             s.fresh_samples += 1
         return latency
 
-    def _predicted_latency_s(self, s: _Stream) -> float:
+    def _predicted_latency_s(self, s: ScheduledStream) -> float:
         """A chunk's latency before enough are measured: one chunk of every stream, and its own RECACHE."""
         return self.costs.queue_work_s(len(self._streams)) + (self.costs.recache_s() if s.recache_pending() else 0.0)
 
-    def _start_threshold_s(self, s: _Stream, kind: WorkKind, step: int, now: float) -> float:
+    def _start_threshold_s(self, s: ScheduledStream, kind: WorkKind, step: int, now: float) -> float:
         """Buffered + in-flight video at or under which the stream's `kind` forward at `step` may start."""
         cap_s = self.config.buffer_cap_s - s.next_chunk_s()
         if step > 0:  # a chunk in progress goes on
@@ -389,7 +390,7 @@ class Planner:
             return math.inf
         return cap_s if s.steering() else min(cap_s, self.lead_s(s))  # steering runs ahead to the cap
 
-    def _due_at(self, s: _Stream, now: float) -> float:
+    def _due_at(self, s: ScheduledStream, now: float) -> float:
         """When the stream's next chunk became due under the start rule, `now` at the latest (pure).
 
         Not before its previous COMMIT (or its admission). A playing stream: when its
@@ -411,7 +412,7 @@ class Planner:
             due = min(due, max(s.prompt_at, ahead_until - cap_s))
         return max(s.last_commit_at, min(now, due))
 
-    def _steps(self, s: _Stream, now: float, done: int, steps: int, extra_s: float) -> int:
+    def _steps(self, s: ScheduledStream, now: float, done: int, steps: int, extra_s: float) -> int:
         """Denoising steps for the stream's chunk, which has run `done` of its `steps` (a fresh chunk: 0 of all).
 
         Degrading: a playing stream whose buffer (in flight included) would run dry less than
@@ -441,7 +442,7 @@ class Planner:
         margin = self.config.start_margin_s
         return max(self.costs.forward.estimate(WorkKind.DENOISE), margin if math.isfinite(margin) else 0.0)
 
-    def _slack(self, s: _Stream, now: float, remaining_s: float, plain: bool) -> float:
+    def _slack(self, s: ScheduledStream, now: float, remaining_s: float, plain: bool) -> float:
         """Time until the buffer (in flight included) runs dry minus `remaining_s`.
 
         `plain` (least_slack): the buffered seconds, 0 for a newcomer or a stalled stream.
@@ -462,7 +463,7 @@ class Planner:
             dry_in = s.admitted_at + self.config.startup_slack_s - now
         return dry_in - remaining_s
 
-    def _work(self, s: _Stream, now: float) -> _Work:
+    def _work(self, s: ScheduledStream, now: float) -> NextWork:
         """What stream `s` would run next, how urgent it is, and whether it may start (pure)."""
         cfg = self.config
         plain = cfg.policy == "least_slack"
@@ -499,7 +500,7 @@ class Planner:
                 kind, step = WorkKind.DENOISE, 0
             remaining_s = self.costs.chunk_s(steps=s.forwards(steps)) + extra_s
             forwards_left = s.forwards(steps) + 1
-        work = _Work(
+        work = NextWork(
             kind=kind,
             step=step,
             restart=restart,
@@ -524,7 +525,7 @@ class Planner:
             work = replace(work, runnable=False)  # its viewer's reports say it is short, the server's figure is full
         return work
 
-    def _over_own_cap_s(self, s: _Stream, now: float) -> float:
+    def _over_own_cap_s(self, s: ScheduledStream, now: float) -> float:
         """How far the server's own figure of the stream's buffer (in flight included) is above the cap less its next
         chunk (<= 0: not above). A viewer's reports may make its stream urgent, not run further ahead than the cap
         by the server's account: one reporting 0 four times a second had a chunk made every report (issue 41)."""

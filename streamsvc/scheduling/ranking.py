@@ -37,10 +37,10 @@ smallest key first, among runnable streams:
 from __future__ import annotations
 
 from .config import SchedulerConfig
-from .stream import _Stream, _Work
+from .stream import ScheduledStream, NextWork
 
 
-def rank_key(s: _Stream, work: _Work, config: SchedulerConfig, guard_s: float, rr_cursor: int) -> tuple:
+def rank_key(s: ScheduledStream, work: NextWork, config: SchedulerConfig, guard_s: float, rr_cursor: int) -> tuple:
     """Sort key of stream `s` about to run `work`, smallest first: streams about to stall (slack under `guard_s`),
     chunks in progress first; then the rest, with chunk_granular due chunks in progress first; each group in the
     policy's order (round robin: the first stream after the one of admission order `rr_cursor`, served last)."""
@@ -55,7 +55,7 @@ def rank_key(s: _Stream, work: _Work, config: SchedulerConfig, guard_s: float, r
     return (1, not first, work.chunk_forwards_left if first else 0, *_policy_key(s, work, config, rr_cursor))
 
 
-def _policy_key(s: _Stream, work: _Work, config: SchedulerConfig, rr_cursor: int) -> tuple:
+def _policy_key(s: ScheduledStream, work: NextWork, config: SchedulerConfig, rr_cursor: int) -> tuple:
     """The policy's order within a group of the ranking."""
     policy = config.policy
     if policy == "slack":

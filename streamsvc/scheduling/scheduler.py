@@ -20,7 +20,7 @@ from .costs import CostEstimates
 from .overload import OverloadMonitor
 from .planner import Planner
 from .playback import PlaybackModel
-from .stream import _Stream
+from .stream import ScheduledStream
 from .types import Admission, Plan, SchedulerError, SchedulerStats, Stage, StreamLoad, StreamRequest, StreamStats
 
 
@@ -32,8 +32,8 @@ class Scheduler:
         self._estimates = CostEstimates(self.config)
         self.costs = self._estimates.forward  # one forward's cost, by kind and batch
         self.stage_costs = self._estimates.stage  # one chunk's cost on the output stage and the send
-        self._streams: dict[str, _Stream] = {}  # in admission order (a stream unparked goes last)
-        self._parked: dict[str, _Stream] = {}  # parked streams: no load, never scheduled (see `park`)
+        self._streams: dict[str, ScheduledStream] = {}  # in admission order (a stream unparked goes last)
+        self._parked: dict[str, ScheduledStream] = {}  # parked streams: no load, never scheduled (see `park`)
         self._next_order = 0
         self._overload = OverloadMonitor(self.config)
         self._admission = AdmissionControl(self.config, self._estimates)
@@ -74,7 +74,7 @@ class Scheduler:
             return admission
         for s in self._streams.values():  # their samples did not see the newcomer's queueing
             s.fresh_samples = 0
-        self._streams[req.stream_id] = _Stream(
+        self._streams[req.stream_id] = ScheduledStream(
             request=req,
             order=self._next_order,
             admitted_at=now,
@@ -402,7 +402,7 @@ class Scheduler:
 
     # ----- internals -----------------------------------------------------------------
 
-    def _get(self, stream_id: str) -> _Stream:
+    def _get(self, stream_id: str) -> ScheduledStream:
         """An admitted stream, parked or not."""
         s = self._streams.get(stream_id) or self._parked.get(stream_id)
         if s is None:

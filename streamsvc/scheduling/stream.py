@@ -1,11 +1,11 @@
 """The per-stream state the scheduler keeps, and the view of a stream's next forward.
 
-`_Stream` is one admitted stream: its request, its viewer's buffer (`PlaybackModel`, with
+`ScheduledStream` is one admitted stream: its request, its viewer's buffer (`PlaybackModel`, with
 the server's own figure beside the one its viewer's reports may lower), its chunk in progress,
 its prompt versions, its chunks in flight, its recent chunk latencies and the lateness its
 own client caused (`client_late`: charged to it, never read as the server's overload). The
 registry (`Scheduler`) owns the streams; the planner advances them; admission sees each
-through `load`. `_Work` is what the planner would run next for a
+through `load`. `NextWork` is what the planner would run next for a
 stream and how urgent it is; the ranking sorts on it.
 """
 
@@ -22,7 +22,7 @@ from .types import StreamLoad, StreamRequest
 
 
 @dataclass(frozen=True)
-class _InFlight:
+class InFlight:
     """A committed chunk on its way to the viewer (the transports have not had it yet)."""
 
     frames: int  # frames the chunk holds
@@ -35,7 +35,7 @@ class _InFlight:
 
 
 @dataclass
-class _Stream:
+class ScheduledStream:
     """One admitted stream's state (parked or not)."""
 
     request: StreamRequest  # what was admitted
@@ -50,7 +50,7 @@ class _Stream:
     chunk_seq: int = 0  # prompt version the chunk in progress (or, between chunks, the last one) runs under
     deferred_seq: int = 0  # newest prompt version a chunk was already made without (a prompt waits one chunk at most)
     first_delivered_at: float | None = None  # time the first chunk was delivered
-    in_flight: deque[_InFlight] = field(default_factory=deque)  # committed, not yet delivered, oldest first
+    in_flight: deque[InFlight] = field(default_factory=deque)  # committed, not yet delivered, oldest first
     chunk_due_at: float | None = None  # when the chunk being made became due; None until its first forward completes
     chunk_sampled: bool = True  # the chunk being made started due (at or under the lead), so its latency is a sample
     last_commit_at: float = 0.0  # time of the last COMMIT (admission before the first): no chunk is due before it
@@ -186,7 +186,7 @@ class _Stream:
 
 
 @dataclass(frozen=True)
-class _Work:
+class NextWork:
     """What a stream would run next, how urgent it is, and whether it may start now (see planner)."""
 
     kind: WorkKind  # the stream's next forward
