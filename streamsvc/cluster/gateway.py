@@ -1,9 +1,9 @@
 """The gateway: `streamsvc serve`'s HTTP/WebSocket front as a Ray driver, relaying each viewer to its replica.
 
 It serves what `streamsvc serve` serves on one port (the player at /, /ws, /healthz, /metrics; and
-/replicas, the replicas' routing stats as JSON) and
-checks what the front checks (origins, tokens, the server cap, per-client limits: `Server`'s own
-code), then hands each stream to an engine replica (streamsvc/cluster/replica.py):
+/replicas, the replicas' routing stats as JSON) and checks what a server checks (origins, tokens, the server cap,
+per-client limits: the same door, streamsvc/door/), then hands each stream to an engine replica
+(streamsvc/cluster/replica.py):
 
 - the viewer's `start` opens one streaming call, `session`, placed by the request router on the
   replica with room (streamsvc/cluster/router.py); that call is the session's lease, renewed every
@@ -24,9 +24,9 @@ and the replica checks it (as it checks a `take`'s steer secret, relayed with th
 messages); an id that names no replica gets the replica's own answer to a wrong secret, so that ids
 cannot be probed through the gateway either.
 
-WHEP and WHIP (issue 36): a WHEP POST is a connection of this handler (streamsvc/door/whep.py), so a new stream is
-placed as a /ws start is and a watch goes to its stream's replica; its DELETE closes that connection, which ends the
-session on the replica. A WHIP POST and its DELETE are forwarded to the stream's replica
+WHEP and WHIP: a WHEP POST (streamsvc/door/whep.py) is admitted and placed as a /ws start is (`open_webrtc`), a
+watch goes to its stream's replica, and its offer follows its start on the same relay; its DELETE ends the session
+on the replica as a viewer's leaving does. A WHIP POST and its DELETE are forwarded to the stream's replica
 (streamsvc/cluster/whip_relay.py).
 
 WebRTC: signaling rides the relayed WebSocket; the answer comes from the replica's own peer
@@ -50,15 +50,18 @@ from streamsvc.cluster.placement import ReplicaStats
 from streamsvc.cluster.replica import stream_prefix
 from streamsvc.cluster.router import Board, board
 from streamsvc.cluster.whip_relay import RelayedIngest
-from streamsvc.door.access import Refusal, StreamLimits, exposure_warning
+from streamsvc.door.access import Refusal, exposure_warning
 from streamsvc.door.cpumeter import CpuMeter
+from streamsvc.door.entry import Client, Entry, Refused
 from streamsvc.door.front import Connection, ConnectionClosed
 from streamsvc.door.guard import Guard, raise_fd_limit
+from streamsvc.door.port import Port, serve_until_signalled
 from streamsvc.door.routes import (RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequest, check_origin, metrics_refusal,
                                    reply, static_file)
-from streamsvc.door.whep import Endpoints
+from streamsvc.door.whep import Endpoints, WhepOutlet, WhepSession
 from streamsvc.metrics import Metrics
-from streamsvc.viewers.server import Server, ServerConfig
+from streamsvc.viewers.protocol import Admit, Send, Violation, ViewerProtocol
+from streamsvc.viewers.server import ServerConfig
 from streamsvc.wire import protocol as P
 from streamsvc.wire.framing import MAX_INPUT_BYTES
 
@@ -82,20 +85,20 @@ class _Relay:
     watch: bool = False  # a watcher's (of a stream on `replica`), not a stream's
 
 
-class Gateway(Server):
-    """`Server`'s front without an engine: each stream runs on a replica behind `handle` (the engine
-    deployment's Serve handle)."""
+class Gateway:
+    """`streamsvc serve`'s front without an engine: each stream runs on a replica behind `handle` (the engine
+    deployment's Serve handle). Its door is the server's: the same guard, token and caps (streamsvc/door/entry.py),
+    and each viewer's messages before its start or watch read by the viewer protocol (streamsvc/viewers/protocol.py)."""
 
     def __init__(self, handle, config: ServerConfig = ServerConfig(), gateway: GatewayConfig = GatewayConfig(),
                  clock: Callable[[], float] = time.monotonic) -> None:
-        # no Server.__init__: the engine is elsewhere; the attributes the front's methods use are set here
         self.config = config
         self.gateway = gateway
-        self.clock = clock
-        self.limits = StreamLimits(config.access)
         self.metrics = Metrics()
-        self.guard = Guard(config.access, self.metrics, clock)  # connection caps and request rates, as Server's
-        self.streamless = CpuMeter()  # the front's hooks meter into it, as Server's (no engine here to read it)
+        self.guard = Guard(config.access, self.metrics, clock)  # connection caps and request rates, as a server's
+        self.entry = Entry(config.access, config.max_streams, self.metrics)  # the token and the stream caps
+        self.streamless = CpuMeter()  # the front's hooks meter into it, as a server's (no engine here to read it)
+        self.front = Port(config, self.guard, self.streamless, self.metrics, self.websocket)
         self.sessions: dict[str, _Relay] = {}  # conn id -> relay (counted against the server cap)
         self.watchers: dict[str, _Relay] = {}  # conn id -> a watcher's relay (not counted against it)
         self.handle = handle
@@ -103,39 +106,42 @@ class Gateway(Server):
         self.gateway_id = uuid.uuid4().hex[:12]
         self.worker_lost = 0  # sessions whose replica died under them
         self._ids = itertools.count()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._front = self._metrics_front = None  # the port (streamsvc/door/front.py), --metrics-port's
         self._renewer: asyncio.Task | None = None
-        self._relays: set[asyncio.Task] = set()
-        # WHEP sessions are connections of _handle (placed and relayed as /ws viewers); WHIP goes to the stream's
-        # replica
+        # WHEP sessions are placed and relayed as /ws viewers (open_webrtc); WHIP goes to the stream's replica
         self.whep = Endpoints(self, whip=RelayedIngest(self))
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    async def start(self, listen: bool = True) -> None:
-        self._loop = asyncio.get_running_loop()
+    async def start(self) -> None:
         # a first call makes the handle's router, which then learns the replicas and their stats
         with contextlib.suppress(Exception):
-            await self._call("info", timeout_s=self.gateway.place_timeout_s)
+            await self.call("info", timeout_s=self.gateway.place_timeout_s)
         self._renewer = asyncio.create_task(self._renew())
         self.guard.listen(raise_fd_limit())
-        url = await self._listen(self._route)
+        url = await self.front.open(self._route, self._route_metrics)
         log.info("gateway on %s (WebSocket at %s), %d replicas", url, WS_PATH, len(self.board.replicas))
         warning = exposure_warning(self.config.host, self.config.access)
         if warning:
             log.warning(warning)
 
+    @property
+    def port(self) -> int:
+        return self.front.port
+
     async def stop(self, reason: str = "server shutting down") -> None:
         """Close the viewers' sockets; their sessions end on their replicas (the viewer left)."""
-        await self._close_fronts()
+        await self.whep.stop()
+        await self.front.close()
         if self._renewer is not None:
             self._renewer.cancel()
+
+    async def serve_forever(self) -> None:
+        await serve_until_signalled(self.start, self.stop)
 
     # -- HTTP -------------------------------------------------------------------------------
 
     def _route(self, request: HttpRequest) -> HttpReply | None:
-        """The gateway's routes (Server._route's): the replicas' health and metrics, its own player; None: the
+        """The gateway's routes (as a server's): the replicas' health and metrics, its own player; None: the
         WebSocket upgrade goes on."""
         path = request.path
         if path == WS_PATH:
@@ -192,82 +198,92 @@ class Gateway(Server):
             samples[name] = [_sample(name, labels, value) for labels, value in rows]
         return "".join(line for lines in samples.values() for line in lines)
 
-    # -- WebSocket --------------------------------------------------------------------------
+    # -- viewers ----------------------------------------------------------------------------
 
-    async def _handle(self, ws: Connection) -> None:
-        first = await self._await_start(ws)
+    async def websocket(self, ws: Connection) -> None:
+        """A viewer's socket: its start or watch, then its session relayed to a replica."""
+        client = Client.of(ws.remote_address[0] if ws.remote_address else None, ws.headers, self.config.access)
+        first = await self._await_start(ws, client)
         if first is None:
             return
         raw, msg = first
+        placed = await self._admit(client, msg)
+        if isinstance(placed, Refused):
+            with contextlib.suppress(ConnectionClosed):
+                await ws.send(P.encode(placed.error))
+                if placed.close:
+                    await ws.close(1008, "unauthorized")
+            return
+        relay, replica, release = placed
+        try:
+            await self._relay(ws, relay, raw, client.address, replica)
+        finally:
+            release()
+
+    async def _admit(self, client: Client, msg: P.Start | P.Watch):
+        """A start counted against the token and caps (a new session, placed by the router), or a watch sent to the
+        replica its stream runs on, named by the stream id's prefix (a replica's stream ids are `<replica>-s<n>`):
+        that replica's server admits it as it admits a watcher of its own, checking its watch secret (relayed as the
+        viewer sent it). Watchers do not count against the streams' caps; their relays keep their lease as a
+        stream's. Returns (its relay, the replica it must go to or None, what to call once it ends), or the
+        refusal."""
         if isinstance(msg, P.Watch):
-            await self._handle_watch(ws, raw, msg)
-            return
-        client = await self._let_in(ws, msg)
-        if client is None:
-            return
-        token, address = client
+            token = self.entry.authorize(client, msg)
+            if isinstance(token, Refused):
+                return token
+            uid = self.replica_of(msg.stream_id)
+            if uid is None:  # the replica's answer to a link of no stream of its own
+                return self.entry.refuse_link(msg.stream_id)
+            relay = _Relay(f"{self.gateway_id}-{next(self._ids)}", watch=True)
+            self.watchers[relay.conn_id] = relay
+            return relay, uid, lambda: self.watchers.pop(relay.conn_id, None)
+        token = self.entry.let_in(client, msg, len(self.sessions))
+        if isinstance(token, Refused):
+            return token
         relay = _Relay(f"{self.gateway_id}-{next(self._ids)}")
         self.sessions[relay.conn_id] = relay
-        try:
-            await self._relay(ws, relay, raw, address)
-        finally:
+
+        def release() -> None:
             self.sessions.pop(relay.conn_id, None)
-            self.limits.release(token, address)
+            self.entry.release(token, client.address)
+        return relay, None, release
 
-    async def _handle_watch(self, ws: Connection, raw: str, msg: P.Watch) -> None:
-        """A watcher goes to the replica its stream runs on, named by the stream id's prefix (a replica's stream
-        ids are `<replica>-s<n>`): the replica's server admits it as it admits a watcher of its own, checking its
-        watch secret (relayed in `raw`, as the viewer sent it). Watchers do not count against the streams' caps;
-        their relays keep their lease like a stream's."""
-        allowed, _ = await self._authorize(ws, msg)
-        if not allowed:
-            return
-        prefix = msg.stream_id.partition("-")[0] + "-"
-        uid = next((u for u in self.board.replicas if stream_prefix(u) == prefix and u not in self.board.lost), None)
-        if uid is None:  # the replica's answer to a link of no stream of its own (Server._refuse_link)
-            await self._refuse_link(ws, msg.stream_id)
-            return
-        relay = _Relay(f"{self.gateway_id}-{next(self._ids)}", watch=True)
-        self.watchers[relay.conn_id] = relay
-        try:
-            await self._relay(ws, relay, raw, self._address(ws), replica=uid)
-        finally:
-            self.watchers.pop(relay.conn_id, None)
+    def replica_of(self, stream_id: str) -> str | None:
+        """The replica that runs `stream_id` (its id's prefix names it), unless it is lost."""
+        prefix = stream_id.partition("-")[0] + "-"
+        return next((u for u in self.board.replicas if stream_prefix(u) == prefix and u not in self.board.lost), None)
 
-    async def _await_start(self, ws: Connection) -> tuple[str, P.Start | P.Watch] | None:
-        """The viewer's start or watch (raw and parsed); what comes before it is answered as the server does, under
-        the same guard (its deadline, its address's message rate, its protocol errors; the replica guards the rest)."""
-        guard = self.guard.connection(ws, self._address(ws))
+    async def _await_start(self, ws: Connection, client: Client) -> tuple[str, P.Start | P.Watch] | None:
+        """The viewer's start or watch (raw and parsed); what comes before it is answered by its protocol, as a
+        server's viewer is, under the same guard (its deadline, its address's message rate, its protocol errors; the
+        replica guards the rest)."""
+        guard = self.guard.connection(ws, client.address)
+        protocol = ViewerProtocol()
         try:
             async for raw in ws:
                 if not guard.message():
                     break
-                try:
-                    msg = P.parse_client(raw)
-                except P.ProtocolError as e:
-                    self.metrics.errors.inc()
-                    await ws.send(P.encode(e.to_message()))
-                    if not guard.protocol_error():
-                        break
-                    continue
-                if isinstance(msg, (P.Start, P.Watch)):
-                    guard.started()
-                    return raw, msg
-                await ws.send(P.encode(P.Error(code=P.ErrorCode.NOT_STARTED,
-                                               message=f"send 'start' or 'watch' before '{msg.type}'")))
-                if not guard.protocol_error():
-                    break
+                for action in protocol.receive(raw):
+                    if isinstance(action, Send):
+                        await ws.send(P.encode(action.message))
+                    elif isinstance(action, Violation):
+                        self.metrics.errors.inc()
+                        if not guard.protocol_error():
+                            return None
+                    else:  # Admit or Watch: its session goes to a replica from here
+                        guard.started()
+                        return raw, action.start if isinstance(action, Admit) else action.watch
         except ConnectionClosed:
             pass
         finally:
             await guard.done()
         return None
 
-    async def _relay(self, ws: Connection, relay: _Relay, start: str, address: str,
-                     replica: str | None = None) -> None:
-        gen = await (self._place(ws, relay, start, address) if replica is None else
-                     self._place_on(ws, relay, start, address, replica))
-        if gen is None:
+    async def _relay(self, ws: Connection, relay: _Relay, start: str, address: str, replica: str | None) -> None:
+        gen = await self._open_call(relay, start, address, replica)
+        if isinstance(gen, Refused):
+            with contextlib.suppress(ConnectionClosed):
+                await ws.send(P.encode(gen.error))
             return
         upstream = asyncio.create_task(self._upstream(ws, relay), name=f"up-{relay.conn_id}")
         try:
@@ -284,7 +300,11 @@ class Gateway(Server):
         except ConnectionClosed:
             pass  # the viewer left: upstream tells the replica
         except Exception as e:  # noqa: BLE001 - the replica's call failed: tell the viewer why
-            await self._lost(ws, relay, e)
+            error, reason = self._lost(relay, e)
+            with contextlib.suppress(ConnectionClosed):
+                await ws.send(P.encode(error))
+                await ws.send(P.encode(P.Closed(reason=reason)))
+                await ws.close(1011, reason)
         finally:
             upstream.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -305,14 +325,27 @@ class Gateway(Server):
             await ws.close(1008, f"slow client: a message waited {wait_s:g} s to be sent", linger=False)
             return False
 
-    async def _place(self, ws: Connection, relay: _Relay, start: str, address: str):
-        """Open the session's streaming call on a replica: the call (its placement read), or None after
-        the viewer was told why not. A call that fails before its placement goes to another replica."""
+    async def _open_call(self, relay: _Relay, start: str, address: str, replica: str | None):
+        """The session's streaming call, its placement read: a start placed by the router (a call that fails before
+        its placement goes to another replica), a watch on the replica `replica` (no other will do). Or the
+        refusal, counted."""
+        if replica is not None:
+            gen = self.handle.options(stream=True, method_name="session").remote(
+                relay.conn_id, start, address, self.gateway_id, new_session=False, replica=replica)
+            try:
+                async with asyncio.timeout(self.gateway.call_timeout_s):
+                    relay.replica = (await gen.__anext__())["placed"]
+            except Exception as e:  # noqa: BLE001 - the replica is gone or does not answer: its streams with it
+                gen.cancel()
+                log.warning("watch %s on %s failed (%s: %s)", relay.conn_id, replica, type(e).__name__, e)
+                return self.entry.refuse(Refusal.NO_STREAM, f"the worker of this stream does not answer "
+                                                            f"({type(e).__name__}); the stream may be gone", "watch")
+            return gen
         exclude: list[str] = []
         error = "no replica is running"
         for _ in range(PLACE_ATTEMPTS):
             gen = self.handle.options(stream=True, method_name="session").remote(
-                relay.conn_id, start, [], address, self.gateway_id, new_session=True, exclude=tuple(exclude))
+                relay.conn_id, start, address, self.gateway_id, new_session=True, exclude=tuple(exclude))
             try:
                 async with asyncio.timeout(self.gateway.place_timeout_s):
                     first = await gen.__anext__()
@@ -332,39 +365,27 @@ class Gateway(Server):
             relay.replica = first["placed"]
             self.board.routed.pop(relay.conn_id, None)
             return gen
-        await self._refuse(ws, Refusal.ADMISSION, f"the stream could not be placed on a worker: {error}")
-        return None
-
-    async def _place_on(self, ws: Connection, relay: _Relay, first: str, address: str, uid: str):
-        """Open a watcher's call on the replica `uid` (no other will do): the call, or None after the viewer was
-        told why not."""
-        gen = self.handle.options(stream=True, method_name="session").remote(
-            relay.conn_id, first, [], address, self.gateway_id, new_session=False, replica=uid)
-        try:
-            async with asyncio.timeout(self.gateway.call_timeout_s):
-                relay.replica = (await gen.__anext__())["placed"]
-        except Exception as e:  # noqa: BLE001 - the replica is gone or does not answer: its streams with it
-            gen.cancel()
-            log.warning("watch %s on %s failed (%s: %s)", relay.conn_id, uid, type(e).__name__, e)
-            await self._refuse(ws, Refusal.NO_STREAM, f"the worker of this stream does not answer "
-                                                      f"({type(e).__name__}); the stream may be gone", "watch")
-            return None
-        return gen
+        return self.entry.refuse(Refusal.ADMISSION, f"the stream could not be placed on a worker: {error}")
 
     async def _upstream(self, ws: Connection, relay: _Relay) -> None:
         """The viewer's messages to its replica, in order; when the viewer leaves, the replica is told."""
         try:
             async for raw in ws:
-                if not await self._call("feed", relay.conn_id, raw, replica=relay.replica):
+                if not await self.call("feed", relay.conn_id, raw, replica=relay.replica):
                     return  # the session has ended there
         except ConnectionClosed:
             pass
         finally:
-            if not relay.lost:
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self._call("feed", relay.conn_id, None, replica=relay.replica))
+            await self._left(relay)
 
-    async def _lost(self, ws: Connection, relay: _Relay, e: Exception) -> None:
+    async def _left(self, relay: _Relay) -> None:
+        """The viewer left: its replica hears it (unless the replica is gone)."""
+        if not relay.lost:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.call("feed", relay.conn_id, None, replica=relay.replica))
+
+    def _lost(self, relay: _Relay, e: Exception) -> tuple[P.Error, str]:
+        """The replica's call failed under a session: the viewer's error, and the reason its session closed."""
         from ray.exceptions import RayActorError
 
         if isinstance(e, RayActorError):
@@ -372,22 +393,89 @@ class Gateway(Server):
             self.worker_lost += 1
             self.board.mark_lost(relay.replica)
             log.warning("session %s: its replica %s was lost (%s)", relay.conn_id, relay.replica, type(e).__name__)
-            error = P.Error(code=P.ErrorCode.WORKER_LOST, message=(
+            return P.Error(code=P.ErrorCode.WORKER_LOST, message=(
                 f"the worker running this stream was lost ({type(e).__name__}); the stream is gone" + (
-                    "" if relay.watch else ": connect again to be placed on another worker")))
-            reason = "worker lost"
-        else:
-            log.error("session %s on %s failed: %s: %s", relay.conn_id, relay.replica, type(e).__name__, e)
-            error = P.Error(code=P.ErrorCode.INTERNAL, message=f"the worker failed: {type(e).__name__}"[:200])
-            reason = "worker failed"
-        with contextlib.suppress(ConnectionClosed):
-            await ws.send(P.encode(error))
-            await ws.send(P.encode(P.Closed(reason=reason)))
-            await ws.close(1011, reason)
+                    "" if relay.watch else ": connect again to be placed on another worker"))), "worker lost"
+        log.error("session %s on %s failed: %s: %s", relay.conn_id, relay.replica, type(e).__name__, e)
+        return P.Error(code=P.ErrorCode.INTERNAL, message=f"the worker failed: {type(e).__name__}"[:200]), \
+            "worker failed"
+
+    # -- WHEP (streamsvc/door/whep.py) ---------------------------------------------------------
+
+    async def open_webrtc(self, client: Client, first: P.Start | P.Watch, offer: str,
+                          deadline: float) -> WhepSession | HttpReply:
+        """A WHEP session, placed as a /ws viewer is and relayed the same way: `first`, then its `offer` fed to its
+        replica (whose peer connection answers it: the media flows between the player and the replica); by
+        `deadline` (loop time) the session, or the reply that says why not."""
+        outlet = WhepOutlet()
+        placed = await self._admit(client, first)
+        if isinstance(placed, Refused):
+            return outlet.refusal(placed.error, "the stream could not be opened")
+        relay, replica, release = placed
+        steers = isinstance(first, P.Start)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(deadline):
+                gen = await self._open_call(relay, P.encode(first), client.address, replica)
+        except TimeoutError:
+            gen = self.entry.refuse(Refusal.ADMISSION, "the stream could not be placed in time")
+        if isinstance(gen, Refused):
+            release()
+            return outlet.refusal(gen.error, "the stream could not be opened")
+        done = asyncio.ensure_future(self._relay_to_whep(gen, relay, outlet))
+        done.add_done_callback(lambda _: release())
+
+        async def close() -> None:  # its DELETE, or a session that did not come up
+            if steers and not done.done():
+                with contextlib.suppress(Exception):
+                    await self.call("feed", relay.conn_id, P.encode(P.Close()), replica=relay.replica)
+            await self._left(relay)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10):
+                    await asyncio.shield(done)
+
+        ready = await outlet.expect(P.Ready, deadline)
+        answer = None
+        if isinstance(ready, P.Ready):
+            with contextlib.suppress(Exception):
+                await self.call("feed", relay.conn_id, P.encode(P.Offer(sdp=offer)), replica=relay.replica,
+                                timeout_s=max(0.1, deadline - loop.time()))
+            answer = await outlet.expect(P.Answer, deadline)
+        if not isinstance(answer, P.Answer):
+            refusal = outlet.refusal(answer if isinstance(ready, P.Ready) else ready,
+                                     "the offer could not be answered" if isinstance(ready, P.Ready)
+                                     else "the stream could not be opened")
+            await close()
+            return refusal
+        outlet.set_up = True
+        return WhepSession(ready.stream_id, answer.sdp, outlet, close, done, watch_secret=ready.watch_secret,
+                           steer_secret=ready.steer_secret)
+
+    async def _relay_to_whep(self, gen, relay: _Relay, outlet: WhepOutlet) -> None:
+        """What a WHEP session's replica says, to its outlet (chunks never come: they go on its peer connection),
+        until the call ends; then the session has ended."""
+        try:
+            async for item in gen:
+                if isinstance(item, dict):
+                    if "close" in item:
+                        break
+                    continue  # (allow_messages: a WHEP stream's camera comes over WHIP)
+                if isinstance(item, str):
+                    with contextlib.suppress(P.ProtocolError):
+                        await outlet.send(P.parse_server(item))
+        except ConnectionClosed:
+            pass
+        except Exception as e:  # noqa: BLE001 - the replica's call failed: the session ends with it
+            _, reason = self._lost(relay, e)
+            await outlet.close(1011, reason)
+        finally:
+            gen.cancel()
+            await outlet.close(1000, outlet.reason or "session ended")
 
     # -- calls to the replicas ---------------------------------------------------------------
 
-    async def _call(self, method: str, *args, timeout_s: float | None = None, **kwargs):
+    async def call(self, method: str, *args, timeout_s: float | None = None, **kwargs):
+        """A call of `method` on the engine deployment (pinned with `replica=`), bounded in time."""
         response = self.handle.options(method_name=method).remote(*args, **kwargs)
         try:
             async with asyncio.timeout(timeout_s or self.gateway.call_timeout_s):
@@ -402,7 +490,7 @@ class Gateway(Server):
             await asyncio.sleep(self.gateway.renew_every_s)
             relays = [*self.sessions.values(), *self.watchers.values()]
             replicas = {r.replica for r in relays if r.replica is not None and not r.lost}
-            results = await asyncio.gather(*(self._call("renew", self.gateway_id, replica=uid) for uid in replicas),
+            results = await asyncio.gather(*(self.call("renew", self.gateway_id, replica=uid) for uid in replicas),
                                            return_exceptions=True)
             for uid, result in zip(replicas, results):
                 if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):

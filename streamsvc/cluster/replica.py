@@ -4,9 +4,9 @@ A session is one streaming call, `session(...)`, from the gateway: it is the ses
 first item says where it runs (`Placement`); then come, in order, everything the server would have
 sent on the viewer's WebSocket (text messages as str, chunks as bytes, and a `{"close": [code,
 reason]}` where it would close the socket). The viewer's later messages arrive as `feed(...)` calls
-pinned to this replica (streamsvc/cluster/router.py). `RelayConnection` is the `Connection`
-(streamsvc/door/front.py) the server's WebSocket handler sees instead of a socket, so admission, rate limits, prompt
-coalescing, WebRTC signaling and every reply are the server's own code.
+pinned to this replica (streamsvc/cluster/router.py). Each viewer has a `ViewerDriver`
+(streamsvc/viewers/driver.py) as a socket's viewer has, its `CallOutlet` the call back to the gateway, so admission,
+rate limits, prompt coalescing, WebRTC signaling and every reply are the server's own code.
 
 Ray does not cancel a streaming call whose caller died, so the gateway renews its sessions' leases
 (`renew`, every second); a session not renewed for `lease_s` ends as if its viewer had left (a
@@ -32,9 +32,11 @@ from dataclasses import dataclass, replace
 from multidict import CIMultiDict
 
 from streamsvc import library_logs
+from streamsvc.door.entry import Client
 from streamsvc.door.front import ConnectionClosed
 from streamsvc.door.routes import HttpRequest
 from streamsvc.engine.config import EngineConfig
+from streamsvc.viewers.driver import ViewerDriver
 from streamsvc.viewers.server import Server, ServerConfig
 from streamsvc.wire import protocol as P
 
@@ -55,53 +57,39 @@ class ReplicaConfig:
     warmup_nice: int = 0
 
 
-class RelayConnection:
-    """A `Connection` (streamsvc/door/front.py) for `Server._handle`, fed by the gateway's calls.
+class CallOutlet:
+    """A viewer's outlet on a replica (a transport.ws.Outlet): what the server says to it becomes the items of its
+    session's streaming call, for the gateway to send on the viewer's socket (text messages as str, chunks as bytes,
+    ``{"close": [code, reason]}`` where the socket closes, ``{"allow_messages": n}`` where its message limit rises:
+    the gateway's socket is the one that reads the viewer's messages). A None item ends the call. Sends fail
+    (ConnectionClosed) once it closed, or once the call itself ended."""
 
-    Its two directions end apart: the viewer's messages end with a None in `inbox` (the viewer left, or
-    the replica ends the session: its gateway's lease ran out), after which the server's last messages
-    (its `closed`) still go to `outbox`, for the gateway to relay to a viewer that is still there; sends
-    fail (`closed`) only once the server closed the connection or the session's call itself ended."""
-
-    def __init__(self, conn_id: str, headers: list[tuple[str, str]], address: str) -> None:
+    def __init__(self, conn_id: str) -> None:
         self.conn_id = conn_id
-        self.headers = CIMultiDict(headers)  # the viewer's upgrade request's, as the gateway relayed them
-        self.remote_address = (address, 0)
-        self.inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()  # the viewer's messages; None: they end
-        self.outbox: asyncio.Queue[str | bytes | dict | None] = asyncio.Queue()  # to the gateway; None: the end
-        self.closed = False  # no more sends: the server closed it, or the session's call ended
-        self.inbox_ended = False
+        self.items: asyncio.Queue[str | bytes | dict | None] = asyncio.Queue()
+        self.closed = False
 
-    def __aiter__(self):
-        return self
+    async def send(self, message) -> None:
+        await self.send_chunk(P.encode(message))
 
-    async def __anext__(self) -> str | bytes:
-        if self.inbox_ended:
-            raise StopAsyncIteration
-        item = await self.inbox.get()
-        if item is None:
-            self.inbox_ended = True  # (not `closed`: the server's reply to the end, its `closed`, still goes out)
-            raise StopAsyncIteration
-        return item
-
-    async def send(self, data: str | bytes) -> None:
+    async def send_chunk(self, payload: str | bytes) -> None:
         if self.closed:
             raise ConnectionClosed(f"relay {self.conn_id} closed")
-        self.outbox.put_nowait(data)
-
-    def allow_messages(self, max_bytes: int) -> bool:
-        """Let the viewer's messages be up to `max_bytes` (a stream with input video, streamsvc/inputs/ws.py): the
-        gateway's socket is the one that reads them, so the gateway raises its limit when this reaches it."""
-        if self.closed:
-            return False
-        self.outbox.put_nowait({"allow_messages": max_bytes})
-        return True
+        self.items.put_nowait(payload)
 
     async def close(self, code: int = 1000, reason: str = "", linger: bool = True) -> None:
         if not self.closed:  # (linger: the gateway's socket is the one that reads)
-            self.outbox.put_nowait({"close": [code, reason]})
+            self.items.put_nowait({"close": [code, reason]})
         self.closed = True
-        self.inbox.put_nowait(None)
+
+    def allow_messages(self, max_bytes: int) -> bool:
+        if self.closed:
+            return False
+        self.items.put_nowait({"allow_messages": max_bytes})
+        return True
+
+    def buffered(self) -> int:
+        return 0  # (the gateway's socket holds what it has not sent; a viewer that does not read holds up its relay)
 
 
 @contextlib.contextmanager
@@ -137,6 +125,21 @@ def stream_prefix(replica_uid: str) -> str:
     return "".join(c for c in replica_uid if c.isascii() and c.isalnum()) + "-"
 
 
+async def _read(driver: ViewerDriver, inbox: asyncio.Queue, outlet: CallOutlet) -> None:
+    """The viewer's messages to its driver, one at a time, in order, until they end (the viewer left, or the
+    session ends here) or nothing more of them is read; then the viewer leaves and its last messages (its
+    `closed`) still go out, for the gateway to relay to a viewer that is still there."""
+    try:
+        while (message := await inbox.get()) is not None:
+            if not await driver.receive(message):
+                break
+    except ConnectionClosed:
+        pass
+    finally:
+        await driver.close()
+        outlet.items.put_nowait(None)
+
+
 class EngineReplica:
     """The deployment's class (streamsvc/cluster/launch.py wraps it in `serve.deployment`)."""
 
@@ -159,7 +162,8 @@ class EngineReplica:
         self.server = Server(engine, server_cfg)
         self.draining = False
         self.stream_kv_bytes = 0
-        self.conns: dict[str, RelayConnection] = {}
+        self.inboxes: dict[str, asyncio.Queue] = {}  # conn id -> its viewer's messages (`feed`)
+        self.outlets: dict[str, CallOutlet] = {}  # conn id -> where its server's messages go
         self.leases: dict[str, float] = {}  # gateway id -> its latest renewal (time.monotonic)
         self.owner: dict[str, str] = {}  # conn id -> its gateway
         with _niced(config.warmup_nice):  # threads and processes started in here inherit it
@@ -171,9 +175,8 @@ class EngineReplica:
 
     # -- sessions ----------------------------------------------------------------------------
 
-    async def session(self, conn_id: str, start: str, headers: list[tuple[str, str]], address: str,
-                      gateway: str, new_session: bool = True, exclude: tuple[str, ...] = (),
-                      replica: str | None = None):
+    async def session(self, conn_id: str, start: str, address: str, gateway: str, new_session: bool = True,
+                      exclude: tuple[str, ...] = (), replica: str | None = None):
         """One viewer's connection: its placement, then everything the server sends it (see the module's doc).
         `start` is the viewer's first message: a `start` (a new session, placed by the router) or a `watch` of a
         stream here (`replica` pins the call to this replica; a draining one still takes watchers)."""
@@ -182,33 +185,35 @@ class EngineReplica:
             yield P.encode(P.Error(code=P.ErrorCode.REFUSED, request="start",
                                    message=f"worker {self.uid} is draining and takes no new streams"))
             return
-        conn = RelayConnection(conn_id, headers, address)
-        self.conns[conn_id] = conn
+        outlet = CallOutlet(conn_id)
+        driver = ViewerDriver(self.server, Client(address), outlet, self.server.guard.connection(outlet, address))
+        inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue()  # the viewer's messages (`feed`); None: they end
+        self.inboxes[conn_id], self.outlets[conn_id] = inbox, outlet
         self.owner[conn_id] = gateway
         self.leases[gateway] = time.monotonic()
-        conn.inbox.put_nowait(start)
-        handler = asyncio.create_task(self.server._handle(conn), name=f"relay-{conn_id}")
-        handler.add_done_callback(lambda _: conn.outbox.put_nowait(None))
+        inbox.put_nowait(start)
+        reader = asyncio.create_task(_read(driver, inbox, outlet), name=f"relay-{conn_id}")
         try:
             while True:
-                item = await conn.outbox.get()
+                item = await outlet.items.get()
                 if item is None:
                     return
                 yield item
         finally:  # the stream ended, the gateway cancelled the call, or the lease ran out
-            conn.closed = True
-            conn.inbox.put_nowait(None)
+            outlet.closed = True
+            inbox.put_nowait(None)
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(handler), 5)
-            self.conns.pop(conn_id, None)
+                await asyncio.wait_for(asyncio.shield(reader), 5)
+            self.inboxes.pop(conn_id, None)
+            self.outlets.pop(conn_id, None)
             self.owner.pop(conn_id, None)
 
     async def feed(self, conn_id: str, message: str | bytes | None, replica: str) -> bool:
         """A viewer's message for its session (None: the viewer left). False when no such session."""
-        conn = self.conns.get(conn_id)
-        if conn is None:
+        inbox = self.inboxes.get(conn_id)
+        if inbox is None:
             return False
-        conn.inbox.put_nowait(message)
+        inbox.put_nowait(message)
         return True
 
     async def http(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes, address: str,
@@ -233,9 +238,9 @@ class EngineReplica:
             for conn_id, gateway in list(self.owner.items()):
                 if now - self.leases.get(gateway, now) > self.config.lease_s:
                     log.warning("session %s: its gateway %s stopped renewing; ending it", conn_id, gateway)
-                    conn = self.conns.get(conn_id)
-                    if conn is not None:
-                        conn.inbox.put_nowait(None)
+                    inbox = self.inboxes.get(conn_id)
+                    if inbox is not None:
+                        inbox.put_nowait(None)
                     self.owner.pop(conn_id, None)
 
     # -- operations ----------------------------------------------------------------------------
@@ -267,7 +272,7 @@ class EngineReplica:
 
     def _metrics(self) -> dict[str, float]:
         """The replica's /metrics samples, {'name{labels}': value} (labels sorted, unquoted)."""
-        self.server._refresh_metrics()
+        self.server.refresh_metrics()
         out = {}
         for family in self.server.metrics.registry.collect():
             for s in family.samples:
@@ -290,7 +295,7 @@ class EngineReplica:
         self.draining = True
         lost = P.encode(P.Error(code=P.ErrorCode.WORKER_LOST, message=(
             f"worker {self.uid} is stopping; the stream is gone: connect again to be placed on another worker")))
-        for conn in list(self.conns.values()):
-            conn.outbox.put_nowait(lost)
+        for outlet in list(self.outlets.values()):
+            outlet.items.put_nowait(lost)
         with contextlib.suppress(Exception):
             await self.server.stop("worker stopping")

@@ -12,9 +12,8 @@ import contextlib
 import http
 import logging
 
-from streamsvc.cluster.replica import stream_prefix
-from streamsvc.door.routes import HttpReply, HttpRequest
-from streamsvc.door.whep import HttpSession, _text
+from streamsvc.door.routes import HttpReply, HttpRequest, text_reply
+from streamsvc.door.whep import HttpSession
 
 log = logging.getLogger("streamsvc.cluster.gateway")
 
@@ -33,19 +32,19 @@ class RelayedIngest:
 
     async def publish(self, endpoints, request: HttpRequest, stream_id: str, offer: str) -> HttpReply:
         g = self.gateway
-        prefix = stream_id.partition("-")[0] + "-"
-        uid = next((u for u in g.board.replicas if stream_prefix(u) == prefix and u not in g.board.lost), None)
+        uid = g.replica_of(stream_id)
         if uid is None:  # the replica's answer to a stream it does not run
-            return _text(http.HTTPStatus.NOT_FOUND, f"no open stream {stream_id[:64]!r} here with this steer secret")
+            return text_reply(http.HTTPStatus.NOT_FOUND,
+                              f"no open stream {stream_id[:64]!r} here with this steer secret")
         address = g.guard.client(request)
         headers = [(k, v) for k, v in request.headers.items() if k.lower() in FORWARDED]
         try:
-            status, answer_headers, body = await g._call("http", "POST", request.target, headers, request.body,
+            status, answer_headers, body = await g.call("http", "POST", request.target, headers, request.body,
                                                          address, replica=uid, timeout_s=g.gateway.place_timeout_s)
         except Exception as e:  # noqa: BLE001 - the replica is gone or does not answer
             log.warning("WHIP into %s on %s failed (%s: %s)", stream_id, uid, type(e).__name__, e)
-            return _text(http.HTTPStatus.SERVICE_UNAVAILABLE, f"the worker of stream {stream_id[:64]} does not "
-                         f"answer ({type(e).__name__}); the stream may be gone")
+            return text_reply(http.HTTPStatus.SERVICE_UNAVAILABLE, f"the worker of stream {stream_id[:64]} does not "
+                              f"answer ({type(e).__name__}); the stream may be gone")
         answer_headers = list(answer_headers)
         if status == http.HTTPStatus.CREATED:
             there = dict(answer_headers)["Location"]
@@ -53,11 +52,11 @@ class RelayedIngest:
             async def close() -> None:
                 endpoints.forget(here)
                 with contextlib.suppress(Exception):
-                    await g._call("http", "DELETE", there, [], b"", address, replica=uid)
+                    await g.call("http", "DELETE", there, [], b"", address, replica=uid)
 
             relayed = [key for key, session in endpoints.sessions.items() if session.kind == "whip"]
             for key in relayed[: max(0, len(relayed) - MAX_RELAYED + 1)]:  # the oldest first (dicts keep order)
                 endpoints.sessions.pop(key, None)
-            here = endpoints.register(HttpSession("whip", stream_id, False, None, close))
+            here = endpoints.register(HttpSession("whip", stream_id, False, close))
             answer_headers = [(k, f"/whip/session/{here}" if k == "Location" else v) for k, v in answer_headers]
         return HttpReply(http.HTTPStatus(status), tuple(answer_headers), body)

@@ -68,8 +68,7 @@ class ConnectionClosed(Exception):
 
 
 class Connection(Protocol):
-    """What the server's session code needs of one WebSocket connection, whoever carries it: a socket here
-    (`WebSocketConnection`), or the gateway's relay on a cluster replica (cluster/replica.py)."""
+    """One WebSocket connection, as the server and the gateway read and write it (`WebSocketConnection`)."""
 
     remote_address: tuple[str, int] | None  # the peer's (host, port); None when unknown
     headers: Mapping[str, str]  # the upgrade request's headers, looked up case-insensitively
@@ -272,7 +271,12 @@ class HttpFront:
 
     @property
     def port(self) -> int:
-        return self._listening.sockets[0].getsockname()[1]
+        return self.socket.getsockname()[1]
+
+    @property
+    def socket(self):
+        """The listening socket (asyncio's view of it)."""
+        return self._listening.sockets[0]
 
     async def stop(self) -> None:
         """Stop listening, close every open WebSocket (1001), then the connections still open."""

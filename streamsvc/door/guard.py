@@ -135,7 +135,7 @@ class Guard:
         if refused is None:
             return None
         reason, _ = refused
-        self._refused(reason, peer)
+        self.refused(reason, peer)
         return f"{reason.value}: past the hard socket cap"
 
     def hold_connection(self, peer: str) -> float:
@@ -160,7 +160,7 @@ class Guard:
         if wait_s is None:
             return None
         reason = RequestRates.REFUSALS[kind]
-        self._refused(reason, address)
+        self.refused(reason, address)
         upgrade = kind is RateKind.UPGRADE
         what, flag = ("WebSocket upgrades", "--connect-rate") if upgrade else ("HTTP requests", "--http-rate")
         return _too_busy(http.HTTPStatus.TOO_MANY_REQUESTS, f"this address sends {what} faster than this server "
@@ -174,7 +174,7 @@ class Guard:
         if refused is None:
             return None
         reason, message = refused
-        self._refused(reason, address)
+        self.refused(reason, address)
         status = http.HTTPStatus.SERVICE_UNAVAILABLE if reason is Refusal.CONNECTIONS else (
             http.HTTPStatus.TOO_MANY_REQUESTS)
         return _too_busy(status, message, self.access.start_timeout_s)  # an idle slot frees by then
@@ -197,7 +197,7 @@ class Guard:
     def _peer_key(self, peer: str) -> str:
         return "proxy" if self.access.trust_proxy else peer
 
-    def _refused(self, reason: Refusal, address: str) -> None:
+    def refused(self, reason: Refusal, address: str) -> None:
         """Count a refusal or a close, and log it at most once per reason every LogGate period."""
         self.metrics.refusals.labels(reason.value).inc()
         held_back = self.logs.allow(reason.value, self.clock())
@@ -268,7 +268,7 @@ class ConnectionGuard:
         if self.closing is not None or self._closer is not None:
             return
         self.closing = reason
-        self.guard._refused(reason, self.address)
+        self.guard.refused(reason, self.address)
         if not linger:  # a flood: the address's next connections come at its rate, without a burst
             self.guard.rates.empty(RateKind.UPGRADE, self.address, self.guard.clock())
         self._closer = asyncio.ensure_future(self.conn.close(POLICY_VIOLATION, text, linger=linger))

@@ -75,6 +75,11 @@ def reply(status: http.HTTPStatus, body: bytes, ctype: str) -> HttpReply:
     return HttpReply(status, _headers(ctype, len(body)), body)
 
 
+def text_reply(status: http.HTTPStatus, text: str) -> HttpReply:
+    """A reply of plain text, a line or a few (WHEP's and WHIP's errors)."""
+    return reply(status, (text.rstrip("\n") + "\n").encode(), "text/plain; charset=utf-8")
+
+
 def _headers(ctype: str, length: int) -> tuple[tuple[str, str], ...]:
     return ("Content-Type", ctype), ("Content-Length", str(length)), ("Cache-Control", "no-store")
 

@@ -25,15 +25,15 @@ The endpoints (paths under WHEP_PATH; `Endpoints.handle` answers them, the front
   404 no such stream or session, 405, 415 not application/sdp, 429 over a rate or cap (with Retry-After), 503 no
   room for the stream.
 
-How: each session is a `SignalingConnection`, a `Connection` (streamsvc/door/front.py) that the server's own WebSocket
-handler (`Server._handle`, or the gateway's in cluster mode) serves as it serves a socket. The POST becomes that
-connection's ``start`` (or ``watch``) with transport ``webrtc`` and then its ``offer``; the ``ready`` and the
-``answer`` become the 201. So admission, the token, per-address stream caps, the offer's checks, the peer
-connection, the data channel and a stream's end are the server's code, unchanged; in cluster mode the gateway places
-a new stream as it places a /ws start, and relays the session to its replica (the media flows between the replica
-and the player). The session ends with the connection: a DELETE closes it, and a stream that ends (or a peer
-connection that fails: ICE consent lost, aioice's 6 checks 5 s apart, about 30 s after the peer vanished) closes it
-from the server's side.
+How: the endpoints parse the POST into a `start` (or `watch`) with transport ``webrtc`` and its offer, and hand them
+to their host (`WhepHost.open_webrtc`): the server runs them through the viewer's protocol and driver
+(streamsvc/viewers/driver.py) as a socket's messages go, so admission, the token, per-address stream caps, the
+offer's checks, the peer connection, the data channel and a stream's end are the server's code, unchanged; in cluster
+mode the gateway places a new stream as it places a /ws start and relays the session to its replica (the media flows
+between the replica and the player). What the server says to the session goes to its `WhepOutlet`: its answer
+becomes the 201; after, only its end matters. A DELETE ends the session, and a stream that ends (or a peer connection
+that fails: ICE consent lost, aioice's 6 checks 5 s apart, about 30 s after the peer vanished) ends it from the
+server's side.
 
 Limits beside the server's: each POST is an HTTP request (--http-rate, by the front) and an upgrade (--connect-rate),
 and each session holds one of its address's connections (--max-connections-per-client) until it ends.
@@ -50,9 +50,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 from urllib.parse import quote
 
-from multidict import CIMultiDict
 from pydantic import ValidationError
 
 from streamsvc.door.access import (
@@ -65,8 +65,11 @@ from streamsvc.door.access import (
     new_secret,
     origin_allowed,
 )
+from streamsvc.door.entry import Client
 from streamsvc.door.front import ConnectionClosed
-from streamsvc.door.routes import HttpReply, HttpRequest, reply
+from streamsvc.door.guard import Guard
+from streamsvc.door.routes import HttpReply, HttpRequest, reply, text_reply
+from streamsvc.metrics import Metrics
 from streamsvc.transport.sdp import check_offer
 from streamsvc.wire import protocol as P
 from streamsvc.wire.rtc import MAX_REMOTE_CANDIDATES, IceServer, SignalingError
@@ -97,71 +100,49 @@ _STATUS = {
 }
 
 
-class SignalingConnection:
-    """A `Connection` (streamsvc/door/front.py) with no socket: the server's handler reads the messages `put` here and
-    sends its own into it. Until the session is set up they queue for `expect`; after, only `closed` matters (it
-    ends the session); the rest (chunk headers, audience) is dropped: the player has the stream's media, and its
-    data channel when it has one."""
+class WhepOutlet:
+    """What the server says to a WHEP session's viewer (a transport.ws.Outlet): its player has the stream's media and,
+    when it has one, its data channel, and reads no messages. Until the session is set up its replies (its ready,
+    the answer to its offer, an error) wait for `expect`; after, only its end matters (`closed`, or the outlet's
+    close), which ends the session. Chunks never come here (its transport is WebRTC)."""
 
-    def __init__(self, headers: CIMultiDict, address: str) -> None:
-        self.headers = headers  # the POST's Authorization and X-Forwarded-For, as a socket's upgrade has them
-        self.remote_address = (address, 0)
-        self._inbox: asyncio.Queue[str | None] = asyncio.Queue()  # to the server's handler; None: the end
-        self._replies: asyncio.Queue[P.Ready | P.Answer | P.Error | P.Closed | None] = asyncio.Queue(MAX_QUEUED)
-        self.set_up = False  # the 201 went out: the server's messages are no longer queued
-        self.closed = False  # the server closed it, or the session ended
+    def __init__(self) -> None:
+        self._replies: asyncio.Queue[P.Ready | P.Answer | P.Error | None] = asyncio.Queue(MAX_QUEUED)
+        self.set_up = False  # the 201 went out: the server's messages are no longer kept
         self.ended = asyncio.Event()  # the stream or the viewer ended (the server's `closed`, or a close)
         self.reason = ""  # why it ended, as the server said
 
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> str:
-        item = await self._inbox.get()
-        if item is None:
-            self._inbox.put_nowait(None)  # read again by whoever asks next: still the end
-            raise StopAsyncIteration
-        return item
-
-    def put(self, message: str | None) -> None:
-        self._inbox.put_nowait(message)
-
-    async def send(self, data: str | bytes) -> None:
-        if self.closed:
+    async def send(self, message) -> None:
+        if self.ended.is_set():
             raise ConnectionClosed("the WHEP session has ended")
-        if isinstance(data, bytes):  # a chunk on the socket: never asked for (transport webrtc)
-            return
-        if self.set_up and '"closed"' not in data:  # a chunk header, audience...: not parsed, dropped (cheap)
-            return
-        try:
-            msg = P.parse_server(data)
-        except P.ProtocolError:
-            return
-        if isinstance(msg, P.Closed):
-            self._end(msg.reason)
-        if not self.set_up and isinstance(msg, (P.Ready, P.Answer, P.Error, P.Closed)):
+        if isinstance(message, P.Closed):
+            self._end(message.reason)
+        elif not self.set_up and isinstance(message, (P.Ready, P.Answer, P.Error)):
             with contextlib.suppress(asyncio.QueueFull):
-                self._replies.put_nowait(msg)
+                self._replies.put_nowait(message)
 
-    def allow_messages(self, max_bytes: int) -> bool:
-        """A stream with input video (issue 35) lets its connection's messages be larger: this one has no socket (its
-        messages are the endpoint's own), and a WHEP stream's camera comes over WHIP: nothing to raise."""
-        return True
+    async def send_chunk(self, payload: bytes) -> None:
+        """(Never asked for: a WHEP session's chunks go on its peer connection.)"""
 
     async def close(self, code: int = 1000, reason: str = "", linger: bool = True) -> None:
         self._end(reason or f"closed ({code})")
-        self.closed = True
+
+    def allow_messages(self, max_bytes: int) -> bool:
+        """A WHEP stream's camera comes over WHIP, not as messages: nothing to raise."""
+        return True
+
+    def buffered(self) -> int:
+        return 0
 
     def _end(self, reason: str) -> None:
         if not self.ended.is_set():
             self.reason = reason
             self.ended.set()
-            self.put(None)
             with contextlib.suppress(asyncio.QueueFull):
                 self._replies.put_nowait(None)
 
     async def expect(self, kind: type, deadline: float) -> P.Ready | P.Answer | P.Error | None:
-        """The server's next `kind` or `error` before `deadline` (loop time); None if it closed or took too long."""
+        """The server's next `kind` or `error` before `deadline` (loop time); None if it ended or took too long."""
         loop = asyncio.get_running_loop()
         for _ in range(MAX_QUEUED + 2):
             try:
@@ -169,11 +150,47 @@ class SignalingConnection:
                     msg = await self._replies.get()
             except TimeoutError:
                 return None
-            if msg is None or isinstance(msg, P.Closed):
+            if msg is None:
                 return None
             if isinstance(msg, (kind, P.Error)):
                 return msg
         return None
+
+    def refusal(self, msg: P.Error | None, what: str) -> HttpReply:
+        """The status and text of a session the server refused (its error), or that ended or timed out on the way."""
+        if isinstance(msg, P.Error):
+            return _refused(msg, what)
+        if self.ended.is_set():
+            return text_reply(http.HTTPStatus.SERVICE_UNAVAILABLE, f"{what}: the connection ended ({self.reason})")
+        return text_reply(http.HTTPStatus.GATEWAY_TIMEOUT, f"{what}: no answer within {SETUP_TIMEOUT_S:g} s")
+
+
+@dataclass
+class WhepSession:
+    """A WHEP session its host (the server, or the gateway) has set up: the stream it plays, the 201's fields, and
+    how it ends."""
+
+    stream_id: str
+    answer: str  # the SDP answer
+    outlet: WhepOutlet  # what the server says to it (its end: `ended`, `reason`)
+    close: Callable[[], Awaitable[None]]  # its DELETE: a steering session ends its stream, a watcher leaves
+    done: asyncio.Future  # done once its host is done with it (it ended, or was closed)
+    watch_secret: str | None = None  # the stream's capabilities, for a session that steers it
+    steer_secret: str | None = None
+
+
+class WhepHost(Protocol):
+    """What the endpoints need of the server or the gateway whose port they are on."""
+
+    config: object  # its ServerConfig: access, webrtc
+    guard: Guard
+    metrics: Metrics
+
+    async def open_webrtc(self, client: Client, first: P.Start | P.Watch, offer: str,
+                          deadline: float) -> WhepSession | HttpReply:
+        """Admit `first` with transport webrtc and answer `offer` by `deadline` (loop time): the session, or the
+        reply that says why not (WhepOutlet.refusal)."""
+        ...
 
 
 @dataclass
@@ -183,21 +200,18 @@ class HttpSession:
     kind: str  # "whep" (a player) or "whip" (an encoder)
     stream_id: str
     steers: bool  # a WHEP session that started its stream (its DELETE ends the stream)
-    conn: SignalingConnection | None  # WHEP: the connection the server's handler serves
     close: Callable[[], Awaitable[None]]  # ends the session (its DELETE)
     created_at: float = field(default_factory=time.monotonic)
 
 
 class Endpoints:
-    """The WHEP (and, with `whip`, WHIP) routes of one front: a `Server`'s or the gateway's. `host` gives what the
-    session needs: `_handle(conn)` (the WebSocket handler), `config` (access, webrtc), `guard`, `metrics`."""
+    """The WHEP (and, with `whip`, WHIP) routes of one front: a `Server`'s or the gateway's (its `WhepHost`)."""
 
-    def __init__(self, host, whip=None, setup_timeout_s: float = SETUP_TIMEOUT_S) -> None:
+    def __init__(self, host: WhepHost, whip=None, setup_timeout_s: float = SETUP_TIMEOUT_S) -> None:
         self.host = host
         self.whip = whip  # streamsvc/door/whip.py's Ingest, or None (POST /whip is 404)
         self.setup_timeout_s = setup_timeout_s
         self.sessions: dict[bytes, HttpSession] = {}  # sha256 of the Location's secret -> the session
-        self._tasks: set[asyncio.Task] = set()
         # a client opens watch sessions at its connect rate: their lines, one of each kind every 6 s at most
         self._session_lines = LogGate(SESSION_LOG_PERIOD_S)
 
@@ -227,8 +241,8 @@ class Endpoints:
             return self._options(request, cors if allowed else ())
         if not allowed:
             self.host.metrics.refusals.labels(Refusal.ORIGIN.value).inc()
-            return _text(http.HTTPStatus.FORBIDDEN, f"origin {origin[:200]!r} may not use this server: only its own "
-                         "pages and origins given with --allow-origin may")
+            return text_reply(http.HTTPStatus.FORBIDDEN, f"origin {origin[:200]!r} may not use this server: only its "
+                              "own pages and origins given with --allow-origin may")
         answer = self._route(request)
         if isinstance(answer, HttpReply):
             return _with(answer, cors)
@@ -248,7 +262,7 @@ class Endpoints:
                 return refusal
             session = self.sessions.get(_key(path.rsplit("/", 1)[1]))
             if session is None or not path.startswith(f"/{session.kind}/session/"):
-                return _text(http.HTTPStatus.NOT_FOUND, "no such session here (it ended, or its URL is wrong)")
+                return text_reply(http.HTTPStatus.NOT_FOUND, "no such session here (it ended, or its URL is wrong)")
             if method == "PATCH":
                 return _not_allowed("DELETE, OPTIONS", "trickle ICE and ICE restarts are not supported: send every "
                                     "candidate in the offer (gather before the POST); end this session with DELETE")
@@ -257,11 +271,11 @@ class Endpoints:
             return _not_allowed("POST, OPTIONS")
         if path.startswith("/whip"):
             if self.whip is None or path == "/whip":
-                return _text(http.HTTPStatus.NOT_FOUND, "WHIP: POST /whip/STREAM?secret=STEER_SECRET (the stream "
-                             "must be open here and take input)")
+                return text_reply(http.HTTPStatus.NOT_FOUND, "WHIP: POST /whip/STREAM?secret=STEER_SECRET (the stream "
+                                  "must be open here and take input)")
         stream = path.removeprefix(WHEP_PATH).removeprefix("/whip").lstrip("/")
         if "/" in stream:
-            return _text(http.HTTPStatus.NOT_FOUND, "not found")
+            return text_reply(http.HTTPStatus.NOT_FOUND, "not found")
         refusal = self._unauthorized(request) or _bad_media_type(request) or self._over_rate(request)
         if refusal is not None:
             return refusal
@@ -269,8 +283,8 @@ class Endpoints:
             offer = request.body.decode("utf-8")
             check_offer(offer, max_candidates=MAX_REMOTE_CANDIDATES, publish=path.startswith("/whip"))
         except (UnicodeDecodeError, SignalingError) as e:
-            return _text(http.HTTPStatus.BAD_REQUEST,
-                         f"bad offer: {e if isinstance(e, SignalingError) else 'not UTF-8'}")
+            return text_reply(http.HTTPStatus.BAD_REQUEST,
+                              f"bad offer: {e if isinstance(e, SignalingError) else 'not UTF-8'}")
         if path.startswith("/whip"):
             return self.whip.publish(self, request, stream, offer)
         first = self._first_message(request, stream)
@@ -278,75 +292,56 @@ class Endpoints:
             return first
         return self._open(request, first, offer, steers=not stream)
 
-    def _first_message(self, request: HttpRequest, stream: str) -> str | HttpReply:
-        """The connection's `start` (a new stream, from the query) or `watch` (of `stream`), or the 400 or 404."""
+    def _first_message(self, request: HttpRequest, stream: str) -> P.Start | P.Watch | HttpReply:
+        """The session's `start` (a new stream, from the query) or `watch` (of `stream`), or the 400 or 404."""
         query = {k: v[0] for k, v in request.query.items()}
         try:
             if stream:
-                return P.encode(P.Watch(stream_id=stream, secret=query.get("secret"), transport="webrtc"))
+                return P.Watch(stream_id=stream, secret=query.get("secret"), transport="webrtc")
             if "prompt" not in query:
-                return _text(http.HTTPStatus.BAD_REQUEST, "a new stream needs its prompt: POST /whep?prompt=...")
+                return text_reply(http.HTTPStatus.BAD_REQUEST, "a new stream needs its prompt: POST /whep?prompt=...")
             extra = {k: int(query[k]) for k in ("fps", "seed") if k in query}
             if query.get("input", "0").lower() in ("1", "true", "yes"):  # a WHIP publisher's (streamsvc/door/whip.py)
                 extra["input"] = True
                 if "strength" in query:
                     extra["strength"] = float(query["strength"])
-            return P.encode(P.Start(prompt=query["prompt"], transport="webrtc", **extra))
+            return P.Start(prompt=query["prompt"], transport="webrtc", **extra)
         except ValueError as e:  # pydantic's ValidationError, or int()
             status = http.HTTPStatus.NOT_FOUND if stream else http.HTTPStatus.BAD_REQUEST
             if isinstance(e, ValidationError) and stream:  # a stream id or secret no stream has: as a wrong one
-                return _text(status, f"no open stream {stream[:64]!r} here with this watch secret")
-            return _text(status, f"bad query: {_first_line(e)}")
+                return text_reply(status, f"no open stream {stream[:64]!r} here with this watch secret")
+            return text_reply(status, f"bad query: {_first_line(e)}")
 
-    async def _open(self, request: HttpRequest, first: str, offer: str, steers: bool) -> HttpReply:
-        """The session: the server's handler serves its connection; `first`, then the offer; the 201 or the error."""
+    async def _open(self, request: HttpRequest, first: P.Start | P.Watch, offer: str, steers: bool) -> HttpReply:
+        """The session: its host admits `first` and answers the offer; the 201 or the error."""
         guard = self.host.guard
         refusal = guard.admit_upgrade(request)  # the session holds one of its address's connections
         if refusal is not None:
             return refusal
-        headers = CIMultiDict((k, v) for k, v in request.headers.items()
-                              if k.lower() in ("authorization", "x-forwarded-for", "user-agent"))
-        conn = SignalingConnection(headers, request.remote or "unknown")
+        client = Client.of(request.remote or "unknown", request.headers, self.access)
+        deadline = asyncio.get_running_loop().time() + self.setup_timeout_s
+        try:
+            opened = await self.host.open_webrtc(client, first, offer, deadline)
+        except BaseException:
+            guard.upgrade_ended(request)
+            raise
+        if isinstance(opened, HttpReply):
+            guard.upgrade_ended(request)
+            return opened
         secret = new_secret()
-        task = asyncio.create_task(self.host._handle(conn), name=f"whep-{secret[:6]}")
-        self._tasks.add(task)
         key = _key(secret)
-        task.add_done_callback(lambda t: self._ended(key, request, t))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.setup_timeout_s
-        conn.put(first)
-        ready = await conn.expect(P.Ready, deadline)
-        if not isinstance(ready, P.Ready):
-            await self._abandon(conn)
-            return _refused(ready, conn, "the stream could not be opened")
-        conn.put(P.encode(P.Offer(sdp=offer)))
-        answer = await conn.expect(P.Answer, deadline)
-        if not isinstance(answer, P.Answer):
-            await self._abandon(conn, steers)
-            return _refused(answer, conn, "the offer could not be answered")
-        conn.set_up = True
-        if conn.ended.is_set():  # it ended between its answer and now
-            return _text(http.HTTPStatus.SERVICE_UNAVAILABLE, f"the stream ended: {conn.reason}")
-
-        async def close() -> None:
-            if steers:
-                conn.put(P.encode(P.Close()))
-            conn.put(None)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(10):
-                    await asyncio.shield(task)
-
-        self.sessions[key] = HttpSession("whep", ready.stream_id, steers, conn, close)
-        sid = quote(ready.stream_id, safe="")
-        extra = [("Location", SESSION_PATH + secret), ("X-Stream-Id", ready.stream_id)]
-        if ready.watch_secret:
-            extra += [("X-Watch-Url", f"{WHEP_PATH}/{sid}?secret={quote(ready.watch_secret, safe='')}"),
-                      ("X-Watch-Secret", ready.watch_secret)]
-        if ready.steer_secret:
-            extra.append(("X-Steer-Secret", ready.steer_secret))
-        self._log_session("opened", "WHEP session for stream %s (%s) from %s", ready.stream_id,
-                          "steers" if steers else "watches", conn.remote_address[0])
-        return self.created(answer.sdp, extra)
+        self.sessions[key] = HttpSession("whep", opened.stream_id, steers, opened.close)
+        opened.done.add_done_callback(lambda _: self._ended(key, request, opened.outlet))
+        sid = quote(opened.stream_id, safe="")
+        extra = [("Location", SESSION_PATH + secret), ("X-Stream-Id", opened.stream_id)]
+        if opened.watch_secret:
+            extra += [("X-Watch-Url", f"{WHEP_PATH}/{sid}?secret={quote(opened.watch_secret, safe='')}"),
+                      ("X-Watch-Secret", opened.watch_secret)]
+        if opened.steer_secret:
+            extra.append(("X-Steer-Secret", opened.steer_secret))
+        self._log_session("opened", "WHEP session for stream %s (%s) from %s", opened.stream_id,
+                          "steers" if steers else "watches", client.address)
+        return self.created(opened.answer, extra)
 
     def created(self, sdp: str, extra: Sequence[tuple[str, str]]) -> HttpReply:
         """The 201 of a session: the answer, `extra` headers (its Location...) and a Link for each ICE server."""
@@ -364,20 +359,13 @@ class Endpoints:
     def forget(self, secret: str) -> None:
         self.sessions.pop(_key(secret), None)
 
-    async def _abandon(self, conn: SignalingConnection, steers: bool = False) -> None:
-        """A session that did not come up: its stream (if it started one) ends, its connection closes."""
-        if steers:
-            conn.put(P.encode(P.Close()))
-        conn.put(None)
-
-    def _ended(self, key: bytes, request: HttpRequest, task: asyncio.Task) -> None:
-        """The server's handler of a session's connection returned: the session is gone, its connection slot too."""
-        self._tasks.discard(task)
+    def _ended(self, key: bytes, request: HttpRequest, outlet: WhepOutlet) -> None:
+        """A session's host is done with it: the session is gone, its connection slot too."""
         session = self.sessions.pop(key, None)
         self.host.guard.upgrade_ended(request)
         if session is not None:
             self._log_session("ended", "WHEP session for stream %s ended: %s", session.stream_id,
-                              session.conn.reason or "closed")
+                              outlet.reason or "closed")
 
     async def _delete(self, session: HttpSession) -> HttpReply:
         await session.close()
@@ -394,8 +382,8 @@ class Endpoints:
         if find_token(access.tokens, given) is not None:
             return None
         self.host.metrics.refusals.labels(Refusal.UNAUTHORIZED.value).inc()
-        answer = _text(http.HTTPStatus.UNAUTHORIZED, "the access token is not valid" if given else
-                       "this server needs an access token: send it as an 'Authorization: Bearer TOKEN' header")
+        answer = text_reply(http.HTTPStatus.UNAUTHORIZED, "the access token is not valid" if given else
+                            "this server needs an access token: send it as an 'Authorization: Bearer TOKEN' header")
         return _with(answer, (("WWW-Authenticate", 'Bearer realm="streamsvc"'),))
 
     def _over_rate(self, request: HttpRequest) -> HttpReply | None:
@@ -405,9 +393,9 @@ class Endpoints:
         wait_s = guard.rates.take(RateKind.UPGRADE, address, guard.clock())
         if wait_s is None:
             return None
-        guard._refused(Refusal.CONNECT_RATE, address)
-        answer = _text(http.HTTPStatus.TOO_MANY_REQUESTS, "this address opens sessions faster than this server serves "
-                       "one address (--connect-rate); slow down")
+        guard.refused(Refusal.CONNECT_RATE, address)
+        answer = text_reply(http.HTTPStatus.TOO_MANY_REQUESTS, "this address opens sessions faster than this server "
+                            "serves one address (--connect-rate); slow down")
         return _with(answer, (("Retry-After", str(max(1, round(wait_s + 0.5)))),))
 
     def _options(self, request: HttpRequest, cors: tuple) -> HttpReply:
@@ -443,41 +431,34 @@ def _key(secret: str) -> bytes:
     return hashlib.sha256(secret.encode("utf-8", "replace")).digest()
 
 
-def _text(status: http.HTTPStatus, text: str) -> HttpReply:
-    return reply(status, (text.rstrip("\n") + "\n").encode(), "text/plain; charset=utf-8")
-
-
 def _with(answer: HttpReply, headers: tuple) -> HttpReply:
     return HttpReply(answer.status, answer.headers + tuple(headers), answer.body, answer.file, answer.span,
                      answer.download)
 
 
 def _not_allowed(methods: str, why: str = "") -> HttpReply:
-    return _with(_text(http.HTTPStatus.METHOD_NOT_ALLOWED, why or f"allowed here: {methods}"), (("Allow", methods),))
+    return _with(text_reply(http.HTTPStatus.METHOD_NOT_ALLOWED, why or f"allowed here: {methods}"),
+                 (("Allow", methods),))
 
 
 def _bad_media_type(request: HttpRequest) -> HttpReply | None:
     ctype = (request.headers.get("Content-Type") or "").split(";")[0].strip().lower()
     if ctype == SDP:
         return None
-    return _text(http.HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"the offer must be sent as Content-Type: {SDP} "
-                 f"(got {ctype[:60]!r})")
+    return text_reply(http.HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"the offer must be sent as Content-Type: {SDP} "
+                      f"(got {ctype[:60]!r})")
 
 
 def _first_line(e: Exception) -> str:
     return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
-def _refused(msg: P.Error | None, conn: SignalingConnection, what: str) -> HttpReply:
-    """The status and text of a session the server refused (its error), or that ended or timed out on the way."""
-    if isinstance(msg, P.Error):
-        status = _STATUS.get(msg.code, http.HTTPStatus.INTERNAL_SERVER_ERROR)
-        answer = _text(status, f"{what}: {msg.message}")
-        if status is http.HTTPStatus.UNAUTHORIZED:
-            return _with(answer, (("WWW-Authenticate", 'Bearer realm="streamsvc"'),))
-        if status in (http.HTTPStatus.SERVICE_UNAVAILABLE, http.HTTPStatus.TOO_MANY_REQUESTS):
-            return _with(answer, (("Retry-After", "5"),))
-        return answer
-    if conn.ended.is_set():
-        return _text(http.HTTPStatus.SERVICE_UNAVAILABLE, f"{what}: the connection ended ({conn.reason})")
-    return _text(http.HTTPStatus.GATEWAY_TIMEOUT, f"{what}: no answer within {SETUP_TIMEOUT_S:g} s")
+def _refused(msg: P.Error, what: str) -> HttpReply:
+    """The status and text of a start, watch or offer the server refused (its error)."""
+    status = _STATUS.get(msg.code, http.HTTPStatus.INTERNAL_SERVER_ERROR)
+    answer = text_reply(status, f"{what}: {msg.message}")
+    if status is http.HTTPStatus.UNAUTHORIZED:
+        return _with(answer, (("WWW-Authenticate", 'Bearer realm="streamsvc"'),))
+    if status in (http.HTTPStatus.SERVICE_UNAVAILABLE, http.HTTPStatus.TOO_MANY_REQUESTS):
+        return _with(answer, (("Retry-After", "5"),))
+    return answer

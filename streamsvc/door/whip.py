@@ -43,8 +43,8 @@ import time
 from aiortc import RTCPeerConnection, RTCRtpReceiver, RTCSessionDescription
 
 from streamsvc.door.access import Rate, TokenBucket
-from streamsvc.door.routes import HttpReply, HttpRequest
-from streamsvc.door.whep import HttpSession, _text
+from streamsvc.door.routes import HttpReply, HttpRequest, text_reply
+from streamsvc.door.whep import HttpSession
 from streamsvc.inputs.bitstream import MAX_PIXELS, MAX_SIDE, size_refusal
 from streamsvc.inputs.rtc import MAX_RTC_FPS, ReadStats, ReceiverGate, SenderClock, prompt_frames, read_track
 from streamsvc.transport.aiortc_hooks import answer_as_dtls_server, ice_connections
@@ -151,16 +151,17 @@ class Ingest:
         session = self.server.sessions.get(stream_id)
         if session is None or session.closed or not session.may_steer(secret):
             if session is not None and session.may_watch(secret):
-                return _text(http.HTTPStatus.FORBIDDEN, "a watch secret does not feed a stream's input: WHIP needs "
-                             "the stream's steer secret (?secret=STEER_SECRET)")
-            return _text(http.HTTPStatus.NOT_FOUND, f"no open stream {stream_id[:64]!r} here with this steer secret")
+                return text_reply(http.HTTPStatus.FORBIDDEN, "a watch secret does not feed a stream's input: WHIP "
+                                  "needs the stream's steer secret (?secret=STEER_SECRET)")
+            return text_reply(http.HTTPStatus.NOT_FOUND,
+                              f"no open stream {stream_id[:64]!r} here with this steer secret")
         sink = getattr(session, "input", None)
         if sink is None:
-            return _text(http.HTTPStatus.CONFLICT, f"stream {stream_id} takes no input: open it with input "
-                         "(POST /whep?prompt=...&input=1, or 'start' with \"input\": true)")
+            return text_reply(http.HTTPStatus.CONFLICT, f"stream {stream_id} takes no input: open it with input "
+                              "(POST /whep?prompt=...&input=1, or 'start' with \"input\": true)")
         if stream_id in self.publishers:
-            return _text(http.HTTPStatus.CONFLICT, f"stream {stream_id} has a WHIP publisher already: DELETE its "
-                         "session first")
+            return text_reply(http.HTTPStatus.CONFLICT, f"stream {stream_id} has a WHIP publisher already: DELETE its "
+                              "session first")
         refusal = self.server.guard.admit_upgrade(request)
         if refusal is not None:
             return refusal
@@ -168,12 +169,12 @@ class Ingest:
             pc, sdp, receiver, hooked, clock = await self._answer(offer)
         except SignalingError as e:
             self.server.guard.upgrade_ended(request)
-            return _text(http.HTTPStatus.BAD_REQUEST, f"bad offer: {e}")
+            return text_reply(http.HTTPStatus.BAD_REQUEST, f"bad offer: {e}")
         except BaseException:
             self.server.guard.upgrade_ended(request)
             raise
         publisher = self.publishers[stream_id] = Publisher(stream_id, pc, sink)
-        location = endpoints.register(HttpSession("whip", stream_id, False, None, publisher.close))
+        location = endpoints.register(HttpSession("whip", stream_id, False, publisher.close))
 
         def forget() -> None:
             endpoints.forget(location)

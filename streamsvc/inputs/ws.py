@@ -3,7 +3,7 @@ larger message limit, and its H.264 upstream decoded into the timeline.
 
 A `start` with ``"input": true`` gets an `InputFrames` at the model's frame size (`input_frames`; the engine refuses
 it, with the reason, on a model without an encoder). Once admitted, and before its `ready` goes out, its
-connection's message limit rises to `wire_input.MAX_INPUT_BYTES` (`allow_input`; every other connection keeps the
+connection's message limit rises to `framing.MAX_INPUT_BYTES` (`allow_input`; every other connection keeps the
 control limit and its 1009). Its binary messages are input (`Upstream`): unpacked (a message that breaks the framing
 is answered with `bad_chunk` and dropped), decoded by PyAV in a small pool of threads off the event loop, one
 message at a time per connection, and pushed with their capture times; H.264 that does not decode is counted as
@@ -55,13 +55,11 @@ def input_frames(engine, msg: P.Start, fps: int) -> InputFrames | None:
                        max_frames=4 * shape.chunk_frames)  # 4 chunks ahead of the engine at most
 
 
-def allow_input(ws, session) -> None:
-    """The connection of a stream with input takes input messages up to MAX_INPUT_BYTES (front.py)."""
-    if session.input is None:
-        return
-    allow = getattr(ws, "allow_messages", None)
-    if allow is None or not allow(MAX_INPUT_BYTES):
-        log.warning("this connection cannot take input messages over the control limit (%s)", type(ws).__name__)
+def allow_input(outlet) -> None:
+    """The connection of a stream with input takes input messages up to MAX_INPUT_BYTES (streamsvc/door/front.py;
+    `outlet`: its transport.ws.Outlet)."""
+    if not outlet.allow_messages(MAX_INPUT_BYTES):
+        log.warning("this connection cannot take input messages over the control limit (%s)", type(outlet).__name__)
 
 
 def ready_fields(desc) -> dict:

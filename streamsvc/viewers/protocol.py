@@ -84,7 +84,7 @@ class ViewerProtocol:
         self.state = State.NEW
         self.stream_id: str | None = None  # the stream it was admitted to
         self.takes_input = False  # it started a stream that takes its input video: its binary messages are frames
-        self._held: list[str | bytes] = []  # what came while admitting
+        self._held: list = []  # what came while admitting (text, binary, or a message that came parsed)
 
     @classmethod
     def on_channel(cls, stream_id: str) -> ViewerProtocol:
@@ -95,21 +95,26 @@ class ViewerProtocol:
         return protocol
 
     def receive(self, data: str | bytes) -> list[Action]:
-        """A message came."""
+        """A message came (text or binary)."""
         if self.state is State.CLOSED:
             return []
         if self.state is State.ADMITTING:
-            if len(self._held) >= MAX_HELD:
-                return [Send(P.Error(code=P.ErrorCode.RATE_LIMITED, message=(
-                    f"more than {MAX_HELD} messages before the answer to start or watch: dropped"))), Violation()]
-            self._held.append(data)
-            return []
+            return self._hold(data)
         if isinstance(data, bytes) and self.takes_input:  # (a steerer's that handed the token on: still its camera)
             return [Input(data)]
         try:
             msg = P.parse_client(data)
         except P.ProtocolError as e:
             return [Send(e.to_message()), Violation()]
+        return self.receive_message(msg)
+
+    def receive_message(self, msg) -> list[Action]:
+        """A message that came parsed: a client message made by a door that speaks another protocol (a WHEP POST's
+        start and offer), or one `receive` parsed."""
+        if self.state is State.CLOSED:
+            return []
+        if self.state is State.ADMITTING:
+            return self._hold(msg)
         if isinstance(msg, (P.Start, P.Watch)):
             if self.state is not State.NEW:
                 doing = "steers" if self.state is State.STEERING else "watches"
@@ -159,6 +164,14 @@ class ViewerProtocol:
         self.state = State.CLOSED
         self._held.clear()
 
+    def _hold(self, item) -> list[Action]:
+        if len(self._held) >= MAX_HELD:
+            return [Send(P.Error(code=P.ErrorCode.RATE_LIMITED, message=(
+                f"more than {MAX_HELD} messages before the answer to start or watch: dropped"))), Violation()]
+        self._held.append(item)
+        return []
+
     def _replay(self) -> list[Action]:
         held, self._held = self._held, []
-        return [action for data in held for action in self.receive(data)]
+        return [action for data in held for action in (
+            self.receive(data) if isinstance(data, (str, bytes)) else self.receive_message(data))]

@@ -13,47 +13,47 @@ holds a limited number of streams, and each stream's control messages are rate-l
 refusal says why on the wire and is counted in /metrics by reason. Prompts are coalesced by the
 scheduler: one recache per chunk at most, however fast a viewer sends them.
 
-Here: the server's life (the engine, the listening socket), the engine's chunks to each stream's viewers, and a
-connection's WebSocket: who may start or watch a stream, its `ready`, its sender. Beside it:
-streamsvc/viewers/streams.py (what happens in an open stream once a viewer is in: its control messages, leaving,
-ending), streamsvc/door/routes.py (the HTTP routes, behind an interface any front can serve), streamsvc/door/front.py
-(the port itself: aiohttp's HTTP and WebSocket server, and the `Connection` a session talks through) and
-streamsvc/metrics.py (the metrics).
+Here: the server's life (the engine, the port), the engine's chunks to each stream's viewers, and admission:
+`admit` answers a viewer's start or watch, whatever door it came by, with its Viewer (its `ready` first in its
+outbox) or the refusal. The doors: `websocket` (a socket's messages to its ViewerDriver, streamsvc/viewers/driver.py)
+and `open_webrtc` (a WHEP POST, streamsvc/door/whep.py, through the same driver); a cluster replica drives its
+viewers the same way (streamsvc/cluster/replica.py). Beside it: streamsvc/viewers/streams.py (what happens in an
+open stream once a viewer is in: its control messages, leaving, ending), streamsvc/door/entry.py (the token and the
+caps), streamsvc/door/routes.py (the HTTP routes), streamsvc/door/port.py (the port itself) and streamsvc/metrics.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
+import http
 import itertools
 import logging
 import random
 import re
-import signal
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamsvc.door.access import (AccessConfig, ProtocolErrors, Refusal, StreamLimits, TokenBucket, bearer_token,
-                                    client_address, exposure_warning, find_token, secret_matches)
+from streamsvc.door.access import AccessConfig, ProtocolErrors, Refusal, TokenBucket, exposure_warning, secret_matches
 from streamsvc.door.cpumeter import CpuMeter, MeteredClose
-from streamsvc.door.front import Connection, ConnectionClosed, FrontConfig, Handlers, HttpFront, tls_context
-from streamsvc.door.guard import ConnectionGuard, Guard, raise_fd_limit
-from streamsvc.door.routes import WS_PATH, HttpReply, HttpRequest, Routes
-from streamsvc.door.whep import Endpoints
+from streamsvc.door.entry import Client, Entry, Refused
+from streamsvc.door.front import Connection, ConnectionClosed
+from streamsvc.door.guard import Guard, raise_fd_limit
+from streamsvc.door.port import Port, serve_until_signalled
+from streamsvc.door.routes import WS_PATH, HttpReply, HttpRequest, Routes, text_reply
+from streamsvc.door.whep import Endpoints, WhepOutlet, WhepSession
 from streamsvc.door.whip import Ingest
 from streamsvc.engine.config import EngineConfig
 from streamsvc.engine.engine import ChunkOut, Engine
-from streamsvc.inputs.ws import Upstream, allow_input, input_frames, ready_fields
+from streamsvc.inputs.ws import input_frames, ready_fields
 from streamsvc.metrics import Metrics
 from streamsvc.scheduling import SendSampler
 from streamsvc.transport.webrtc import WebRtcTransport
-from streamsvc.transport.ws import send_outbox
+from streamsvc.transport.ws import Outlet, WebSocketOutlet
+from streamsvc.viewers.driver import ViewerDriver
 from streamsvc.viewers.outbox import Outbox, OutboxLimits
-from streamsvc.viewers.protocol import Admit, Input, Send, State, Violation, ViewerProtocol, Watch
 from streamsvc.viewers.record import RecordingStore
 from streamsvc.viewers.session import Role, Session, Viewer
 from streamsvc.viewers.streams import Streams, wire_vocabulary, wire_words
@@ -109,7 +109,6 @@ class Server:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock  # the control rates' time (tests inject one)
-        self.limits = StreamLimits(config.access)
         self._chunks_sent = 0  # chunks handed to the transports (the SEND stage's measure)
         self._send_meter: asyncio.Task | None = None
         # the event loop's CPU on clients without a stream (HTTP requests, a connection's messages before it has a
@@ -118,24 +117,24 @@ class Server:
         self.engine_config = engine_config
         self.metrics = Metrics()
         self.guard = Guard(config.access, self.metrics, clock)  # what one address may hold and cost on the port
+        self.entry = Entry(config.access, config.max_streams, self.metrics)  # who may open or watch a stream
         self.sessions: dict[str, Session] = {}
         self._ids = itertools.count()
         self._viewer_ids = itertools.count()
         self.recordings = RecordingStore(Path(config.recordings_dir), config.record_max_bytes)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._front: HttpFront | None = None  # the port (aiohttp); None for a cluster replica
-        self._metrics_front: HttpFront | None = None  # --metrics-port's
+        self.front = Port(config, self.guard, self.streamless, self.metrics, self.websocket)  # (a replica: unopened)
         self.webrtc: dict[str, WebRtcTransport] = {}  # viewer id -> its peer connection, for transport 'webrtc'
         # on a loopback address, WebRTC offers loopback candidates too (a loopback-only host can connect)
         self._webrtc_config = dataclasses.replace(
             config.webrtc, ice_addresses=server_ice_addresses(config.host, config.webrtc.ice_addresses))
         self.engine = Engine(engine_config, on_chunk=self._from_engine(self._on_chunk),
                              on_error=self._from_engine(self._on_error), streamless=self.streamless.reading)
-        self.streams = Streams(self.engine, self.sessions, self.limits, self.recordings, self.metrics, clock,
+        self.streams = Streams(self.engine, self.sessions, self.entry.limits, self.recordings, self.metrics, clock,
                                config.orphan_timeout_s)
         self.routes = Routes(config.access, config.static_dir, self.recordings, self.metrics,
                              ready=lambda: self.engine.shape is not None and not self.engine.failure,
-                             refresh_metrics=self._refresh_metrics,
+                             refresh_metrics=self.refresh_metrics,
                              metrics_apart=config.metrics_port is not None)
         self.whep = Endpoints(self, whip=Ingest(self))  # WHEP (a POST's offer served as a connection) and WHIP
 
@@ -150,14 +149,14 @@ class Server:
         if not listen:
             return
         self.guard.listen(raise_fd_limit())
-        log.info("serving on %s (WebSocket at %s)", await self._listen(self._route), WS_PATH)
+        log.info("serving on %s (WebSocket at %s)", await self.front.open(self._route, self._route_metrics), WS_PATH)
         warning = exposure_warning(self.config.host, self.config.access)
         if warning:
             log.warning(warning)
 
     @property
     def port(self) -> int:
-        return self._front.port
+        return self.front.port
 
     async def stop(self, reason: str = "server shutting down") -> None:
         """Every stream gets `closed`, then the engine stops."""
@@ -165,19 +164,11 @@ class Server:
             await self.streams.end(session, reason)
         if self._send_meter is not None:
             self._send_meter.cancel()
-        await self._close_fronts()
+        await self.front.close()
         await asyncio.to_thread(self.engine.stop)
 
     async def serve_forever(self) -> None:
-        await self.start()
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        log.info("shutting down")
-        await self.stop()
+        await serve_until_signalled(self.start, self.stop)
 
     async def _measure_send(self) -> None:
         """Every SEND_PERIOD_S, the event loop's CPU time per chunk sent goes to admission as the SEND stage's cost
@@ -229,38 +220,7 @@ class Server:
         reason = "overloaded" if code == P.ErrorCode.OVERLOADED else "generation failed"
         asyncio.ensure_future(self.streams.end(session, reason, engine_closed=True))
 
-    # -- HTTP and the port (streamsvc/door/front.py serves the routes of streamsvc/door/routes.py) -----------------
-
-    async def _listen(self, route: Callable[[HttpRequest], HttpReply | None]) -> str:
-        """Open the port, its requests answered by `route` (and --metrics-port's); returns the port's base URL."""
-        cfg = self.config
-        front = FrontConfig(host=cfg.host, port=cfg.port, max_message_bytes=P.MAX_MESSAGE_BYTES,
-                            tls=tls_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None,
-                            handshake_timeout_s=cfg.handshake_timeout_s,
-                            max_downloads_per_client=cfg.max_downloads_per_client)
-        self._front = HttpFront(front, self._handlers(route))
-        await self._front.start()
-        if cfg.metrics_port is not None:
-            self._metrics_front = HttpFront(dataclasses.replace(front, port=cfg.metrics_port),
-                                            self._handlers(self._route_metrics))
-            await self._metrics_front.start()
-        return f"{self._front.scheme}://{cfg.host}:{self.port}"
-
-    async def _close_fronts(self) -> None:
-        for front in (self._front, self._metrics_front):
-            if front is not None:
-                await front.stop()
-
-    def _handlers(self, route: Callable[[HttpRequest], HttpReply | None]) -> Handlers:
-        guard = self.guard  # the front's admission hooks: connection caps and request rates (streamsvc/door/guard.py)
-        # each is stream-less work, and a connection or a request a stream-less event (self.streamless)
-        hook, meter = self.streamless.hook, lambda fn: self.streamless.hook(fn, event=False)
-        return Handlers(route=route, websocket=self._handle, client=guard.client,
-                        admit_connection=hook(guard.admit_connection), connection_closed=meter(guard.connection_closed),
-                        hold_connection=meter(guard.hold_connection),
-                        admit_request=hook(guard.admit_request), admit_upgrade=meter(guard.admit_upgrade),
-                        upgrade_ended=meter(guard.upgrade_ended),
-                        download_refused=lambda _: self.metrics.refusals.labels(Refusal.DOWNLOADS.value).inc())
+    # -- HTTP (streamsvc/door/port.py serves the routes of streamsvc/door/routes.py) -------------------------------
 
     def _route(self, request: HttpRequest) -> HttpReply | None:
         """The routes' reply to a request on the port; None: the WebSocket upgrade goes on (the gateway has its
@@ -277,152 +237,59 @@ class Server:
         with self.streamless.measure():
             return self.routes.metrics_only(request)
 
-    def _refresh_metrics(self) -> None:
+    def refresh_metrics(self) -> None:
         """Bring the metrics' gauges up to date (what GET /metrics runs first)."""
         connections = {"websocket": self.guard.clients.held(), "whip": len(self.whep.whip.publishers),
                        "webrtc": sum(1 for rtc in self.webrtc.values() if rtc.pc is not None)}
         self.metrics.refresh(self.engine, self.sessions.values(), self.recordings.used_bytes, self.streamless.seconds,
                              connections)
 
-    # -- WebSocket ----------------------------------------------------------------------------
+    # -- viewers (streamsvc/viewers/driver.py carries out each one's protocol) ----------------------------------
 
-    async def _handle(self, ws: Connection) -> None:
-        """One connection. Its CPU while it has no stream (before `start` or `watch`, after a refusal) is stream-less
-        work (self.streamless): not its stream's, which has none."""
-        conn = _Connection()
-        stream_less = lambda: conn.viewer is None  # noqa: E731
-        await self.streamless.run(self._connection(MeteredClose(ws, self.streamless, stream_less), conn), stream_less)
+    async def websocket(self, ws: Connection) -> None:
+        """One WebSocket's viewer: its messages to its driver until it closes. Its CPU while it has no stream (before
+        `start` or `watch`, after a refusal) is stream-less work (self.streamless): not its stream's, which has none."""
+        client = Client.of(ws.remote_address[0] if ws.remote_address else None, ws.headers, self.config.access)
+        driver: ViewerDriver | None = None
+        stream_less = lambda: driver is None or driver.streamless  # noqa: E731
+        metered = MeteredClose(ws, self.streamless, stream_less)
+        driver = ViewerDriver(self, client, WebSocketOutlet(metered), self.guard.connection(metered, client.address))
+        await self.streamless.run(self._serve(ws, driver), stream_less)
 
-    async def _connection(self, ws: Connection, conn: _Connection) -> None:
-        """One WebSocket's viewer: its messages through its protocol (streamsvc/viewers/protocol.py), whose actions
-        are carried out here, in order."""
-        viewer: Viewer | None = None
-        sender: asyncio.Task | None = None
-        guard = self.guard.connection(ws, self._address(ws))  # its start deadline, pre-start rate, protocol errors
-        upstream: Upstream | None = None  # its input video, if it steers a stream that takes input over it
-        protocol = ViewerProtocol()
+    @staticmethod
+    async def _serve(ws: Connection, driver: ViewerDriver) -> None:
         try:
             async for raw in ws:
-                if protocol.state is State.CLOSED or viewer is not None and viewer.closed:
-                    break  # its stream ended (or it left): nothing more of it is parsed; the sender closes it
-                if viewer is None:
-                    self.streamless.event()  # a junk flood's parsing is mostly aiohttp's: counted, if not timed
-                    if not guard.message():
-                        break
-                else:
-                    protocol.role(viewer.role is Role.STEER)  # (a handover or a take moves the steer token)
-                actions = deque(protocol.receive(raw))
-                while actions:
-                    action = actions.popleft()
-                    if isinstance(action, Send):
-                        await self._send_now(ws, viewer, action.message)
-                    elif isinstance(action, Violation):
-                        self.metrics.errors.inc()
-                        if not guard.protocol_error():
-                            protocol.closed()
-                    elif isinstance(action, Input):
-                        try:
-                            await upstream.receive(action.data)  # input video: decoded into its stream's input
-                        except P.ProtocolError:  # it broke the framing (answered): a protocol error
-                            actions.appendleft(Violation())
-                    elif isinstance(action, (Admit, Watch)):
-                        viewer = await (self._start(ws, action.start) if isinstance(action, Admit)
-                                        else self._watch(ws, action.watch))
-                        conn.viewer = viewer
-                        if viewer is None:
-                            actions.extend(protocol.refused())
-                            continue
-                        upstream = Upstream.for_viewer(viewer)
-                        guard.started()
-                        viewer.outbox.on_overflow(guard.backlogged)  # a client that does not read is closed
-                        sender = asyncio.create_task(self._sender(ws, viewer, guard), name=f"send-{viewer.viewer_id}")
-                        actions.extend(protocol.admitted(viewer.stream_id, viewer.role is Role.STEER,
-                                                         takes_input=upstream is not None))
-                    else:  # Control: a request of its stream
-                        await self.streams.control(viewer, action.message)
-                        if viewer.closed:
-                            protocol.closed()
-                    if protocol.state is State.CLOSED:
-                        break
-                if protocol.state is State.CLOSED:
-                    break
+                if not await driver.receive(raw):
+                    break  # its stream ended (or it left): nothing more of it is parsed; its sender closes it
         except ConnectionClosed:
             pass
         finally:
-            if viewer is not None:
-                await self.streams.leave(viewer, "client disconnected")
-            if sender is not None:  # its last messages (`closed`), then it closes the connection (guard.ended)
-                with contextlib.suppress(asyncio.TimeoutError, ConnectionClosed):
-                    await asyncio.wait_for(sender, timeout=2)
-                sender.cancel()
-            await guard.done()  # a close under way finishes
+            await driver.close()
 
-    async def _send_now(self, ws, viewer: Viewer | None, msg) -> None:
-        if viewer is not None:
-            viewer.send(msg)
-        else:
-            await ws.send(P.encode(msg))
-
-    async def _authorize(self, ws: Connection, msg: P.Start | P.Watch) -> tuple[bool, str | None]:
-        """The access token check of a start or watch: (allowed, the token); a refusal has gone out when not."""
-        access = self.config.access
-        given = msg.token or bearer_token(ws.headers.get("Authorization"))
-        token = find_token(access.tokens, given)
-        if access.auth and token is None:
-            await self._refuse(ws, Refusal.UNAUTHORIZED, "the access token is not valid" if given else (
-                "this server needs an access token: send it as 'token' in start or as an 'Authorization: Bearer' "
-                "header (the player takes it from the page address: #token=...)"), msg.type)
-            await ws.close(1008, "unauthorized")
-            return False, None
-        return True, token
-
-    def _address(self, ws: Connection) -> str:
-        remote = ws.remote_address[0] if ws.remote_address else None
-        return client_address(remote, ws.headers.get("X-Forwarded-For"), self.config.access.trust_proxy)
-
-    async def _let_in(self, ws: Connection, msg: P.Start) -> tuple[str | None, str] | None:
-        """Token, server cap and per-client limits: the stream's token and client address (counted in
-        self.limits), or None after the refusal went out."""
-        allowed, token = await self._authorize(ws, msg)
-        if not allowed:
-            return None
-        if len(self.sessions) >= self.config.max_streams:
-            await self._refuse(ws, Refusal.SERVER_CAP, f"server is at its cap of {self.config.max_streams} streams")
-            return None
-        address = self._address(ws)
-        over_limit = self.limits.acquire(token, address)
-        if over_limit is not None:
-            await self._refuse(ws, *over_limit)
-            return None
-        return token, address
-
-    def _new_viewer(self, ws: Connection, session: Session, role: Role, token: str | None) -> Viewer:
-        access, now = self.config.access, self.clock()
-        outbox = Outbox(self.config.outbox, self.clock, below=getattr(ws, "buffered", lambda: 0),
-                        on_dropped=self.metrics.replies_dropped.inc)
-        return Viewer(f"v{next(self._viewer_ids)}", session, role, token=token, address=self._address(ws),
-                      control_rate=TokenBucket(access.control_rate, now),
-                      stats_rate=TokenBucket(access.stats_rate, now), outbox=outbox)
-
-    async def _start(self, ws: Connection, msg: P.Start) -> Viewer | None:
-        client = await self._let_in(ws, msg)
-        if client is None:
-            return None
-        token, address = client
+    async def admit(self, client: Client, msg: P.Start | P.Watch, outlet: Outlet) -> Viewer | Refused:
+        """A viewer's start (a new stream, which it steers) or watch (of an open stream): its Viewer, whose outbox
+        holds its `ready` first, or the refusal (counted). `outlet`: where its messages will go (its bytes unsent
+        count in its outbox's bound)."""
+        if isinstance(msg, P.Watch):
+            return await self._watch(client, msg, outlet)
+        token = self.entry.let_in(client, msg, len(self.sessions))
+        if isinstance(token, Refused):
+            return token
         stream_id = f"{self.config.stream_prefix}s{next(self._ids)}"
-        fps = msg.fps or 16
         seed = msg.seed if msg.seed is not None else random.randrange(2**31)
-        session = Session(stream_id, fps, msg.prompt, token=token, address=address)
+        session = Session(stream_id, msg.fps or 16, msg.prompt, token=token, address=client.address)
         session.prompt_texts[0] = msg.prompt
         self.sessions[stream_id] = session
         try:
-            return await self._open(ws, msg, session, seed)
+            return await self._open(client, msg, session, seed, outlet)
         except BaseException:  # the viewer left (or the server stops) while its stream was being opened
             await self.streams.end(session, "client disconnected")  # a no-op for a session already refused
             raise
 
-    async def _open(self, ws: Connection, msg: P.Start, session: Session, seed: int) -> Viewer | None:
-        """Admission in the engine, then `ready` (or the refusal) to the viewer, who steers the stream."""
+    async def _open(self, client: Client, msg: P.Start, session: Session, seed: int,
+                    outlet: Outlet) -> Viewer | Refused:
+        """Admission in the engine; the viewer who steers the stream, or the refusal."""
         stream_id, fps = session.stream_id, session.fps
         session.input = input_frames(self.engine, msg, fps)  # input video (issue 35), if it asked for it
         try:
@@ -437,19 +304,25 @@ class Server:
         if opened is None or not opened.accepted:
             self.sessions.pop(stream_id, None)
             session.close("refused")
-            self.limits.release(session.token, session.address)
-            await self._refuse(ws, Refusal.ADMISSION, reason or "refused")
-            return None
+            self.entry.release(session.token, session.address)
+            return self.entry.refuse(Refusal.ADMISSION, reason or "refused")
         self.metrics.admitted.inc()
         session.description = opened.stream
-        viewer = self._new_viewer(ws, session, Role.STEER, session.token)
-        allow_input(ws, session)  # with input: before its ready, its input messages may be larger than control ones
-        await ws.send(P.encode(self._ready(viewer)))
+        viewer = self._new_viewer(client, session, Role.STEER, session.token, outlet)
+        viewer.send(self._ready(viewer))
         self._connect(viewer, msg.transport)
         session.join(viewer)
         if self.config.record_all:
             await self.streams.record(viewer, quiet=True)
         return viewer
+
+    def _new_viewer(self, client: Client, session: Session, role: Role, token: str | None, outlet: Outlet) -> Viewer:
+        access, now = self.config.access, self.clock()
+        outbox = Outbox(self.config.outbox, self.clock, below=outlet.buffered,
+                        on_dropped=self.metrics.replies_dropped.inc)
+        return Viewer(f"v{next(self._viewer_ids)}", session, role, token=token, address=client.address,
+                      control_rate=TokenBucket(access.control_rate, now),
+                      stats_rate=TokenBucket(access.stats_rate, now), outbox=outbox)
 
     def _ready(self, viewer: Viewer) -> P.Ready:
         """A viewer's `ready`: its stream as admission described it, and what is the viewer's own."""
@@ -479,36 +352,31 @@ class Server:
             protocol_errors=ProtocolErrors(self.config.access.max_protocol_errors),
         )
 
-    async def _watch(self, ws: Connection, msg: P.Watch) -> Viewer | None:
+    async def _watch(self, client: Client, msg: P.Watch, outlet: Outlet) -> Viewer | Refused:
         """A watcher joins an open stream by its watch link (its id and watch secret): the same chunks as its steerer,
         from a keyframe on; no generation."""
-        allowed, token = await self._authorize(ws, msg)
-        if not allowed:
-            return None
+        token = self.entry.authorize(client, msg)
+        if isinstance(token, Refused):
+            return token
         session = self.sessions.get(msg.stream_id)
         # one answer whether the id names an open stream or not (an id grants nothing, and tells nothing)
         if not secret_matches(session.watch_secret if session is not None else None, msg.secret) or session.closed:
-            await self._refuse_link(ws, msg.stream_id)
-            return None
+            return self.entry.refuse_link(msg.stream_id)
         limit = self.config.max_watchers
         if session.watchers >= limit:
-            await self._refuse(ws, Refusal.WATCHERS, f"stream {session.stream_id} has {limit} watchers, its limit "
-                                                     "(--max-watchers); try again when one leaves", "watch")
-            return None
+            return self.entry.refuse(Refusal.WATCHERS, f"stream {session.stream_id} has {limit} watchers, its limit "
+                                                       "(--max-watchers); try again when one leaves", "watch")
         try:
             admission = await asyncio.wrap_future(self.engine.admit_viewer(session.stream_id))
         except Exception as e:  # noqa: BLE001 - the stream closed meanwhile, or the engine stopped
-            await self._refuse(ws, Refusal.NO_STREAM, f"stream {session.stream_id} cannot be watched: {e}", "watch")
-            return None
+            return self.entry.refuse(Refusal.NO_STREAM, f"stream {session.stream_id} cannot be watched: {e}", "watch")
         if not admission.accepted:
-            await self._refuse(ws, Refusal.ADMISSION, admission.reason or "refused", "watch")
-            return None
+            return self.entry.refuse(Refusal.ADMISSION, admission.reason or "refused", "watch")
         if session.closed:
-            await self._refuse(ws, Refusal.NO_STREAM, f"stream {session.stream_id} ended", "watch")
-            return None
+            return self.entry.refuse(Refusal.NO_STREAM, f"stream {session.stream_id} ended", "watch")
         self.metrics.watchers_admitted.inc()
-        viewer = self._new_viewer(ws, session, Role.WATCH, token)
-        await ws.send(P.encode(self._ready(viewer)))
+        viewer = self._new_viewer(client, session, Role.WATCH, token, outlet)
+        viewer.send(self._ready(viewer))
         self._connect(viewer, msg.transport)
         # from a keyframe that does not put it ahead of the stream's other viewers (see streamsvc/viewers/session.py)
         buffered = None if admission.buffered_s is None else admission.buffered_s * session.fps
@@ -519,45 +387,68 @@ class Server:
         self.streams.audience_changed(session)
         return viewer
 
-    async def _refuse_link(self, ws: Connection, stream_id: str) -> None:
-        """Refuse a watch whose link is not an open stream's: its id names none, or its watch secret is missing or
-        wrong. The same answer (code, message, metric) either way, so that ids cannot be probed."""
-        await self._refuse(ws, Refusal.SECRET, (
-            f"no open stream {stream_id!r} here with this watch secret: the watch link is incomplete (it carries "
-            "#watch=ID&secret=...) or wrong, the stream ended, or the link is from another server"), "watch")
-
-    async def _refuse(self, ws: Connection, reason: Refusal, message: str, request: str = "start") -> None:
-        """Answer a start or watch that will not be served with the code of its reason, and count it."""
-        self.metrics.refusals.labels(reason.value).inc()
-        if reason in (Refusal.SERVER_CAP, Refusal.ADMISSION) and request == "start":
-            self.metrics.refused.inc()
-        await ws.send(P.encode(P.Error(code=_START_REFUSAL_CODES[reason], message=message[: P.MAX_TEXT_CHARS],
-                                       request=request)))
-
-    async def _sender(self, ws: Connection, viewer: Viewer, guard: ConnectionGuard) -> None:
-        """Sends the viewer's outbox (streamsvc/transport/ws.py); once it ends (the viewer is done), its WebRTC peer
-        connection closes, and then its connection (nothing more it sends is parsed)."""
-        try:
-            await send_outbox(ws, viewer, lambda: self._chunk_sent(viewer))
-        finally:
-            if viewer.rtc is not None:
-                self.webrtc.pop(viewer.viewer_id, None)
-                await asyncio.shield(viewer.rtc.close())  # the peer connection closes even if this task is cancelled
-            guard.ended(viewer.session.close_reason or "left the stream")
-
-    def _chunk_sent(self, viewer: Viewer) -> None:
+    def chunk_sent(self, viewer: Viewer) -> None:
+        """A chunk of `viewer`'s went to its transport (the SEND stage's measure, its TTFF)."""
         self._chunks_sent += 1
         self.metrics.chunks.inc()
         ttff = viewer.delivered(self._loop.time())
         if ttff is not None:
             (self.metrics.ttff if viewer.role is Role.STEER else self.metrics.watcher_ttff).observe(ttff)
 
+    async def disconnect(self, viewer: Viewer) -> None:
+        """`viewer` is done: its WebRTC peer connection, if it has one, closes (even if the caller is cancelled)."""
+        if viewer.rtc is not None:
+            self.webrtc.pop(viewer.viewer_id, None)
+            await asyncio.shield(viewer.rtc.close())
 
-@dataclass
-class _Connection:
-    """What the stream-less meter asks of a connection: whether it has a stream yet."""
 
-    viewer: Viewer | None = None  # its viewer, once a start or watch is admitted
+    async def open_webrtc(self, client: Client, first: P.Start | P.Watch, offer: str,
+                          deadline: float) -> WhepSession | HttpReply:
+        """A WHEP session (streamsvc/door/whep.py): its viewer's `first` (a start or a watch, transport webrtc), then
+        its `offer`, through the viewer's protocol as a socket's messages go; by `deadline` (loop time) the session,
+        or the reply that says why not."""
+        outlet = WhepOutlet()
+        driver = ViewerDriver(self, client, outlet)
+        # its set-up is work of no stream until it has one (self.streamless), as a socket's messages before then are
+        return await self.streamless.run(self._set_up_webrtc(driver, outlet, first, offer, deadline),
+                                         lambda: driver.streamless)
+
+    async def _set_up_webrtc(self, driver: ViewerDriver, outlet: WhepOutlet, first: P.Start | P.Watch, offer: str,
+                             deadline: float) -> WhepSession | HttpReply:
+        steers = isinstance(first, P.Start)
+
+        async def close() -> None:  # its DELETE, or a session that did not come up: its stream or its viewer ends
+            if steers and driver.viewer is not None:
+                await driver.receive_message(P.Close())
+            await outlet.close(1000, "session ended")
+            await driver.close("session ended")
+
+        try:
+            async with asyncio.timeout_at(deadline):
+                await driver.receive_message(first)
+                if driver.viewer is None:
+                    return outlet.refusal(driver.refusal, "the stream could not be opened")
+                await driver.receive_message(P.Offer(sdp=offer))
+                answer = await outlet.expect(P.Answer, deadline)
+        except TimeoutError:
+            answer = None
+        if not isinstance(answer, P.Answer):
+            refusal = outlet.refusal(answer, "the offer could not be answered")
+            await close()
+            return refusal
+        outlet.set_up = True
+        if outlet.ended.is_set():  # it ended between its answer and now
+            await driver.close(outlet.reason)
+            return text_reply(http.HTTPStatus.SERVICE_UNAVAILABLE, f"the stream ended: {outlet.reason}")
+
+        async def ended() -> None:  # the stream ended, or the session was closed
+            await outlet.ended.wait()
+            await driver.close(outlet.reason or "session ended")
+
+        session = driver.viewer.session
+        return WhepSession(session.stream_id, answer.sdp, outlet, close, asyncio.ensure_future(ended()),
+                           **({"watch_secret": session.watch_secret, "steer_secret": session.steer_secret}
+                              if steers else {}))
 
 
 class _TrackReports:
@@ -574,18 +465,6 @@ class _TrackReports:
 
     def request_keyframe(self, stream_id: str) -> None:
         self.engine.request_keyframe(stream_id)
-
-
-_START_REFUSAL_CODES = {
-    Refusal.UNAUTHORIZED: P.ErrorCode.UNAUTHORIZED,
-    Refusal.TOKEN_STREAMS: P.ErrorCode.TOO_MANY_STREAMS,
-    Refusal.CLIENT_STREAMS: P.ErrorCode.TOO_MANY_STREAMS,
-    Refusal.SERVER_CAP: P.ErrorCode.REFUSED,
-    Refusal.ADMISSION: P.ErrorCode.REFUSED,
-    Refusal.NO_STREAM: P.ErrorCode.NOT_FOUND,
-    Refusal.SECRET: P.ErrorCode.NOT_FOUND,  # a watch link of no open stream: as if the stream did not exist
-    Refusal.WATCHERS: P.ErrorCode.REFUSED,
-}
 
 
 async def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:

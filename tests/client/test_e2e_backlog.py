@@ -56,7 +56,7 @@ def small_send_buffers(server) -> None:
     """The server's sockets accepted from now on get a small kernel send buffer (Linux: an accepted socket inherits
     the listening one's). Loopback's buffers, megabytes, would take the tiny model's stream minutes to fill: this
     stands for a link that takes little at a time."""
-    listening = server._front._listening.sockets[0]
+    listening = server.front.socket
     listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
 
 

@@ -194,7 +194,7 @@ async def test_a_viewer_gone_while_its_stream_opens_leaves_nothing_behind(server
         await ws.send(P.encode(P.Start(prompt="gone at once")))
         ws.transport.abort()
     assert await wait_for_server(lambda: not server.sessions and server.engine.stats().kv_used_bytes == baseline)
-    assert await wait_for_server(lambda: not server.limits.held())
+    assert await wait_for_server(lambda: not server.entry.limits.held())
     async with viewer(server) as c:  # and the server goes on serving
         assert await c.wait_until(lambda: c.chunks >= 2, T)
 

@@ -147,7 +147,7 @@ async def test_a_draining_replica_takes_no_new_stream_and_its_streams_play_on(ra
         assert await wait_for(lambda: sorted(streams_by_replica(g).values()) == [0, 1])
         (first,) = [uid for uid, n in streams_by_replica(g).items() if n == 1]
         (other,) = [uid for uid in streams_by_replica(g) if uid != first]
-        assert await g._call("drain", replica=other) == 0  # the emptier one: new streams would go there
+        assert await g.call("drain", replica=other) == 0  # the emptier one: new streams would go there
         try:
             assert await wait_for(lambda: any(s.draining for s in g.replica_stats()))
             b = viewer(g, 1)
@@ -159,7 +159,7 @@ async def test_a_draining_replica_takes_no_new_stream_and_its_streams_play_on(ra
             assert health == 200  # one replica still takes streams
             await asyncio.gather(a.close(), b.close())
         finally:
-            await g._call("drain", replica=other, draining=False)
+            await g.call("drain", replica=other, draining=False)
         assert await wait_for(lambda: not any(s.draining for s in g.replica_stats()))
 
 
@@ -246,7 +246,7 @@ async def test_a_viewer_that_does_not_read_is_closed_by_the_gateway_as_a_slow_cl
 
     async with gateway(ray_cluster, ServerConfig(port=0, outbox=OutboxLimits(max_wait_s=2.0))) as g:
         # small kernel buffers on both sides (loopback's megabytes would take the tiny stream minutes to fill)
-        g._front._listening.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        g.front.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", g.port))

@@ -1,6 +1,6 @@
 """The cluster's parts that need no Ray: placement over the replicas' routing stats (streamsvc/cluster/placement.py),
 the replica's health check, `streamsvc serve` without --cluster importing no Ray, and the relay of a viewer's
-WebSocket (the gateway's code and the replica's `session`/`feed`/RelayConnection around a real `Server`, the
+WebSocket (the gateway's code and the replica's `session`/`feed` and its viewers' drivers around a real `Server`, the
 handle's calls made in this process instead of through Ray Serve)."""
 
 import asyncio
@@ -141,7 +141,7 @@ async def relayed(uids: tuple[str, ...] = ("r1",)):
         for uid in uids:
             server = Server(EngineConfig(), ServerConfig(port=0, stream_prefix=stream_prefix(uid)))
             await asyncio.wait_for(server.start(listen=False), 60)
-            replicas[uid] = SimpleNamespace(server=server, draining=False, uid=uid, host="127.0.0.1", conns={},
+            replicas[uid] = SimpleNamespace(server=server, draining=False, uid=uid, host="127.0.0.1", inboxes={}, outlets={},
                                             owner={}, leases={})
         g = Gateway(_LocalHandle(replicas), ServerConfig(port=0), GatewayConfig(call_timeout_s=5, place_timeout_s=T))
         g.board.replicas = dict.fromkeys(uids)  # what the router would have learnt
@@ -185,7 +185,7 @@ async def test_a_viewer_that_sends_close_through_the_gateway_gets_closed_before_
         texts = [m for m in seen if m != "chunk"]
         assert texts and isinstance(texts[-1], P.Closed) and texts[-1].reason == "closed by client", seen
         assert ws.close_code == 1000
-        assert await _wait(lambda: not replica.conns and not g.sessions and not replica.server.sessions)
+        assert await _wait(lambda: not replica.inboxes and not g.sessions and not replica.server.sessions)
 
 
 async def test_a_session_the_replica_ends_on_its_own_still_tells_its_viewer_closed():
@@ -193,12 +193,12 @@ async def test_a_session_the_replica_ends_on_its_own_still_tells_its_viewer_clos
     still there (its gateway's renewals came late) gets `closed` before its socket closes, not a bare close."""
     async with relayed() as (g, (replica,)):
         ws, _ = await _started(g)
-        (conn,) = replica.conns.values()
-        conn.inbox.put_nowait(None)  # what EngineReplica._reap does
+        (inbox,) = replica.inboxes.values()
+        inbox.put_nowait(None)  # what EngineReplica._reap does
         seen = await _until_closed(ws)
         texts = [m for m in seen if m != "chunk"]
         assert texts and isinstance(texts[-1], P.Closed), seen
-        assert await _wait(lambda: not replica.conns and not g.sessions and not replica.server.sessions)
+        assert await _wait(lambda: not replica.inboxes and not g.sessions and not replica.server.sessions)
 
 
 async def _answer(g, first: P.Watch) -> P.ServerMessage:
@@ -252,7 +252,7 @@ async def test_a_watch_link_through_the_gateway_reaches_the_replica_that_runs_th
         assert isinstance(await _reply(watcher, "take"), P.Ack)
         assert r2.server.sessions[sid].steerer is not None and len(g.sessions) == 0
         await watcher.close()  # the stream's last viewer, its steerer now: the stream ends
-        assert await _wait(lambda: not g.watchers and not r2.server.sessions and not r2.conns)
+        assert await _wait(lambda: not g.watchers and not r2.server.sessions and not r2.inboxes)
 
 
 async def _reply(ws, request: str) -> P.Ack | P.Error:

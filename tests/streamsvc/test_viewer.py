@@ -129,3 +129,60 @@ def test_a_data_channel_carries_a_stream_s_requests_only():
     assert [type(a) for a in v.receive_on_channel("{")] == [Send, Violation]
     v.closed()
     assert v.receive_on_channel(msg("pause")) == []
+
+
+def test_a_whep_post_s_start_and_offer_come_parsed_and_follow_the_same_paths():
+    """A door of another protocol (a WHEP POST) hands its start and offer over as messages: the same actions, and one
+    that comes while admitting is held as a text would be."""
+    v = ViewerProtocol()
+    start, offer = P.Start(prompt="a red ball", transport="webrtc"), P.Offer(sdp="v=0\r\n")
+    assert v.receive_message(start) == [Admit(start)]
+    assert v.receive_message(offer) == []  # held until the start is answered
+    assert v.admitted("s0", steers=True) == [Control(offer)]
+    assert v.receive_message(P.Close()) == [Control(P.Close())]
+    assert v.receive_message(start) == [Send(P.Error(code=P.ErrorCode.ALREADY_STARTED, message=(
+        "this connection already steers stream s0; open another connection for another stream"))), Violation()]
+
+
+class _Outlet:
+    def __init__(self) -> None:
+        self.sent, self.closed = [], None
+
+    async def send(self, message) -> None:
+        self.sent.append(message)
+
+    async def close(self, code: int = 1000, reason: str = "", linger: bool = True) -> None:
+        self.closed = (code, reason)
+
+    def buffered(self) -> int:
+        return 0
+
+
+async def test_the_driver_sends_a_refusal_closes_after_an_unauthorized_one_and_lets_a_refused_viewer_ask_again():
+    """ViewerDriver (streamsvc/viewers/driver.py) carries out the actions: the host's refusal goes out on the outlet
+    (an unauthorized one closes it, 1008), the protocol is told, and the next start is asked of the host again."""
+    from types import SimpleNamespace
+
+    from streamsvc.door.entry import Client, Refused
+    from streamsvc.viewers.driver import ViewerDriver
+
+    asked, errors = [], []
+    refusals = [Refused(P.Error(code=P.ErrorCode.REFUSED, message="no room", request="start")),
+                Refused(P.Error(code=P.ErrorCode.UNAUTHORIZED, message="no token", request="start"), close=True)]
+
+    async def admit(client, msg, outlet):
+        asked.append((client.address, msg.prompt))
+        return refusals.pop(0)
+
+    host = SimpleNamespace(admit=admit, metrics=SimpleNamespace(errors=SimpleNamespace(inc=lambda: errors.append(1))),
+                           streamless=SimpleNamespace(event=lambda: None))
+    outlet = _Outlet()
+    driver = ViewerDriver(host, Client("10.0.0.7"), outlet)
+    assert await driver.receive(START) and driver.viewer is None
+    assert [m.code for m in outlet.sent] == [P.ErrorCode.REFUSED] and outlet.closed is None
+    assert driver.protocol.state is State.NEW and driver.refusal.message == "no room"
+    assert await driver.receive(msg("pause")) and outlet.sent[-1].code is P.ErrorCode.NOT_STARTED and errors == [1]
+    await driver.receive(START)
+    assert outlet.sent[-1].code is P.ErrorCode.UNAUTHORIZED and outlet.closed == (1008, "unauthorized")
+    assert asked == [("10.0.0.7", "a red ball moving right")] * 2
+    await driver.close()

@@ -20,7 +20,10 @@ class FakeGateway:
         self.gateway = SimpleNamespace(place_timeout_s=1.0)
         self.calls: list[tuple] = []
 
-    async def _call(self, method, *args, replica, timeout_s=None):
+    def replica_of(self, stream_id):  # (Gateway.replica_of: the replica its id's prefix names)
+        return next((uid for uid in self.board.replicas if stream_id.startswith(uid + "-")), None)
+
+    async def call(self, method, *args, replica, timeout_s=None):
         self.calls.append((method, args, replica))
         verb, target = args[0], args[1]
         if verb == "POST":
