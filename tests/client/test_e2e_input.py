@@ -143,7 +143,7 @@ async def test_the_larger_limit_is_the_input_connections_alone_and_garbage_input
         assert [e.code for e in errors] == [P.ErrorCode.BAD_CHUNK] and "missing field" in errors[0].message
         stats = server.sessions[ready.stream_id].input.stats()
         assert stats["decode_errors"] >= 2  # the undecodable access unit and the unframed message
-        server._refresh_metrics()
+        server.refresh_metrics()
         assert server.metrics.input.labels("decode_errors")._value.get() == stats["decode_errors"]
     finally:
         await ws.close()

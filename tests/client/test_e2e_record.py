@@ -54,7 +54,7 @@ async def test_a_steered_recording_has_a_chapter_per_prompt_and_is_served_after_
             assert (await asyncio.to_thread(get, base + path))[:3:2] == (404, b"no such recording\n"), path
         await steerer.send({"type": "close"})
         await steerer.until(lambda: steerer.of(P.Closed), "closed")
-        server._refresh_metrics()
+        server.refresh_metrics()
         assert server.metrics.registry.get_sample_value("streamsvc_recordings_bytes") > 0
 
         status, headers, body = await asyncio.to_thread(get, base + rec.url)

@@ -174,7 +174,7 @@ async def test_the_stream_outlives_its_steerer_while_watchers_remain_and_a_watch
         await a.until(lambda: a.of(P.Audience) and not a.of(P.Audience)[-1].steered, "orphaned")
         seen = len(a.payloads)
         await a.until(lambda: len(a.payloads) >= seen + 2, "chunks without a steerer")
-        server._refresh_metrics()  # what GET /metrics runs
+        server.refresh_metrics()  # what GET /metrics runs
         assert sid in server.sessions and server.metrics.registry.get_sample_value("streamsvc_orphaned_streams") == 1
         assert server.metrics.registry.get_sample_value("streamsvc_watchers") == 2
         await b.send(take(steerer.ready))

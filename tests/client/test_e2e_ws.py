@@ -248,7 +248,7 @@ async def test_every_chunk_header_says_its_denoising_steps(server):
 
 async def test_pause_and_resume_are_acknowledged_and_generation_waits_while_paused(server):
     def metric(name: str, **labels) -> float:
-        server._refresh_metrics()
+        server.refresh_metrics()
         return server.metrics.registry.get_sample_value(name, labels)
 
     async with viewer(server) as c:
