@@ -132,21 +132,3 @@ class CpuMeter:
                 raise
             except BaseException as e:  # noqa: BLE001 - thrown in by the task (CancelledError, ...): it goes to coro
                 value, error = None, e
-
-
-class MeteredClose:
-    """A connection (a front.Connection) whose close is stream-less work while `charging()` says it has no stream: the
-    guard closes an abusive connection from a task of its own, and aiohttp's close reads and parses whatever the peer
-    still sends until its close frame (under a flood of junk frames, three quarters of the loop's CPU)."""
-
-    def __init__(self, ws, meter: CpuMeter, charging: Callable[[], bool]) -> None:
-        self._ws, self._meter, self._charging = ws, meter, charging
-
-    def __getattr__(self, name: str):
-        return getattr(self._ws, name)
-
-    def __aiter__(self):
-        return self._ws.__aiter__()
-
-    async def close(self, *args, **kwargs) -> None:  # Connection.close's arguments, whatever they are
-        await self._meter.run(self._ws.close(*args, **kwargs), self._charging)

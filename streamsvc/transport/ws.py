@@ -14,8 +14,8 @@ bound (then the connection is closed as a slow client, streamsvc/door/guard.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
 
 from streamsvc.door.front import Connection, ConnectionClosed
 from streamsvc.engine.output import ChunkOut
@@ -47,10 +47,14 @@ class Outlet(Protocol):
 
 
 class WebSocketOutlet:
-    """A viewer's WebSocket (a door.front.Connection) as its outlet: messages as JSON text, chunks binary."""
+    """A viewer's WebSocket (a door.front.Connection) as its outlet: messages as JSON text, chunks binary. `closing`
+    runs its close (the server meters it: closing a flood's socket reads, and parses, what the peer still sends
+    until its close frame)."""
 
-    def __init__(self, ws: Connection) -> None:
+    def __init__(self, ws: Connection,
+                 closing: Callable[[Coroutine[Any, Any, None]], Awaitable[None]] | None = None) -> None:
         self.ws = ws
+        self._closing = closing
 
     async def send(self, message) -> None:
         await self.ws.send(P.encode(message))
@@ -59,7 +63,8 @@ class WebSocketOutlet:
         await self.ws.send(payload)
 
     async def close(self, code: int = 1000, reason: str = "", linger: bool = True) -> None:
-        await self.ws.close(code, reason, linger=linger)
+        closing = self.ws.close(code, reason, linger=linger)
+        await (closing if self._closing is None else self._closing(closing))
 
     def allow_messages(self, max_bytes: int) -> bool:
         return self.ws.allow_messages(max_bytes)
