@@ -117,6 +117,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scheduler policy of the local server: slack, least_slack, round_robin or fifo (default slack)")
     g.add_argument("--buffer-cap", type=float, default=None,
                    help="seconds generated ahead of each viewer at most, on the local server (default: the server's)")
+    g.add_argument("--latency", default=None, choices=("default", "low"),
+                   help="the local server's latency mode (default: the server's; see `streamsvc serve --help`)")
+    g.add_argument("--chunk-latent-frames", type=int, default=None, choices=(1, 3),
+                   help="latent frames a chunk on the local server (default: the server's, or its latency mode's)")
     g.add_argument("--kv-quant", default="none", choices=["none", "int4", "int2"],
                    help="KV cache storage of the local server (default none)")
     g.add_argument("--weights", default="auto", metavar="auto|builtin|random|FILE",
@@ -512,8 +516,10 @@ def run(args, input_sources: list | None = None) -> int:
         if args.url is None:
             serve_args = ["--preset", args.preset, "--device", args.device, "--policy", args.policy,
                           "--kv-quant", args.kv_quant, "--weights", args.weights, *args.server_arg]
-            if args.buffer_cap is not None:
-                serve_args += ["--buffer-cap", str(args.buffer_cap)]
+            for flag, value in (("--buffer-cap", args.buffer_cap), ("--latency", args.latency),
+                                ("--chunk-latent-frames", args.chunk_latent_frames)):
+                if value is not None:
+                    serve_args += [flag, str(value)]
             if args.token is not None:
                 serve_args += ["--auth-token", args.token]
             if args.transport == "webrtc":  # keep ICE on loopback (the viewers gather on 127.0.0.1 for a local URL)
@@ -563,7 +569,8 @@ def run(args, input_sources: list | None = None) -> int:
               "stalls on a CPU server are then a measure of the host, not of streamsvc", flush=True)
     report["config"] = {"url": args.url, "transport": args.transport, "local_server": args.url is None,
                         "preset": args.preset, "weights": args.weights, "device": args.device, "policy": args.policy,
-                        "buffer_cap_s": args.buffer_cap, "prompt_every_s": args.prompt_every,
+                        "buffer_cap_s": args.buffer_cap, "latency": args.latency,
+                        "chunk_latent_frames": args.chunk_latent_frames, "prompt_every_s": args.prompt_every,
                         "decode": args.decode, "stats_every_s": args.stats_every, "server_args": args.server_arg,
                         "verify_pixels": args.verify_pixels, "watchers_per_stream": args.watchers_per_stream,
                         "input": getattr(args, "input", None), "strength": getattr(args, "strength", None)}

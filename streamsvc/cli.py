@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 from kvcache import QUANT_MODES
-from models import PRESETS, GeneratorConfig, build_generator, fidelity
+from models import PRESETS, build_generator, fidelity
 from models.build import DECODERS
+from streamsvc import options
 
 
 def _model_args(p: argparse.ArgumentParser, basics) -> None:
@@ -46,6 +47,12 @@ def _model_args(p: argparse.ArgumentParser, basics) -> None:
                         "else random / the checkpoint's")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights (--weights random, or no checkpoint)")
     p.add_argument("--kv-quant", default="none", choices=QUANT_MODES, help="KV cache storage (default: none = model dtype)")
+    p.add_argument("--chunk-latent-frames", type=int, default=None, choices=options.CHUNK_LATENT_FRAMES,
+                   help="latent frames a chunk (default 3, or the latency mode's: 1 under serve's --latency low). 3: "
+                        "12 video frames, the size Self-Forcing and LongLive checkpoints are trained at; 1: 4 video "
+                        "frames (the first chunk a single frame), so a new prompt or a camera frame reaches the screen "
+                        "sooner, at a cost in streams per device (README: Latency). A Wan checkpoint at 1 needs one "
+                        "trained frame-wise (Causal Forcing's); others run, for timing, on random weights")
     p.add_argument("--sink-frames", type=int, default=3, help="latent frames kept from the stream's start (default 3)")
     p.add_argument("--window-frames", type=int, default=9, help="most recent latent frames kept (default 9)")
     p.add_argument("--fidelity", default=None, choices=fidelity.TIERS,
@@ -72,21 +79,6 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
                    help="a collective of the group waiting longer fails: a rank died or hung (default 15)")
 
 
-def _speed_options(args, cfg: GeneratorConfig, device) -> GeneratorConfig:
-    """`cfg` with the speed options --fidelity and --speed-options ask for (ValueError: one is over the cap)."""
-    return fidelity.configure(cfg, args.fidelity, fidelity.parse(args.speed_options), device.type)
-
-
-def _degrade(args) -> bool:
-    """--degrade, whose default is auto unless --fidelity exact (which allows no fewer steps)."""
-    if args.degrade is None:
-        return fidelity.degrade_allowed(args.fidelity)
-    if args.degrade == "auto" and not fidelity.degrade_allowed(args.fidelity):
-        raise ValueError("--degrade auto runs a late chunk with fewer steps (approximate), which --fidelity exact "
-                         "rules out: drop one of them")
-    return args.degrade == "auto"
-
-
 def _generator(args):
     """The generator `generate` runs: the fastest configuration of its device that --fidelity allows."""
     import logging
@@ -94,7 +86,7 @@ def _generator(args):
     from streamsvc.engine.warmup import log_attention
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    device, kw = _generator_args(args)
+    device, kw = options.generator_args(args)
     gen = build_generator(args.preset, **kw)
     log_attention(device)
     logging.getLogger("streamsvc.cli").info("%s", fidelity.describe(gen.cfg, degrade=False))
@@ -103,16 +95,6 @@ def _generator(args):
 
         compile_helpers()
     return gen
-
-
-def _generator_args(args, device: str | None = None):
-    """(device, build_generator's keywords after the preset) for the model flags, on `device` (default: --device's)."""
-    from streamsvc.offline import default_device
-
-    device = default_device(device or args.device)
-    cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant)
-    cfg = _speed_options(args, cfg, device)
-    return device, dict(device=device, seed=args.weights_seed, checkpoint=args.checkpoint, cfg=cfg, **_weights(args))
 
 
 def cmd_generate(args) -> int:
@@ -145,7 +127,7 @@ def cmd_generate(args) -> int:
     if args.parallel != 1:
         from streamsvc.offline import generate_parallel
 
-        return generate_parallel(args, changes, strip, _generator_args)
+        return generate_parallel(args, changes, strip, options.generator_args)
     try:
         gen = _generator(args)
     except (ValueError, OSError) as e:  # bad weight files or flags (CheckpointError is a ValueError)
@@ -177,12 +159,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _weights(args) -> dict:
-    """The weight flags as build_generator / EngineConfig keywords."""
-    return {"wan_dir": args.wan_dir, "lora": args.lora, "lora_alpha": args.lora_alpha, "wrapper": args.wrapper,
-            "decoder": args.decoder, "taehv": args.taehv, "weights": args.weights}
-
-
 def _check_weights(args) -> None:
     """Read the model file the flags name, if any, before anything starts: a missing or foreign file is a
     one-line error (CheckpointError, a ValueError), not a traceback from the engine thread."""
@@ -193,60 +169,21 @@ def _check_weights(args) -> None:
         read_model_file(path)
 
 
-def _engine_config(args):
-    from streamsvc.engine.config import EngineConfig
-    from streamsvc.offline import default_device
-    from streamsvc.scheduling import SchedulerConfig
-
-    gen = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant)
-    device = default_device(args.device)
-    gen = _speed_options(args, gen, device)
-    utilization = args.utilization if args.utilization is not None else (0.9 if device.type == "cuda" else 0.6)
-    max_batch = args.max_batch if args.max_batch is not None else (1 if device.type == "cuda" else 4)
-    # A GPU serves few streams one chunk at a time: a chunk's latency is its own forwards, or those and another
-    # stream's whole chunk (320 ms at 1.3B), two modes the median misses; many batched CPU streams' latencies are tight.
-    gpu = device.type == "cuda"
-    lead = args.lead_percentile if args.lead_percentile is not None else (0.95 if gpu else 0.5)
-    margin = args.start_margin if args.start_margin is not None else (0.25 if gpu else 0.175)
-    sched = SchedulerConfig(policy=args.policy, buffer_cap_s=args.buffer_cap, max_batch=max_batch,
-                            utilization_target=utilization, startup_slack_s=args.startup_slack,
-                            lead_percentile=lead, start_margin_s=margin)
-    return EngineConfig(
-        preset=args.preset, checkpoint=args.checkpoint,
-        weights_seed=args.weights_seed, generator=gen, scheduler=sched, compile=args.compile, **_weights(args),
-        degrade=_degrade(args),
-        kv_budget_bytes=int(args.kv_budget_gib * 2**30) if args.kv_budget_gib else None,
-        **_park(args), **({"device": str(device)} | _group(args, device)),
-    )
-
-
-def _group(args, device) -> dict:
-    """EngineConfig's group for --parallel K (none for 1), and rank 0's device: the first of the group's."""
-    if args.parallel == 1:
-        return {}
-    from streamsvc.engine.group import GroupConfig, group_devices
-
-    group = GroupConfig(args.parallel, group_devices(str(device), args.parallel, args.devices), args.parallel_timeout)
-    return {"group": group, "device": group.devices[0]}
-
-
-def _park(args) -> dict:
-    """EngineConfig's parking fields from --park-budget-gib and --park-timeout."""
-    if not args.park_budget_gib >= 0 or not args.park_timeout > 0:
-        raise ValueError(f"--park-budget-gib takes a number >= 0 (0: no pausing) and --park-timeout one > 0, got "
-                         f"{args.park_budget_gib:g} and {args.park_timeout:g}")
-    return dict(park_budget_bytes=int(args.park_budget_gib * 2**30), park_timeout_s=args.park_timeout,
-                input_latency_s=getattr(args, "input_latency", 0.5))  # (and input video's latency, issue 35)
-
-
 def _serve_args(p: argparse.ArgumentParser) -> None:
     from streamsvc.scheduling import POLICIES
 
     p = p.add_argument_group("scheduling: which stream runs next, admission, buffers, degradation")
 
     p.add_argument("--policy", default="slack", choices=POLICIES, help="which stream runs next (default: slack = least slack first)")
-    p.add_argument("--buffer-cap", type=float, default=2.0,
-                   help="seconds of video generated ahead of each viewer at most (default 2.0). It bounds how far ahead "
+    p.add_argument("--latency", default=None, choices=tuple(options.LATENCY_MODES),
+                   help="default: chunks of 3 latent frames (0.75 s), 2 s ahead at most, input due 0.5 s after its "
+                        "last frame; low: chunks of 1 latent frame (0.25 s), a smaller buffer (--start-margin 0.1 on "
+                        "CPU, 0.15 on GPU; --buffer-cap 1), --input-latency 0.25: a new prompt and a camera frame "
+                        "reach the screen in about half a second, with fewer streams a device (README: Latency). Both "
+                        "are exact; a flag given explicitly wins over the mode")
+    p.add_argument("--buffer-cap", type=float, default=None,
+                   help="seconds of video generated ahead of each viewer at most (default 2.0; 1.0 under --latency "
+                        "low). It bounds how far ahead "
                         "a stream runs, so how much old video plays after a new prompt (steering latency), not "
                         "throughput: a chunk starts when the buffer falls to its measured latency plus a margin, and "
                         "that lead plus one chunk must fit under the cap (2 streams on an H200: ~0.75 + 0.75 s)")
@@ -265,7 +202,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "chunk latencies plus --start-margin (default 0.5 on CPU, 0.95 on a GPU)")
     p.add_argument("--start-margin", type=float, default=None, metavar="S",
                    help="seconds of video a chunk should arrive ahead of its viewer's need: what the latency estimate "
-                        "misses (default 0.175 on CPU, 0.25 on a GPU); less buffer is lower steering latency")
+                        "misses (default 0.175 on CPU, 0.25 on a GPU; 0.1 and 0.15 under --latency low); less buffer is "
+                        "lower steering latency")
     p.add_argument("--degrade", choices=("auto", "off"), default=None,
                    help="auto (default, but off under --fidelity exact): a chunk that would reach its viewer late runs "
                         "fewer denoising steps (3 or 2 of 4; the chunk header's 'steps' says so) instead of stalling, "
@@ -281,9 +219,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "budget is refused; 0 refuses every pause")
     p.add_argument("--park-timeout", type=float, default=300.0, metavar="S",
                    help="seconds a stream may stay paused (default 300); then it is closed and its host memory freed")
-    p.add_argument("--input-latency", type=float, default=0.5, metavar="S",
+    p.add_argument("--input-latency", type=float, default=None, metavar="S",
                    help="input video: a chunk plays this long after its last input frame came (default "
-                        "0.5); one later is a stall. Glass-to-glass is about a chunk's duration plus this")
+                        "0.5; 0.25 under --latency low); one later is a stall. Glass-to-glass is about a chunk's "
+                        "duration plus this")
 
 
 def cmd_serve(args) -> int:
@@ -321,7 +260,7 @@ def cmd_serve(args) -> int:
     from streamsvc.engine.group import GroupError
 
     try:
-        asyncio.run(Server(_engine_config(args), config).serve_forever())
+        asyncio.run(Server(options.engine_config(args), config).serve_forever())
     except KeyboardInterrupt:
         pass
     except (ValueError, OSError) as e:  # the engine could not start: bad weight files or flags (logged in full)
@@ -364,7 +303,7 @@ def _serve_cluster(args, front) -> int:
         print(f"streamsvc serve: {e}", file=sys.stderr)
         return 2
     # each replica builds its engine config on its own host (its device decides the defaults)
-    replica = replica_config(functools.partial(_engine_config, args), front, warmup_nice=args.warmup_nice)
+    replica = replica_config(functools.partial(options.engine_config, args), front, warmup_nice=args.warmup_nice)
     deploy = DeployConfig(replicas=replicas, num_gpus=gpus_each, drain_timeout_s=args.drain_timeout)
     return serve_cluster(args.cluster, args.gpus, replica, front, deploy)
 

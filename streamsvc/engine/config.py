@@ -51,9 +51,17 @@ class EngineConfig:
     park_budget_bytes: int = 8 * 2**30
     park_timeout_s: float = 300.0  # a stream parked longer is ended ("park_expired")
     input_latency_s: float = 0.5  # input video: a chunk is due this long after its last input frame (--input-latency)
+    latency: str = "default"  # the latency mode the serving choices came from (--latency: streamsvc/options.py)
     # --parallel K: each forward split over a group of K ranks, this process rank 0 on `device`
     # (streamsvc/engine/lockstep.py)
     group: "GroupConfig | None" = None
+
+    def describe_latency(self) -> str:
+        """One log line: the latency mode and the serving choices it comes to (streamsvc/options.py)."""
+        sched, n = self.scheduler, self.generator.frames_per_chunk
+        return (f"latency {self.latency}: chunks of {n} latent frame{'s' * (n != 1)}, started "
+                f"{sched.start_margin_s:g} s ahead of their latency, at most {sched.buffer_cap_s:g} s ahead of a "
+                f"viewer; input video due {self.input_latency_s:g} s after its last frame (each choice exact)")
 
     def __post_init__(self) -> None:
         if self.park_budget_bytes < 0:

@@ -457,9 +457,18 @@ class Engine:
         return list(zip(streams, gen.commit(states)))
 
     def _handed_over(self, out: ChunkOut, stream: StreamOutput) -> None:
-        """An output worker has encoded a chunk: to the transports, and (as a command) to the scheduler."""
-        self._on_chunk(out)
-        self._commands.put(_Command(self._delivered, (stream, out, self.clock())))
+        """An output worker has encoded a chunk: to the transports, and (as a command) to the scheduler. A first
+        chunk of a single frame (chunks of one latent frame: the VAE's first latent frame is one video frame) goes
+        out with the second: alone, its viewer would play it and stall until the next came, and the scheduler counts
+        it in flight (buffered) until then, so the second chunk starts at once."""
+        if out.header.index == 0 and out.header.frames == 1:
+            stream.held = out
+            return
+        now = self.clock()
+        for chunk in (stream.held, out) if stream.held is not None else (out,):
+            self._on_chunk(chunk)
+            self._commands.put(_Command(self._delivered, (stream, chunk, now)))
+        stream.held = None
 
     def _delivered(self, stream: StreamOutput, out: ChunkOut, now: float) -> None:
         self.sched.observe_stage(Stage.OUTPUT, out.encode_s)

@@ -60,6 +60,7 @@ class StreamOutput:
     worker: int  # the worker that encodes all of its chunks
     encoder: StreamEncoder | None = None  # in this process (None: in the worker's encoder process)
     closed: bool = False  # set by the engine thread; its worker then skips what is still queued
+    held: ChunkOut | None = None  # a first chunk of a single frame, waiting to go out with the second (its worker's)
 
 
 @dataclass

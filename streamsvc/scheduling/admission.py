@@ -248,10 +248,12 @@ class AdmissionControl:
         starting = [s for s in streams if s.chunks_delivered < cfg.confirm_chunks]
         if not starting:
             return []
-        # The k-th of k newcomers gets its first chunk after all k first chunks and the first newcomer needs its
-        # second within its first's play time: k chunks of each stage must fit in one chunk (the first newcomer's
-        # own) plus that window at the stage's target, beside the streams already confirmed.
-        window_s = req.first_chunk_frames / req.fps
+        # The k-th of k newcomers gets its first delivery after all k first deliveries (each of one chunk, or two
+        # where a lone first frame waits for the second) and the first newcomer needs its next chunk within its first
+        # delivery's play time: k deliveries of each stage must fit in one (the first newcomer's own) plus that window
+        # at the stage's target, beside the streams already confirmed.
+        first_chunks, first_frames = req.first_delivery
+        window_s = first_frames / req.fps
         n = len(streams) + 1
         others = [s for s in streams if not s.chunks_delivered < cfg.confirm_chunks]
         for stage in Stage:
@@ -259,12 +261,13 @@ class AdmissionControl:
                 continue
             chunk_s, target = self.costs.stage_chunk_s(stage, n), self.target(stage)
             busy = sum(_rate(s, stage) for s in others) * chunk_s
-            room_s = max(0.0, target - busy) * window_s + chunk_s
-            if (len(starting) + 1) * chunk_s > room_s + EPS_S:
+            room_s = max(0.0, target - busy) * window_s + first_chunks * chunk_s
+            if (len(starting) + 1) * first_chunks * chunk_s > room_s + EPS_S:
                 since = now - min(s.admitted_at for s in starting)
                 return [
                     f"starting: {len(starting)} streams admitted in the last {since:.1f} s have not yet delivered "
-                    f"{cfg.confirm_chunks} chunks, and the {stage.value} starts {int(room_s / chunk_s + EPS_S)} at "
+                    f"{cfg.confirm_chunks} chunks, and the {stage.value} starts "
+                    f"{int(room_s / (first_chunks * chunk_s) + EPS_S)} at "
                     f"once ({chunk_s * 1e3:.1f} ms per chunk, each stream's next chunk due within {window_s:.2f} s "
                     f"of its first, {busy:.2f} busy with the others, target {target:.2f}); try again in a second"
                 ]

@@ -42,6 +42,14 @@ class StreamRequest:
     input_latency_s: float = 0.5  # with input: a chunk is due this long after its last input frame came (its release)
     prompt: str = ""  # its opening prompt (version 0): the text of the plans that run under it
 
+    @property
+    def first_delivery(self) -> tuple[int, int]:
+        """(chunks, frames) of what its viewer gets first: a first chunk of a single frame (chunks of one latent
+        frame) goes out with the second (streamsvc/engine/engine.py `_handed_over`): alone, it would play and stall."""
+        if self.first_chunk_frames == 1:
+            return 2, 1 + self.chunk_frames
+        return 1, self.first_chunk_frames
+
     def __post_init__(self) -> None:
         if not (self.fps > 0 and math.isfinite(self.fps)):
             raise ValueError(f"stream {self.stream_id!r}: fps={self.fps} must be a finite rate > 0")

@@ -149,6 +149,7 @@ class Server:
         if not listen:
             return
         self.guard.listen(raise_fd_limit())
+        log.info("%s", self.engine_config.describe_latency())
         log.info("serving on %s (WebSocket at %s)", await self.front.open(self._route, self._route_metrics), WS_PATH)
         warning = exposure_warning(self.config.host, self.config.access)
         if warning:
@@ -340,7 +341,7 @@ class Server:
             # the stream's capabilities go to its steerer alone (a watcher came with the watch secret; neither grants
             # a watcher steering)
             **({"watch_secret": session.watch_secret, "steer_secret": session.steer_secret}
-               if viewer.role is Role.STEER else {}), **ready_fields(desc),
+               if viewer.role is Role.STEER else {}), **ready_fields(desc), latency=self.engine_config.latency,
         )
 
     def _connect(self, viewer: Viewer, transport: str | None) -> None:

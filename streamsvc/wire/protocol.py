@@ -27,7 +27,7 @@ Server -> client::
 
     {"type": "ready", "stream_id": "...", "fps": 16, "width": 832, "height": 480, "vocabulary": ["a", ...],
      "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0, "steps": 4, "unknown_words": ["fox"],
-     "role": "steer", "viewer_id": "v0", "watch_secret": "...", "steer_secret": "...",
+     "role": "steer", "viewer_id": "v0", "watch_secret": "...", "steer_secret": "...", "latency": "default",
      "input": true, "strengths": [1.0, 0.83, 0.625, 0.357], "strength": 0.625, "input_latency_s": 0.5}
     {"type": "audience", "role": "watch", "watchers": 23, "steered": true}
     {"type": "audience", "role": "steer", "watchers": 1, "steered": true, "steer_secret": "..."}
@@ -49,11 +49,9 @@ input had stopped: that chunk is text-to-video) and, per frame, the ``capture_ms
 (the sender's clock, echoed), so the viewer computes glass-to-glass latency in its own clock. A chunk is due to
 play ``input_latency_s`` after its last input frame was captured.
 
-``offer`` and ``answer`` are exactly the JSON of a browser's
-``RTCSessionDescription`` (``{"type": "offer", "sdp": ...}``): the message type
-doubles as the SDP type, so ``JSON.stringify(pc.localDescription)`` is a valid
-``offer`` message and an ``answer`` message can be handed to
-``setRemoteDescription`` as is.
+``offer`` and ``answer`` are exactly the JSON of a browser's ``RTCSessionDescription`` (``{"type": "offer", "sdp":
+...}``): the message type doubles as the SDP type, so ``JSON.stringify(pc.localDescription)`` is a valid ``offer``
+message and an ``answer`` message can be handed to ``setRemoteDescription`` as is.
 
 Steerers and watchers
 ---------------------
@@ -382,6 +380,7 @@ class Ready(BaseMessage):
     strengths: Annotated[list[Strength], Field(max_length=MAX_STEPS)] | None = None  # allowed (the schedule's sigmas)
     strength: Strength | None = None  # the stream's strength, snapped
     input_latency_s: Seconds | None = None  # a chunk is due this long after its last input frame's capture
+    latency: Literal["default", "low"] = "default"  # the server's latency mode (its chunk size and buffer targets)
 
 
 class Audience(BaseMessage):

@@ -319,3 +319,23 @@ async def test_no_server_is_an_error_in_the_result_not_an_exception():
     assert not r.admitted and r.refused_reason is None and r.playback is None
     assert len(r.errors) == 1 and r.errors[0].startswith("connect:")
     assert c.state is ClientState.CLOSED
+
+
+async def test_latency_low_serves_chunks_of_4_frames_whose_lone_first_frame_comes_with_the_second():
+    """`serve --latency low`'s engine (streamsvc/options.py): its ready says so and gives chunks of 4 frames after a
+    first of 1, which reaches the viewer together with the second (alone, it would play and stall); the session plays
+    without a stall and steers."""
+    from streamsvc import cli, options
+
+    config = options.engine_config(cli.build_parser().parse_args(["serve", "--device", "cpu", "--latency", "low"]))
+    server = Server(config, ServerConfig(port=0))
+    await asyncio.wait_for(server.start(), 60)
+    try:
+        c = viewer(server, stats_every_s=0.25)
+        r = await asyncio.wait_for(c.run(3.0, [(1.0, "a blue square moving left")]), 3.0 + T)
+        assert r.admitted and r.errors == () and (c.ready.latency, c.ready.chunk_frames) == ("low", 4)
+        assert c.ready.first_chunk_frames == 1 and [h.frames for h in c.headers[:3]] == [1, 4, 4]
+        assert r.playback.stalls == 0 and r.prompt_versions == (0, 1)
+        assert len(r.playback.control_latencies_s) == 1
+    finally:
+        await asyncio.wait_for(server.stop(), 30)

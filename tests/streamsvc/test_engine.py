@@ -368,3 +368,36 @@ def test_on_cpu_a_forwards_cost_sample_leaves_out_the_loops_work_for_clients_wit
         assert eng.sched.costs.estimate(WorkKind.DENOISE) != seeded[WorkKind.DENOISE]  # measured again
     finally:
         eng.stop()
+
+
+def test_chunks_of_one_latent_frame_play_and_steer_and_the_lone_first_frame_goes_out_with_the_second():
+    """--chunk-latent-frames 1: chunks of 4 frames after a first of 1 (the VAE's first latent frame is one frame),
+    which the engine hands over with the second: alone, its viewer would play it and stall."""
+    from models import GeneratorConfig
+
+    got, arrived = Collector(), []
+    on_chunk = got.on_chunk
+
+    def timed(out):
+        arrived.append((out.header.index, time.monotonic()))
+        on_chunk(out)
+
+    eng = Engine(EngineConfig(preset="tiny", device="cpu", generator=GeneratorConfig(frames_per_chunk=1),
+                              scheduler=SchedulerConfig(buffer_cap_s=1.0, max_batch=4), warmup_chunks=5),
+                 timed, got.on_error)
+    eng.start().result(timeout=60)
+    try:
+        assert (eng.shape.first_chunk_frames, eng.shape.chunk_frames) == (1, 4)
+        assert eng.open_stream("a", "a red ball moving right", seed=1, fps=16).result(timeout=10).accepted
+        got.wait(lambda g: len(g.chunks.get("a", [])) >= 6)
+        assert eng.set_prompt("a", "a blue square moving left").result(timeout=10).version == 1
+        got.wait(lambda g: any(c.header.prompt_version == 1 for c in g.chunks["a"]))
+        chunks = got.chunks["a"]
+        assert [c.header.frames for c in chunks[:4]] == [1, 4, 4, 4] and not got.errors
+        assert [c.header.pts for c in chunks[1:]] == [c.header.pts + c.header.frames for c in chunks[:-1]]
+        (i0, t0), (i1, t1), (i2, t2) = arrived[:3]
+        assert (i0, i1, i2) == (0, 1, 2)
+        assert t1 - t0 < 0.2 * (t2 - t1)  # handed over together; the third comes a chunk's work later
+        assert eng.stats().forwards["recache"] >= 1
+    finally:
+        eng.stop()

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from streamsvc import cli, offline
+from streamsvc import cli, offline, options
 
 
 def engine_config(*flags):
     args = cli.build_parser().parse_args(["serve", "--device", "cpu", *flags])
-    return cli._engine_config(args)
+    return options.engine_config(args)
 
 
 def test_default_is_exact_math_with_the_overload_degrade():
@@ -50,7 +50,7 @@ def test_the_start_rule_defaults_by_device_and_its_flags_override_them(monkeypat
     cpu = engine_config().scheduler
     assert (cpu.lead_percentile, cpu.start_margin_s) == (0.5, 0.175)
     monkeypatch.setattr(offline, "default_device", lambda name: torch.device("cuda"))  # no GPU needed to build it
-    gpu = cli._engine_config(cli.build_parser().parse_args(["serve"])).scheduler
+    gpu = options.engine_config(cli.build_parser().parse_args(["serve"])).scheduler
     assert (gpu.lead_percentile, gpu.start_margin_s) == (0.95, 0.25)
     both = engine_config("--lead-percentile", "0.9", "--start-margin", "0.3").scheduler
     assert (both.lead_percentile, both.start_margin_s) == (0.9, 0.3)

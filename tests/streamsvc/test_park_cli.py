@@ -2,11 +2,11 @@
 
 import pytest
 
-from streamsvc import cli
+from streamsvc import cli, options
 
 
 def engine_config(*flags):
-    return cli._engine_config(cli.build_parser().parse_args(["serve", "--device", "cpu", *flags]))
+    return options.engine_config(cli.build_parser().parse_args(["serve", "--device", "cpu", *flags]))
 
 
 def test_park_flags_default_and_override():

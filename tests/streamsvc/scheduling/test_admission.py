@@ -402,3 +402,18 @@ def test_admission_alone_admits_a_burst_in_tranches_of_what_the_first_chunks_lea
     confirmed = loads(7, fps=FPS, delivered=2)  # the same streams, each with two chunks delivered: room confirmed
     admitted = control.admit(req, confirmed, now=1.0)
     assert admitted.accepted and admitted.predicted_load == pytest.approx(8 * 4 / 3 * 5 / 64)
+
+
+def test_a_lone_first_frame_goes_out_with_the_second_chunk_and_the_tranche_counts_both():
+    # chunks of one latent frame: a first chunk of 1 frame, then 4. The first delivery is chunks 0 and 1 (5 frames,
+    # 0.3125 s at 16 fps), and each newcomer's costs two chunks of 5 forwards of 1/256 s: one first delivery and the
+    # 0.9 target's share of that window, 0.9 x 0.3125 / 0.039 = 7.2 more: 8 streams start at once, the 9th waits.
+    req = StreamRequest("new", FPS, first_chunk_frames=1, chunk_frames=4)
+    assert req.first_delivery == (2, 5) and StreamRequest("d", FPS).first_delivery == (1, 9)
+    control = gate(initial_forward_s=1 / 256)
+    starting = [StreamLoad(StreamRequest(f"s{i}", FPS, first_chunk_frames=1, chunk_frames=4), chunks_delivered=0)
+                for i in range(8)]
+    assert control.admit(req, starting[:7], now=1.0).accepted
+    refused = control.admit(req, starting, now=1.0)
+    assert not refused.accepted and "the device starts 8 at once" in refused.reason
+    assert "next chunk due within 0.31 s of its first" in refused.reason
