@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sink-frames", type=int, default=3)
     p.add_argument("--window-frames", type=int, default=9)
+    p.add_argument("--chunk-latent-frames", type=int, default=3, choices=(1, 3), help="latent frames a chunk (as serve's)")
     p.add_argument("--peer-window", type=int, default=12, help="also time a chunk at sink + this window (Self-Forcing's)")
     p.add_argument("--kv-quant", default="none", choices=["none", "int4", "int2"])
     p.add_argument("--batches", default="1,2,4")
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"GEMM ceiling: {peak:.0f} TFLOP/s ({dtype})")
     graphs = not args.no_cuda_graphs
     base_cfg = GeneratorConfig(sink_frames=args.sink_frames, window_frames=args.window_frames, kv_quant=args.kv_quant,
-                               cuda_graphs=graphs)
+                               cuda_graphs=graphs, frames_per_chunk=args.chunk_latent_frames)
     cfgs = [fidelity.configure(base_cfg, t, fidelity.parse(args.speed_options), device.type) for t in tiers]
     if any(a.fp8_linears and not b.fp8_linears for a, b in zip(cfgs, cfgs[1:])):
         p.error("a tier without FP8 linears after one with them: FP8 weights, once swapped in, stay")
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": str(dtype).replace("torch.", ""),
         "model": {"dim": mc.dim, "ffn_dim": mc.ffn_dim, "num_heads": mc.num_heads, "num_layers": mc.num_layers,
                   "tokens_per_frame": mc.tokens_per_frame},
-        "sink_frames": args.sink_frames,
+        "chunk_latent_frames": args.chunk_latent_frames, "sink_frames": args.sink_frames,
         "window_frames": args.window_frames,
         "kv_quant": args.kv_quant,
         "decoder": type(gen.decoder).__name__,

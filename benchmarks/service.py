@@ -34,7 +34,9 @@ time while serving / benchmark: above 1 is what serving adds to the same forward
 are per forward; with batching (CPU default: up to 4 streams per forward) a forward serves several chunks.
 
 With `--fidelity T1,T2,...` it does all that once per tier (`streamsvc serve --fidelity T`, the benchmark with
-`--fidelity T`), a server each, and reports the streams at 0 stalls of each tier.
+`--fidelity T`), a server each, and reports the streams at 0 stalls of each tier. With `--latency default,low` the
+same once per latency mode (`streamsvc serve --latency M`; the benchmark at the mode's chunk size), and with both,
+once per mode and tier: the streams per device that each chunk size costs.
 
 Prints a table, then one JSON line with everything (`largest_stall_free_n`: the largest N at which every
 viewer was admitted and none stalled; with several tiers, `by_fidelity` holds each tier's result and
@@ -91,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fidelity", default=None, metavar="TIER[,TIER...]",
                    help="serve (and benchmark) under `--fidelity TIER`, one sweep per tier with a server of its own, "
                         "e.g. exact,quantized,approximate: streams at 0 stalls per tier (default: no --fidelity)")
+    p.add_argument("--latency", default=None, metavar="MODE[,MODE...]",
+                   help="serve under `--latency MODE`, one sweep per mode (and per --fidelity tier), e.g. default,low: "
+                        "streams at 0 stalls per chunk size (default: no --latency)")
     p.add_argument("--speed-options", default=None, metavar="LIST",
                    help="`--speed-options LIST` for every tier's server and benchmark (default: each tier's own)")
     p.add_argument("--start", type=int, default=1, help="first N of viewers tried (default 1)")
@@ -106,8 +111,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for tier in args.tiers:
         if tier not in (None, "exact", "quantized", "approximate"):
             p.error(f"--fidelity {tier!r}: use exact, quantized or approximate (comma list)")
-    if args.url and len(args.tiers) > 1:
-        p.error("--url serves one configuration: give one --fidelity (what that server runs) or none")
+    args.latencies = [m.strip() for m in args.latency.split(",") if m.strip()] if args.latency else [None]
+    for mode in args.latencies:
+        if mode not in (None, "default", "low"):
+            p.error(f"--latency {mode!r}: use default or low (comma list)")
+    if args.url and len(args.tiers) * len(args.latencies) > 1:
+        p.error("--url serves one configuration: give one --fidelity and one --latency (what that server runs) or none")
     return args
 
 
@@ -127,11 +136,16 @@ def bench_flags(serve_args: list[str], device: str) -> list[str]:
     p.add_argument("--window-frames")
     p.add_argument("--fidelity")
     p.add_argument("--speed-options")
+    p.add_argument("--latency")
+    p.add_argument("--chunk-latent-frames")
     for flag in ("--wan-dir", "--checkpoint", "--decoder", "--taehv"):
         p.add_argument(flag)
     known, _ = p.parse_known_args(serve_args)
     compiled = known.compile if known.compile is not None else device.startswith("cuda")
     out = ["--compile"] if compiled else []
+    chunk = known.chunk_latent_frames or ("1" if known.latency == "low" else None)  # (streamsvc/options.py)
+    if chunk is not None:
+        out += ["--chunk-latent-frames", chunk]
     for flag in ("kv_quant", "sink_frames", "window_frames", "wan_dir", "checkpoint", "decoder", "taehv", "fidelity",
                  "speed_options"):
         value = getattr(known, flag)
@@ -448,29 +462,38 @@ def main(argv: list[str] | None = None) -> int:
             root.mkdir(parents=True, exist_ok=True)
         else:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="streamsvc-service-")))
-        for tier in args.tiers:
-            args.serve_arg = serve_arg + tier_args(tier, args.speed_options)
-            logdir = root if len(args.tiers) == 1 else root / tier
+        configs = [(mode, tier) for mode in args.latencies for tier in args.tiers]
+        for mode, tier in configs:
+            args.serve_arg = serve_arg + tier_args(tier, args.speed_options) + (["--latency", mode] if mode else [])
+            name = "-".join(x for x in (mode, tier) if x)
+            logdir = root if len(configs) == 1 else root / name
             logdir.mkdir(parents=True, exist_ok=True)
-            if tier is not None:
-                log(f"--- fidelity {tier}")
+            if name:
+                log(f"--- {' '.join(x for x in (mode and f'latency {mode}', tier and f'fidelity {tier}') if x)}")
             result = run_one(args, logdir)
             if result is None:
                 return 3
-            results.append({"fidelity": tier, **result})
+            results.append({"latency": mode, "fidelity": tier, **result})
 
     for result in results:
         bench = result["generator_chunk"]
-        tier = f", fidelity {result['fidelity']}" if result["fidelity"] else ""
+        tier = (f", latency {result['latency']}" if result["latency"] else "") + (
+            f", fidelity {result['fidelity']}" if result["fidelity"] else "")
         print(f"service at {args.preset} on {args.device}{tier}: {args.duration:g} s per run, prompt every "
               f"{args.prompt_every:g} s; ms per chunk = {(bench or {}).get('steps', result['steps'])} denoise + 1 commit "
               "forwards (a commit without a forward under commit-reuse; with --input, the denoise forwards a chunk "
               "took while serving: chunks of input start at the strength's step)")
         print(format_table(result["rows"]))
-    if len(results) > 1:
+    if len(results) > 1 and len(args.latencies) == 1:
         print("streams at 0 stalls by fidelity: " + ", ".join(f"{r['fidelity']} {r['largest_stall_free_n']}" for r in results))
         out = {"bench": "service", "preset": args.preset, "by_fidelity": results,
                "largest_stall_free_n": {r["fidelity"]: r["largest_stall_free_n"] for r in results}}
+    elif len(results) > 1:
+        names = ["/".join(x for x in (r["latency"], r["fidelity"]) if x) for r in results]
+        print("streams at 0 stalls by configuration: " + ", ".join(
+            f"{name} {r['largest_stall_free_n']}" for name, r in zip(names, results)))
+        out = {"bench": "service", "preset": args.preset, "by_configuration": results,
+               "largest_stall_free_n": {name: r["largest_stall_free_n"] for name, r in zip(names, results)}}
     else:
         out = results[0]
     print(json.dumps(out))

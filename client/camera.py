@@ -104,6 +104,11 @@ class GlassToGlass:
         for i in range(frames):
             self._pending.append(self.to_clock(capture_ms[i]) if capture_ms and i < len(capture_ms) else None)
 
+    def dropped(self, n: int) -> None:
+        """The `n` oldest frames not yet played will not be (a cut to a new prompt)."""
+        for _ in range(min(n, len(self._pending))):
+            self._pending.popleft()
+
     def played(self, t: float) -> None:
         """The oldest frame not yet played is on screen at `t` (this client's clock)."""
         if self._pending:

@@ -155,14 +155,21 @@ class PlaybackBuffer:
         self._connected_at = now
         self._state = PlaybackState.WAITING
 
-    def push(self, frames: int, prompt_version: int, now: float, play_from: float | None = None) -> None:
+    def push(self, frames: int, prompt_version: int, now: float, play_from: float | None = None,
+             cut: bool = False) -> int:
         """``frames`` frames generated under ``prompt_version`` arrived and are decoded. ``play_from``: the first
         frames play no earlier than then (a stream of input video plays each frame a fixed time after its capture,
-        so that its next chunks, which come as their input comes, arrive in time)."""
+        so that its next chunks, which come as their input comes, arrive in time). ``cut``: the frames buffered and
+        not played yet are dropped first (a new prompt's first chunk from a server that cuts: its header says so).
+        Returns how many were dropped."""
         if frames < 1:
             raise ValueError(f"frames must be >= 1, got {frames}")
         self._require_live("push")
         self._advance(now)
+        dropped = self._queued if cut else 0
+        if cut:
+            self._queue.clear()
+            self._queued = 0
         if self._queue and self._queue[-1][1] == prompt_version:
             self._queue[-1][0] += frames
         else:
@@ -179,6 +186,7 @@ class PlaybackBuffer:
         elif self._state is PlaybackState.STALLED:
             self._end_stall(self._stall_acc + (now - self._stall_since))
             self._start_playing(now)
+        return dropped
 
     def advance(self, now: float) -> None:
         """Play the frames due by ``now`` (entering a stall if the buffer runs dry)."""

@@ -92,6 +92,11 @@ class PixelLatency:
         """A frame entered the playback buffer (it will play after those before it)."""
         self._frames.append(frame)
 
+    def dropped(self, n: int) -> None:
+        """The `n` oldest frames not played yet will not be (a cut to a new prompt)."""
+        for _ in range(min(n, len(self._frames))):
+            self._frames.popleft()
+
     def played(self, t: float) -> None:
         """The oldest frame not played yet played at `t`."""
         if not self._frames:

@@ -331,7 +331,11 @@ class StreamClient(ViewerClient):
         if header.capture_ms and self.ready.input_latency_s is not None:
             extra_s = (self.ready.chunk_frames - header.frames) / self.ready.fps
             play_from = self.g2g.to_clock(header.capture_ms[-1]) + self.ready.input_latency_s + extra_s
-        buf.push(frames, header.prompt_version, now, play_from=play_from)
+        dropped = buf.push(frames, header.prompt_version, now, play_from=play_from, cut=header.cut)
+        if dropped:  # a cut to a new prompt: the frames it drops are the oldest of those queued before this chunk's
+            self.g2g.dropped(dropped)
+            if self.pixels is not None:
+                self.pixels.dropped(dropped)
         if stalled:  # this chunk ends a stall
             total = buf.stats().stall_s
             self.stall_events.append((now - self._connected_at, total - self._stall_s_seen))

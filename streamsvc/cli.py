@@ -177,10 +177,16 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="slack", choices=POLICIES, help="which stream runs next (default: slack = least slack first)")
     p.add_argument("--latency", default=None, choices=tuple(options.LATENCY_MODES),
                    help="default: chunks of 3 latent frames (0.75 s), 2 s ahead at most, input due 0.5 s after its "
-                        "last frame; low: chunks of 1 latent frame (0.25 s), a smaller buffer (--start-margin 0.1 on "
-                        "CPU, 0.15 on GPU; --buffer-cap 1), --input-latency 0.25: a new prompt and a camera frame "
+                        "last frame; low: chunks of 1 latent frame (0.25 s), a smaller buffer (--start-margin 0.15, "
+                        "--buffer-cap 1), --max-batch 8 on CPU, --input-latency 0.25, --prompt-cut: a new prompt and a "
+                        "camera frame "
                         "reach the screen in about half a second, with fewer streams a device (README: Latency). Both "
                         "are exact; a flag given explicitly wins over the mode")
+    p.add_argument("--prompt-cut", action=argparse.BooleanOptionalAction, default=None,
+                   help="a new prompt's first chunk cuts: its viewers drop the older frames they hold and have not "
+                        "shown (a chunk header's 'cut'; over WebRTC the server drops them, and the chunk starts with a "
+                        "keyframe), so the prompt reaches the screen a buffer sooner (default: on under --latency low, "
+                        "else off)")
     p.add_argument("--buffer-cap", type=float, default=None,
                    help="seconds of video generated ahead of each viewer at most (default 2.0; 1.0 under --latency "
                         "low). It bounds how far ahead "
@@ -190,7 +196,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=None,
                    help="streams per forward when their work matches (default 1 on a GPU, where batching gains 3-4%% "
                         "and batched forwards run without CUDA graphs; 4 on CPU, where it halves the per-stream cost "
-                        "of the tiny preset)")
+                        "of the tiny preset, 8 under --latency low)")
     p.add_argument("--utilization", type=float, default=None,
                    help="admit streams while the predicted engine load stays under this fraction (default 0.9 on a "
                         "GPU, 0.6 on CPU, where the engine shares its cores with the event loop and the encoders)")
@@ -202,7 +208,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "chunk latencies plus --start-margin (default 0.5 on CPU, 0.95 on a GPU)")
     p.add_argument("--start-margin", type=float, default=None, metavar="S",
                    help="seconds of video a chunk should arrive ahead of its viewer's need: what the latency estimate "
-                        "misses (default 0.175 on CPU, 0.25 on a GPU; 0.1 and 0.15 under --latency low); less buffer is "
+                        "misses (default 0.175 on CPU, 0.25 on a GPU; 0.15 under --latency low); less buffer is "
                         "lower steering latency")
     p.add_argument("--degrade", choices=("auto", "off"), default=None,
                    help="auto (default, but off under --fidelity exact): a chunk that would reach its viewer late runs "

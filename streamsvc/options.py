@@ -9,8 +9,10 @@ flag given explicitly wins over the mode:
   checkpoints' size), chunks started when the viewer's buffer falls to their latency plus a margin (0.175 s on a
   CPU, 0.25 s on a GPU), at most 2 s generated ahead, input video due 0.5 s after its last frame.
 - ``low``: chunks of 1 latent frame (4 video frames, 0.25 s: the first one a single frame, which goes out with the
-  second), a margin of 0.1 s on a CPU and 0.15 s on a GPU, at most 1 s ahead, input video due 0.25 s after its last
-  frame. Every choice is exact (no approximate option): its fidelity tier is --fidelity's.
+  second), a margin of 0.15 s, at most 1 s ahead, batches of up to 8 streams on a CPU (a chunk of one latent frame is
+  a third of the tokens: batching gains more), input video due 0.25 s after its last frame, and a new prompt's first
+  chunk cuts: its viewers drop the older frames they hold and have not shown
+  (--prompt-cut). Every choice is exact (no approximate option): its fidelity tier is --fidelity's.
 
 A chunk that would reach its viewer with less than the degrade margin to spare runs fewer steps (--degrade auto): 0.1 s
 by default, 0.05 s under ``low``, so that a chunk started on time (its start margin ahead) does not degrade.
@@ -34,14 +36,16 @@ class LatencyMode:
     # a chunk that would arrive with less than this to spare runs fewer steps (--degrade auto): below the start margin
     degrade_margin_s: float
     buffer_cap_s: float  # video generated ahead of a viewer at most
+    max_batch: tuple[int, int]  # (on a CPU, on a GPU): streams per forward when their work matches
     input_latency_s: float  # input video: a chunk is due this long after its last input frame
+    prompt_cut: bool  # a new prompt's first chunk drops the older frames its viewers hold and have not shown
 
 
 LATENCY_MODES = {
     "default": LatencyMode(chunk_latent_frames=3, start_margin_s=(0.175, 0.25), degrade_margin_s=0.1, buffer_cap_s=2.0,
-                           input_latency_s=0.5),
-    "low": LatencyMode(chunk_latent_frames=1, start_margin_s=(0.1, 0.15), degrade_margin_s=0.05, buffer_cap_s=1.0,
-                       input_latency_s=0.25),
+                           max_batch=(4, 1), input_latency_s=0.5, prompt_cut=False),
+    "low": LatencyMode(chunk_latent_frames=1, start_margin_s=(0.15, 0.15), degrade_margin_s=0.05, buffer_cap_s=1.0,
+                       max_batch=(8, 1), input_latency_s=0.25, prompt_cut=True),
 }
 
 
@@ -103,7 +107,7 @@ def engine_config(args):
     gpu = device.type == "cuda"
     mode = latency_mode(args)
     utilization = args.utilization if args.utilization is not None else (0.9 if gpu else 0.6)
-    max_batch = args.max_batch if args.max_batch is not None else (1 if gpu else 4)
+    max_batch = args.max_batch if args.max_batch is not None else mode.max_batch[gpu]
     # A GPU serves few streams one chunk at a time: a chunk's latency is its own forwards, or those and another
     # stream's whole chunk (320 ms at 1.3B), two modes the median misses; many batched CPU streams' latencies are tight.
     lead = args.lead_percentile if args.lead_percentile is not None else (0.95 if gpu else 0.5)
@@ -112,7 +116,8 @@ def engine_config(args):
     sched = SchedulerConfig(policy=args.policy, buffer_cap_s=cap, max_batch=max_batch,
                             utilization_target=utilization, startup_slack_s=args.startup_slack,
                             lead_percentile=lead, start_margin_s=margin,
-                            degrade_margin_s=mode.degrade_margin_s)
+                            degrade_margin_s=mode.degrade_margin_s,
+                            prompt_cut=args.prompt_cut if args.prompt_cut is not None else mode.prompt_cut)
     return EngineConfig(
         preset=args.preset, checkpoint=args.checkpoint,
         weights_seed=args.weights_seed, generator=gen, scheduler=sched, compile=args.compile, **weights(args),

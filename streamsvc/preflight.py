@@ -175,7 +175,7 @@ def check_memory(preset: str, cfg, device_type: str, *, batch: int = 1, kv_budge
 def check_args(args) -> str | None:
     """Every check on the flags of `streamsvc serve` or `generate` (an argparse namespace): ValueError, one line.
     Returns a warning to show (a GPU preset that will run slowly on this CPU), or None."""
-    from streamsvc.options import generator_config
+    from streamsvc.options import generator_config, latency_mode
     from streamsvc.offline import default_device
 
     serve = hasattr(args, "port")
@@ -192,7 +192,7 @@ def check_args(args) -> str | None:
         return None  # the memory is each replica's or rank's, on its own device
     device = default_device(args.device)
     cfg = generator_config(args)
-    batch = (args.max_batch or (1 if device.type == "cuda" else 4)) if serve else 1
+    batch = (args.max_batch or latency_mode(args).max_batch[device.type == "cuda"]) if serve else 1
     budget = (int(args.kv_budget_gib * 2**30) if args.kv_budget_gib else 4 * 2**30) if serve else None
     return check_memory(args.preset, cfg, device.type, batch=batch, kv_budget_bytes=budget, wan_dir=args.wan_dir,
                         checkpoint=args.checkpoint)

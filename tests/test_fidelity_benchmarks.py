@@ -3,6 +3,8 @@ benchmarks/service.py (pure: the flags each tier's server and generator benchmar
 
 import json
 
+import pytest
+
 from benchmarks import fidelity as fidelity_bench
 from benchmarks import service
 
@@ -33,6 +35,17 @@ def test_service_sweeps_each_tier_with_its_flags():
     flags = service.bench_flags(["--compile", "--fidelity", "approximate", "--speed-options", "steps-2"], "cuda")
     assert flags == ["--compile", "--fidelity", "approximate", "--speed-options", "steps-2"]
     assert service.parse_args([]).tiers == [None]
+
+
+def test_service_sweeps_each_latency_mode_and_times_its_chunk_size():
+    args = service.parse_args(["--latency", "default,low", "--fidelity", "exact"])
+    assert args.latencies == ["default", "low"] and args.tiers == ["exact"]
+    assert service.parse_args([]).latencies == [None]
+    assert service.bench_flags(["--latency", "low"], "cpu") == ["--chunk-latent-frames", "1"]
+    assert service.bench_flags(["--latency", "low", "--chunk-latent-frames", "3"], "cpu") == ["--chunk-latent-frames", "3"]
+    assert service.bench_flags(["--latency", "default"], "cpu") == []
+    with pytest.raises(SystemExit):
+        service.parse_args(["--latency", "lowest"])
 
 
 def test_service_knows_the_steps_a_tier_serves_without_the_benchmark():

@@ -61,7 +61,9 @@ class EngineConfig:
         sched, n = self.scheduler, self.generator.frames_per_chunk
         return (f"latency {self.latency}: chunks of {n} latent frame{'s' * (n != 1)}, started "
                 f"{sched.start_margin_s:g} s ahead of their latency, at most {sched.buffer_cap_s:g} s ahead of a "
-                f"viewer; input video due {self.input_latency_s:g} s after its last frame (each choice exact)")
+                f"viewer; input video due {self.input_latency_s:g} s after its last frame; a new prompt "
+                f"{'cuts to its first chunk' if sched.prompt_cut else 'plays after the buffered video'} (each choice "
+                "exact)")
 
     def __post_init__(self) -> None:
         if self.park_budget_bytes < 0:

@@ -7,17 +7,13 @@ once they have passed, and a chunk counts as delivered when the output stage (en
 has encoded it. At most two plans are in flight on the device, so a command (a prompt, a close)
 waits at most one forward.
 
-The event loop never touches the model, the scheduler or the KV pool. It sends commands (open,
-prompt, pause, close, ...) that the engine thread applies between launches and answers through
-concurrent futures; finished chunks come back through `on_chunk` (from the output workers),
-errors through `on_error(stream_id, message, code)`, both of which the server wraps in
-`loop.call_soon_threadsafe`. The code is "internal" for a failure, "overloaded" for the last
-resort: the newest stream ended because degradation could no longer keep every stream from
-stalling (Scheduler.overloaded), "park_expired" for a paused stream parked longer than
-`park_timeout_s`.
-
-Pause and resume (issue 27) park a stream's whole state in host memory between launches and bring it
-back; the engine's `Parking` (engine/parking.py) keeps that bookkeeping and says how it goes.
+The event loop never touches the model, the scheduler or the KV pool. It sends commands (open, prompt, pause,
+close, ...) that the engine thread applies between launches and answers through concurrent futures; finished chunks
+come back through `on_chunk` (from the output workers), errors through `on_error(stream_id, message, code)`, both of
+which the server wraps in `loop.call_soon_threadsafe`. The code is "internal" for a failure, "overloaded" for the
+last resort: the newest stream ended because degradation could no longer keep every stream from stalling
+(Scheduler.overloaded), "park_expired" for a paused stream parked longer than `park_timeout_s`. Pause and resume
+park a stream's whole state in host memory between launches and bring it back (engine/parking.py).
 
 Before serving, the engine captures every CUDA graph serving replays (models/graphs.py) and runs
 a throwaway stream through a full window, every ring phase and prompt switches, timing each kind
@@ -64,6 +60,7 @@ class _Stream:
     chunk_started_at: float = 0.0  # launch of the chunk in progress's first forward
     recached: bool = False  # a recache launched the chunk about to start (its time counts from there)
     keyframe: bool = True  # next chunk starts with an IDR (a viewer joined)
+    shown_version: int = 0  # prompt version of its last committed chunk (a newer one's first chunk may cut)
     has_input: bool = False  # it takes input video (streamsvc/inputs/stage.py)
 
 
@@ -388,13 +385,16 @@ class Engine:
             return
         self._in_flight.append(timer.launched(plan.kind, len(streams), now))
         self.sched.complete(plan, now, None, deliver=False)
-        for st, chunk in chunks:
-            keyframe, st.keyframe = st.keyframe, False
+        for st, chunk in chunks:  # a new prompt's first chunk cuts (prompt_cut), from a keyframe its viewers start at
+            cut = self.sched.config.prompt_cut and not st.has_input and chunk.prompt_version > st.shown_version
+            keyframe, st.keyframe, st.shown_version = st.keyframe or cut, False, chunk.prompt_version
             self._degraded_chunks += chunk.steps < len(self.gen.sigmas)
+            extra = (self.inputs.header(st.state.stream_id, chunk) if st.has_input else None) or {}
+            extra |= {"cut": True} if cut else {}
             self.output.submit(st.output, chunk.frames, index=chunk.index, first_frame=chunk.first_frame,
                                prompt_version=chunk.prompt_version, steps=chunk.steps, keyframe=keyframe,
                                started_at=st.chunk_started_at, encode_by=self._encode_by(st.state.stream_id),
-                               extra=self.inputs.header(st.state.stream_id, chunk) if st.has_input else None)
+                               extra=extra or None)
         self._snapshot = self.sched.stats(now)
 
     def _retire(self, wait: bool) -> None:

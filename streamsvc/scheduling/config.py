@@ -32,6 +32,9 @@ class SchedulerConfig:
     cost_window: int = 64
     cost_min_samples: int = 8
     restart_on_prompt: bool = True  # abandon a chunk in progress for a new prompt when the stream's slack allows it
+    # a new prompt's first chunk cuts: its viewers drop the older frames they hold and have not shown (its header's
+    # `cut`), and the buffer model holds that chunk alone from its delivery
+    prompt_cut: bool = False
     # Slack a stream must keep after a restart, in chunks of work (others' forwards interleave with its own).
     restart_margin_chunks: float = 2.0
     startup_slack_s: float = 0.0  # policy 'slack': a newcomer ranks as if its buffer ran dry this long after admission

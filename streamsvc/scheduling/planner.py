@@ -216,7 +216,7 @@ class Planner:
             elif plan.kind is WorkKind.DENOISE:
                 s.steps = chunk_steps
                 if plan.step == 0:
-                    s.chunk_seq = prompt_seq
+                    s.chunk_seq, s.after_cut = prompt_seq, False
                     if prompt_seq < s.prompt_seq and s.chunks_done > 0:  # made without the newest prompt
                         s.deferred_seq = s.prompt_seq
                 s.step = plan.step + 1
@@ -230,8 +230,12 @@ class Planner:
                     owed_at = release[1] + req.input_latency_s
                     if s.chunks_done == 0:  # the first chunk of input frames
                         play_from = owed_at + (req.chunk_frames - req.first_chunk_frames) / req.fps
+                # (not a stream of input video: its frames play on its camera's timeline, each a set time after capture)
+                cut = (self.config.prompt_cut and req.input_start_step is None and s.chunks_done > 0
+                       and s.chunk_seq > s.shown_seq)
+                s.shown_seq, s.after_cut = s.chunk_seq, cut
                 chunk = InFlight(frames, now if s.chunk_due_at is None else s.chunk_due_at, s.chunk_sampled, play_from,
-                                  missing=release is not None and not release[2], owed_at=owed_at)
+                                  missing=release is not None and not release[2], owed_at=owed_at, cut=cut)
                 s.chunk_due_at = None
                 s.last_commit_at = now
                 s.chunks_done += 1
@@ -362,7 +366,7 @@ class Planner:
         elif s.playback.dry_counted:  # late by its viewer's report, or its input missing or late: its client's
             s.client_late += 1
         s.last_missing = chunk.missing
-        s.playback.deliver(chunk.frames, now, hold_until=chunk.play_from)
+        s.playback.deliver(chunk.frames, now, hold_until=chunk.play_from, cut=chunk.cut)
         if s.first_delivered_at is None:
             s.first_delivered_at = now
         latency = max(0.0, now - chunk.due_at)

@@ -61,13 +61,16 @@ class PlaybackModel:
             self.updated_at = now
         self._count_dry(now)
 
-    def deliver(self, frames: int, now: float, hold_until: float | None = None) -> None:
+    def deliver(self, frames: int, now: float, hold_until: float | None = None, cut: bool = False) -> None:
         """`frames` arrive at `now`: a dry spell in progress ends, and playback starts if it had not (the first
-        frames: at `hold_until` if later, a viewer that holds a stream of input video until its playout is due)."""
+        frames: at `hold_until` if later, a viewer that holds a stream of input video until its playout is due).
+        `cut`: the viewer drops what it held and had not shown (a new prompt's first chunk): it holds these alone."""
         if self.own is not None:
-            self.own.deliver(frames, now, hold_until)
+            self.own.deliver(frames, now, hold_until, cut)
         self.advance(now)
         self._end_stall(now)
+        if cut:
+            self.buffered_frames = 0.0
         self.buffered_frames += frames
         if not self.started and hold_until is not None and hold_until > now:
             self.updated_at = hold_until  # nothing is consumed before then

@@ -32,6 +32,7 @@ class InFlight:
     missing: bool = False  # input video: it ran without input (its input was missing): its lateness is its client's
     # input video with frames: its release + input_latency_s, by when the server owes it to its viewer (None: no input)
     owed_at: float | None = None
+    cut: bool = False  # a new prompt's first chunk, which cuts: its viewer holds it alone once it arrives
 
 
 @dataclass
@@ -49,6 +50,8 @@ class ScheduledStream:
     cache_seq: int = 0  # prompt version the KV cache was last computed under
     chunk_seq: int = 0  # prompt version the chunk in progress (or, between chunks, the last one) runs under
     deferred_seq: int = 0  # newest prompt version a chunk was already made without (a prompt waits one chunk at most)
+    shown_seq: int = 0  # prompt version of the last committed chunk (a newer one's first chunk cuts, with prompt_cut)
+    after_cut: bool = False  # its last commit was a cut and no chunk has started since: the next runs ahead too
     first_delivered_at: float | None = None  # time the first chunk was delivered
     in_flight: deque[InFlight] = field(default_factory=deque)  # committed, not yet delivered, oldest first
     chunk_due_at: float | None = None  # when the chunk being made became due; None until its first forward completes
@@ -152,8 +155,9 @@ class ScheduledStream:
         return self.chunks_done > 0 and self.prompt_seq > self.cache_seq
 
     def steering(self) -> bool:
-        """No chunk started yet under the newest prompt (a stream with committed frames)."""
-        return self.chunks_done > 0 and self.prompt_seq > self.chunk_seq
+        """No chunk started yet under the newest prompt (a stream with committed frames), or none since the chunk that
+        cut to it (its viewer will hold that chunk alone: the next one runs ahead to the cap too)."""
+        return self.chunks_done > 0 and (self.prompt_seq > self.chunk_seq or self.after_cut)
 
     def dry_at(self) -> float | None:
         """By the server's own account (`PlaybackModel.own`, not its viewer's reports), when its viewer runs dry

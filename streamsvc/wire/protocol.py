@@ -419,6 +419,7 @@ class Chunk(BaseMessage):
     input: Literal["none", "frames", "missing"] = "none"  # its input video: none asked, restyled, or missing (t2v)
     capture_ms: list[float] | None = None  # per frame: the capture time (sender's clock, ms) of its input frame
     strength: Strength | None = None  # the strength it was made at (a stream with input)
+    cut: bool = False  # a new prompt's first chunk: the player drops what it holds and has not shown, and plays this
 
     @model_validator(mode="after")
     def _one_size_per_frame(self) -> Chunk:

@@ -324,7 +324,7 @@ async def test_no_server_is_an_error_in_the_result_not_an_exception():
 async def test_latency_low_serves_chunks_of_4_frames_whose_lone_first_frame_comes_with_the_second():
     """`serve --latency low`'s engine (streamsvc/options.py): its ready says so and gives chunks of 4 frames after a
     first of 1, which reaches the viewer together with the second (alone, it would play and stall); the session plays
-    without a stall and steers."""
+    without a stall and steers, the new prompt's first chunk cutting to it."""
     from streamsvc import cli, options
 
     config = options.engine_config(cli.build_parser().parse_args(["serve", "--device", "cpu", "--latency", "low"]))
@@ -337,5 +337,8 @@ async def test_latency_low_serves_chunks_of_4_frames_whose_lone_first_frame_come
         assert c.ready.first_chunk_frames == 1 and [h.frames for h in c.headers[:3]] == [1, 4, 4]
         assert r.playback.stalls == 0 and r.prompt_versions == (0, 1)
         assert len(r.playback.control_latencies_s) == 1
+        # the new prompt's first chunk cuts, from a keyframe; no other chunk does
+        cuts = [(h.prompt_version, h.keyframe) for h in c.headers if h.cut]
+        assert cuts == [(1, True)] and next(h for h in c.headers if h.prompt_version == 1).cut
     finally:
         await asyncio.wait_for(server.stop(), 30)

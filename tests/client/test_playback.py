@@ -301,3 +301,14 @@ def test_time_and_frames_are_conserved(script):
     assert s.frames_played + round(s.buffered_s * 8) == s.frames_received
     assert s.frames_played <= s.frames_received
     assert s.freeze_s <= s.play_s + s.stall_s + 1e-9
+
+
+def test_a_cut_drops_the_frames_buffered_and_not_played_and_the_new_prompt_plays_next():
+    buf = connected(fps=4, at=0.0)
+    buf.push(8, 0, 1.0)  # plays from 1.0, a frame every 0.25 s
+    buf.prompt_sent(1, 1.1)
+    assert buf.push(4, 1, 1.3, cut=True) == 6  # 1.0 and 1.25 played: 6 of the old prompt dropped
+    s = buf.stats(1.5)  # the new prompt's first frame was due at 1.5
+    assert s.control_latencies_s == (pytest.approx(0.4),) and s.stalls == 0
+    assert (s.frames_received, s.frames_played, s.buffered_s) == (12, 3, 0.75)
+    assert buf.push(4, 1, 1.6) == 0  # a chunk that does not cut drops nothing

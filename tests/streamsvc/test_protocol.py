@@ -302,7 +302,7 @@ def test_wire_layout():
     assert data == b"SSC1" + len(head).to_bytes(4, "big") + head + units[0] + units[1]
     assert json.loads(head) == {
         "type": "chunk", "index": 2, "pts": 21, "frames": 2, "prompt_version": 1, "steps": 3, "keyframe": True,
-        "encode": "fast", "sizes": [8, 6], "input": "none", "capture_ms": None, "strength": None,
+        "encode": "fast", "sizes": [8, 6], "input": "none", "capture_ms": None, "strength": None, "cut": False,
     }
     assert p.Chunk.describe(units, index=2, pts=21, prompt_version=1, steps=3, keyframe=True).encode == "normal"
 

@@ -19,7 +19,8 @@ from client.playback import PlaybackBuffer
 from client.viewer import ClientConfig
 from client.webrtc_client import WebRtcClient, default_ice_addresses
 from streamsvc.engine.config import EngineConfig
-from streamsvc.transport.webrtc import PacketTrack, WebRtcTransport
+from streamsvc.transport.track import PacketTrack
+from streamsvc.transport.webrtc import WebRtcTransport
 from streamsvc.viewers.server import Server, ServerConfig
 from streamsvc.viewers.session import SessionState
 from streamsvc.wire import protocol as P
@@ -367,3 +368,24 @@ async def test_client_playout_delay_and_one_stall_per_late_frame():
         assert client.frames_decoded == 70 and client.bad_frames == 0
     finally:
         del loop.call_later
+
+
+async def test_a_cut_drops_the_tracks_queue_and_its_timestamps_stay_continuous():
+    """A new prompt's first chunk (header `cut`) drops the frames the track still holds; the packets after it go out
+    earlier in pts by what was dropped (copies: a stream's packets are every viewer's)."""
+    fps, headers = 20, []
+    track = PacketTrack(fps, on_frame=lambda h, q: headers.append(h), clock=asyncio.get_running_loop().time)
+    track.push(_packets(4, 0, fps), _header(0, 0, 4))
+    first = await track.recv()
+    assert first.pts == 0 and track.frames_queued == 3
+    new = _packets(4, 4, fps)
+    for p in new:
+        p.duration = 90000 // fps
+    track.push(new, P.Chunk(**{**_header(1, 4, 4, version=1).model_dump(), "cut": True, "keyframe": True}))
+    assert track.frames_queued == 4  # the 3 older frames dropped
+    sent = [await asyncio.wait_for(track.recv(), 2) for _ in range(4)]
+    assert [p.pts for p in sent] == [4500, 9000, 13500, 18000]  # continuous after frame 0
+    assert [p.pts for p in new] == [18000, 22500, 27000, 31500]  # the stream's own packets untouched
+    assert bytes(sent[0]) == bytes(new[0])
+    assert [h.pts for h in headers if h is not None] == [0, 1]  # the cut chunk's header moved with its first frame
+    track.stop()

@@ -634,3 +634,33 @@ def test_a_stream_removed_or_replaced_while_its_plan_runs_is_skipped():
     ]
     with pytest.raises(SchedulerError, match="'zz' is not admitted"):
         sched.set_prompt("zz", 0.0)
+
+
+def test_with_prompt_cut_a_new_prompts_first_chunk_leaves_its_viewer_holding_it_alone_and_the_next_runs_ahead():
+    sched = make(prompt_cut=True)
+    admit(sched, "a")
+    Clock(sched).run(5)  # first chunk at 0.3125
+    sched.observe_buffer("a", 16, 0.3125)  # 1 s buffered: above the lead
+    sched.set_prompt("a", 0.3125)
+    t = 0.3125
+    for _ in range(6):  # the recache and the new prompt's first chunk
+        plan = sched.next(t)
+        t += COST
+        sched.complete(plan, t, COST, deliver=False)
+    sched.delivered("a", t)  # it cut: the older frames are dropped, the viewer holds these 12 (0.75 s)
+    assert sched.stream_stats("a", t).buffered_s == 0.75
+    # and the chunk after it runs ahead at once (to the cap), though 0.75 s is above the lead
+    assert sched.next(t).kind is D
+    plain = make()  # no cut: the same chunk comes after the buffered second
+    admit(plain, "a")
+    Clock(plain).run(5)
+    plain.observe_buffer("a", 16, 0.3125)
+    plain.set_prompt("a", 0.3125)
+    t = 0.3125
+    for _ in range(6):
+        plan = plain.next(t)
+        t += COST
+        plain.complete(plan, t, COST, deliver=False)
+    plain.delivered("a", t)
+    assert plain.stream_stats("a", t).buffered_s == pytest.approx(1.0 - 0.375 + 0.75)
+

@@ -124,3 +124,12 @@ def test_a_report_of_the_first_chunk_that_comes_before_the_scheduler_hears_of_it
     assert sched.stream_stats("a", now).buffered_s == 0  # nothing delivered in the model yet: the report waits
     sched.delivered("a", now)
     assert sched.stream_stats("a", now).buffered_s == 0.5625  # the chunk once, not 18 frames
+
+
+def test_a_cut_chunk_leaves_the_viewer_holding_it_alone_in_both_figures():
+    pb = PlaybackModel(fps=FPS, own=PlaybackModel(fps=FPS))
+    pb.deliver(12, 1.0)
+    pb.deliver(4, 1.25, cut=True)  # a new prompt's first chunk: the older frames are dropped
+    assert pb.seconds(1.25) == pb.own.seconds(1.25) == 0.25
+    pb.deliver(4, 1.5)
+    assert pb.seconds(1.5) == pytest.approx(0.25)
