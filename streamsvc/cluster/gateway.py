@@ -50,11 +50,11 @@ from streamsvc.cluster.placement import ReplicaStats
 from streamsvc.cluster.replica import stream_prefix
 from streamsvc.cluster.router import Board, board
 from streamsvc.cluster.whip_relay import RelayedIngest
-from streamsvc.door.access import Refusal, exposure_warning
+from streamsvc.door.access import Refusal
 from streamsvc.door.cpumeter import CpuMeter
 from streamsvc.door.entry import Client, Entry, Refused
 from streamsvc.door.front import Connection, ConnectionClosed
-from streamsvc.door.guard import Guard, raise_fd_limit
+from streamsvc.door.guard import Guard
 from streamsvc.door.port import Port, serve_until_signalled
 from streamsvc.door.routes import (RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequest, check_origin, metrics_refusal,
                                    reply, static_file)
@@ -117,12 +117,8 @@ class Gateway:
         with contextlib.suppress(Exception):
             await self.call("info", timeout_s=self.gateway.place_timeout_s)
         self._renewer = asyncio.create_task(self._renew())
-        self.guard.listen(raise_fd_limit())
         url = await self.front.open(self._route, self._route_metrics)
         log.info("gateway on %s (WebSocket at %s), %d replicas", url, WS_PATH, len(self.board.replicas))
-        warning = exposure_warning(self.config.host, self.config.access)
-        if warning:
-            log.warning(warning)
 
     @property
     def port(self) -> int:

@@ -13,10 +13,10 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 
-from streamsvc.door.access import Refusal
+from streamsvc.door.access import Refusal, exposure_warning
 from streamsvc.door.cpumeter import CpuMeter
 from streamsvc.door.front import Connection, FrontConfig, Handlers, HttpFront, tls_context
-from streamsvc.door.guard import Guard
+from streamsvc.door.guard import Guard, raise_fd_limit
 from streamsvc.door.routes import HttpReply, HttpRequest
 from streamsvc.metrics import Metrics
 from streamsvc.wire import protocol as P
@@ -40,8 +40,11 @@ class Port:
         self._fronts: list[HttpFront] = []  # the port's, then --metrics-port's
 
     async def open(self, route: Route, metrics_route: Route) -> str:
-        """Listen: requests answered by `route` (and --metrics-port's by `metrics_route`); the port's base URL."""
+        """Listen: requests answered by `route` (and --metrics-port's by `metrics_route`); the port's base URL. The
+        guard's connection caps follow the file descriptors this process may hold; a port open to other hosts without
+        a token is warned of."""
         cfg = self.config
+        self.guard.listen(raise_fd_limit())
         front = FrontConfig(host=cfg.host, port=cfg.port, max_message_bytes=P.MAX_MESSAGE_BYTES,
                             tls=tls_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None,
                             handshake_timeout_s=cfg.handshake_timeout_s,
@@ -52,6 +55,9 @@ class Port:
         for config, handler in fronts:
             self._fronts.append(HttpFront(config, self._handlers(handler)))
             await self._fronts[-1].start()
+        warning = exposure_warning(cfg.host, cfg.access)
+        if warning:
+            log.warning(warning)
         return f"{self._fronts[0].scheme}://{cfg.host}:{self.port}"
 
     @property

@@ -36,11 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamsvc.door.access import AccessConfig, ProtocolErrors, Refusal, TokenBucket, exposure_warning, secret_matches
+from streamsvc.door.access import AccessConfig, ProtocolErrors, Refusal, TokenBucket, secret_matches
 from streamsvc.door.cpumeter import CpuMeter
 from streamsvc.door.entry import Client, Entry, Refused
 from streamsvc.door.front import Connection, ConnectionClosed
-from streamsvc.door.guard import Guard, raise_fd_limit
+from streamsvc.door.guard import Guard
 from streamsvc.door.port import Port, serve_until_signalled
 from streamsvc.door.routes import WS_PATH, HttpReply, HttpRequest, Routes, text_reply
 from streamsvc.door.whep import Endpoints, WhepOutlet, WhepSession
@@ -148,12 +148,8 @@ class Server:
         self._send_meter = asyncio.create_task(self._measure_send(), name="send-meter")
         if not listen:
             return
-        self.guard.listen(raise_fd_limit())
         log.info("%s", self.engine_config.describe_latency())
         log.info("serving on %s (WebSocket at %s)", await self.front.open(self._route, self._route_metrics), WS_PATH)
-        warning = exposure_warning(self.config.host, self.config.access)
-        if warning:
-            log.warning(warning)
 
     @property
     def port(self) -> int:

@@ -170,8 +170,11 @@ def _record_commits(eng):
     return made
 
 
-def test_a_paused_stream_parks_in_host_memory_and_resumes_exactly_where_it_was():
-    eng, got, _ = _engine()
+@pytest.mark.parametrize("chunk_latent_frames", [3, 1])
+def test_a_paused_stream_parks_in_host_memory_and_resumes_exactly_where_it_was(chunk_latent_frames):
+    from models import GeneratorConfig
+
+    eng, got, _ = _engine(generator=GeneratorConfig(frames_per_chunk=chunk_latent_frames))
     made = _record_commits(eng)
     try:
         prompts = ["a cat", "a red boat", "a blue train"]
