@@ -60,7 +60,6 @@ class _Stream:
     chunk_started_at: float = 0.0  # launch of the chunk in progress's first forward
     recached: bool = False  # a recache launched the chunk about to start (its time counts from there)
     keyframe: bool = True  # next chunk starts with an IDR (a viewer joined)
-    shown_version: int = 0  # prompt version of its last committed chunk (a newer one's first chunk may cut)
     has_input: bool = False  # it takes input video (streamsvc/inputs/stage.py)
 
 
@@ -385,9 +384,9 @@ class Engine:
             return
         self._in_flight.append(timer.launched(plan.kind, len(streams), now))
         self.sched.complete(plan, now, None, deliver=False)
-        for st, chunk in chunks:  # a new prompt's first chunk cuts (prompt_cut), from a keyframe its viewers start at
-            cut = self.sched.config.prompt_cut and not st.has_input and chunk.prompt_version > st.shown_version
-            keyframe, st.keyframe, st.shown_version = st.keyframe or cut, False, chunk.prompt_version
+        for st, chunk in chunks:  # a chunk that cuts (the scheduler's call) starts with a keyframe its viewers start at
+            cut = self.sched.cuts(st.state.stream_id)
+            keyframe, st.keyframe = st.keyframe or cut, False
             self._degraded_chunks += chunk.steps < len(self.gen.sigmas)
             extra = (self.inputs.header(st.state.stream_id, chunk) if st.has_input else None) or {}
             extra |= {"cut": True} if cut else {}

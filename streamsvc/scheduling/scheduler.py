@@ -312,6 +312,12 @@ class Scheduler:
             return None
         return self._planner.delivered(s, now)
 
+    def cuts(self, stream_id: str) -> bool:
+        """Whether the stream's newest committed chunk, in flight, cuts to a new prompt (`prompt_cut`: its header
+        says so, and its viewers drop the older frames they hold)."""
+        s = self._streams.get(stream_id) or self._parked.get(stream_id)
+        return s is not None and bool(s.in_flight) and s.in_flight[-1].cut
+
     def cancel(self, plan: Plan) -> None:
         """`plan` will not run (e.g. shutting down): forget it, nothing advances."""
         self._planner.cancel(plan)

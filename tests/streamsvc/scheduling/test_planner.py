@@ -647,6 +647,7 @@ def test_with_prompt_cut_a_new_prompts_first_chunk_leaves_its_viewer_holding_it_
         plan = sched.next(t)
         t += COST
         sched.complete(plan, t, COST, deliver=False)
+    assert sched.cuts("a")  # the engine's header says so
     sched.delivered("a", t)  # it cut: the older frames are dropped, the viewer holds these 12 (0.75 s)
     assert sched.stream_stats("a", t).buffered_s == 0.75
     # and the chunk after it runs ahead at once (to the cap), though 0.75 s is above the lead
@@ -661,6 +662,7 @@ def test_with_prompt_cut_a_new_prompts_first_chunk_leaves_its_viewer_holding_it_
         plan = plain.next(t)
         t += COST
         plain.complete(plan, t, COST, deliver=False)
+    assert not plain.cuts("a")
     plain.delivered("a", t)
     assert plain.stream_stats("a", t).buffered_s == pytest.approx(1.0 - 0.375 + 0.75)
 
