@@ -49,8 +49,13 @@ LATENCY_MODES = {
 }
 
 
+def latency_name(args) -> str:
+    """--latency, or the default mode's name."""
+    return getattr(args, "latency", None) or "default"
+
+
 def latency_mode(args) -> LatencyMode:
-    return LATENCY_MODES[getattr(args, "latency", None) or "default"]
+    return LATENCY_MODES[latency_name(args)]
 
 
 def chunk_latent_frames(args) -> int:
@@ -121,7 +126,7 @@ def engine_config(args):
     return EngineConfig(
         preset=args.preset, checkpoint=args.checkpoint,
         weights_seed=args.weights_seed, generator=gen, scheduler=sched, compile=args.compile, **weights(args),
-        degrade=degrade(args), latency=getattr(args, "latency", None) or "default",
+        degrade=degrade(args), latency=latency_name(args),
         kv_budget_bytes=int(args.kv_budget_gib * 2**30) if args.kv_budget_gib else None,
         **_park(args, mode), **({"device": str(device)} | _group(args, device)),
     )

@@ -60,6 +60,7 @@ from streamsvc.door.routes import (RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequ
                                    reply, static_file)
 from streamsvc.door.whep import Endpoints, WhepOutlet, WhepSession
 from streamsvc.metrics import Metrics
+from streamsvc.transport.ws import WebSocketOutlet
 from streamsvc.viewers.protocol import Admit, Send, Violation, ViewerProtocol
 from streamsvc.viewers.server import ServerConfig
 from streamsvc.wire import protocol as P
@@ -206,9 +207,7 @@ class Gateway:
         placed = await self._admit(client, msg)
         if isinstance(placed, Refused):
             with contextlib.suppress(ConnectionClosed):
-                await ws.send(P.encode(placed.error))
-                if placed.close:
-                    await ws.close(1008, "unauthorized")
+                await placed.send(WebSocketOutlet(ws))
             return
         relay, replica, release = placed
         try:
@@ -279,7 +278,7 @@ class Gateway:
         gen = await self._open_call(relay, start, address, replica)
         if isinstance(gen, Refused):
             with contextlib.suppress(ConnectionClosed):
-                await ws.send(P.encode(gen.error))
+                await gen.send(WebSocketOutlet(ws))
             return
         upstream = asyncio.create_task(self._upstream(ws, relay), name=f"up-{relay.conn_id}")
         try:

@@ -52,6 +52,12 @@ class Refused:
     error: P.Error
     close: bool = False
 
+    async def send(self, outlet) -> None:
+        """Tell the viewer on `outlet` (a transport.ws.Outlet) why, and close it where the refusal says so."""
+        await outlet.send(self.error)
+        if self.close:
+            await outlet.close(1008, "unauthorized")
+
 
 class Entry:
     """The token, the caps and the refusals of one front (see the module docstring). `limits` counts the open

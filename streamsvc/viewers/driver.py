@@ -145,9 +145,7 @@ class ViewerDriver:
         if isinstance(admitted, Refused):
             self.refusal = admitted.error
             with contextlib.suppress(ConnectionClosed):
-                await self.outlet.send(admitted.error)
-                if admitted.close:
-                    await self.outlet.close(1008, "unauthorized")
+                await admitted.send(self.outlet)
             return self.protocol.refused()
         viewer = self.viewer = admitted
         self._upstream = Upstream.for_viewer(viewer)
