@@ -128,15 +128,14 @@ def stream_prefix(replica_uid: str) -> str:
 async def _read(driver: ViewerDriver, inbox: asyncio.Queue, outlet: CallOutlet) -> None:
     """The viewer's messages to its driver, one at a time, in order, until they end (the viewer left, or the
     session ends here) or nothing more of them is read; then the viewer leaves and its last messages (its
-    `closed`) still go out, for the gateway to relay to a viewer that is still there."""
-    try:
+    `closed`) still go out, for the gateway to relay to a viewer that is still there, and the call ends."""
+    async def messages():
         while (message := await inbox.get()) is not None:
-            if not await driver.receive(message):
-                break
-    except ConnectionClosed:
-        pass
+            yield message
+
+    try:
+        await driver.serve(messages())
     finally:
-        await driver.close()
         outlet.items.put_nowait(None)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from collections.abc import AsyncIterable
 from typing import Protocol
 
 from streamsvc.door.cpumeter import CpuMeter
@@ -92,6 +93,18 @@ class ViewerDriver:
             return False
         await self._carry_out(self.protocol.receive_message(msg))
         return not self.closed
+
+    async def serve(self, messages: AsyncIterable[str | bytes]) -> None:
+        """Each of `messages` (the viewer's, in order) to `receive` until they end, the connection closes or nothing
+        more of them is read (its stream ended, or it left: its sender closes the outlet); then `close`."""
+        try:
+            async for data in messages:
+                if not await self.receive(data):
+                    break
+        except ConnectionClosed:
+            pass
+        finally:
+            await self.close()
 
     async def close(self, reason: str = "client disconnected") -> None:
         """Nothing more comes from the viewer: it leaves its stream, its last messages go out, its guard is done."""

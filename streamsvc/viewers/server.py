@@ -39,7 +39,7 @@ from pathlib import Path
 from streamsvc.door.access import AccessConfig, ProtocolErrors, Refusal, TokenBucket, secret_matches
 from streamsvc.door.cpumeter import CpuMeter
 from streamsvc.door.entry import Client, Entry, Refused
-from streamsvc.door.front import Connection, ConnectionClosed
+from streamsvc.door.front import Connection
 from streamsvc.door.guard import Guard
 from streamsvc.door.port import Port, serve_until_signalled
 from streamsvc.door.routes import WS_PATH, HttpReply, HttpRequest, Routes, text_reply
@@ -254,18 +254,7 @@ class Server:
         # flood of junk frames, three quarters of the loop's CPU)
         outlet = WebSocketOutlet(ws, closing=lambda close: self.streamless.run(close, stream_less))
         driver = ViewerDriver(self, client, outlet, self.guard.connection(outlet, client.address))
-        await self.streamless.run(self._serve(ws, driver), stream_less)
-
-    @staticmethod
-    async def _serve(ws: Connection, driver: ViewerDriver) -> None:
-        try:
-            async for raw in ws:
-                if not await driver.receive(raw):
-                    break  # its stream ended (or it left): nothing more of it is parsed; its sender closes it
-        except ConnectionClosed:
-            pass
-        finally:
-            await driver.close()
+        await self.streamless.run(driver.serve(ws), stream_less)
 
     async def admit(self, client: Client, msg: P.Start | P.Watch, outlet: Outlet) -> Viewer | Refused:
         """A viewer's start (a new stream, which it steers) or watch (of an open stream): its Viewer, whose outbox
