@@ -29,7 +29,8 @@ stream has committed frames. Prompts are coalesced before they are planned (and 
 there: `ScheduledStream.new_prompt`): the first since the last commit at once, a later one at
 the next commit, the newest of those that came meanwhile. A chunk in progress is abandoned for the new prompt
 (`restart_on_prompt`) only while the stream keeps `restart_margin_chunks` chunks
-of slack after redoing it; a RECACHE that would leave the stream less slack than
+of slack after redoing it (with `prompt_cut`, the RECACHE's headroom: the chunk's frames would be cut anyway, and
+the lead holds a switch's reserve, `switch_reserve_s`, so that a prompt goes at once); a RECACHE that would leave the stream less slack than
 `start_margin_s` (one forward at least), where skipping it would not stall it,
 waits one chunk (that chunk keeps the old prompt). So a prompt does not cause a
 stall; it shows up later instead.
@@ -305,7 +306,16 @@ class Planner:
         latency = measured
         if measured is None or s.fresh_samples < cfg.latency_min_samples:
             latency = max(measured or 0.0, self._predicted_latency_s(s))
-        return latency + cfg.start_margin_s + (cfg.late_margin_s if self._late_margin else 0.0)
+        late = cfg.late_margin_s if self._late_margin else 0.0
+        return latency + cfg.start_margin_s + late + self.switch_reserve_s(s)
+
+    def switch_reserve_s(self, s: ScheduledStream) -> float:
+        """With `prompt_cut`, the video a steerable stream keeps beyond its lead: a new prompt's RECACHE and first
+        chunk (abandoning the chunk in progress) then fit in the buffer, so the prompt never waits a chunk. What it
+        costs is the frames its cut drops, not latency: a cut shows the new prompt whatever the buffer holds."""
+        if not self.config.prompt_cut or s.has_input or s.chunks_done == 0:
+            return 0.0
+        return self.costs.recache_s() + self.costs.chunk_s()
 
     def release_by(self, s: ScheduledStream, frames: bool) -> float | None:
         """The latest release of stream `s`'s next chunk of input video that reaches its viewer on time (see
@@ -477,7 +487,9 @@ class Planner:
         if s.step > 0 and s.prompt_seq > s.chunk_seq and cfg.restart_on_prompt and not s.parking and not s.has_input:
             # A new prompt arrived mid-chunk: start over under it if the buffer lasts that long.
             redo_s = chunk_s + (recache_s if s.chunks_done > 0 else 0.0)
-            restart = self._slack(s, now, redo_s, plain) >= cfg.restart_margin_chunks * chunk_s
+            # with prompt_cut the chunk's frames would be cut anyway: it must leave only what a RECACHE must
+            margin_s = self._recache_headroom_s() if cfg.prompt_cut else cfg.restart_margin_chunks * chunk_s
+            restart = self._slack(s, now, redo_s, plain) >= margin_s
         if s.step > 0 and not restart:  # go on with the chunk in progress (or cut it short)
             steps = self._steps(s, now, s.step, s.steps, 0.0)
             forwards = s.forwards(steps)

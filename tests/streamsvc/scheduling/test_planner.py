@@ -410,6 +410,39 @@ def test_no_restart_when_redoing_the_chunk_would_leave_too_little_slack():
     assert [(k, s) for k, _, s in clock.run(4)] == [(D, 2), (D, 3), (C, 4), (R, RECACHE_STAGE)]
 
 
+def test_with_prompt_cut_a_chunk_in_progress_is_abandoned_when_the_recaches_headroom_is_left():
+    """The same buffer as above: with a cut, the chunk's frames would be dropped anyway, so redoing it must leave only
+    the headroom a RECACHE must (the start margin), not two chunks of work."""
+    sched = make(prompt_cut=True)
+    admit(sched, "a")
+    clock = Clock(sched)
+    clock.run(5)
+    clock.run(2)
+    sched.observe_buffer("a", 12, clock.now)  # 0.75 s: after a redo 0.75 - 0.375 >= the margin (0.25)
+    sched.set_prompt("a", clock.now)
+    plan = sched.next(clock.now)
+    assert (plan.kind, plan.restart, plan.prompt_seqs) == (R, (True,), (1,))
+    sched.cancel(plan)
+    sched.observe_buffer("a", 9, clock.now)  # 0.5625 s: 0.1875 left after the redo, under the margin
+    plan = sched.next(clock.now)
+    assert (plan.kind, plan.step, plan.restart, plan.prompt_seqs) == (D, 2, (False,), (0,))
+
+
+def test_with_prompt_cut_the_lead_keeps_a_switchs_reserve():
+    """A steerable stream keeps a RECACHE and a chunk of work beyond its lead, once it has committed frames (its
+    first chunk is not held back for it); without a cut the reserve would only delay the new prompt."""
+    for cut, reserve in ((False, 0.0), (True, COST + CHUNK_WORK)):
+        sched = make(prompt_cut=cut)
+        admit(sched, "a")
+        assert sched.lead_s("a") == pytest.approx(CHUNK_WORK + MARGIN)  # before the first chunk: none
+        clock = Clock(sched)
+        clock.run(5)
+        assert sched.lead_s("a") == 0.5625 + reserve
+        clock.run(5)  # the second chunk: 1 s buffered at 0.625; the third is due once it falls to the lead
+        assert clock.now == 0.625 and sched.stream_stats("a", clock.now).buffered_s == 1.0
+        assert sched.wake_at(clock.now) == clock.now + 1.0 - sched.lead_s("a")
+
+
 def test_restart_on_prompt_off_finishes_the_chunk_first():
     sched = make(restart_on_prompt=False)
     admit(sched, "a")
