@@ -178,7 +178,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency", default=None, choices=tuple(options.LATENCY_MODES),
                    help="default: chunks of 3 latent frames (0.75 s), 2 s ahead at most, input due 0.5 s after its "
                         "last frame; low: chunks of 1 latent frame (0.25 s), a smaller buffer (--start-margin 0.15, "
-                        "--buffer-cap 1), --max-batch 8 on CPU, --input-latency 0.25, --prompt-cut: a new prompt and a "
+                        "--buffer-cap 1), --max-batch 16 on CPU, --input-latency 0.25, --prompt-cut: a new prompt and a "
                         "camera frame "
                         "reach the screen in about half a second, with fewer streams a device (README: Latency). Both "
                         "are exact; a flag given explicitly wins over the mode")
@@ -196,7 +196,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=None,
                    help="streams per forward when their work matches (default 1 on a GPU, where batching gains 3-4%% "
                         "and batched forwards run without CUDA graphs; 4 on CPU, where it halves the per-stream cost "
-                        "of the tiny preset, 8 under --latency low)")
+                        "of the tiny preset, 16 under --latency low)")
     p.add_argument("--utilization", type=float, default=None,
                    help="admit streams while the predicted engine load stays under this fraction (default 0.9 on a "
                         "GPU, 0.6 on CPU, where the engine shares its cores with the event loop and the encoders)")

@@ -19,7 +19,7 @@ def test_the_default_mode_keeps_the_released_checkpoints_chunk_size_and_today_s_
 
 
 def test_latency_low_takes_one_latent_frame_chunks_a_smaller_buffer_and_a_lower_input_latency():
-    assert serving_choices(engine_config("--latency", "low")) == ("low", 1, 0.15, 1.0, 0.25, True, 0.05, 8)
+    assert serving_choices(engine_config("--latency", "low")) == ("low", 1, 0.15, 1.0, 0.25, True, 0.05, 16)
 
 
 def test_a_flag_given_explicitly_wins_over_the_mode():
