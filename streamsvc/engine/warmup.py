@@ -2,7 +2,7 @@
 
 `keep_freed_memory` keeps glibc's malloc from paying page faults on every chunk's CPU tensors, and
 `log_attention` says which attention kernel runs. `warm_up` runs a throwaway stream through a full window,
-every ring phase and prompt switches, timing each kind of forward at least five times (and a full batch when
+every ring phase and prompt switches, timing each kind of forward at least five times (and batches of max_batch and half of it when
 the scheduler batches), and seeds the scheduler's costs with the medians, its output stage's with x264's and its
 send's with what sending its chunks costs the sender (`send_cost_s`).
 """
@@ -111,14 +111,14 @@ def warm_up(gen: ChunkGenerator, sched: Scheduler, chunks: int, clock: Callable[
              {k.value: round(1e3 * v, 2) for k, v in medians.items()}, 1e3 * normal_s, 1e3 * fast_s,
              "a late chunk's degradation" if cheap_encode else "no gain: late chunks keep the normal encode",
              1e3 * send_s)
-    if sched.config.max_batch > 1:
-        _warm_up_batched(gen, sched, sched.config.max_batch, clock)
+    for batch in sorted({sched.config.max_batch, sched.config.max_batch // 2} - {0, 1}):  # sizes between: the line
+        _warm_up_batched(gen, sched, batch, clock)
     return cheap_encode
 
 
 def _warm_up_batched(gen: ChunkGenerator, sched: Scheduler, batch: int, clock: Callable[[], float]) -> None:
-    """Time a full batch too (max_batch throwaway streams in step, at a full cache): without it admission
-    counts a batch as its streams one by one until serving has measured one, and a burst of newcomers
+    """Time a batch too (`batch` throwaway streams in step, at a full cache; a full one and half of one): without it
+    admission counts a batch as its streams one by one until serving has measured one, and a burst of newcomers
     (all arriving before any batch ran) is refused below what the device carries."""
     states = [gen.open_stream(f"warmup-{i}", "warm up", seed=i) for i in range(batch)]
     costs: dict[WorkKind, list[float]] = {k: [] for k in WorkKind}

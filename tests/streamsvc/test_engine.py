@@ -55,9 +55,11 @@ def test_streams_get_their_chunks_in_order_and_prompts_take_effect(engine):
     guess = eng.sched.config.initial_forward_s
     assert all(0 < eng.sched.costs.estimate(kind) != guess for kind in WorkKind)  # measured at warm-up
     batch = eng.sched.config.max_batch
-    assert batch > 1  # a full batch measured too: admission counts its gain before serving has run one
+    assert batch > 1  # a full batch and half of one measured too: admission counts their gain before serving ran one
     for kind in (WorkKind.DENOISE, WorkKind.COMMIT):
-        assert 0 < eng.sched.costs.estimate(kind, batch) != batch * eng.sched.costs.estimate(kind, 1)
+        for size in (batch, batch // 2):
+            assert size in eng.sched.costs.sizes(kind)
+            assert 0 < eng.sched.costs.estimate(kind, size) != size * eng.sched.costs.estimate(kind, 1)
     for sid in ("a", "b"):
         opened = eng.open_stream(sid, f"prompt {sid}", seed=1, fps=16).result(timeout=10)
         # admitted, and described for its viewers' `ready` from the engine thread (the event loop reads no model)

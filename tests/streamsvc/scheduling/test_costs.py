@@ -58,6 +58,20 @@ def test_observe_cost_feeds_the_cost_model():
         sched.seed_cost(D, 1, 0.0)
 
 
+def test_a_batch_size_between_two_measured_ones_costs_the_line_between_them_and_above_them_one_by_one():
+    costs = CostModel(initial_forward_s=0.05, percentile=0.9, window=10, min_samples=2)
+    costs.seed(D, 1, 0.002)
+    assert costs.estimate(D, 12) == 0.024  # nothing measured above it: one by one
+    costs.seed(D, 16, 0.0095)
+    assert costs.estimate(D, 12) == pytest.approx(0.002 + 0.0075 * 11 / 15)
+    costs.seed(D, 8, 0.0057)  # a nearer size below: the line from it
+    assert costs.estimate(D, 12) == pytest.approx(0.0057 + 0.0038 * 4 / 8)
+    assert costs.estimate(D, 20) == 0.04  # above every measured size
+    assert costs.estimate(C, 4) == 0.2  # another kind: its own sizes (none: the initial guess, one by one)
+    costs.seed(D, 2, 0.01)  # never more than one by one, whatever the line says
+    assert costs.estimate(D, 3) == 0.006
+
+
 # ----- issue 33: what clients without a stream cost is theirs, not a stage's ---------------------
 
 
