@@ -96,7 +96,8 @@ def test_at_chunk_size_one_teacher_forcing_equals_the_chunk_generator(switch_at)
     clean_all = torch.cat([*clean, torch.zeros_like(x)], dim=1)[None]  # chunk 5's clean twin is unseen
     noisy = torch.cat([torch.zeros_like(x)] * 5 + [x], dim=1)[None]
     with torch.no_grad():
-        v = teacher_forward(model, clean_all, noisy, torch.full((1, 6), 1000.0), frame_text(model, gen.text_encoder, [frame_captions]), 1)
+        text = frame_text(model, gen.text_encoder, [frame_captions])
+        v = teacher_forward(model, clean_all, noisy, torch.full((1, 6), 1000.0), text, 1)
     torch.testing.assert_close(v[0, :, 5:], v_served, rtol=0, atol=1e-4)
 
 
@@ -162,7 +163,12 @@ def test_a_teacher_step_at_chunk_size_one_trains_on_what_its_cache_holds(monkeyp
     trainer.opt = trainer._optimizer()
     seen = []
     real = train.teacher_forward
-    monkeypatch.setattr(train, "teacher_forward", lambda m, clean, noisy, t, text, fpc: (seen.append((clean.shape, fpc)), real(m, clean, noisy, t, text, fpc))[1])
+
+    def forward(model, clean, noisy, t, text, fpc):
+        seen.append((clean.shape, fpc))
+        return real(model, clean, noisy, t, text, fpc)
+
+    monkeypatch.setattr(train, "teacher_forward", forward)
     before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
     assert math.isfinite(trainer.teacher_step())
     (shape, fpc), = seen
