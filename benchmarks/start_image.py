@@ -17,7 +17,7 @@ more, at each chunk size of `--chunk-sizes` (latent frames per chunk), for `--se
 FIRST_FRAME_DB and MOVES_SHARE are the targets: the first frame at least 25 dB against the image, and the
 prompt's motion in at least 90 % of the windows. LOOK_RGB is this benchmark's own: a model that keeps what the
 image shows keeps its object's and background's colours within that mean RGB distance (one that snaps them to
-its palette is 80-260 off for these colours).
+its palette is 47-259 off for these colours).
 
     python benchmarks/start_image.py                      # the shipped weights, chunk sizes 3 and 1, 4 seeds
     python benchmarks/start_image.py --weights runs/tiny/tiny.safetensors --seeds 2
