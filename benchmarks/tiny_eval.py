@@ -3,12 +3,17 @@
 For each triple of models/scenes.py (those in HELD_OUT, never drawn in training, marked *) and each of
 `--seeds` noise seeds, one stream of `--chunks` chunks opens with the triple's caption and switches at chunk
 `--switch-at` to another triple's (a new colour, shape and motion: each triple is also switched to once per
-seed). client/pixels.py reads every frame back:
+seed). client/pixels.py reads every frame back.
+
+The streams make chunks of `--chunk-latent-frames` latent frames (3, or 1 as `--latency low` serves). The chunk
+counts (`--chunks`, `--switch-at`, `--drift-chunks`, the chunks scored) are in chunks of 3 latent frames at either
+size: at size 1 each is 3 chunks of 1, so both sizes make and score the same video (a chunk of 3 is 12 frames, the
+first 9; drift runs 45 s: 60 chunks of 3, 180 of 1).
 
 - accuracy: a frame's colour and shape, a chunk's motion (the median step of its frames), before the switch
   and after it (the chunk the switch lands in is left out: it is the switch latency's), seen vs held out;
-- switch latency: frames from the switch chunk's first frame to the first frame of the new colour (a chunk is
-  12 frames), as a histogram;
+- switch latency: frames from the switch chunk's first frame to the first frame of the new colour, as a
+  histogram, and the share within the first chunk made after the switch (12 frames at size 3, 4 at size 1);
 - drift: `--drift-streams` streams (triples spread over the list, each its own seed) run `--drift-chunks`
   chunks with no switch; accuracy and the object's size (its pixels) at chunks 50-60 (the
   run's last 11) against 1-10.
@@ -17,6 +22,7 @@ Streams run batched (`--batch` per forward), on the CPU by default:
 
     python benchmarks/tiny_eval.py                          # the shipped weights, 8 seeds, 12 chunks, drift to 60
     python benchmarks/tiny_eval.py --quick                  # 2 seeds, 7 drift streams: about a quarter of the time
+    python benchmarks/tiny_eval.py --chunk-latent-frames 1  # chunks of 1 latent frame (4 video frames)
     python benchmarks/tiny_eval.py --weights runs/tiny/tiny.safetensors --seeds 1 --drift-streams 0
     python benchmarks/tiny_eval.py --weights random --quick # the floor: what random weights score
 
@@ -69,26 +75,31 @@ class Job:
 
     triple: Triple  # the opening triple
     seed: int
-    chunks: int
-    switch_at: int | None  # chunk the second triple starts at (None: no switch)
+    chunks: int  # chunks of 3 latent frames
+    switch_at: int | None  # chunk (of 3) the second triple starts at (None: no switch)
     then: Triple | None  # the second triple
 
 
-def run(gen, jobs: Sequence[Job], read_chunk) -> Iterator[tuple[Job, int, np.ndarray]]:
-    """(job, chunk index, frames [N, H, W, 3] uint8) of every chunk `read_chunk(job, chunk)` asks for; the jobs
-    run together, one forward for all of them (they share the chunk count and the switch)."""
+def run(gen, jobs: Sequence[Job], read_chunk, per: int = 1) -> Iterator[tuple[Job, int, np.ndarray]]:
+    """(job, chunk index, frames [N, H, W, 3] uint8) of every chunk of 3 latent frames `read_chunk(job, chunk)`
+    asks for, each `per` of the generator's chunks (3 // its chunk size); the jobs run together, one forward for
+    all of them (they share the chunk count and the switch)."""
     states = [gen.open_stream(f"eval{i}", caption(j.triple, j.seed), seed=j.seed) for i, j in enumerate(jobs)]
+    parts: list[list[np.ndarray]] = [[] for _ in jobs]  # the frames of each job's chunk of 3 so far
     try:
-        for c in range(jobs[0].chunks):
+        for c in range(jobs[0].chunks * per):
             for j, s in zip(jobs, states):
-                if c == j.switch_at:
+                if j.switch_at is not None and c == j.switch_at * per:
                     gen.set_prompt(s, caption(j.then, j.seed))
                     gen.run(WorkKind.RECACHE, [s])
             while gen.next_work(states[0]) is WorkKind.DENOISE:
                 gen.run(WorkKind.DENOISE, states)
-            for j, chunk in zip(jobs, gen.run(WorkKind.COMMIT, states)):
-                if read_chunk(j, c):
-                    yield j, c, chunk.frames.cpu().numpy()
+            for i, (j, chunk) in enumerate(zip(jobs, gen.run(WorkKind.COMMIT, states))):
+                if read_chunk(j, c // per):
+                    parts[i].append(chunk.frames.cpu().numpy())
+                    if c % per == per - 1:
+                        yield j, c // per, np.concatenate(parts[i])
+                        parts[i] = []
     finally:
         for s in states:
             gen.close_stream(s)
@@ -134,9 +145,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", default="builtin", help="builtin (default: the shipped file), random, or a model file")
     p.add_argument("--seeds", type=int, default=8, help="noise seeds per triple (default 8)")
-    p.add_argument("--chunks", type=int, default=12, help="chunks per stream (default 12)")
-    p.add_argument("--switch-at", type=int, default=6, help="chunk the prompt switches at (default 6)")
-    p.add_argument("--drift-chunks", type=int, default=61, help="chunks of the drift streams (default 61: 0..60)")
+    p.add_argument("--chunk-latent-frames", type=int, default=3, choices=(1, 3),
+                   help="latent frames per chunk the streams make (default 3; the chunk counts stay in chunks of 3)")
+    p.add_argument("--chunks", type=int, default=12, help="chunks (of 3 latent frames) per stream (default 12)")
+    p.add_argument("--switch-at", type=int, default=6, help="chunk (of 3) the prompt switches at (default 6)")
+    p.add_argument("--drift-chunks", type=int, default=61, help="chunks (of 3) of the drift streams (default 61: 0..60)")
     p.add_argument("--drift-streams", type=int, default=35, help="drift streams, spread over the triples (default 35; 0: none)")
     p.add_argument("--triples", type=int, default=None, help="only N triples, spread over the list (tests)")
     p.add_argument("--quick", action="store_true", help="--seeds 2 --drift-streams 7")
@@ -155,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     t_start = time.monotonic()
-    gen = build_generator("tiny", device=args.device, weights=args.weights, cfg=GeneratorConfig())
+    cfg = GeneratorConfig(frames_per_chunk=args.chunk_latent_frames)
+    gen = build_generator("tiny", device=args.device, weights=args.weights, cfg=cfg)
     return evaluate(gen, args, t_start)
 
 
@@ -164,9 +178,12 @@ def evaluate(gen, args: argparse.Namespace, t_start: float) -> dict:
     the JSON line, return the result."""
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     mc, size = gen.model_cfg, (gen.model_cfg.width, gen.model_cfg.height)
+    fpc = gen.cfg.frames_per_chunk
+    per = 3 // fpc  # the generator's chunks in a chunk of 3 latent frames
     triples = spread(TRIPLES, args.triples or len(TRIPLES))
-    log(f"{args.weights}: dim {mc.dim}, {mc.num_layers} layers; {len(triples)} triples x {args.seeds} seeds, "
-        f"{args.chunks} chunks (switch at {args.switch_at}); drift: {args.drift_streams} streams x {args.drift_chunks} chunks")
+    log(f"{args.weights}: dim {mc.dim}, {mc.num_layers} layers, chunks of {fpc} latent frames; {len(triples)} triples x "
+        f"{args.seeds} seeds, {args.chunks} chunks of 3 (switch at {args.switch_at}); drift: {args.drift_streams} streams x "
+        f"{args.drift_chunks} chunks of 3")
 
     # -- switch streams --------------------------------------------------------------------------
     tally = Tally()
@@ -175,12 +192,12 @@ def evaluate(gen, args: argparse.Namespace, t_start: float) -> dict:
     t0, done = time.monotonic(), 0
     for batch in batches(jobs, args.batch):
         first_new: dict[int, int | None] = {}
-        for job, c, frames in run(gen, batch, lambda j, c: True):
+        for job, c, frames in run(gen, batch, lambda j, c: True, per):
             readings = [pixels.read_frame(f) for f in frames]
             key = id(job)
             if c >= args.switch_at and first_new.get(key) is None:  # the new colour's first frame, counted from the switch
                 hit = next((i for i, r in enumerate(readings) if r.colour == job.then[0]), None)
-                first_new[key] = None if hit is None else _frames_before(gen, args.switch_at, c) + hit
+                first_new[key] = None if hit is None else _frames_before(gen, args.switch_at * per, c * per) + hit
             if c == args.switch_at:
                 continue
             want, phase = (job.triple, "before") if c < args.switch_at else (job.then, "after")
@@ -200,7 +217,7 @@ def evaluate(gen, args: argparse.Namespace, t_start: float) -> dict:
     djobs = [Job(t, 1000 + i, args.drift_chunks, None, None) for i, t in enumerate(spread(triples, args.drift_streams))]
     t0 = time.monotonic()
     for batch in batches(djobs, args.batch) if late else ():
-        for job, c, frames in run(gen, batch, lambda j, c: c in wanted):
+        for job, c, frames in run(gen, batch, lambda j, c: c in wanted, per):
             when = "early" if c in DRIFT_EARLY else "late"
             readings = [pixels.read_frame(f) for f in frames]
             score_chunk(drift, (when,), job.triple, readings, size)
@@ -227,7 +244,7 @@ def evaluate(gen, args: argparse.Namespace, t_start: float) -> dict:
         marks = " ".join(f"{a} {pct(tally.rate(('triple', t, a)))}" for a in ATTRS)
         print(f"  {'*' if t in HELD_OUT else ' '} {' '.join(t):28s} {pct(per_triple[t])}   ({marks})")
 
-    frames_first = _frames_before(gen, args.switch_at, args.switch_at + 1) - _frames_before(gen, args.switch_at, args.switch_at)
+    frames_first = gen.frames_in_chunk(args.switch_at * per)  # the first chunk made after the switch
     hits = [x for x in latency if x is not None]
     print(f"\nswitch latency: frames from the switch to the first frame of the new colour ({frames_first} frames a chunk)")
     hist = Counter(min(x // 3, 7) for x in hits)
@@ -261,6 +278,7 @@ def evaluate(gen, args: argparse.Namespace, t_start: float) -> dict:
         "triples": len(triples),
         "held_out_triples": sum(t in HELD_OUT for t in triples),
         "seeds": args.seeds,
+        "chunk_latent_frames": fpc,
         "chunks": args.chunks,
         "switch_at": args.switch_at,
         "accuracy": acc,
@@ -284,7 +302,7 @@ def spread(items: Sequence, n: int) -> list:
 
 
 def _frames_before(gen, first_chunk: int, chunk: int) -> int:
-    """Video frames of chunks first_chunk .. chunk - 1."""
+    """Video frames of the generator's chunks first_chunk .. chunk - 1."""
     return sum(gen.frames_in_chunk(c) for c in range(first_chunk, chunk))
 
 

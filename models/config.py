@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 
 from kvcache import CacheSpec
@@ -153,3 +154,16 @@ PRESETS: dict[str, ModelConfig] = {
         decoder_channels=64,
     ),
 }
+
+
+def parse_overrides(text: str) -> dict:
+    """"dim=128,prediction=sample" -> {"dim": 128, "prediction": "sample"}, typed as ModelConfig's fields."""
+    types = {"int": int, "float": float, "str": str}
+    fields = {f.name: types.get(f.type) for f in dataclasses.fields(ModelConfig) if f.name != "name"}
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if fields.get(key) is None:
+            raise ValueError(f"model override {item!r}: {key!r} is not a number or word field of ModelConfig")
+        out[key] = fields[key](value)
+    return out

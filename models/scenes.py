@@ -7,8 +7,9 @@ its position and takes the new attributes from the next chunk on. A model traine
 these clips can therefore render sharp frames: nothing in them is random once the prompts are known.
 
 Frames are numbered as a stream's video frames; video frame n belongs to latent frame 0 when n == 0,
-else to latent frame (n + 3) // 4, and latent frame k to chunk k // 3 (Wan's 4x temporal convention,
-3 latent frames per chunk).
+else to latent frame (n + 3) // 4 (Wan's 4x temporal convention), and latent frame k to chunk
+k // frames_per_chunk: a timeline's chunks are of its `frames_per_chunk` latent frames (3, or 1 for
+low-latency streams), and its prompt switches land on their boundaries.
 """
 
 from __future__ import annotations
@@ -162,18 +163,20 @@ def sample_scene(rng: np.random.Generator, held_out: bool = False) -> Scene:
     return Scene(colour, shape, size, motion, background)
 
 
-def chunks_of_frames(frames: np.ndarray) -> np.ndarray:
-    """The chunk (3 latent frames) each of video frames `frames` (an int array) belongs to."""
-    return np.where(frames == 0, 0, (frames + 3) // 4) // 3
+def chunks_of_frames(frames: np.ndarray, frames_per_chunk: int = 3) -> np.ndarray:
+    """The chunk (of `frames_per_chunk` latent frames) each of video frames `frames` (an int array) belongs to."""
+    return np.where(frames == 0, 0, (frames + 3) // 4) // frames_per_chunk
 
 
 @dataclass(frozen=True)
 class Timeline:
-    """A stream's prompts: `segments` are (first chunk, scene, caption), the first at chunk 0, in order."""
+    """A stream's prompts: `segments` are (first chunk, scene, caption), the first at chunk 0, in order; its
+    chunks are of `frames_per_chunk` latent frames."""
 
     segments: tuple[tuple[int, Scene, str], ...]
     height: int = 128
     width: int = 128
+    frames_per_chunk: int = 3
 
     def __post_init__(self) -> None:
         starts = [s for s, _, _ in self.segments]
@@ -194,7 +197,7 @@ class Timeline:
 
     def segments_of_frames(self, frames: Sequence[int] | np.ndarray) -> np.ndarray:
         """The segment each of video frames `frames` is generated under, at once."""
-        return self.segments_of(chunks_of_frames(np.asarray(frames)))
+        return self.segments_of(chunks_of_frames(np.asarray(frames), self.frames_per_chunk))
 
     def scene_at(self, chunk: int) -> Scene:
         return self.segments[self.segment_at(chunk)][1]
@@ -250,40 +253,52 @@ class Clip:
     """A training clip: some chunks of a rendered stream, as the model's cache would hold them."""
 
     timeline: Timeline
-    chunks: tuple[int, ...]  # the stream's chunks in the clip: the sink chunk 0, then consecutive ones
+    # the stream's chunks in the clip (of the timeline's frames_per_chunk latent frames): the sink chunks
+    # 0 .. sinks - 1, then consecutive ones
+    chunks: tuple[int, ...]
+    sinks: int = 1  # chunks that hold the cache's sink frames (3 latent frames: one chunk of 3, three of 1)
+
+    @property
+    def frames_per_chunk(self) -> int:
+        return self.timeline.frames_per_chunk
 
     @property
     def long(self) -> bool:
-        """Whether the sinks are old: the clip's later chunks come long after chunk 0."""
-        return len(self.chunks) > 1 and self.chunks[1] != 1
+        """Whether the sinks are old: the clip's later chunks come long after the sink chunks."""
+        return len(self.chunks) > self.sinks and self.chunks[self.sinks] != self.sinks
 
 
 def sample_clip(
     rng: np.random.Generator,
     num_chunks: int = 5,
     *,
+    frames_per_chunk: int = 3,
+    sinks: int = 1,
     p_switch: float = 0.5,
     p_long: float = 0.3,
-    max_chunk: int = 60,
+    max_chunk: int | None = None,
     height: int = 128,
     width: int = 128,
 ) -> Clip:
-    """A clip of `num_chunks` chunks: the stream's first chunk, then consecutive chunks (with `p_long`,
-    from far into the stream: old sinks, as in a long stream). With `p_switch` the prompt switches at
-    one of the clip's chunk boundaries; a long clip's sinks may also come from an earlier prompt."""
-    first = int(rng.integers(num_chunks, max_chunk)) if rng.random() < p_long and num_chunks > 1 else 1
-    chunks = (0, *range(first, first + num_chunks - 1))
+    """A clip of `num_chunks` chunks of `frames_per_chunk` latent frames: the stream's first `sinks` chunks,
+    then consecutive chunks (with `p_long`, from far into the stream, up to chunk `max_chunk`, by default
+    180 latent frames in (45 s of video): old sinks, as in a long stream). With `p_switch` the prompt
+    switches at one of the clip's chunk boundaries; a long clip's sinks may also come from an earlier prompt."""
+    max_chunk = max_chunk or 180 // frames_per_chunk
+    long = rng.random() < p_long and num_chunks > sinks
+    first = int(rng.integers(num_chunks, max_chunk)) if long else sinks
+    chunks = (*range(min(sinks, num_chunks)), *range(first, first + num_chunks - sinks))
     scene = sample_scene(rng)
     segments = [(0, scene, scene.caption(rng))]
     starts = []
-    if first > 1 and rng.random() < p_switch:  # a prompt switch long before the clip's window
+    if long and rng.random() < p_switch:  # a prompt switch long before the clip's window
         starts.append(int(rng.integers(1, first)))
-    if num_chunks > 1 and rng.random() < p_switch:
-        starts.append(chunks[int(rng.integers(1, num_chunks))])
+    if num_chunks > 1 and rng.random() < p_switch:  # in a long clip, after its sinks (the earlier switch's place)
+        starts.append(chunks[int(rng.integers(sinks if long else 1, num_chunks))])
     for start in starts:
         scene = _switch(rng, scene)
         segments.append((start, scene, scene.caption(rng)))
-    return Clip(Timeline(tuple(segments), height, width), chunks)
+    return Clip(Timeline(tuple(segments), height, width, frames_per_chunk), chunks, sinks)
 
 
 def _switch(rng: np.random.Generator, old: Scene) -> Scene:

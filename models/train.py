@@ -35,14 +35,18 @@ Stages, run in order by one command that stops after `--minutes` and checkpoints
    prompts are known, so the context and the prompt fixed the position) and no strength followed an
    input.
 
-`--smoke` runs a few steps of each on the CPU in seconds (CI runs it). `--export FILE` writes the
+Chunk sizes (`chunk_sizes`): streams denoise chunks of 3 latent frames, or of 1 for low latency. The teacher, rollout
+and follow stages train the sizes in turn, one a step (picked by the step's number: a batch shares one layout, each
+size gets its share exactly, a resume goes on alike), on clips of what the cache holds at that size and the chunk
+being made (models/train_clips.py `clip_layout`).
+
+`--smoke` runs a few steps of each on the CPU in seconds (CI runs it; it trains both sizes). `--export FILE` writes the
 weights as one safetensors file (DiT, decoder, encoder and the text vectors of the caption words).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import time
@@ -53,8 +57,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.config import ModelConfig
-from models.decoder import DecoderState, TinyStreamingDecoder, frames_per_chunk
+from models.config import ModelConfig, parse_overrides
+from models.decoder import NoDecoder, TinyStreamingDecoder
 from models.dit import CacheAccess, CausalWanModel
 from models.generator import ChunkGenerator
 from models.latent import BlockPCA, video_frames
@@ -65,10 +69,13 @@ from models.scenes import (
 from models.stream import GeneratorConfig
 from models.teacher_forcing import frame_sigmas, frame_text, sigmas, teacher_forward
 from models.text import HashTextEncoder
-from models.train_clips import chunk_weights, clip_captions, object_centres, render_clips, roll_frames
+from models.train_clips import (
+    chunk_weights, clip_captions, clip_layout, object_centres, parse_chunk_sizes, render_clips, roll_frames,
+)
 from models.train_image import image_count, with_image_clips
 
 STAGES = ("pca", "decoder", "teacher", "rollout", "follow")
+CHUNK_UNIT = 3  # latent frames of the chunks TrainConfig's chunk counts are in (rollout_chunks), at every size
 LOSS_WEIGHTS = {"none": 0, "std": 1, "var": 2}  # TrainConfig.loss_weight -> the power of each channel's std
 
 
@@ -82,7 +89,9 @@ class TrainConfig:
     # the head predicts x0 (ModelConfig.prediction: as a flow, 128 outputs could not undo 256 values' noise)
     model: str = "dim=128,ffn_dim=256,num_heads=4,num_layers=2,prediction=sample"
     seed: int = 0
-    chunks: int = 5  # chunks per clip: the sink chunk and four more, as a full sink 3 + window 9 cache sees them
+    # the chunk sizes (latent frames) trained, one a step in turn (a size named twice gets two turns); a clip is
+    # what a sink 3 + window 9 cache holds at the step's size and the chunk being made (5 chunks of 3, 13 of 1)
+    chunk_sizes: str = "3,1"
     pca_clips: int = 64  # clips the encoder is fit on
     decoder_steps: int = 840  # its loss is flat (0.006) by then
     teacher_steps: int = 12800  # 17 minutes on an H200 (78 ms a step; bf16 autocast is no faster at this size)
@@ -103,7 +112,9 @@ class TrainConfig:
     # pixel test's falling blue square 0.74-0.89 of frames over 8 seeds, against 0.89-0.94 without)
     rollout_steps: int = 0
     rollout_batch: int = 32  # streams rolled out together
-    rollout_chunks: int = 12  # the trained chunk is one of the first this many of a stream (the window turns at 4)
+    # the trained chunk is one of the first this many chunks of 3 of a stream (the window turns at 4); at size 1,
+    # as many latent frames (36 chunks of 1)
+    rollout_chunks: int = 12
     rollout_lr: float = 2e-4
     # the rollout's regression target: "history" renders the chunk from where the model's own object is at
     # the end of the chunk before (the scene is a function of the prompt and the history: a stream whose
@@ -128,11 +139,10 @@ class TrainConfig:
     # step 1 (0.833) the input's layout is too noisy to place an object exactly, the x0 it learnt there was a blur,
     # and the blur came into text-to-video: squares rounded into balls (issue 15's test after a switch, 0-20 %)
     follow_min_step: int = 2
-    # share of the teacher's clips that start from an image (models/train_image.py: latent frame 0 a clean image of
-    # the scene, the object anywhere, its colours often off the palette; then the prompt's motion from there)
-    image_share: float = 0.25
+    image_share: float = 0.25  # share of the teacher's clips that start from an image (models/train_image.py)
 
     def __post_init__(self) -> None:
+        parse_chunk_sizes(self.chunk_sizes, GeneratorConfig())
         if not 0 <= self.image_share < 1:
             raise ValueError(f"image_share {self.image_share}: use a share in [0, 1) (text clips stay in every batch)")
         if self.loss_weight not in LOSS_WEIGHTS:
@@ -140,42 +150,23 @@ class TrainConfig:
         if self.rollout_truth not in ("history", "absolute"):
             raise ValueError(f"rollout_truth {self.rollout_truth!r}: use history or absolute")
 
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return parse_chunk_sizes(self.chunk_sizes, GeneratorConfig())
+
     @classmethod
     def smoke(cls) -> TrainConfig:
+        """A few steps of each stage (CI), each stage of two or more steps at both chunk sizes."""
         return cls(pca_clips=4, decoder_steps=3, teacher_steps=3, batch=2, rollout_steps=2, rollout_batch=2, rollout_chunks=3,
                    follow_steps=2, follow_batch=2, follow_pool=3)
 
 
-def parse_overrides(text: str) -> dict:
-    """"dim=128,prediction=sample" -> {"dim": 128, "prediction": "sample"}, typed as ModelConfig's fields."""
-    types = {"int": int, "float": float, "str": str}
-    fields = {f.name: types.get(f.type) for f in dataclasses.fields(ModelConfig) if f.name != "name"}
-    out = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        if fields.get(key) is None:
-            raise ValueError(f"model override {item!r}: {key!r} is not a number or word field of ModelConfig")
-        out[key] = fields[key](value)
-    return out
-
-
-class _NoFrames:
-    """A decoder that decodes nothing: a rollout needs the latents and the cache, not the frames."""
-
-    def __init__(self, mc: ModelConfig) -> None:
-        self.mc = mc
-
-    def init_state(self) -> DecoderState:
-        return DecoderState()
-
-    def state_bytes(self, height: int, width: int) -> int:
-        return 0
-
-    def decode(self, latents: torch.Tensor, state: DecoderState) -> torch.Tensor:
-        first = state.frames_out == 0
-        n = frames_per_chunk(latents.shape[1], first, self.mc.temporal_upsample)
-        state.frames_out += n
-        return latents.new_zeros(n, 1, 1, 3, dtype=torch.uint8)
+def saved_config(config: dict) -> dict:
+    """A checkpoint's TrainConfig in today's fields. One from before `chunk_sizes` trained chunks of 3 only, on clips
+    of `chunks` (5, what the cache holds, now derived from it): it resumes with `--set chunk_sizes=3`."""
+    if "chunk_sizes" in config or config.get("chunks") != 5:
+        return config
+    return {**{k: v for k, v in config.items() if k != "chunks"}, "chunk_sizes": "3"}
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -198,7 +189,7 @@ class Trainer:
         self.rng = np.random.default_rng(cfg.seed)
         self.opt = self._optimizer()
         self.skipped_steps = 0  # steps whose loss was not finite (not stepped), this run
-        self._pool: dict[str, torch.Tensor | list] | None = None  # the follow stage's data (not checkpointed: redrawn)
+        self._pool: dict[int, dict[str, torch.Tensor | list]] = {}  # the follow stage's data by chunk size (not checkpointed: redrawn)
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
         params = {"decoder": self.decoder, "teacher": self.model, "rollout": self.model, "follow": self.model}.get(self.stage)
@@ -234,7 +225,7 @@ class Trainer:
         if not self.checkpoint_path.exists():
             return False
         state = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
-        if state["config"] != asdict(self.cfg):
+        if saved_config(state["config"]) != asdict(self.cfg):
             raise ValueError(f"{self.checkpoint_path} was made with {state['config']}, not {asdict(self.cfg)}: use another --out")
         self.stage, self.step = state["stage"], state["step"]
         if state["pca"] is not None:
@@ -264,10 +255,12 @@ class Trainer:
                 continue
             if time.monotonic() - start > minutes * 60:
                 break
-            t0 = time.monotonic()
+            t0, size = time.monotonic(), self.chunk_size()
             loss = getattr(self, f"{self.stage}_step")()
             self.step += 1
             record = {"stage": self.stage, "step": self.step, "loss": round(loss, 6), "seconds": round(time.monotonic() - t0, 3)}
+            if self.stage in ("teacher", "rollout", "follow"):  # the stages that train chunk sizes in turn
+                record["chunk"] = size
             if self.skipped_steps:
                 record["skipped"] = self.skipped_steps
             if self.step % 50 == 0 or self.step == self.steps_of(self.stage):
@@ -292,11 +285,20 @@ class Trainer:
         for group in self.opt.param_groups:
             group["lr"] = self._peak_lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
 
-    def _clips(self, n: int) -> list[Clip]:
-        return [sample_clip(self.rng, self.cfg.chunks, height=self.mc.height, width=self.mc.width) for _ in range(n)]
+    def chunk_size(self) -> int:
+        """The chunk size (latent frames) this step of the stage trains: `chunk_sizes` in turn."""
+        sizes = self.cfg.sizes
+        return sizes[self.step % len(sizes)]
+
+    def _clips(self, n: int, fpc: int | None = None) -> list[Clip]:
+        """`n` clips at chunk size `fpc` (default: the first of `chunk_sizes`, as the encoder and decoder see them)."""
+        fpc = fpc or self.cfg.sizes[0]
+        sinks, chunks = clip_layout(self.gen, fpc)
+        return [sample_clip(self.rng, chunks, frames_per_chunk=fpc, sinks=sinks, height=self.mc.height, width=self.mc.width)
+                for _ in range(n)]
 
     def _render(self, clips: Sequence[Clip]) -> torch.Tensor:
-        return render_clips(clips, self.gen.frames_per_chunk, self.mc.temporal_upsample, self.device)
+        return render_clips(clips, clips[0].frames_per_chunk, self.mc.temporal_upsample, self.device)
 
     def pca_step(self) -> float:
         frames = self._render(self._clips(self.cfg.pca_clips))
@@ -321,15 +323,13 @@ class Trainer:
 
     def teacher_step(self) -> float:
         self._lr()
-        cfg, fpc = self.cfg, self.gen.frames_per_chunk
+        cfg, fpc = self.cfg, self.chunk_size()
         n_images = image_count(cfg.batch, cfg.image_share)
-        clips = self._clips(cfg.batch - n_images)
+        clips = self._clips(cfg.batch - n_images, fpc)
         clean = self.pca.encode(self._render(clips))  # [B, C, F, h, w]
         captions = [clip_captions(c, fpc) for c in clips]
         weight = torch.tensor([chunk_weights(c) for c in clips], device=self.device).repeat_interleave(fpc, dim=1)  # [B, F]
-        lead = None  # clips that start from an image, after the others: 1 lead frame each (models/train_image.py)
-        if n_images:
-            clean, captions, weight, lead = with_image_clips(self.rng, self.pca, self.mc, clean, captions, weight, n_images, fpc)
+        clean, captions, weight, lead = with_image_clips(self.rng, self.pca, self.mc, clean, captions, weight, n_images, fpc)
         b, nc = clean.shape[0], len(clips[0].chunks)
         # sigma per noisy chunk: mostly one of the sampler's levels, else shift-warped uniform
         levels = sigmas(self.gen).to(self.device)
@@ -354,9 +354,9 @@ class Trainer:
     def follow_step(self) -> float:
         """Teacher forcing on video-to-video pairs, plus as many text-to-video clips (module doc, stage 5)."""
         self._lr()
-        cfg, fpc = self.cfg, self.gen.frames_per_chunk
+        cfg, fpc = self.cfg, self.chunk_size()
         b = cfg.follow_batch
-        pool = self._follow_pool()
+        pool = self._follow_pool(fpc)
         pick_pairs = torch.randint(len(pool["pairs"]), (b,)).tolist()
         pick_clips = torch.randint(len(pool["clips"]), (cfg.follow_t2v or b,)).tolist()
         clips = [pool["clips"][i] for i in pick_clips]
@@ -388,21 +388,21 @@ class Trainer:
         self._update(loss, self.model)
         return loss.item()
 
-    def _follow_pool(self) -> dict:
-        """`follow_pool` video-to-video pairs and as many text-to-video clips, encoded (rendering and encoding
-        cost a CPU step more than the model's forward and backward)."""
-        if self._pool is None:
-            n, fpc = self.cfg.follow_pool, self.gen.frames_per_chunk
+    def _follow_pool(self, fpc: int) -> dict:
+        """`follow_pool` video-to-video pairs and as many text-to-video clips at chunk size `fpc`, encoded (rendering
+        and encoding cost a CPU step more than the model's forward and backward)."""
+        if fpc not in self._pool:
+            n = self.cfg.follow_pool
             target, source, captions = [], [], []
             for _ in range(n):
                 t, s, c = self._pair(fpc)
                 target.append(self.pca.encode(t[None]))
                 source.append(self.pca.encode(s[None]))
                 captions.append(c)
-            clips = self._clips(n)
+            clips = self._clips(n, fpc)
             clean = torch.cat([self.pca.encode(self._render(clips[i : i + 16])) for i in range(0, n, 16)])
-            self._pool = {"target": torch.cat(target), "source": torch.cat(source), "pairs": captions, "clips": clips, "clean": clean}
-        return self._pool
+            self._pool[fpc] = {"target": torch.cat(target), "source": torch.cat(source), "pairs": captions, "clips": clips, "clean": clean}
+        return self._pool[fpc]
 
     def _pair(self, fpc: int) -> tuple[torch.Tensor, torch.Tensor, tuple[list[str], list[float]]]:
         """One video-to-video clip: (the target frames [F, tu, H, W, 3], the input frames, (the caption of each
@@ -414,7 +414,7 @@ class Trainer:
         15's pixel test: 0 % after the switch). With `follow_switch` the prompt switches at a chunk boundary
         while the input goes on; the frames' captions and the chunks the loss counts are a cache's after the
         switch's recache, as the teacher's (`clip_captions`, `chunk_weights`)."""
-        rng, mc, nc = self.rng, self.mc, self.cfg.chunks
+        rng, mc, (sinks, nc) = self.rng, self.mc, clip_layout(self.gen, fpc)
         looks = [sample_scene(rng)]
         switch = int(rng.integers(1, nc)) if rng.random() < self.cfg.follow_switch else None
         if switch is not None:
@@ -438,11 +438,13 @@ class Trainer:
         start = rng.uniform(0, (mc.width, mc.height))
         velocity = rng.uniform(-4, 4, size=2) * (rng.random() < 0.9)
         centres = np.mod(start + frames[:, None] * velocity, (mc.width, mc.height))
-        which = (chunks_of_frames(frames) >= switch).astype(int) if switch is not None else np.zeros(len(frames), int)
+        which = (chunks_of_frames(frames, fpc) >= switch).astype(int) if switch is not None else np.zeros(len(frames), int)
         out = [draw(centres, looks, mc.height, mc.width, self.device, which),
                draw(centres, [source], mc.height, mc.width, self.device, np.zeros(len(frames), dtype=int))]
         nf = nc * fpc
-        frame_captions = [captions[0]] * fpc + [captions[-1]] * (2 * nf - fpc)  # the sinks keep the first prompt
+        # the sinks keep the prompt they were committed under
+        frame_captions = [captions[int(switch is not None and c >= switch)] for c in range(sinks) for _ in range(fpc)]
+        frame_captions += [captions[-1]] * (2 * nf - sinks * fpc)
         weights = [float(switch is None or c >= switch) for c in range(nc)]  # chunks under the last prompt
         return *(o.view(-1, mc.temporal_upsample, *o.shape[1:]) for o in out), (frame_captions, weights)
 
@@ -463,11 +465,14 @@ class Trainer:
         """Streams rolled out by the ChunkGenerator up to chunk k (switching prompt where their timelines
         do), k's first `step` denoising steps too; then step `step` of chunk k with the gradient."""
         self._lr()
-        cfg, fpc = self.cfg, self.gen.frames_per_chunk
-        k = int(self.rng.integers(cfg.rollout_chunks))
+        cfg, fpc = self.cfg, self.chunk_size()
+        k = int(self.rng.integers(cfg.rollout_chunks * CHUNK_UNIT // fpc))
         step = int(self.rng.integers(len(self.gen.sigmas)))
-        timelines = [sample_clip(self.rng, k + 1, p_long=0.0, height=self.mc.height, width=self.mc.width).timeline for _ in range(cfg.rollout_batch)]
-        gen = ChunkGenerator(self.model, replace(self.gen, cuda_graphs=False, stage_kv=False), self.encoder, _NoFrames(self.mc))
+        sinks = clip_layout(self.gen, fpc)[0]
+        timelines = [sample_clip(self.rng, k + 1, frames_per_chunk=fpc, sinks=sinks, p_long=0.0, height=self.mc.height,
+                                 width=self.mc.width).timeline for _ in range(cfg.rollout_batch)]
+        gen_cfg = replace(self.gen, frames_per_chunk=fpc, cuda_graphs=False, stage_kv=False)
+        gen = ChunkGenerator(self.model, gen_cfg, self.encoder, NoDecoder(self.mc))  # the latents and the cache, no frames
         seed = int(self.rng.integers(2**31))
         self.model.eval()
         states = [gen.open_stream(f"r{i}", tl.caption_at(0), seed=seed + i) for i, tl in enumerate(timelines)]
@@ -504,7 +509,7 @@ class Trainer:
         """Chunk k's rendered frames, each stream's shifted on the torus by where its generated object is
         at the last video frame of chunk k-1 against where the rendered one is; unshifted where no object
         is found (the scene is the same up to the shift: constant velocity, wrapping at the edges)."""
-        fpc = self.gen.frames_per_chunk
+        fpc = timelines[0].frames_per_chunk
         last_latent = k * fpc - 1
         last_video = video_frames([last_latent], self.mc.temporal_upsample)[-1]
         newest = [max(range(len(s.cache.frame_ids)), key=s.cache.frame_ids.__getitem__) for s in states]

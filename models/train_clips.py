@@ -1,7 +1,8 @@
-"""What training makes of the rendered scenes' clips (models/scenes.py): their video frames in one batch
-(`render_clips`), the caption of each frame of [clean | noisy] (`clip_captions`), which noisy chunks the loss
-counts (`chunk_weights`), and where a frame's object is (`object_centres`, `roll_frames`: the rollout moves
-its target to continue from the model's own object).
+"""What training makes of the rendered scenes' clips (models/scenes.py): their chunks at a chunk size, as a cache
+holds them (`clip_layout`, `parse_chunk_sizes`), their video frames in one batch (`render_clips`), the caption of
+each frame of [clean | noisy] (`clip_captions`), which noisy chunks the loss counts (`chunk_weights`), and where a
+frame's object is (`object_centres`, `roll_frames`: the rollout moves its target to continue from the model's own
+object).
 """
 
 from __future__ import annotations
@@ -14,6 +15,27 @@ import torch
 
 from models.latent import video_frames
 from models.scenes import Clip, draw
+from models.stream import GeneratorConfig
+
+
+def parse_chunk_sizes(text: str, gen: GeneratorConfig) -> tuple[int, ...]:
+    """"3,1" -> (3, 1): the chunk sizes (latent frames) trained, in their turn; each must divide the cache's sink
+    and window frames, so that a cache holds whole chunks."""
+    try:
+        sizes = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or any(n < 1 or gen.sink_frames % n or gen.window_frames % n for n in sizes):
+        raise ValueError(f"chunk sizes {text!r}: use sizes that divide the cache's {gen.sink_frames} sink and "
+                         f"{gen.window_frames} window frames, comma-separated (3,1)")
+    return sizes
+
+
+def clip_layout(gen: GeneratorConfig, frames_per_chunk: int) -> tuple[int, int]:
+    """(sink chunks, chunks) of a training clip at a chunk size: what `gen`'s cache holds, its sink frames and its
+    window frames in chunks of that size, then the chunk being made. Sink 3 + window 9: (1, 5) at 3, (3, 13) at 1."""
+    sinks = gen.sink_frames // frames_per_chunk
+    return sinks, sinks + gen.window_frames // frames_per_chunk + 1
 
 
 def clip_latent_frames(clip: Clip, frames_per_chunk: int) -> list[int]:
@@ -22,9 +44,12 @@ def clip_latent_frames(clip: Clip, frames_per_chunk: int) -> list[int]:
 
 def render_clips(clips: Sequence[Clip], frames_per_chunk: int, temporal: int, device) -> torch.Tensor:
     """[B, F, temporal, H, W, 3] uint8: the video frames each latent frame of each clip sums up, drawn
-    in one batch (a clip at a time costs a GPU step more in launches and copies than its training)."""
+    in one batch (a clip at a time costs a GPU step more in launches and copies than its training). The
+    clips' timelines must be in chunks of `frames_per_chunk`, as their prompt switches are."""
     centres, scenes, which = [], [], []
     for clip in clips:
+        if clip.frames_per_chunk != frames_per_chunk:
+            raise ValueError(f"a clip of chunks of {clip.frames_per_chunk} latent frames rendered at {frames_per_chunk}")
         tl = clip.timeline
         frames = video_frames(clip_latent_frames(clip, frames_per_chunk), temporal)
         centres.append(tl.centres(frames))
@@ -36,11 +61,13 @@ def render_clips(clips: Sequence[Clip], frames_per_chunk: int, temporal: int, de
 
 
 def clip_captions(clip: Clip, frames_per_chunk: int) -> list[str]:
-    """The caption of each frame of [clean | noisy]: the sink chunk's prompt for the clean sink chunk (a
-    recache leaves the sinks' K/V), the clip's last prompt everywhere else (a recache redoes the window)."""
-    sink, last = clip.timeline.caption_at(clip.chunks[0]), clip.timeline.caption_at(clip.chunks[-1])
+    """The caption of each frame of [clean | noisy]: each clean sink chunk's own prompt, the one it was
+    committed under (a recache leaves the sinks' K/V), the clip's last prompt everywhere else (a recache
+    redoes the window)."""
+    tl, sinks = clip.timeline, clip.chunks[: clip.sinks]
+    last = tl.caption_at(clip.chunks[-1])
     nf = len(clip.chunks) * frames_per_chunk
-    return [sink] * frames_per_chunk + [last] * (2 * nf - frames_per_chunk)
+    return [tl.caption_at(c) for c in sinks for _ in range(frames_per_chunk)] + [last] * (2 * nf - len(sinks) * frames_per_chunk)
 
 
 def chunk_weights(clip: Clip) -> list[float]:

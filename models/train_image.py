@@ -90,10 +90,12 @@ def sample_image_clips(rng: np.random.Generator, n: int, num_frames: int, frames
 
 
 def with_image_clips(rng: np.random.Generator, pca: BlockPCA, mc: ModelConfig, clean: torch.Tensor, captions: list,
-                     weight: torch.Tensor, n: int, frames_per_chunk: int) -> tuple[torch.Tensor, list, torch.Tensor, torch.Tensor]:
+                     weight: torch.Tensor, n: int, frames_per_chunk: int) -> tuple[torch.Tensor, list, torch.Tensor, torch.Tensor | None]:
     """The teacher's batch (clean [B, C, F, h, w] latents, each clip's frame captions, weight [B, F] per noisy
     frame) with `n` image clips after its clips, and each clip's lead frames ([B + n]: 0 for the batch's, 1 for
-    the image clips', models/teacher_forcing.py `teacher_layout`)."""
+    the image clips', models/teacher_forcing.py `teacher_layout`); for n = 0 the batch as it is and None."""
+    if n == 0:
+        return clean, captions, weight, None
     images = sample_image_clips(rng, n, clean.shape[2], frames_per_chunk, mc, clean.device)
     lead = torch.tensor([0] * clean.shape[0] + [1] * n, device=clean.device)
     return (torch.cat([clean, pca.encode(images.frames)]), captions + images.captions,

@@ -111,24 +111,30 @@ def warm_up(gen: ChunkGenerator, sched: Scheduler, chunks: int, clock: Callable[
              {k.value: round(1e3 * v, 2) for k, v in medians.items()}, 1e3 * normal_s, 1e3 * fast_s,
              "a late chunk's degradation" if cheap_encode else "no gain: late chunks keep the normal encode",
              1e3 * send_s)
-    for batch in sorted({sched.config.max_batch, sched.config.max_batch // 2} - {0, 1}):  # sizes between: the line
-        _warm_up_batched(gen, sched, batch, clock)
+    timed = {sched.config.max_batch, sched.config.max_batch // 2} - {0, 1}  # the sizes between cost the line
+    for batch in range(2, sched.config.max_batch + 1):
+        _warm_up_batched(gen, sched, batch, clock, timed=batch in timed)
     return cheap_encode
 
 
-def _warm_up_batched(gen: ChunkGenerator, sched: Scheduler, batch: int, clock: Callable[[], float]) -> None:
-    """Time a batch too (`batch` throwaway streams in step, at a full cache; a full one and half of one): without it
-    admission counts a batch as its streams one by one until serving has measured one, and a burst of newcomers
-    (all arriving before any batch ran) is refused below what the device carries."""
+def _warm_up_batched(gen: ChunkGenerator, sched: Scheduler, batch: int, clock: Callable[[], float],
+                     timed: bool = True) -> None:
+    """Run a batch too (`batch` throwaway streams in step). `timed` (a full batch and half of one): at a full cache,
+    its costs seeded; without them admission counts a batch as its streams one by one until serving has measured
+    one, and a burst of newcomers (all arriving before any batch ran) is refused below what the device carries.
+    Otherwise one chunk, so that serving's first batch of that size does not pay a first use (on one H100 under fp8
+    linears, warmed at 4 and 2 only, a chunk of serving's first run took 2.9 s and its streams stalled; none after)."""
     states = [gen.open_stream(f"warmup-{i}", "warm up", seed=i) for i in range(batch)]
     costs: dict[WorkKind, list[float]] = {k: [] for k in WorkKind}
     capacity = gen.cache_spec().capacity_frames
     try:
-        for _ in range(capacity // gen.cfg.frames_per_chunk + 3):  # fill the caches, then 3 chunks timed
+        for _ in range(capacity // gen.cfg.frames_per_chunk + 3 if timed else 1):  # fill the caches, 3 chunks timed
             _run_chunk(gen, states, costs if states[0].cache.num_frames == capacity else None, clock)
     finally:
         for state in states:
             gen.close_stream(state)
+    if not timed:
+        return
     medians = _seed_costs(sched, costs, batch)
     log.info("warm-up: batches of %d at a full cache (ms): %s", batch, {k.value: round(1e3 * v, 2) for k, v in medians.items()})
 

@@ -35,6 +35,21 @@ def test_frames_map_to_chunks_as_the_decoder_emits_them():
     assert chunks_of_frames(np.array([0, 8, 9, 20, 21])).tolist() == [0, 0, 1, 1, 2]
 
 
+def test_at_chunk_size_one_a_chunk_is_one_latent_frame():
+    # video frame 0 is latent frame 0, frames 1-4 latent frame 1, 5-8 latent frame 2, ...: a chunk each
+    assert chunks_of_frames(np.array([0, 1, 4, 5, 8, 9, 12, 13]), 1).tolist() == [0, 1, 1, 2, 2, 3, 3, 4]
+    a, b = Scene("red", "ball", motion="right"), Scene("blue", "square", motion="down")
+    tl = Timeline(((0, a, "A"), (4, b, "B")), frames_per_chunk=1)  # a switch on the boundary of latent frame 4
+    assert tl.segments_of_frames([12, 13]).tolist() == [0, 1]
+    xy = tl.centres(range(15))
+    assert np.allclose(xy[12] - xy[11], (SPEED, 0)) and np.allclose(xy[13] - xy[12], (0, SPEED))
+    # the same moment in chunks of 3 and of 1 (chunk 2 of 3 = latent frame 6 = chunk 6 of 1): the same video
+    three = Timeline(((0, a, "A"), (2, b, "B")))
+    one = Timeline(((0, a, "A"), (6, b, "B")), frames_per_chunk=1)
+    assert torch.equal(three.render(range(40)), one.render(range(40)))
+    assert not torch.equal(three.render(range(40)), Timeline(((0, a, "A"), (2, b, "B")), frames_per_chunk=1).render(range(40)))
+
+
 def test_object_starts_centred_moves_at_constant_speed_and_wraps():
     tl = one(Scene("red", "ball", motion="right"))
     xy = tl.centres(range(0, 50))
@@ -87,6 +102,24 @@ def test_clips_cover_switches_and_old_sinks():
     assert 30 < len(long) < 100 and 60 < len(switched) < 160
     # some long clips have sinks under an earlier prompt than their window's
     assert any(c.timeline.segment_at(0) != c.timeline.segment_at(c.chunks[1]) for c in long)
+
+
+def test_clips_at_chunk_size_one_hold_three_sink_chunks_and_switch_anywhere():
+    """At chunk size 1 the cache's 3 sink frames are chunks 0, 1 and 2: a clip holds them, then consecutive chunks
+    (from far in for a long clip, up to 180 latent frames: the 45 s of 60 chunks of 3); a switch may land among the
+    sinks of a clip from the stream's start."""
+    rng = np.random.default_rng(0)
+    clips = [sample_clip(rng, 13, frames_per_chunk=1, sinks=3) for _ in range(300)]
+    assert all(c.chunks[:3] == (0, 1, 2) and len(c.chunks) == 13 and c.frames_per_chunk == 1 for c in clips)
+    assert all(list(c.chunks[3:]) == list(range(c.chunks[3], c.chunks[3] + 10)) for c in clips)
+    long = [c for c in clips if c.long]
+    assert 50 < len(long) < 140 and all(13 <= c.chunks[3] < 180 for c in long) and max(c.chunks[3] for c in long) > 60
+    assert all(c.chunks[3] == 3 for c in clips if not c.long)
+    starts = [start for c in clips for start, _, _ in c.timeline.segments[1:]]
+    assert {1, 2} <= set(starts)  # switches among the sinks, as a stream's first chunks see them
+    assert any(c.timeline.segment_at(0) != c.timeline.segment_at(c.chunks[3]) for c in long)
+    # a rollout's short clip of fewer chunks than the sinks
+    assert sample_clip(rng, 2, frames_per_chunk=1, sinks=3).chunks == (0, 1)
 
 
 def test_no_object_is_drawn_on_its_own_colour():

@@ -63,6 +63,44 @@ def test_teacher_forcing_equals_the_chunk_generator_across_a_prompt_switch(weigh
     torch.testing.assert_close(v[0, :, 2 * nf :], v_served, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("switch_at", [2, 5])
+def test_at_chunk_size_one_teacher_forcing_equals_the_chunk_generator(switch_at):
+    """Chunks of 1 latent frame: chunks 0 .. switch_at-1 under A, a switch to B (its recache redoes the window's
+    chunks; the sinks, chunks 0-2, keep the prompt each was committed under), on to chunk 5's first denoising
+    step. The training forward, its mask per chunk of 1 and its captions from `clip_captions` of the same
+    timeline, predicts the same flow (fp32, 1e-4): at 2 the switch lands among the sinks, at 5 in the window."""
+    from models import build_generator
+    from models.stream import GeneratorConfig
+
+    gen = build_generator("tiny", dtype=torch.float32, weights="random", cfg=GeneratorConfig(frames_per_chunk=1))
+    a, b = Scene("red", "ball", motion="right"), Scene("blue", "square", motion="down")
+    captions = {"A": "a red ball moving right", "B": "a blue square falling"}
+    state = gen.open_stream("s", captions["A"], seed=3)
+    it = gen.stream(state)
+    clean = []
+    for c in range(5):
+        if c == switch_at:
+            gen.set_prompt(state, captions["B"])
+        clean.append(next(it).latents)
+    if switch_at == 5:
+        gen.set_prompt(state, captions["B"])
+    noise = torch.Generator().set_state(state.noise.get_state())  # the noise chunk 5 starts from
+    x = torch.randn(clean[0].shape, generator=noise)
+    gen.denoise([state])
+    v_served = x - state.x0  # sigma 1 at the first step: x0 = x - v
+
+    clip = Clip(Timeline(((0, a, "A"), (switch_at, b, "B")), frames_per_chunk=1), tuple(range(6)), sinks=3)
+    frame_captions = [captions[c] for c in clip_captions(clip, 1)]
+    assert clip_captions(clip, 1)[:3] == ["A", "A", "A" if switch_at == 5 else "B"]
+    model = gen.model
+    clean_all = torch.cat([*clean, torch.zeros_like(x)], dim=1)[None]  # chunk 5's clean twin is unseen
+    noisy = torch.cat([torch.zeros_like(x)] * 5 + [x], dim=1)[None]
+    with torch.no_grad():
+        text = frame_text(model, gen.text_encoder, [frame_captions])
+        v = teacher_forward(model, clean_all, noisy, torch.full((1, 6), 1000.0), text, 1)
+    torch.testing.assert_close(v[0, :, 5:], v_served, rtol=0, atol=1e-4)
+
+
 def test_a_batch_sharing_one_layout_equals_each_sample_alone():
     """Training's batch shares one access (no cache, one mask): attention runs on the batch at once; it
     must give what the per-stream path gives each sample."""
@@ -93,6 +131,50 @@ def test_captions_and_loss_follow_what_a_cache_holds_after_a_switch():
     assert chunk_weights(switched) == [0, 0, 0, 1, 1]
     long = Clip(Timeline(((0, a, "A"), (9, b, "B"))), (0, 20, 21, 22, 23))
     assert chunk_weights(long) == [0, 0, 1, 1, 1]  # chunk 20 right after the sinks: not a real cache
+
+
+def test_at_chunk_size_one_each_sink_chunk_keeps_its_own_prompt():
+    a, b, c = (Scene(*t) for t in (("red", "ball"), ("blue", "square"), ("green", "triangle")))
+    among_sinks = Clip(Timeline(((0, a, "A"), (1, b, "B"), (7, c, "C")), frames_per_chunk=1), tuple(range(13)), sinks=3)
+    assert clip_captions(among_sinks, 1) == ["A", "B", "B"] + ["C"] * 23  # clean sinks 0-2, then the rest
+    assert chunk_weights(among_sinks) == [0.0] * 7 + [1.0] * 6
+    long = Clip(Timeline(((0, a, "A"), (40, b, "B")), frames_per_chunk=1), (0, 1, 2, *range(50, 60)), sinks=3)
+    assert long.long and clip_captions(long, 1) == ["A"] * 3 + ["B"] * 23
+    assert chunk_weights(long) == [0, 0, 0, 0] + [1] * 9  # chunk 50 right after the sinks: not a real cache
+    assert clip_captions(Clip(long.timeline, long.chunks), 1)[:3] == ["A", "B", "B"]  # one sink chunk: only it keeps A
+
+
+def test_chunk_sizes_are_trained_in_turn_and_checked():
+    trainer = Trainer(TrainConfig.smoke(), out=None, device=torch.device("cpu"))
+    assert [trainer.chunk_size() for trainer.step in range(4)] == [3, 1, 3, 1]
+    assert train_clips.clip_layout(trainer.gen, 3) == (1, 5) and train_clips.clip_layout(trainer.gen, 1) == (3, 13)
+    assert TrainConfig(chunk_sizes="3,3,1").sizes == (3, 3, 1)
+    for bad in ("2", "3,0", "", "one"):
+        with pytest.raises(ValueError, match="chunk sizes"):
+            TrainConfig(chunk_sizes=bad)
+
+
+def test_a_teacher_step_at_chunk_size_one_trains_on_what_its_cache_holds(monkeypatch):
+    """Step 1 of the teacher stage trains chunks of 1: clips of 13 latent frames (3 sink chunks, 9 window chunks
+    and the chunk made), each its own chunk in the mask, and its gradients reach every DiT weight."""
+    trainer = Trainer(TrainConfig.smoke(), out=None, device=torch.device("cpu"))
+    trainer.pca_step()
+    trainer.stage, trainer.step = "teacher", 1
+    trainer.opt = trainer._optimizer()
+    seen = []
+    real = train.teacher_forward
+
+    def forward(model, clean, noisy, t, text, fpc, lead=None):
+        seen.append((clean.shape, fpc, lead))
+        return real(model, clean, noisy, t, text, fpc, lead)
+
+    monkeypatch.setattr(train, "teacher_forward", forward)
+    before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
+    assert math.isfinite(trainer.teacher_step())
+    (shape, fpc, lead), = seen
+    assert fpc == 1 and shape[0] == 2 and shape[2] == 13
+    assert lead.tolist() == [0, 1]  # the smoke batch's second clip starts from an image (models/train_image.py)
+    assert [k for k, p in trainer.model.named_parameters() if torch.equal(p, before[k])] == []
 
 
 def test_gradients_reach_every_dit_weight():
@@ -131,6 +213,9 @@ def test_smoke_run_trains_every_stage_resumes_and_exports(tmp_path, capsys):
     assert "done" in capsys.readouterr().out
     stages = [json.loads(line)["stage"] for line in (out / "log.jsonl").read_text().splitlines()]
     assert sorted(set(stages)) == sorted(STAGES) and len(stages) == 1 + 3 + 3 + 2 + 2
+    sizes = [(r["stage"], r.get("chunk")) for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())]
+    assert [n for stage, n in sizes if stage == "teacher"] == [3, 1, 3]  # both chunk sizes, in turn
+    assert [n for stage, n in sizes if stage in ("rollout", "follow")] == [3, 1, 3, 1]
     with safe_open(str(weights), "pt") as f:
         keys = set(f.keys())
     assert {"pca.basis", "text.vectors", "decoder.conv_in.weight", "dit.patch_embedding.weight"} <= keys
@@ -181,6 +266,56 @@ def test_a_rollout_step_trains_on_the_generators_own_cache_across_a_switch(tmp_p
     after = trainer.model.state_dict()
     moved = [k for k in before if not torch.equal(before[k], after[k])]
     assert any(k.startswith("blocks.0.self_attn") for k in moved) and any(k.startswith("head") for k in moved)
+
+
+def test_a_rollout_step_at_chunk_size_one_rolls_out_chunks_of_one(tmp_path, monkeypatch):
+    """Step 1 of the rollout stage rolls out chunks of 1 latent frame, up to chunk k of rollout_chunks chunks of 3's
+    worth of latent frames (k = 7 of 9 here: the sinks and into the window), and steps the DiT."""
+    import models.train as train
+
+    trainer = Trainer(TrainConfig.smoke(), tmp_path, torch.device("cpu"))
+    trainer.pca_step()
+    trainer.stage, trainer.step = "rollout", 1
+    trainer.opt = trainer._optimizer()
+    commits = []
+    real = train.ChunkGenerator.commit
+
+    def commit(self, states):
+        commits.append((self.cfg.frames_per_chunk, states[0].cache.num_frames))
+        return real(self, states)
+
+    monkeypatch.setattr(train.ChunkGenerator, "commit", commit)
+    trainer.rng = np.random.default_rng(0)  # k = 7
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    assert np.isfinite(trainer.rollout_step())
+    assert commits == [(1, n) for n in range(7)]  # chunks 0-6 committed a latent frame each, then chunk 7 trained
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_an_older_checkpoint_resumes_at_chunk_size_three_only(tmp_path):
+    """A checkpoint from before chunk sizes (clips of `chunks` 5, chunks of 3 only) resumes with chunk_sizes=3, the
+    recipe it was made with, and not with both sizes; a new one resumes at the size its step is at."""
+    old = Trainer(replace(TrainConfig.smoke(), chunk_sizes="3"), tmp_path, torch.device("cpu"))
+    old.stage, old.step = "teacher", 1
+    old.save()
+    state = torch.load(old.checkpoint_path, weights_only=False)
+    config = {k: v for k, v in state["config"].items() if k != "chunk_sizes"}
+    state["config"] = {**config, "chunks": 5}
+    torch.save(state, old.checkpoint_path)
+    resumed = Trainer(replace(TrainConfig.smoke(), chunk_sizes="3"), tmp_path, torch.device("cpu"))
+    assert resumed.resume() and (resumed.stage, resumed.step, resumed.chunk_size()) == ("teacher", 1, 3)
+    with pytest.raises(ValueError, match="use another --out"):
+        Trainer(TrainConfig.smoke(), tmp_path, torch.device("cpu")).resume()
+    state["config"]["chunks"] = 4  # clips of another length: not today's recipe at any size
+    torch.save(state, old.checkpoint_path)
+    with pytest.raises(ValueError, match="use another --out"):
+        Trainer(replace(TrainConfig.smoke(), chunk_sizes="3"), tmp_path, torch.device("cpu")).resume()
+    both = Trainer(TrainConfig.smoke(), tmp_path / "new", torch.device("cpu"))
+    (tmp_path / "new").mkdir()
+    both.stage, both.step = "teacher", 1
+    both.save()
+    again = Trainer(TrainConfig.smoke(), tmp_path / "new", torch.device("cpu"))
+    assert again.resume() and again.chunk_size() == 1
 
 
 def test_the_flow_loss_weighs_latent_channels_by_their_spread_before_whitening(tmp_path):
@@ -318,6 +453,17 @@ def test_a_follow_pair_is_one_trajectory_in_two_looks_under_a_caption_without_mo
             assert captions[0] != captions[-1] and captions[:3] == [captions[0]] * 3
         words = [p for ps in MOTION_PHRASES.values() for p in ps]
         assert not any(p in caption for p in words), caption
+    for _ in range(12):  # chunks of 1: 13 of them, the sinks 0-2 each under the prompt it was made under
+        target, source, (captions, weights) = trainer._pair(1)
+        assert target.shape == source.shape == (13, 4, mc.height, mc.width, 3)
+        assert len(captions) == 2 * 13 and len(weights) == 13 and weights[-1] == 1.0
+        switch = weights.index(1.0)
+        assert captions[:3] == [captions[0] if c < switch else captions[-1] for c in range(3)]
+        assert captions[3:] == [captions[-1]] * 23
+        if switch:
+            a, b = pixels.read_frame(target[switch - 1, -1].numpy()), pixels.read_frame(target[switch, -1].numpy())
+            assert (a.colour, a.shape) != (b.colour, b.shape) or a.background != b.background
+            assert captions[0] != captions[-1]
 
 
 def test_the_follow_stage_starts_from_a_model_file_and_trains_the_dit(tmp_path):
@@ -332,4 +478,4 @@ def test_the_follow_stage_starts_from_a_model_file_and_trains_the_dit(tmp_path):
     loss = trainer.follow_step()
     assert math.isfinite(loss) and loss > 0
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
-    assert len(trainer._follow_pool()["pairs"]) == 3
+    assert len(trainer._follow_pool(3)["pairs"]) == 3
