@@ -21,12 +21,14 @@ timestep the model never saw (drift for nothing), and a snapped strength keeps a
 an integer number of the trained steps. Strength s picks the step whose sigma is nearest s (ties: the
 noisier); strength 1.0 is step 0, the input pure noise (text-to-video). At least one step always runs;
 degrading drops steps after the start step (n steps with start k run k .. max(n, k+1) - 1).
+
+Image-to-video (causal, as Wan's and Self-Forcing's): `start_from_image` makes a new stream's latent frame 0 an
+image's (Wan's lone first frame), committed at timestep 0 as clean context, a block of its own (a sink frame
+while the cache has sinks); chunks then follow from latent frame 1, their blocks one frame later (`_block`).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -40,7 +42,7 @@ from models.decoder import StreamingDecoder, TinyStreamingDecoder, frames_per_ch
 from models.dit import CacheAccess, CausalWanModel, TextKV, in_place
 from models.encoder import BlockPCAEncoder, StreamingEncoder, check_frames
 from models.graphs import GraphedForward
-from models.stream import PARKED_FIELDS, Chunk, GeneratorConfig, ParkedStream, StreamState
+from models.stream import PARKED_FIELDS, Chunk, GeneratorConfig, ParkedStream, StreamState, field_tensors, with_tensors
 from models.text import HashTextEncoder, TextEncoder
 from models.work import WorkKind
 
@@ -148,7 +150,7 @@ class ChunkGenerator:
     def park_bytes(self, state: StreamState) -> int:
         """Host memory parking `state` takes now: its cache's storage and the tensors of its other fields."""
         fields = {name: getattr(state, name) for name in PARKED_FIELDS}
-        return state.cache.spec.stream_bytes() + sum(t.numel() * t.element_size() for t in _tensors(fields))
+        return state.cache.spec.stream_bytes() + sum(t.numel() * t.element_size() for t in field_tensors(fields))
 
     def park(self, state: StreamState) -> ParkedStream:
         """Start moving the stream's device memory to the host (pinned, on the copier's side stream, after what
@@ -160,8 +162,8 @@ class ChunkGenerator:
             self.workspace.detach()  # what the stream wrote there goes home first (queued before the copies)
         fields = {name: getattr(state, name) for name in PARKED_FIELDS}
         cache = park_cache(state.cache, self.copier)
-        moved = self.copier.to_host(_tensors(fields))
-        parked = ParkedStream(state, cache, _rebuild(fields, iter(moved.tensors)), moved)
+        moved = self.copier.to_host(field_tensors(fields))
+        parked = ParkedStream(state, cache, with_tensors(fields, iter(moved.tensors)), moved)
         state.cache = None
         for name in PARKED_FIELDS:
             setattr(state, name, None)
@@ -180,15 +182,42 @@ class ChunkGenerator:
         text = self._prompts.get(state.prompt)
         if text is not None:
             del fields["text"]
-        back = self.copier.to_device(_tensors(fields))
+        back = self.copier.to_device(field_tensors(fields))
         parked.restored.append(back)
-        fields = _rebuild(fields, iter(back.tensors))
+        fields = with_tensors(fields, iter(back.tensors))
         if text is not None:
             fields["text"] = text
         for name in PARKED_FIELDS:
             setattr(state, name, fields[name])
         state.cache = cache
         return state
+
+    @torch.inference_mode()
+    def start_from_image(self, state: StreamState, image: torch.Tensor) -> Chunk:
+        """Start a new stream at `image` ([H, W, 3] uint8 RGB at the model's frame size, any device): its encoding
+        (with a fresh encoder state) becomes latent frame 0, committed to the cache by a forward at timestep 0
+        under the stream's prompt, as a chunk's commit is, then decoded (the decoder's causal state is then the
+        image's). Returns it as chunk 0: one latent frame, one video frame, decoded from the latent the model
+        continues from (not the image as given). The chunks that follow are numbered from 1, from latent frame 1."""
+        if self.encoder is None:
+            raise ValueError(f"stream {state.stream_id}: this model has no encoder, it takes no start image")
+        if state.chunks_done or state.step or state.cache.num_frames:
+            raise ValueError(f"stream {state.stream_id}: a start image comes before the stream's first chunk")
+        mc = self.model_cfg
+        check_frames(image[None], mc.height, mc.width)
+        z = self.encoder.encode(image[None], self.encoder.init_state()).to(self.device, torch.float32)  # [C, 1, h, w]
+        if tuple(z.shape) != (mc.in_channels, 1, mc.latent_height, mc.latent_width):
+            raise ValueError(f"the encoder gave latents {tuple(z.shape)} for one image")
+        if state.pending_prompt is not None:
+            self._apply_prompt(state)
+        slots = state.cache.plan_commit(1)
+        self.forward(z[None], torch.zeros(1, 1, device=self.device), state.text, [CacheAccess(state.cache, 0, write_slots=slots)])
+        state.cache.advance(slots)
+        state.clean[_rows(slots, self.device)] = z.transpose(0, 1)
+        state.forwards[WorkKind.COMMIT.value] += 1
+        frames = self.decoder.decode(z, state.decoder)
+        state.start_frames, state.chunks_done, state.frames_done = 1, 1, frames.shape[0]
+        return Chunk(0, 0, frames, z, state.prompt_version, steps=0)
 
     def encode_prompt(self, prompt: str) -> TextKV:
         """Cross-attention K/V of a prompt, computed once. The most recent ones are kept (at most
@@ -366,11 +395,12 @@ class ChunkGenerator:
         new_window = cache.relayout_window()
         if old_window:
             state.clean[_rows(new_window, self.device)] = state.clean[_rows(old_window, self.device)].clone()
-        kept = _older_frames(cache, new_window, 0 if state.recache_all else self.cfg.recache_chunks, nf)
+        blocks = [_block(cache.frame_ids[s], state.start_frames, nf) for s in new_window]  # ascending
+        kept = _older_frames(blocks, 0 if state.recache_all else self.cfg.recache_chunks)
         state.recache_all = False
         self._move_kv(cache, old_window[:kept], new_window[:kept])
         slots = (list(range(sinks)) if self.cfg.recache_sinks else []) + new_window[kept:]
-        blocks = [cache.frame_ids[s] // nf for s in slots]
+        blocks = [_block(cache.frame_ids[s], state.start_frames, nf) for s in slots]
         for _, group in itertools.groupby(zip(blocks, slots), key=lambda b_s: b_s[0]):
             part = [slot for _, slot in group]  # one chunk's frames, in consecutive slots
             x = state.clean[_rows(part, self.device)].transpose(0, 1)[None]  # [1, C, F, h, w]
@@ -532,44 +562,17 @@ class ChunkGenerator:
         state.pending_version = None
 
 
-def _tensors(obj) -> list[torch.Tensor]:
-    """Every tensor in `obj` (in lists, tuples, dicts and dataclasses, nested), in a fixed order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in _tensors(item)]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
-    return []
+def _block(frame_id: int, start_frames: int, frames_per_chunk: int) -> int:
+    """The block of a stream's latent frame `frame_id`: its chunk's, counted from the frames after the stream's
+    `start_frames` (a start image's frame, block -1); the frames of a block see each other."""
+    return (frame_id - start_frames) // frames_per_chunk
 
 
-def _rebuild(obj, tensors: Iterator[torch.Tensor]):
-    """`obj` again with its tensors (in `_tensors` order) replaced by the next of `tensors`; containers and
-    dataclasses are copied, everything else is shared."""
-    if isinstance(obj, torch.Tensor):
-        return next(tensors)
-    if isinstance(obj, list):
-        return [_rebuild(item, tensors) for item in obj]
-    if isinstance(obj, tuple):
-        return tuple(_rebuild(item, tensors) for item in obj)
-    if isinstance(obj, dict):
-        return {key: _rebuild(item, tensors) for key, item in obj.items()}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            setattr(out, f.name, _rebuild(getattr(obj, f.name), tensors))
-        return out
-    return obj
-
-
-def _older_frames(cache: StreamCache, window: Sequence[int], newest_chunks: int, frames_per_chunk: int) -> int:
-    """How many of the window's frames (`window`: its slots in time order) are older than its newest
+def _older_frames(blocks: Sequence[int], newest_chunks: int) -> int:
+    """How many of the window's frames (`blocks`: each one's block, in time order) are older than its newest
     `newest_chunks` chunks (0 for 0: every chunk is recomputed)."""
-    if not newest_chunks or not window:
+    if not newest_chunks or not blocks:
         return 0
-    blocks = [cache.frame_ids[s] // frames_per_chunk for s in window]  # chunk index of each frame, ascending
     first = sorted(set(blocks))[-newest_chunks:][0]
     return sum(b < first for b in blocks)
 

@@ -1,12 +1,16 @@
 """A generated stream's plain types: how it is sampled (`GeneratorConfig`), the unit of work (`Work`: one
 forward of one stream), what it carries between forwards (`StreamState`), what a commit yields (`Chunk`), and
-its form while parked in host memory (`ParkedStream`, with `PARKED_FIELDS`: what parking moves).
+its form while parked in host memory (`ParkedStream`, with `PARKED_FIELDS`: what parking moves, and
+`field_tensors` / `with_tensors`: the tensors in those fields, and the fields again around their copies).
 
 Data only, with the config's validation and derived schedule; models/generator.py runs the forwards on them.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -99,7 +103,7 @@ class Chunk:
     frames: torch.Tensor  # [N, H, W, 3] uint8 video frames, on the model's device (the caller copies them out)
     latents: torch.Tensor  # [C, F, h, w] float32 clean latents, on the model's device
     prompt_version: int  # version of the prompt it was generated under
-    steps: int  # the schedule's step it ends at (fewer than the schedule's steps when degraded)
+    steps: int  # the schedule's step it ends at (fewer than the schedule's steps when degraded; 0: a start image)
     input: str = "none"  # its input video: "none" (text-to-video), "frames" (set_input's), "missing" (set_input(None))
     start_step: int = 0  # the step it started at (input frames at a strength < 1); it ran steps - start_step steps
 
@@ -130,6 +134,9 @@ class StreamState:
     chunk_version: int = 0  # prompt version the chunk in progress is generated under
     chunks_done: int = 0
     frames_done: int = 0  # video frames emitted
+    # latent frames at the stream's start that no chunk denoised: 1 after `start_from_image` (the image's latent
+    # frame 0, a block of its own), else 0. The chunks' blocks of frames_per_chunk start after them.
+    start_frames: int = 0
     # video-to-video (set_input / set_strength)
     strength: float = 1.0  # the input's strength, snapped to a schedule sigma (1.0: step 0, text-to-video); next chunk on
     encoder: EncoderState | None = None  # the input encoder's causal state (None: the model has no encoder)
@@ -169,3 +176,35 @@ class ParkedStream:
     def seconds(self) -> float:
         """Time of the copies (to the host, or back after `restore`) on the copy stream; needs `done()`."""
         return sum(t.seconds for t in (self.restored or [self.cache.moved, self.moved]))
+
+
+def field_tensors(obj) -> list[torch.Tensor]:
+    """Every tensor in `obj` (in lists, tuples, dicts and dataclasses, nested), in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in field_tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in field_tensors(item)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in field_tensors(getattr(obj, f.name))]
+    return []
+
+
+def with_tensors(obj, tensors: Iterator[torch.Tensor]):
+    """`obj` again with its tensors (in `field_tensors` order) replaced by the next of `tensors`; containers and
+    dataclasses are copied, everything else is shared."""
+    if isinstance(obj, torch.Tensor):
+        return next(tensors)
+    if isinstance(obj, list):
+        return [with_tensors(item, tensors) for item in obj]
+    if isinstance(obj, tuple):
+        return tuple(with_tensors(item, tensors) for item in obj)
+    if isinstance(obj, dict):
+        return {key: with_tensors(item, tensors) for key, item in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            setattr(out, f.name, with_tensors(getattr(obj, f.name), tensors))
+        return out
+    return obj

@@ -12,7 +12,8 @@ Stages, run in order by one command that stops after `--minutes` and checkpoints
    The loss is on the clean latent the predicted flow leads to (x - sigma v against x0): every level
    weighs alike, as the sampler uses each of them to predict x0.
    After a prompt switch the sinks keep the old prompt's K/V as a recache leaves them: a frame's text
-   is per frame, the old prompt's for the sink chunk, the new one's for the rest.
+   is per frame, the old prompt's for the sink chunk, the new one's for the rest. A share of the clips
+   (`image_share`) start from an image instead: latent frame 0 a clean block of its own (models/train_image.py).
 
 4. rollout: a short fine-tune on the model's own context, as Self-Forcing trains: a batch of streams
    rolled out with the real ChunkGenerator (its cache, prompt switches and recaches), up to a random
@@ -66,11 +67,12 @@ from models.scenes import (
     vocabulary,
 )
 from models.stream import GeneratorConfig
-from models.teacher_forcing import frame_text, sigmas, teacher_forward
+from models.teacher_forcing import frame_sigmas, frame_text, sigmas, teacher_forward
 from models.text import HashTextEncoder
 from models.train_clips import (
     chunk_weights, clip_captions, clip_layout, object_centres, parse_chunk_sizes, render_clips, roll_frames,
 )
+from models.train_image import image_count, with_image_clips
 
 STAGES = ("pca", "decoder", "teacher", "rollout", "follow")
 CHUNK_UNIT = 3  # latent frames of the chunks TrainConfig's chunk counts are in (rollout_chunks), at every size
@@ -137,9 +139,12 @@ class TrainConfig:
     # step 1 (0.833) the input's layout is too noisy to place an object exactly, the x0 it learnt there was a blur,
     # and the blur came into text-to-video: squares rounded into balls (issue 15's test after a switch, 0-20 %)
     follow_min_step: int = 2
+    image_share: float = 0.25  # share of the teacher's clips that start from an image (models/train_image.py)
 
     def __post_init__(self) -> None:
         parse_chunk_sizes(self.chunk_sizes, GeneratorConfig())
+        if not 0 <= self.image_share < 1:
+            raise ValueError(f"image_share {self.image_share}: use a share in [0, 1) (text clips stay in every batch)")
         if self.loss_weight not in LOSS_WEIGHTS:
             raise ValueError(f"loss_weight {self.loss_weight!r}: use none, std or var")
         if self.rollout_truth not in ("history", "absolute"):
@@ -319,8 +324,12 @@ class Trainer:
     def teacher_step(self) -> float:
         self._lr()
         cfg, fpc = self.cfg, self.chunk_size()
-        clips = self._clips(cfg.batch, fpc)
+        n_images = image_count(cfg.batch, cfg.image_share)
+        clips = self._clips(cfg.batch - n_images, fpc)
         clean = self.pca.encode(self._render(clips))  # [B, C, F, h, w]
+        captions = [clip_captions(c, fpc) for c in clips]
+        weight = torch.tensor([chunk_weights(c) for c in clips], device=self.device).repeat_interleave(fpc, dim=1)  # [B, F]
+        clean, captions, weight, lead = with_image_clips(self.rng, self.pca, self.mc, clean, captions, weight, n_images, fpc)
         b, nc = clean.shape[0], len(clips[0].chunks)
         # sigma per noisy chunk: mostly one of the sampler's levels, else shift-warped uniform
         levels = sigmas(self.gen).to(self.device)
@@ -328,16 +337,15 @@ class Trainer:
         warped = self.gen.shift * u / (1 + (self.gen.shift - 1) * u)
         pick = levels[torch.randint(len(levels), (b, nc), device=self.device)]
         sigma = torch.where(torch.rand(b, nc, device=self.device) < cfg.p_sampler_sigma, pick, warped)
-        sigma = sigma.repeat_interleave(fpc, dim=1)  # [B, F]
+        sigma = frame_sigmas(sigma, fpc, lead)  # [B, F]
         s = sigma[:, None, :, None, None]
         eps = torch.randn_like(clean)
         noisy = (1 - s) * clean + s * eps
         ctx = torch.rand(b, 1, 1, 1, 1, device=self.device) * cfg.context_noise
         context = (1 - ctx) * clean + ctx * torch.randn_like(clean)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            text = frame_text(self.model, self.encoder, [clip_captions(c, fpc) for c in clips])
-            v = teacher_forward(self.model, context, noisy, 1000 * sigma, text, fpc).float()
-        weight = torch.tensor([chunk_weights(c) for c in clips], device=self.device).repeat_interleave(fpc, dim=1)
+            text = frame_text(self.model, self.encoder, captions)
+            v = teacher_forward(self.model, context, noisy, 1000 * sigma, text, fpc, lead).float()
         per_frame = ((noisy - s * v - clean).pow(2) * self._channel_weights()).mean(dim=(1, 3, 4))  # [B, F]
         loss = (per_frame * weight).sum() / weight.sum().clamp_min(1)
         self._update(loss, self.model)

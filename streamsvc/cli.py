@@ -115,6 +115,9 @@ def cmd_generate(args) -> int:
     if args.input and args.parallel != 1:
         print("streamsvc generate: --input runs on one process: drop --parallel", file=sys.stderr)
         return 2
+    if args.image and (args.input or args.parallel != 1 or args.dump):
+        print("streamsvc generate: --image goes without --input, --parallel and --dump", file=sys.stderr)
+        return 2
     from streamsvc import preflight
 
     try:
@@ -140,16 +143,19 @@ def cmd_generate(args) -> int:
                   f"{prompt!r} and draws them as noise; it knows: "
                   f"{', '.join(w for w in gen.text_encoder.vocabulary or [] if w.isalpha())}",
                   file=sys.stderr)
-    from streamsvc.inputs.offline import open_input
+    from streamsvc.inputs.offline import open_input, read_image
 
     try:
         inputs = open_input(gen, args.input, args.strength, args.fps)
+        image = read_image(args.image, gen.model_cfg.width, gen.model_cfg.height) if args.image else None
+        if image is not None and not gen.can_take_input:
+            raise ValueError("--image needs a model with an encoder; this model has none")
     except ValueError as e:
         print(f"streamsvc generate: {e}", file=sys.stderr)
         return 2
     n = generate_video(gen, args.prompt, args.seconds, args.fps, args.seed, Path(args.output), changes, not args.quiet,
                        strip=strip, strip_every=args.strip_every, dump=Path(args.dump) if args.dump else None,
-                       inputs=inputs, strength=args.strength)
+                       inputs=inputs, strength=args.strength, image=image)
     if inputs is not None:
         inputs.close()
         print(inputs.summary())
@@ -490,6 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--strength", type=float, default=0.6,
                    help="with --input: how much of it is redrawn, 0..1 (1: none of it is kept, text-to-video); snapped "
                         "to the nearest of the schedule's noise levels (default 0.6)")
+    g.add_argument("--image", default=None, metavar="PNG",
+                   help="start from this image (image-to-video): centre-cropped and scaled to the model's size, it is "
+                        "the first frame, and the prompt's motion goes on from it")
     _model_args(g, g)
     _parallel_args(g)
     g.set_defaults(func=cmd_generate)

@@ -34,27 +34,37 @@ class PromptChange:
         return cls(seconds, prompt.strip())
 
 
-def chunk_for_time(gen: ChunkGenerator, seconds: float, fps: float) -> int:
-    """Index of the first chunk that starts at or after `seconds`."""
+def chunk_for_time(gen: ChunkGenerator, seconds: float, fps: float, image: bool = False) -> int:
+    """Index of the first chunk that starts at or after `seconds` (`image`: the stream's chunk 0 is its start
+    image's one frame)."""
     frame, start, index = seconds * fps, 0, 0
     while start < frame:
-        start += gen.frames_in_chunk(index)
+        start += 1 if image and index == 0 else gen.frames_in_chunk(index)
         index += 1
     return index
 
 
 def video_chunks(gen: ChunkGenerator, prompt: str, seconds: float, fps: int, seed: int,
-                 changes: list[PromptChange] = (), inputs=None, strength: float = 1.0) -> Iterator[tuple[Chunk, int]]:
+                 changes: list[PromptChange] = (), inputs=None, strength: float = 1.0,
+                 image: torch.Tensor | None = None) -> Iterator[tuple[Chunk, int]]:
     """The generator calls of `seconds` of one stream, as (chunk, frames of it the video keeps). Every
     rank of a group (`streamsvc generate --parallel K`) runs this, so they make the same calls. `inputs`:
-    the input video (streamsvc/inputs/offline.py `InputVideo`), each chunk's frames restyled at `strength`."""
+    the input video (streamsvc/inputs/offline.py `InputVideo`), each chunk's frames restyled at `strength`.
+    `image`: the start image ([H, W, 3] uint8), the stream's first frame (`ChunkGenerator.start_from_image`)."""
     total = max(1, math.ceil(seconds * fps))
     state = gen.open_stream("offline", prompt, seed)
-    prompt_at = {chunk_for_time(gen, c.at_s, fps): c.prompt for c in sorted(changes, key=lambda c: c.at_s)}
+    prompt_at = {chunk_for_time(gen, c.at_s, fps, image is not None): c.prompt for c in sorted(changes, key=lambda c: c.at_s)}
     if inputs is not None:  # between chunks: before the first, and after each commit
         gen.set_strength(state, strength)
         gen.set_input(state, inputs.chunk(gen.frames_in_chunk(0)))
     written = 0
+    if image is not None:
+        if 0 in prompt_at:  # a change at 0 s is the image's prompt
+            gen.set_prompt(state, prompt_at.pop(0))
+        yield gen.start_from_image(state, image), 1
+        written = 1
+        if written >= total:
+            return
     for chunk in gen.stream(state, prompt_at):
         n = min(chunk.frames.shape[0], total - written)
         written += n
@@ -79,6 +89,7 @@ def generate_video(
     dump: Path | None = None,
     inputs=None,
     strength: float = 1.0,
+    image: torch.Tensor | None = None,
 ) -> int:
     """Generate `seconds` of video and write it; returns the number of frames written. With `strip`, also
     write every `strip_every`-th frame (from the first) side by side as one PNG (`write_strip`). With
@@ -94,7 +105,7 @@ def generate_video(
         vs = container.add_stream("libx264", rate=fps)
         vs.width, vs.height, vs.pix_fmt = mc.width, mc.height, "yuv420p"
         vs.options = {"crf": "18", "preset": "veryfast"}
-        for chunk, n in video_chunks(gen, prompt, seconds, fps, seed, changes, inputs, strength):
+        for chunk, n in video_chunks(gen, prompt, seconds, fps, seed, changes, inputs, strength, image):
             kept = chunk.frames[:n].cpu()
             if dump is not None:
                 latents.append(chunk.latents.cpu())

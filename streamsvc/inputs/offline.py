@@ -1,4 +1,5 @@
-"""`streamsvc generate --input FILE --strength S`: a video file as the stream's input (issue 35), offline.
+"""`streamsvc generate --input FILE --strength S`: a video file as the stream's input (issue 35), offline; and
+`generate --image FILE`'s start image (`read_image`).
 
 The file is decoded with PyAV; each frame is centre-cropped to the model's aspect and scaled to its frame
 size (streamsvc/inputs/frames.py `scale_crop_av`: not letterboxed, bars would be restyled as content), then
@@ -143,3 +144,25 @@ def open_input(gen, path: str | None, strength: float, fps: float) -> InputVideo
           f"(strengths: {', '.join(f'{s:.3f}' for s in gen.input_strengths())})", file=sys.stderr)
     mc = gen.model_cfg
     return InputVideo(path, mc.width, mc.height, fps)
+
+
+def read_image(path: str | Path, width: int, height: int) -> torch.Tensor:
+    """`generate --image`'s start image: the file's first picture (PNG, JPEG: what PyAV decodes), centre-cropped and
+    scaled to the model's frame size as an input video's frames are -> [height, width, 3] uint8 RGB; a ValueError
+    that says why when the file cannot be read or its picture is over the pixel cap."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise ValueError(f"the image {path} has no picture")
+            video = container.streams.video[0].codec_context
+            refusal = size_refusal(video.width, video.height, what=f"the image {Path(path).name}")
+            if refusal is not None:
+                raise ValueError(f"{refusal}: scale it down first")
+            frame = next(container.decode(video=0), None)
+    except (av.FFmpegError, OSError) as e:
+        raise ValueError(f"cannot read the image {path}: {e}") from e
+    if frame is None:
+        raise ValueError(f"the image {path} has no picture")
+    return torch.from_numpy(scale_crop_av(frame, width, height))

@@ -164,15 +164,16 @@ def test_a_teacher_step_at_chunk_size_one_trains_on_what_its_cache_holds(monkeyp
     seen = []
     real = train.teacher_forward
 
-    def forward(model, clean, noisy, t, text, fpc):
-        seen.append((clean.shape, fpc))
-        return real(model, clean, noisy, t, text, fpc)
+    def forward(model, clean, noisy, t, text, fpc, lead=None):
+        seen.append((clean.shape, fpc, lead))
+        return real(model, clean, noisy, t, text, fpc, lead)
 
     monkeypatch.setattr(train, "teacher_forward", forward)
     before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
     assert math.isfinite(trainer.teacher_step())
-    (shape, fpc), = seen
+    (shape, fpc, lead), = seen
     assert fpc == 1 and shape[0] == 2 and shape[2] == 13
+    assert lead.tolist() == [0, 1]  # the smoke batch's second clip starts from an image (models/train_image.py)
     assert [k for k, p in trainer.model.named_parameters() if torch.equal(p, before[k])] == []
 
 

@@ -276,3 +276,25 @@ def test_full_size_encoder_state_bytes():
     enc = WanVAEEncoder(nn.Module.to(AutoencoderKLWan(**wan21_vae_config(base_dim=8)), torch.bfloat16))
     small = enc.state_bytes(8 * H, 8 * W)
     assert 0 < small < enc.state_bytes(16 * H, 16 * W)
+
+
+def test_a_stream_starts_from_an_image_through_the_vae(tiny_vae):
+    """`ChunkGenerator.start_from_image` with the Wan VAE as encoder and decoder (the Wan presets'), on a small DiT:
+    the image is encoded as a causal run's lone first frame, decoded as the stream's first frame, and the decoder's
+    causal state goes on from it (the frames equal the latents decoded in one run)."""
+    from models import ChunkGenerator, GeneratorConfig
+    from models.config import ModelConfig
+    from models.dit import CausalWanModel
+
+    mc = ModelConfig.from_name("tiny", latent_height=8, latent_width=8)  # the tiny preset's patch: 64x64 video
+    enc, dec = WanVAEEncoder(tiny_vae), WanVAEDecoder(tiny_vae)
+    gen = ChunkGenerator(CausalWanModel(mc).init_weights(0), GeneratorConfig(), decoder=dec, encoder=enc)
+    image = torch.randint(0, 256, (64, 64, 3), generator=torch.Generator().manual_seed(6), dtype=torch.uint8)
+    state = gen.open_stream("s", "a ball", seed=0)
+    first = gen.start_from_image(state, image)
+    assert torch.equal(first.latents, enc.encode(image[None], enc.init_state())) and first.latents.shape == (16, 1, 8, 8)
+    assert first.frames.shape == (1, 64, 64, 3)
+    chunk = next(gen.stream(state))
+    assert (chunk.index, chunk.first_frame, chunk.frames.shape[0]) == (1, 1, 12)
+    whole = dec.decode(torch.cat([first.latents, chunk.latents], dim=1), dec.init_state())
+    assert (torch.cat([first.frames, chunk.frames]).int() - whole.int()).abs().max() <= 1

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import av
 import numpy as np
@@ -68,6 +69,39 @@ def test_generate_defaults_to_the_built_in_model_and_writes_a_strip(tmp_path, ca
         assert np.array_equal(strip[:, i * 130 : i * 130 + 128], frames[k])
     assert (strip[:, 128:130] == 255).all()
     assert "wrote a strip of frames 0, 4, ... to" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not Path("models/assets/tiny.safetensors").is_file(), reason="the built-in model file is not here")
+def test_generate_starts_from_an_image(tmp_path, capsys):
+    """--image: the picture (any size: centre-cropped and scaled) is the video's first frame, then the prompt's motion."""
+    from streamsvc.inputs.offline import read_image
+    from streamsvc.offline import write_strip
+
+    picture = np.empty((192, 256, 3), np.uint8)  # cropped to its middle 192 x 192, scaled to 128 x 128
+    picture[:] = (235, 215, 175)
+    picture[99:141, 81:123] = (20, 170, 160)  # a teal square on beige
+    write_strip([picture], tmp_path / "start.png")
+    args = ["generate", "--prompt", "a green square moving right", "--seconds", "1", "--quiet", "--device", "cpu",
+            "--image", str(tmp_path / "start.png"), "-o", str(tmp_path / "i.mp4")]
+    assert main(args) == 0
+    frames = decode(tmp_path / "i.mp4")
+    want = read_image(tmp_path / "start.png", 128, 128).numpy()
+    assert (want[66:94, 34:61] == (20, 170, 160)).all() and (want[:, :30] == (235, 215, 175)).all()  # scaled 2/3, cropped
+    mse = np.mean((frames[0].astype(float) - want) ** 2)
+    assert len(frames) == 16 and 10 * np.log10(255**2 / mse) >= 25
+    assert "wrote 16 frames" in capsys.readouterr().out
+    assert main(args + ["--dump", str(tmp_path / "d.pt")]) == 2
+    assert "--image goes without --input, --parallel and --dump" in capsys.readouterr().err
+    assert main(args[:-4] + ["--image", str(tmp_path / "none.png"), "-o", str(tmp_path / "x.mp4")]) == 2
+    assert "cannot read the image" in capsys.readouterr().err
+
+
+def test_prompt_changes_count_an_image_as_a_one_frame_chunk():
+    from streamsvc.offline import chunk_for_time
+
+    gen = build_generator("tiny", device="cpu", weights="random")
+    assert [chunk_for_time(gen, s, 16) for s in (0, 0.5, 1)] == [0, 1, 2]  # chunks start at frames 0, 9, 21
+    assert [chunk_for_time(gen, s, 16, image=True) for s in (0, 0.5, 1)] == [0, 2, 3]  # at frames 0, 1, 13, 25
 
 
 def test_a_missing_model_file_is_a_clear_error_not_a_traceback(tmp_path, monkeypatch, capsys):
