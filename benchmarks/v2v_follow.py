@@ -17,7 +17,8 @@ Each chunk gets the input's frames (`ChunkGenerator.set_input`) at each strength
 latent frames (1 and 3). Per frame of the output:
 
 - colour: the palette colour nearest the output's median over the region where the prompt's object should be
-  (drawn at the input object's place), against the prompt's colour;
+  (drawn at the input object's place), against the prompt's colour ("prompt colour"; "anywhere": the output's
+  object's own colour, wherever it is: a model that restyles without following shows the prompt's colour there);
 - position: the distance from the output object's centre (client/pixels.py `read_frame`) to where the prompt's
   object drawn at the input's place reads, wrap-aware (objects wrap at the edges; a triangle's centroid is a third
   of its half-height below its box's centre, so the reference is read, not the path's point); a frame with no
@@ -131,16 +132,19 @@ def scene_cases(
 
 @dataclass(frozen=True)
 class Result:
-    case: str
+    """One stream's measures, or several streams' pooled (`pool`)."""
+
+    case: str  # the case's name, or the group's
+    family: str  # the input's path family (models/paths.py), or FIXED
     strength: float  # the snapped strength
-    start_step: int
-    frames: int
+    start_step: int  # the denoising step an input chunk starts at
+    frames: int  # video frames measured
     error_px: float  # mean distance of the output object's centre to the expected one, frames with an object
     found: float  # share of frames with an object
-    colour: float  # share of frames whose expected object region shows the prompt's colour
+    colour: float  # share of frames whose expected object region shows the prompt's colour (what `follows` asks)
+    object_colour: float  # share of frames whose object, wherever it is, reads as the prompt's colour
     input_colour: float  # share of frames whose expected object region shows the input's colour
-    seconds: float
-    family: str = FIXED  # the input's path family
+    seconds: float  # wall time of the streams
 
     @property
     def follows(self) -> bool:
@@ -170,10 +174,10 @@ def pool(results: Sequence[Result], name: str) -> Result:
     with_object = frames * np.array([r.found for r in results])
     errors = np.array([r.error_px if r.found else 0.0 for r in results])
     share = lambda f: float(np.dot(frames, [getattr(r, f) for r in results]) / frames.sum())  # noqa: E731
-    return Result(name, results[0].strength, results[0].start_step, int(frames.sum()),
+    return Result(name, results[0].family, results[0].strength, results[0].start_step, int(frames.sum()),
                   float(np.dot(with_object, errors) / with_object.sum()) if with_object.sum() else float("inf"),
-                  share("found"), share("colour"), share("input_colour"), float(sum(r.seconds for r in results)),
-                  results[0].family)
+                  share("found"), share("colour"), share("object_colour"), share("input_colour"),
+                  float(sum(r.seconds for r in results)))
 
 
 def run(gen, case: Case, strength: float, chunks: int = 6, seed: int = 0) -> Result:
@@ -181,7 +185,7 @@ def run(gen, case: Case, strength: float, chunks: int = 6, seed: int = 0) -> Res
     mc = gen.model_cfg
     state = gen.open_stream("v2v", case.prompt, seed=seed)
     snapped = gen.set_strength(state, strength)
-    errors, found, colour, input_colour, first, k = [], [], [], [], 0, 0
+    errors, found, colour, object_colour, input_colour, first, k = [], [], [], [], [], 0, 0
     t0 = time.perf_counter()
     for c in range(chunks):
         idx = np.arange(first, first + gen.frames_in_chunk(c))
@@ -195,6 +199,7 @@ def run(gen, case: Case, strength: float, chunks: int = 6, seed: int = 0) -> Res
         for frame, want, region in zip(out.frames.cpu().numpy(), expected, regions):
             r = pixels.read_frame(frame)
             found.append(r.centre is not None)
+            object_colour.append(r.colour == case.colour)
             if r.centre is not None:
                 centre = pixels.read_frame(want).centre
                 errors.append(float(wrapped_distance(r.centre, centre, mc.width, mc.height)))
@@ -203,9 +208,8 @@ def run(gen, case: Case, strength: float, chunks: int = 6, seed: int = 0) -> Res
             input_colour.append(seen == case.scene.colour)
         first += len(idx)
     gen.close_stream(state)
-    return Result(case.name, round(snapped, 4), k, first, float(np.mean(errors)) if errors else float("inf"),
-                  float(np.mean(found)), float(np.mean(colour)), float(np.mean(input_colour)),
-                  time.perf_counter() - t0, case.family)
+    return Result(case.name, case.family, round(snapped, 4), k, first, float(np.mean(errors)) if errors else float("inf"),
+                  *(float(np.mean(x)) for x in (found, colour, object_colour, input_colour)), time.perf_counter() - t0)
 
 
 def table(gen, groups: dict[str, list[Case]], strengths: Sequence[float], chunks: int, seeds: int) -> list[Result]:
@@ -213,13 +217,14 @@ def table(gen, groups: dict[str, list[Case]], strengths: Sequence[float], chunks
     `seeds` noise seeds, pooled per group; a row printed as each is done."""
     rows = []
     print(f"  {'family / case':60s} {'strength':>8s} {'step':>4s} {'frames':>6s} {'error px':>8s} {'found':>6s} "
-          f"{'prompt colour':>13s} {'input colour':>12s} {'seconds':>7s} follows", flush=True)
+          f"{'prompt colour':>13s} {'anywhere':>8s} {'input colour':>12s} {'seconds':>7s} follows", flush=True)
     for name, group in groups.items():
         for strength in strengths:
             r = pool([run(gen, case, strength, chunks, seed) for case in group for seed in range(seeds)], name)
             rows.append(r)
             print(f"  {r.case:60s} {r.strength:8.3f} {r.start_step:4d} {r.frames:6d} {r.error_px:8.1f} {r.found:6.2f} "
-                  f"{r.colour:13.2f} {r.input_colour:12.2f} {r.seconds:7.1f} {'yes' if r.follows else 'no'}", flush=True)
+                  f"{r.colour:13.2f} {r.object_colour:8.2f} {r.input_colour:12.2f} {r.seconds:7.1f} "
+                  f"{'yes' if r.follows else 'no'}", flush=True)
     return rows
 
 
@@ -233,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", nargs="+", default=list(DEFAULT_FAMILIES), metavar="FAMILY",
                    help=f"path families of the held-out scenes (default {' '.join(DEFAULT_FAMILIES)}; all: every one of "
                         f"{', '.join(FAMILIES)}; held out of training: {', '.join(HELD_OUT_FAMILIES)})")
-    p.add_argument("--scenes", type=int, default=4, help="held-out scenes per family")
+    p.add_argument("--scenes", type=int, default=8, help="held-out scenes per family")
     p.add_argument("--latent-frames", type=int, default=18,
                    help="each stream's length in latent frames (18: 6 chunks of 3, 18 of 1; 69 video frames)")
     p.add_argument("--strengths", type=float, nargs="+",

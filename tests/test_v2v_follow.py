@@ -80,13 +80,16 @@ def test_the_region_colour_is_the_objects_or_none_over_the_background():
 
 
 def test_pooled_results_weigh_by_frames_and_the_error_by_frames_with_an_object():
-    a = Result("a", 0.625, 2, frames=10, error_px=2.0, found=1.0, colour=1.0, input_colour=0.0, seconds=1.0, family="line")
-    b = Result("b", 0.625, 2, frames=30, error_px=6.0, found=0.5, colour=0.8, input_colour=0.1, seconds=2.0, family="line")
-    none = Result("c", 0.625, 2, frames=20, error_px=float("inf"), found=0.0, colour=0.0, input_colour=0.0, seconds=1.0)
+    a = Result("a", "line", 0.625, 2, frames=10, error_px=2.0, found=1.0, colour=1.0, object_colour=1.0, input_colour=0.0,
+               seconds=1.0)
+    b = Result("b", "line", 0.625, 2, frames=30, error_px=6.0, found=0.5, colour=0.8, object_colour=0.5, input_colour=0.1,
+               seconds=2.0)
+    none = Result("c", FIXED, 0.625, 2, frames=20, error_px=float("inf"), found=0.0, colour=0.0, object_colour=0.0,
+                  input_colour=0.0, seconds=1.0)
     r = pool([a, b], "line")
     assert (r.case, r.family, r.frames, r.seconds) == ("line", "line", 40, 3.0)
     assert r.error_px == pytest.approx((10 * 2.0 + 15 * 6.0) / 25)
-    assert (r.found, r.colour, r.input_colour) == pytest.approx((25 / 40, 34 / 40, 3 / 40))
+    assert (r.found, r.colour, r.object_colour, r.input_colour) == pytest.approx((25 / 40, 34 / 40, 25 / 40, 3 / 40))
     assert not r.follows and a.follows  # found and colour under 90 %, though the error is small
     assert pool([a, none], "x").error_px == pytest.approx(2.0) and pool([none], "x").error_px == float("inf")
 
