@@ -16,9 +16,10 @@ Each chunk gets the input's frames (`ChunkGenerator.set_input`) at each strength
 (`ChunkGenerator.input_strengths`: the built-in model's 0.833, 0.625, 0.357), at chunks of `--chunk-latent-frames`
 latent frames (1 and 3). Per frame of the output:
 
-- colour: the palette colour nearest the output's median over the region where the prompt's object should be
-  (drawn at the input object's place), against the prompt's colour ("prompt colour"; "anywhere": the output's
-  object's own colour, wherever it is: a model that restyles without following shows the prompt's colour there);
+- colour: the palette colour nearest the output's median over the region where the object should be (the pixels
+  of both the input's object and the prompt's object drawn at its place: a square input under "a ball" is read
+  over the ball), against the prompt's colour ("prompt colour"; "anywhere": the output's object's own colour,
+  wherever it is: a model that restyles without following shows the prompt's colour there, not in the region);
 - position: the distance from the output object's centre (client/pixels.py `read_frame`) to where the prompt's
   object drawn at the input's place reads, wrap-aware (objects wrap at the edges; a triangle's centroid is a third
   of its half-height below its box's centre, so the reference is read, not the path's point); a frame with no
@@ -141,9 +142,9 @@ class Result:
     frames: int  # video frames measured
     error_px: float  # mean distance of the output object's centre to the expected one, frames with an object
     found: float  # share of frames with an object
-    colour: float  # share of frames whose expected object region shows the prompt's colour (what `follows` asks)
+    colour: float  # share of frames whose object region (module doc) shows the prompt's colour (what `follows` asks)
     object_colour: float  # share of frames whose object, wherever it is, reads as the prompt's colour
-    input_colour: float  # share of frames whose expected object region shows the input's colour
+    input_colour: float  # share of frames whose object region shows the input's colour
     seconds: float  # wall time of the streams
 
     @property
@@ -155,6 +156,11 @@ def wrapped_distance(a: np.ndarray, b: np.ndarray, width: int, height: int) -> n
     """[..., 2] (x, y) points -> their distance on the width x height torus (objects wrap at the edges)."""
     d = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
     return np.hypot(*np.moveaxis(np.minimum(d, np.asarray((width, height)) - d), -1, 0))
+
+
+def object_region(frames: np.ndarray, scene: Scene) -> np.ndarray:
+    """[N, H, W, 3] frames drawn of `scene` -> [N, H, W] bool: its object's pixels."""
+    return (frames != np.asarray(BACKGROUNDS[scene.background], np.uint8)).any(-1)
 
 
 def region_colour(frame: np.ndarray, region: np.ndarray, background: tuple[int, int, int]) -> str | None:
@@ -189,13 +195,14 @@ def run(gen, case: Case, strength: float, chunks: int = 6, seed: int = 0) -> Res
     t0 = time.perf_counter()
     for c in range(chunks):
         idx = np.arange(first, first + gen.frames_in_chunk(c))
-        gen.set_input(state, case.render(idx, mc.width, mc.height))
+        frames_in = case.render(idx, mc.width, mc.height).numpy()
+        gen.set_input(state, torch.from_numpy(frames_in))
         out = None
         while out is None:
             out = gen.run(gen.next_work(state), [state])[0]
         k = out.start_step
         expected = case.expected(idx, mc.width, mc.height).numpy()
-        regions = (expected != np.asarray(BACKGROUNDS[case.target.background], np.uint8)).any(-1)  # [N, H, W]
+        regions = object_region(frames_in, case.scene) & object_region(expected, case.target)  # [N, H, W]
         for frame, want, region in zip(out.frames.cpu().numpy(), expected, regions):
             r = pixels.read_frame(frame)
             found.append(r.centre is not None)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from benchmarks.v2v_follow import (
-    FIXED, FOLLOW_PX, Result, cases, main, pool, region_colour, run, scene_cases, wrapped_distance,
+    FIXED, FOLLOW_PX, Result, cases, main, object_region, pool, region_colour, run, scene_cases, wrapped_distance,
 )
 from client import pixels
 from models import build_generator
@@ -117,6 +117,8 @@ def test_held_out_scenes_are_fixed_by_the_seed_and_restyle_a_held_out_look_along
             if case.scene.shape == case.target.shape == "ball":  # the expected object is where the input's is
                 assert wrapped_distance(rx.centre, ry.centre, 128, 128) < 1.0
             assert wrapped_distance(ry.centre, centre, 128, 128) < 7.0  # a triangle's centroid: r/3 below its centre
+            both = object_region(x[None], case.scene)[0] & object_region(y[None], case.target)[0]
+            assert both.sum() > 50 and both[int(centre[1]), int(centre[0])]  # the object's middle, whatever the shapes
     with pytest.raises(ValueError, match="a path of 80 frames"):
         first[0].render(np.array([80]), 128, 128)
     assert [c.family for c in cases()] == [FIXED, FIXED] and cases()[0].prompt == "a blue ball"
