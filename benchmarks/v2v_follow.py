@@ -117,15 +117,16 @@ def cases(width: int = 128, height: int = 128, n_frames: int = 400) -> list[Case
 def scene_cases(
     family: str, n: int, width: int = 128, height: int = 128, n_frames: int = 400, seed: int = EVAL_SEED
 ) -> list[Case]:
-    """`n` held-out scenes moving along paths of `family` (module doc), the same for a seed and a family; scene i
-    is the same whatever `n`, and its path's first frames whatever `n_frames`."""
+    """`n` held-out scenes moving along paths of `family` (module doc), the same for a seed and a family. Scene i
+    is the same whatever `n`, and its path's first frames whatever `n_frames`; its looks and prompt are the same
+    for every family (the families' rows differ in the paths alone)."""
     out = []
     for i in range(n):
-        rng = np.random.default_rng([seed, FAMILIES.index(family), i])
+        rng = np.random.default_rng([seed, i])
         look = sample_scene(rng, held_out=True)
         colour = str(rng.choice([c for c in COLOURS if c != look.colour]))
         target = Scene(colour, str(rng.choice(SHAPES)), look.size)
-        path = sample_path(rng, family, n_frames, height, width)
+        path = sample_path(np.random.default_rng([seed, i, 1 + FAMILIES.index(family)]), family, n_frames, height, width)
         out.append(Case(f"{family} {i}: {look.colour} {look.shape} -> {colour} {target.shape}", family, look,
                         prompt_of(target), target, path))
     return out
