@@ -3,10 +3,11 @@
 Input streams are rendered from models/scenes.py's looks moving along models/paths.py's paths:
 
 - held-out scenes: per path family, `--scenes` inputs whose colour and shape are those of a colour x shape x motion
-  triple held out of text-to-video training (scenes.HELD_OUT), on a random background, from a random start, along
-  a random path of the family; the prompt names another colour and a shape, no motion ("a blue square"). Every
-  draw comes from a seed training does not use. (Every colour x shape pair is seen in training, as are captions
-  without motion: what is new is the input, its path and their combination.)
+  triple held out of text-to-video training (scenes.HELD_OUT, each in turn; every fourth object small), on a random
+  background, from a random start, along a random path of the family; the prompt names another colour and a shape,
+  no motion ("a blue square"). Every draw comes from a seed training does not use; scene i has the same looks and
+  prompt in every family. (Every colour x shape pair is seen in training, as are captions without motion: what is
+  new is the input, its path and their combination.)
 - the families: paths.HELD_OUT_FAMILIES (orbits), never in training, and training families for comparison
   (`--families`, default orbit, line and zigzag; `all` for every family);
 - two fixed cases (issue 35's): "a red ball moving right" from the centre under "a blue ball", and a green ball
@@ -56,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from client import pixels  # noqa: E402
 from models import build_generator  # noqa: E402
 from models.paths import FAMILIES, HELD_OUT_FAMILIES, sample_path  # noqa: E402
-from models.scenes import BACKGROUNDS, COLOURS, HELD_OUT, SHAPES, SPEED, Scene, draw, sample_scene  # noqa: E402
+from models.scenes import BACKGROUNDS, COLOURS, HELD_OUT, SHAPES, SPEED, Scene, draw  # noqa: E402
 from models.stream import GeneratorConfig  # noqa: E402
 
 FOLLOW_PX = 8.0  # mean position error (px) that counts as following: half the big object's radius
@@ -64,6 +65,7 @@ SHARE = 0.9  # share of frames that must show the object, and the prompt's colou
 EVAL_SEED = 4435  # the held-out scenes' draws (training draws from default_rng(TrainConfig.seed), another stream)
 FIXED = "issue 35"  # the family name of the fixed cases' rows
 DEFAULT_FAMILIES = (*HELD_OUT_FAMILIES, "line", "zigzag")
+HELD_OUT_LOOKS = tuple(sorted(HELD_OUT))  # the held-out scenes' input looks, in turn
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,9 @@ def scene_cases(
     out = []
     for i in range(n):
         rng = np.random.default_rng([seed, i])
-        look = sample_scene(rng, held_out=True)
+        colour, shape, motion = HELD_OUT_LOOKS[i % len(HELD_OUT_LOOKS)]
+        size = "small" if i % 4 == 3 else "big"  # as many small ones as training has, a fifth, at least one in 4
+        look = Scene(colour, shape, size, motion, str(rng.choice([b for b in BACKGROUNDS if b != colour])))
         colour = str(rng.choice([c for c in COLOURS if c != look.colour]))
         target = Scene(colour, str(rng.choice(SHAPES)), look.size)
         path = sample_path(np.random.default_rng([seed, i, 1 + FAMILIES.index(family)]), family, n_frames, height, width)

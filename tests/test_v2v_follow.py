@@ -106,6 +106,8 @@ def test_held_out_scenes_are_fixed_by_the_seed_and_restyle_a_held_out_look_along
     longer = scene_cases(family, 7, n_frames=200)
     assert all(np.array_equal(c.path, d.path[:80]) and c.name == d.name for c, d in zip(first, longer))
     looks = {(c, s) for c, s, _ in HELD_OUT}
+    assert [c.scene.size for c in first] == ["big", "big", "big", "small", "big", "big"]
+    assert len({(c.scene.colour, c.scene.shape) for c in scene_cases(family, len(HELD_OUT), n_frames=2)}) == len(HELD_OUT)
     for case in first:
         assert case.family == family and (case.scene.colour, case.scene.shape) in looks
         assert case.colour != case.scene.colour and case.target.size == case.scene.size
