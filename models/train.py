@@ -24,7 +24,8 @@ Stages, run in order by one command that stops after `--minutes` and checkpoints
 
 5. follow (video-to-video, issue 35; off unless `follow_steps`, usually from a shipped model with
    `--init FILE`): teacher forcing where a noisy chunk's position is not the prompt's. The objects
-   start anywhere and move at any velocity (what the prompt does not say), and the noisy chunk is made
+   start anywhere and move along paths of models/paths.py's training families (lines at any velocity,
+   zigzags, waves, stops, ramps, random walks: what the prompt does not say), and the noisy chunk is made
    from an input rendering of the same trajectory in another colour and background (often shape):
    x_t = (1 - sigma) z_input + sigma eps at a level an input chunk starts at (`follow_min_step`: 0.625
    and 0.357), its x0 regressed onto the prompt's look at the input's positions. The caption names no
@@ -62,6 +63,7 @@ from models.decoder import NoDecoder, TinyStreamingDecoder
 from models.dit import CacheAccess, CausalWanModel
 from models.generator import ChunkGenerator
 from models.latent import BlockPCA, video_frames
+from models.paths import sample_training_path
 from models.scenes import (
     BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, Clip, Scene, chunks_of_frames, draw, sample_clip, sample_scene,
     vocabulary,
@@ -406,8 +408,8 @@ class Trainer:
 
     def _pair(self, fpc: int) -> tuple[torch.Tensor, torch.Tensor, tuple[list[str], list[float]]]:
         """One video-to-video clip: (the target frames [F, tu, H, W, 3], the input frames, (the caption of each
-        frame of [clean | noisy], the loss weight of each noisy chunk)). Both are one trajectory from a random
-        start at a random velocity (up to 4 px a frame each way); the input differs in colour and background,
+        frame of [clean | noisy], the loss weight of each noisy chunk)). Both follow one path of a training
+        family (models/paths.py, up to 4 px a frame); the input differs in colour and background,
         and often in shape (`follow_shape_share`). The captions name the target's colour and shape and no
         motion (as a restyling prompt does, "a blue ball"): a motion phrase against the trajectory taught the
         model to drop motion words, and its text-to-video switches to a new motion stopped following (issue
@@ -423,7 +425,7 @@ class Trainer:
             looks.append(new)
         target = looks[0]
         colour = str(rng.choice([c for c in COLOURS if c != target.colour]))
-        background = str(rng.choice([g for g in BACKGROUNDS if g != colour]))
+        background = str(rng.choice([g for g in BACKGROUNDS if g not in (colour, target.background)]))
         others = [sh for sh in SHAPES if sh != target.shape]
         shape = str(rng.choice(others)) if rng.random() < self.cfg.follow_shape_share else target.shape
         source = Scene(colour, shape, target.size, target.motion, background)
@@ -435,9 +437,7 @@ class Trainer:
                 caption = still.caption(rng)
             captions.append(caption)
         frames = np.asarray(video_frames(list(range(nc * fpc)), mc.temporal_upsample))
-        start = rng.uniform(0, (mc.width, mc.height))
-        velocity = rng.uniform(-4, 4, size=2) * (rng.random() < 0.9)
-        centres = np.mod(start + frames[:, None] * velocity, (mc.width, mc.height))
+        centres = sample_training_path(rng, int(frames.max()) + 1, mc.height, mc.width)[frames]
         which = (chunks_of_frames(frames, fpc) >= switch).astype(int) if switch is not None else np.zeros(len(frames), int)
         out = [draw(centres, looks, mc.height, mc.width, self.device, which),
                draw(centres, [source], mc.height, mc.width, self.device, np.zeros(len(frames), dtype=int))]
