@@ -224,10 +224,11 @@ class ProcessGauges:
         bytes of torch's CUDA allocator, None off CUDA."""
         if device_memory is not None:
             if self.cuda_allocated is None:
+                r = self.registry
                 self.cuda_allocated = Gauge("streamsvc_cuda_memory_allocated_bytes", "Device memory torch's CUDA "
-                                            "allocator has handed out (torch.cuda.memory_allocated)", registry=self.registry)
+                                            "allocator has handed out (torch.cuda.memory_allocated)", registry=r)
                 self.cuda_reserved = Gauge("streamsvc_cuda_memory_reserved_bytes", "Device memory torch's CUDA "
-                                           "allocator holds (torch.cuda.memory_reserved)", registry=self.registry)
+                                           "allocator holds (torch.cuda.memory_reserved)", registry=r)
             self.cuda_allocated.set(device_memory[0])
             self.cuda_reserved.set(device_memory[1])
         if not self.has_proc:
