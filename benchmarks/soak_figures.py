@@ -117,6 +117,30 @@ def drift(samples: Sequence[Sample], run_s: float, share: float = DRIFT_SHARE) -
                         sum(1 for t, _ in samples if t >= (1 - share) * run_s))}
 
 
+def mix_adjusted_drift(chunks: Sequence[tuple[float, Triple, int, int]], run_s: float,
+                       share: float = DRIFT_SHARE) -> dict:
+    """`drift` of a pixel score with the prompts' mix taken out: chunks (t, the triple asked for, frames right,
+    frames) each count as their share right less their triple's over the whole run, weighted by frames. The
+    built-in model draws some triples far better than others (a ball before a triangle), so a window that happened
+    to ask for more triangles would read as drift; this compares each prompt with itself."""
+    right: dict[Triple, float] = {}
+    total: dict[Triple, float] = {}
+    for _, want, r, n in chunks:
+        right[want] = right.get(want, 0.0) + r
+        total[want] = total.get(want, 0.0) + n
+
+    def mean(t0: float, t1: float) -> tuple[float | None, int]:
+        inside = [(want, r, n) for t, want, r, n in chunks if t0 <= t < t1 and n > 0]
+        frames = sum(n for _, _, n in inside)
+        if not frames:
+            return None, 0
+        return sum(r - n * right[want] / total[want] for want, r, n in inside) / frames, frames
+
+    (first, n0), (last, n1) = mean(0.0, share * run_s), mean((1 - share) * run_s, math.inf)
+    return {"first": first, "last": last, "delta": None if first is None or last is None else last - first,
+            "samples": (n0, n1)}
+
+
 def at_or_after(samples: Sequence[Sample], t: float) -> Sample | None:
     """The first sample at or after `t` (else the last one; None for none)."""
     for s in samples:

@@ -6,7 +6,10 @@ Frames: decoding and reading every frame of 16 streams on a 2-core CPU would cos
 measured on. Only the first `sample_streams` slots without input video decode (the rest count frames from the chunk
 headers, as `--decode none` does: their stalls are measured all the same), and of those only one chunk in
 `sample_every` is read: each frame's statistics, and for the built-in model its colour, shape and motion against the
-prompt its chunk was made under (a prompt's first chunk left out: it is the switch's, as tiny_eval leaves it out).
+prompt its chunk was made under. A prompt's first `settle` chunks are left out of that score (the switch's chunk, as
+tiny_eval leaves it out, and the built-in model's shape takes a few chunks more to follow a switch), so that bursts of
+prompts do not read as drift; the score by chunks since the switch (`Samples.by_position`) shows what they cost, and
+by the prompts a stream had before (`Samples.by_switches`) whether its 20th prompt is followed as its first was.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from streamsvc.wire import protocol as P
 ACK_TIMEOUT_S = 5.0  # a prompt's ack (its version) is waited for this long at most
 OPEN_ATTEMPTS = 5  # a refused open is tried again this often (2 s apart) within its session
 MAX_ERRORS_KEPT = 20
+POSITIONS = 6  # by_position keeps chunks 0..5 after a switch apart, and 6 on together
+SWITCHES = 12  # by_switches keeps prompts 0..11 apart, and 12 on together
 
 
 @dataclass
@@ -46,6 +51,13 @@ class Samples:
     all: list[Sample] = field(default_factory=list)
     chunks_read: int = 0
     read_s: float = 0.0  # the client's time spent reading them
+    # chunks since their prompt's switch (0: the switch's own; POSITIONS and more together) -> [frames right in all
+    # three, frames scored], whether settled or not
+    by_position: dict[int, list[int]] = field(default_factory=dict)
+    # prompts the stream had before (0: its opening prompt's chunks; SWITCHES and more together) -> [frames right in
+    # all three, frames scored], settled chunks only: whether a stream follows its 20th prompt as it followed its first
+    by_switches: dict[int, list[int]] = field(default_factory=dict)
+    scored: list[tuple[float, Triple, int, int]] = field(default_factory=list)  # settled chunks: t, asked, right, frames
 
     SERIES = ("brightness", "saturation", "sharpness", "change", "colour", "shape", "motion", "all")
 
@@ -54,14 +66,17 @@ class FrameSampler:
     """A steerer's frame tap (`StreamClient.frame_tap`): reads one chunk in `every` into `samples`; `versions` maps the
     stream's prompt versions to the triple each asks for (None: not a caption, not scored)."""
 
-    def __init__(self, samples: Samples, every: int, since: Callable[[], float], score: bool) -> None:
-        self.samples, self.every, self.since, self.score = samples, every, since, score
+    def __init__(self, samples: Samples, every: int, since: Callable[[], float], score: bool, settle: int = 2) -> None:
+        self.samples, self.every, self.since, self.score, self.settle = samples, every, since, score, settle
         self.versions: dict[int, Triple | None] = {}
         self.chunks = 0
         self.version: int | None = None  # the prompt version of the chunk before
+        self.position = 0  # chunks since the switch to it (0: its first)
+        self.switches = -1  # prompts the stream had before this chunk's (the opening prompt's chunks: 0)
 
     def __call__(self, header: P.Chunk, frames: Sequence) -> None:
-        switch = header.prompt_version != self.version
+        self.position = 0 if header.prompt_version != self.version else self.position + 1
+        self.switches += self.position == 0
         self.version = header.prompt_version
         self.chunks += 1
         if (self.chunks - 1) % self.every:
@@ -76,11 +91,19 @@ class FrameSampler:
             s.sharpness.append((t, st.sharpness))
         s.change += [(t, frame_change(a, b)) for a, b in zip(rgb, rgb[1:])]
         want = self.versions.get(header.prompt_version)
-        if self.score and want is not None and not switch and len(rgb) >= 2:
+        if self.score and want is not None and len(rgb) >= 2:
             sc = score_chunk(rgb, want)
-            for name in ("colour", "shape", "motion", "all"):
-                right = getattr(sc, name)
-                getattr(s, name).extend([(t, 1.0)] * right + [(t, 0.0)] * (sc.frames - right))
+            tally = s.by_position.setdefault(min(self.position, POSITIONS), [0, 0])
+            tally[0] += sc.all
+            tally[1] += sc.frames
+            if self.position >= self.settle:
+                for name in ("colour", "shape", "motion", "all"):
+                    right = getattr(sc, name)
+                    getattr(s, name).extend([(t, 1.0)] * right + [(t, 0.0)] * (sc.frames - right))
+                tally = s.by_switches.setdefault(min(self.switches, SWITCHES), [0, 0])
+                tally[0] += sc.all
+                tally[1] += sc.frames
+                s.scored.append((t, want, sc.all, sc.frames))
         s.chunks_read += 1
         s.read_s += time.perf_counter() - t0
 
@@ -147,6 +170,7 @@ class Context:
     sample_streams: set[int]  # the slots whose frames are sampled
     sample_every: int
     score_pixels: bool
+    settle: int = 2  # a prompt's first chunks left out of the pixel score (see the module docstring)
     token: str | None = None
     sources: dict[int, Callable] = field(default_factory=dict)  # slot -> its input video (slots with input)
     samples: Samples = field(default_factory=Samples)
@@ -195,7 +219,7 @@ async def _open(ctx: Context, slot: int, session: int, until: float) -> tuple[St
     ctx.steerers.open.append(c)
     sampler = None
     if sampled:
-        sampler = FrameSampler(ctx.samples, ctx.sample_every, ctx.since, ctx.score_pixels)
+        sampler = FrameSampler(ctx.samples, ctx.sample_every, ctx.since, ctx.score_pixels, ctx.settle)
         sampler.versions[c.ready.prompt_version] = caption_triple(prompt)
         c.frame_tap = sampler
     return c, sampler

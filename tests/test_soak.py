@@ -9,7 +9,8 @@ import pytest
 from benchmarks import soak
 from benchmarks import soak_figures as sf
 from benchmarks.soak_churn import Act, ChurnConfig, sessions, slot_plan
-from benchmarks.soak_streams import Samples
+from benchmarks.soak_streams import FrameSampler, Samples
+from streamsvc.wire import protocol as P
 from client.loadtest_prompts import viewer_prompt
 from models.scenes import Scene, Timeline, vocabulary
 
@@ -60,6 +61,20 @@ def test_growth_counts_from_its_point_and_shows_the_range_after():
 def test_window_mean_takes_the_samples_in_the_half_open_window():
     s = [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0), (3.0, 10.0)]
     assert sf.window_mean(s, 1.0, 3.0) == 2.5 and sf.window_mean(s, 4.0, 5.0) is None
+
+
+def test_the_mix_adjusted_drift_compares_each_prompt_with_itself():
+    ball, triangle = ("red", "ball", "right"), ("red", "triangle", "right")
+    # the first 15 s ask for balls (all right), the last for triangles (half right): no prompt got worse
+    chunks = [(float(t), ball, 12, 12) for t in range(0, 15)] + [(float(t), triangle, 6, 12) for t in range(85, 100)]
+    chunks += [(50.0, ball, 12, 12), (50.0, triangle, 6, 12)]
+    raw = sf.drift([(t, r / n) for t, _, r, n in chunks], 100.0)
+    assert raw["delta"] == pytest.approx(-0.5)  # the raw score reads the mix as drift
+    same = sf.mix_adjusted_drift(chunks, 100.0)
+    assert same["delta"] == pytest.approx(0.0) and same["samples"] == (180, 180)
+    worse = chunks + [(90.0, ball, 0, 12)]  # a ball that came out wrong at the end: drift
+    assert sf.mix_adjusted_drift(worse, 100.0)["delta"] < -0.05
+    assert sf.mix_adjusted_drift([], 100.0)["delta"] is None
 
 
 # ---------------------------------------------------------------- latency from the histogram
@@ -126,6 +141,43 @@ def test_the_renderers_frames_match_their_own_triple_and_not_another():
     assert right == sf.ChunkScore(frames=12, colour=12, shape=12, motion=12, all=12)
     wrong = sf.score_chunk(frames, ("blue", "square", "left"))
     assert (wrong.colour, wrong.shape, wrong.motion, wrong.all) == (0, 12, 0, 0)
+
+
+class Decoded:
+    """A frame as the client's decoder gives it (an av.VideoFrame's to_ndarray)."""
+
+    def __init__(self, rgb: np.ndarray) -> None:
+        self.rgb = rgb
+
+    def to_ndarray(self, format: str) -> np.ndarray:
+        assert format == "rgb24"
+        return self.rgb
+
+
+def test_the_sampler_reads_one_chunk_in_k_and_scores_settled_chunks_against_their_prompt():
+    samples, t = Samples(), [0.0]
+    sampler = FrameSampler(samples, every=2, since=lambda: t[0], score=True, settle=2)
+    sampler.versions = {0: ("red", "square", "right"), 1: ("blue", "ball", "left"), 2: None}
+    red = [Decoded(f) for f in rendered("red", "square", "right")]
+
+    def chunk(index: int, version: int) -> None:
+        t[0] = float(index)
+        sampler(P.Chunk.describe([b"x"] * 12, index=index, pts=12 * index, prompt_version=version, steps=4,
+                                 keyframe=index == 0), red)
+
+    for i in range(6):  # version 0: read chunks 0, 2, 4; scored 2 and 4 (0 is the switch's, 1 the next)
+        chunk(i, 0)
+    assert samples.chunks_read == 3 and len(samples.brightness) == 36 and len(samples.change) == 33
+    assert [v for _, v in samples.all] == [1.0] * 24 and {t for t, _ in samples.all} == {2.0, 4.0}
+    for i in range(6, 10):  # version 1 asks for a blue ball moving left: read 6 and 8, scored 8, all wrong
+        chunk(i, 1)
+    assert [v for t, v in samples.all if t == 8.0] == [0.0] * 12
+    # by chunks since the switch, settled or not: 0 (chunks 0 and 6), 2 (2 and 8), 4 (4)
+    assert samples.by_position == {0: [12, 24], 2: [12, 24], 4: [12, 12]}
+    assert samples.by_switches == {0: [24, 24], 1: [0, 12]}  # settled chunks, by the prompts before theirs
+    for i in range(10, 14):  # version 2 is no caption: read, not scored
+        chunk(i, 2)
+    assert samples.chunks_read == 7 and len(samples.all) == 36
 
 
 def test_the_load_tests_captions_name_their_triple():
@@ -209,6 +261,7 @@ def test_the_summary_checks_growth_latency_stalls_and_pixels():
     assert r["stalls"]["per_stream_hour_s"] == pytest.approx(0.3, abs=1e-3) and r["stalls"]["count"] == 2
     assert r["checks"]["stall_ratio_at_most_1e-4"] is True
     assert r["drift"]["all"]["delta"] == pytest.approx(-0.03) and r["checks"]["pixels_within_2_points"] is False
+    assert r["checks"]["pixels_same_prompts_within_2_points"] is None  # no chunk scored with its prompt
     assert "colour" not in soak.summarize(records, scrapes, samples, 3600.0, 60.0, score_pixels=False)["drift"]
 
 
@@ -231,9 +284,10 @@ def test_a_short_soak_against_a_local_server_ends_with_its_json_line(tmp_path, c
     assert churn["pauses"] == churn["resumes"] >= 1 and churn["failed"] == 0
     assert report["stalls"]["count"] >= 0 and report["stalls"]["ratio"] is not None
     assert set(report["checks"]) == {"stall_ratio_at_most_1e-4", "rss_growth_under_5pct", "latency_p95_within_10pct",
-                                     "pixels_within_2_points"}
+                                     "pixels_within_2_points", "pixels_same_prompts_within_2_points"}
     assert report["latency_p95"]["early_s"] > 0 and report["latency_p95"]["late_s"] > 0
     assert report["growth"]["rss_bytes"]["start"] > 0 and report["after_close"]["fds"] > 0
-    for name in ("brightness", "saturation", "sharpness", "change", "all"):
+    for name in ("brightness", "saturation", "sharpness", "change", "all", "all_same_prompts"):
         assert report["drift"][name]["delta"] is not None, name
     assert report["sampling"]["frames_read"] > 0 and (tmp_path / "soak.json").exists()
+    assert report["sampling"]["pixels_by_chunks_since_switch"]  # the built-in model's frames, scored
