@@ -261,6 +261,8 @@ def plot(records: list[dict], out: Path) -> list[str]:
             continue
         fig, ax = plt.subplots(figsize=(6, 3))
         ax.plot(*zip(*points), marker=".")
+        ax.set_ylim(bottom=min(0.0, min(v for _, v in points)))  # from 0: a flat curve reads flat
+        ax.ticklabel_format(axis="y", useOffset=False)
         ax.set_xlabel("minute")
         ax.set_title(name)
         fig.tight_layout()

@@ -2,6 +2,7 @@
 statistics, pixel scores on rendered frames), each slot's churn plan, and a short run against a local server."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -263,6 +264,25 @@ def test_the_summary_checks_growth_latency_stalls_and_pixels():
     assert r["drift"]["all"]["delta"] == pytest.approx(-0.03) and r["checks"]["pixels_within_2_points"] is False
     assert r["checks"]["pixels_same_prompts_within_2_points"] is None  # no chunk scored with its prompt
     assert "colour" not in soak.summarize(records, scrapes, samples, 3600.0, 60.0, score_pixels=False)["drift"]
+
+
+def test_without_matplotlib_no_png_is_made_and_a_line_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    assert soak.plot([{"minute": 1, "rss_bytes": 1.0}], tmp_path) == []
+    assert "matplotlib is not installed: no PNGs" in capsys.readouterr().out and not list(tmp_path.iterdir())
+
+
+def test_a_png_of_each_curve_where_matplotlib_is_installed(tmp_path):
+    pytest.importorskip("matplotlib")
+    minutes = [{"minute": k, **{f: None for f in soak.SERVER}, "rss_bytes": 1e9 + k, "fds": 20.0, "tables": {"s": 1.0},
+                "latency": {"p50_s": 0.02, "p95_s": 0.05, "max_s": None}, "stalls": {"seconds": 0.0},
+                "degraded": None, "frames": {"brightness": 60.0, "saturation": 0.1, "sharpness": 30.0, "change": 2.0},
+                "pixels": None} for k in (1, 2, 3)]
+    paths = soak.plot(minutes, tmp_path)
+    names = {p.rsplit("/", 1)[1] for p in paths}
+    assert {"rss_bytes.png", "fds.png", "latency_p95_s.png", "frame_sharpness.png", "table_s.png"} <= names
+    assert "gpu_allocated_bytes.png" not in names and "latency_max_s.png" not in names  # no points: no PNG
+    assert all((tmp_path / n).stat().st_size > 1000 for n in names)
 
 
 @pytest.mark.slow
