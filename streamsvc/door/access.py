@@ -308,6 +308,10 @@ class StreamLimits:
         self._by_address[address] += 1
         return None
 
+    def table_sizes(self) -> dict[str, int]:
+        """Its entries (see Server.table_sizes): an address or a token that holds no stream has none."""
+        return {"door.streams_by_address": len(self._by_address), "door.streams_by_token": len(self._by_token)}
+
     def held(self) -> int:
         """Streams counted now (by address: every stream has one)."""
         return sum(self._by_address.values())
@@ -512,3 +516,7 @@ class LogGate:
         while len(self._keys) > self.size:
             self._keys.popitem(last=False)
         return 0 if last is None else last[1]
+
+    def __len__(self) -> int:
+        """Keys tracked (at most `size`)."""
+        return len(self._keys)

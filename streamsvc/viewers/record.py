@@ -171,6 +171,11 @@ class RecordingStore:
         self._stored = 0  # bytes of the finished recordings' files, as of the last scan (or finished() since)
         self._active: dict[str, Recorder] = {}  # recordings being written, by id (counted by bytes_written)
 
+    def table_sizes(self) -> dict[str, int]:
+        """Its tables' entries (see Server.table_sizes): recordings being written, and those it knows (made here or
+        found in the directory: as many as the directory holds, and those being written)."""
+        return {"recordings.active": len(self._active), "recordings.known": len(self._known)}
+
     @property
     def used_bytes(self) -> int:
         """Disk the recordings use: those finished (from earlier runs too, as the directory holds them now: deleting
