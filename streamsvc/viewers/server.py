@@ -364,7 +364,7 @@ class Server:
         if transport != "webrtc":
             return
         viewer.rtc = self.webrtc[viewer.viewer_id] = WebRtcTransport(
-            viewer, _TrackReports(self.engine, viewer), self._webrtc_config,
+            viewer, TrackReports(self.engine, viewer), self._webrtc_config,
             on_control=lambda m: self.streams.control(viewer, m),
             on_lost=lambda reason: self.streams.leave(viewer, reason), on_stall=self.metrics.track_stalls.inc,
             on_backlog=self.metrics.refusals.labels(Refusal.SLOW_CLIENT.value).inc,
@@ -470,14 +470,19 @@ class Server:
                               if steers else {}))
 
 
-class _TrackReports:
+class TrackReports:
     """What a viewer's WebRTC track tells the engine (WebRtcTransport's `engine`): its queue of frames, as the lowest
-    of its stream's WebRTC viewers (the model follows the viewer closest to stalling), and its keyframe requests."""
+    of its stream's WebRTC viewers (the model follows the viewer closest to stalling), and its keyframe requests.
+    A viewer that left its stream reports nothing: its track may still send what it had queued until its peer
+    connection closes, and its entry (dropped when it left) would come back for the stream's life, holding the
+    stream's model at a queue nobody plays."""
 
     def __init__(self, engine: Engine, viewer: Viewer) -> None:
         self.engine, self.viewer = engine, viewer
 
     def observe_buffer(self, stream_id: str, buffered_frames: float, grace_s: float = 0.0) -> None:
+        if self.viewer.closed:
+            return
         queues = self.viewer.session.track_queues
         queues[self.viewer.viewer_id] = buffered_frames
         self.engine.observe_buffer(stream_id, min(queues.values()), grace_s=grace_s)
