@@ -1,5 +1,5 @@
 """Hours of a stream are its first minutes again: chunk 100,000 is computed exactly as chunk 100 is, given the same
-cache contents, at chunks of 3 latent frames and of 1.
+cache contents, at chunks of 3 latent frames and of 1, in every storage of the cache (dense, int4, int2).
 
 Nothing the model computes grows with a stream's age: the cache is a ring (sinks, then a window whose oldest slot the
 next frame overwrites), and RoPE reads positions relative to its layout [sinks | window | chunk], integers from 0 to
@@ -42,9 +42,9 @@ def next_chunk(gen: ChunkGenerator, state: StreamState):
     return next(gen.stream(state))
 
 
-@pytest.mark.parametrize("frames_per_chunk", [3, 1])
-def test_chunk_100000_is_computed_exactly_as_chunk_100_given_the_same_cache(frames_per_chunk):
-    gen = tiny_generator(frames_per_chunk=frames_per_chunk)
+@pytest.mark.parametrize("frames_per_chunk,kv_quant", [(3, "none"), (1, "none"), (3, "int4"), (1, "int2")])
+def test_chunk_100000_is_computed_exactly_as_chunk_100_given_the_same_cache(frames_per_chunk, kv_quant):
+    gen = tiny_generator(frames_per_chunk=frames_per_chunk, kv_quant=kv_quant)
     young = gen.open_stream("young", "a red ball on grass", seed=7)
     old = gen.open_stream("old", "a red ball on grass", seed=7)
     for _ in range(YOUNG):  # the same chunks, so the same cache contents, noise and decoder memory
