@@ -38,7 +38,7 @@ MAX_VIEWERS = MAX_STREAMS + 6  # steerers, two watchers, a vanishing one, and co
 T = 15.0  # bound on anything that should take well under a second
 PROMPTS = ("a red fox in the snow", "a blue ball on grass", "a green car at night", "a yellow bird in the sky",
            "a white boat on the sea")
-PER_STREAM_PROMPTS = 4  # the scheduler's prompt texts per stream: the cache's, the chunk's, the planned, the waiting
+PER_STREAM_PROMPTS = 5  # the scheduler's prompt texts a stream: the cache's, the chunk's, the one before, the newest, the waiting
 
 pytestmark = pytest.mark.slow
 
