@@ -6,7 +6,8 @@ control rate) and watchers joining and leaving it; streams that end and open aga
 one recording, one pausing and resuming, one taking input video from a synthetic camera; a WebRTC watcher that
 comes and goes; clients that vanish
 without a close (a steerer before and after a pause, a watcher). While it runs every table stays within what the
-open streams and viewers allow; once every stream has ended every per-stream table is empty, and /metrics says so.
+open streams and viewers allow; once every stream has ended every per-stream table is empty, and /metrics says so
+(with the same series as before the run: no label set grows with streams).
 Every loop is bounded by the run's deadline and a count.
 """
 
@@ -238,11 +239,20 @@ async def vanishing(churn: Churn) -> None:
         await asyncio.sleep(8.0)
 
 
+async def metrics(server: Server) -> dict[str, float]:
+    """/metrics' series by name and labels (`name{labels}`)."""
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(  # noqa: S310 - loopback
+        f"http://127.0.0.1:{server.port}/metrics", timeout=T).read().decode())
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
 async def test_a_server_under_churn_keeps_its_tables_bounded_and_empties_them_when_its_streams_end(tmp_path):
     server = Server(EngineConfig(preset="tiny", device="cpu"),
                     ServerConfig(port=0, max_streams=MAX_STREAMS, recordings_dir=str(tmp_path)))
     await asyncio.wait_for(server.start(), 60)
     try:
+        before = await metrics(server)
         churn = Churn(server)
         churn.long = await churn.open(prompt=PROMPTS[0], seed=1)
         assert churn.long is not None
@@ -272,12 +282,12 @@ async def test_a_server_under_churn_keeps_its_tables_bounded_and_empties_them_wh
         assert sizes["door.rate_buckets"] <= 3 and sizes["door.log_keys"] <= len(Refusal)
         assert sizes["recordings.known"] >= 1  # the recordings made, in the directory
 
-        text = await asyncio.to_thread(lambda: urllib.request.urlopen(  # noqa: S310 - loopback
-            f"http://127.0.0.1:{server.port}/metrics", timeout=T).read().decode())
-        series = {line.split("{table=\"")[1].split("\"")[0]: float(line.rsplit(" ", 1)[1])
-                  for line in text.splitlines() if line.startswith("streamsvc_table_entries{")}
-        assert set(series) == set(sizes)
-        assert series["engine.streams"] == series["kv.caches"] == series["output.encoders"] == 0
-        assert series["door.connections"] >= 1  # the scrape's own
+        after = await metrics(server)
+        assert set(after) == set(before)  # no label set grew with the streams (none is by stream, viewer or address)
+        tables = {key.split('{table="')[1][:-2]: n for key, n in after.items()
+                  if key.startswith("streamsvc_table_entries{")}
+        assert set(tables) == set(sizes)
+        assert tables["engine.streams"] == tables["kv.caches"] == tables["output.encoders"] == 0
+        assert tables["door.connections"] >= 1  # the scrape's own
     finally:
         await asyncio.wait_for(server.stop(), 30)
