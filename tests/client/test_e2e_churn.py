@@ -263,7 +263,7 @@ async def test_a_server_under_churn_keeps_its_tables_bounded_and_empties_them_wh
         for c in list(churn.clients):
             await churn.close(c)
         # what it went through (a run that churned less would prove less)
-        assert churn.opened >= 12 and churn.vanished >= 20 and churn.long.prompts_sent >= 300, vars(churn)
+        assert churn.opened >= 8 and churn.vanished >= 12 and churn.long.prompts_sent >= 200, vars(churn)
         assert churn.samples >= CHURN_S / 0.5 and churn.peaks["scheduler.parked"] >= 1, churn.peaks
         assert churn.peaks["inputs.streams"] >= 1 and churn.peaks["recordings.active"] >= 1, churn.peaks
         assert churn.peaks["viewers.viewers"] >= 4 and churn.peaks["viewers.prompt_texts"] >= PROMPT_TEXTS_KEPT
