@@ -31,6 +31,7 @@ QUICK = (
     "tests/kvcache/test_quant.py", "tests/models/test_scenes.py", "tests/models/test_dit.py",
     "tests/models/test_generator.py", "tests/models/test_decoder.py", "tests/models/test_text.py",
     "tests/models/test_weights.py", "tests/models/test_model_file.py", "tests/models/test_fidelity.py",
+    "tests/models/test_long_stream.py",
     "tests/test_imports.py",
 )
 
