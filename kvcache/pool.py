@@ -47,6 +47,10 @@ class CachePool:
     def num_streams(self) -> int:
         return len(self._held)
 
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of its per-stream table: the caches it holds (what a server counts of it, with its other tables)."""
+        return {"kv.caches": len(self._held)}
+
     def fits(self, spec: CacheSpec, extra_bytes: int = 0) -> bool:
         return spec.stream_bytes() + extra_bytes <= self.free_bytes
 

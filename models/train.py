@@ -12,8 +12,11 @@ Stages, run in order by one command that stops after `--minutes` and checkpoints
    The loss is on the clean latent the predicted flow leads to (x - sigma v against x0): every level
    weighs alike, as the sampler uses each of them to predict x0.
    After a prompt switch the sinks keep the old prompt's K/V as a recache leaves them: a frame's text
-   is per frame, the old prompt's for the sink chunk, the new one's for the rest. A share of the clips
-   (`image_share`) start from an image instead: latent frame 0 a clean block of its own (models/train_image.py).
+   is per frame, the old prompt's for the sink chunk, the new one's for the rest. Each batch mixes three kinds of
+   clip, each with its own noise levels and loss weights: text clips; video-to-video pairs (`follow_share`, drawn
+   fresh each step: models/train_follow.py), whose noisy chunks start from an input video of the same motion in
+   another look, so that the model learns to follow an input while it learns shapes; and clips that start from an
+   image (`image_share`: latent frame 0 a clean block of its own, models/train_image.py).
 
 4. rollout: a short fine-tune on the model's own context, as Self-Forcing trains: a batch of streams
    rolled out with the real ChunkGenerator (its cache, prompt switches and recaches), up to a random
@@ -22,27 +25,19 @@ Stages, run in order by one command that stops after `--minutes` and checkpoints
    the object was: the rendered chunk is moved to continue from where the model's object is at the end
    of the chunk before, so a stream that drifted is taught to go on from there, not to jump back).
 
-5. follow (video-to-video, issue 35; off unless `follow_steps`, usually from a shipped model with
-   `--init FILE`): teacher forcing where a noisy chunk's position is not the prompt's. The objects
-   start anywhere and move along paths of models/paths.py's training families (lines at any velocity,
-   zigzags, waves, stops, ramps, random walks: what the prompt does not say), and the noisy chunk is made
-   from an input rendering of the same trajectory in another colour and background (often shape):
-   x_t = (1 - sigma) z_input + sigma eps at a level an input chunk starts at (`follow_min_step`: 0.625
-   and 0.357), its x0 regressed onto the prompt's look at the input's positions. The caption names no
-   motion; half the pairs switch prompt while the input goes on. Half the noisy chunks come from the
-   target itself instead (the later steps of an input chunk re-noise the model's own x0). The rest of
-   each batch is the teacher's own text-to-video clips (`follow_t2v`), so that path stays. What
-   changes: before it, the model's x0 ignored x_t's layout (in the scenes nothing is random once the
-   prompts are known, so the context and the prompt fixed the position) and no strength followed an
-   input.
+5. follow (off unless `follow_steps`; a fine-tune from a model file with `--init FILE`): teacher forcing on
+   pairs from a pool rendered once (`follow_pool`) beside as many text clips (`follow_t2v`), no image clips. Such a
+   fine-tune of a model trained without pairs learnt to follow but lost text-to-video shapes; the teacher's pairs
+   are the recipe, this stage is for trying things on a finished file.
 
 Chunk sizes (`chunk_sizes`): streams denoise chunks of 3 latent frames, or of 1 for low latency. The teacher, rollout
-and follow stages train the sizes in turn, one a step (picked by the step's number: a batch shares one layout, each
+and follow stages train the sizes in turn, one a step (picked by the step's number: a batch shares one chunk size, each
 size gets its share exactly, a resume goes on alike), on clips of what the cache holds at that size and the chunk
 being made (models/train_clips.py `clip_layout`).
 
-`--smoke` runs a few steps of each on the CPU in seconds (CI runs it; it trains both sizes). `--export FILE` writes the
-weights as one safetensors file (DiT, decoder, encoder and the text vectors of the caption words).
+`--smoke` runs a few steps of each on the CPU in seconds (CI runs it; it trains both sizes, the teacher on all three
+kinds of clip). `--export FILE` writes the weights as one safetensors file (DiT, decoder, encoder and the text vectors
+of the caption words).
 """
 
 from __future__ import annotations
@@ -63,16 +58,15 @@ from models.decoder import NoDecoder, TinyStreamingDecoder
 from models.dit import CacheAccess, CausalWanModel
 from models.generator import ChunkGenerator
 from models.latent import BlockPCA, video_frames
-from models.paths import sample_training_path
-from models.scenes import (
-    BACKGROUNDS, COLOURS, MOTION_PHRASES, SHAPES, Clip, Scene, chunks_of_frames, draw, sample_clip, sample_scene,
-    vocabulary,
-)
+from models.scenes import Clip, sample_clip, vocabulary
 from models.stream import GeneratorConfig
 from models.teacher_forcing import frame_sigmas, frame_text, sigmas, teacher_forward
 from models.text import HashTextEncoder
 from models.train_clips import (
     chunk_weights, clip_captions, clip_layout, object_centres, parse_chunk_sizes, render_clips, roll_frames,
+)
+from models.train_follow import (
+    FollowPairs, FollowPool, follow_levels, follow_pool, pair_count, pair_sigmas, pair_starts, sample_pairs,
 )
 from models.train_image import image_count, with_image_clips
 
@@ -123,8 +117,9 @@ class TrainConfig:
     # object went astray continues from there), "absolute" the stream's rendered truth from its first frame
     # (which asks a model that drifted to jump back: a target its context contradicts)
     rollout_truth: str = "history"
-    # video-to-video (stage 5): steps, clips per step (plus as many text-to-video ones), peak learning rate, and
-    # the sampler's schedule whose levels below 1 an input chunk starts at (the built-in model's)
+    # video-to-video pairs (models/train_follow.py), in the teacher's batches (`follow_share`) and in stage 5's. The
+    # follow stage (a fine-tune from a model file): steps, pairs per step (plus as many text-to-video clips), peak
+    # learning rate. Both: the sampler's schedule whose levels below 1 an input chunk starts at (the built-in model's)
     follow_steps: int = 0
     follow_batch: int = 32
     follow_lr: float = 5e-4
@@ -142,11 +137,17 @@ class TrainConfig:
     # and the blur came into text-to-video: squares rounded into balls (issue 15's test after a switch, 0-20 %)
     follow_min_step: int = 2
     image_share: float = 0.25  # share of the teacher's clips that start from an image (models/train_image.py)
+    # share of the teacher's clips that are video-to-video pairs. A follow fine-tune of a finished model (stage 5,
+    # 250 steps of 16 pairs beside 32 text clips) learnt to follow but lost text-to-video shapes; from scratch, shape
+    # is learnt with the pairs. A quarter is the follow stage's 32 pairs a step at batch 128 (400,000 over the
+    # teacher's steps, 100 times that fine-tune's), and leaves text clips half of each batch beside the images
+    follow_share: float = 0.25
 
     def __post_init__(self) -> None:
         parse_chunk_sizes(self.chunk_sizes, GeneratorConfig())
-        if not 0 <= self.image_share < 1:
-            raise ValueError(f"image_share {self.image_share}: use a share in [0, 1) (text clips stay in every batch)")
+        if not (0 <= self.image_share and 0 <= self.follow_share and self.image_share + self.follow_share < 1):
+            raise ValueError(f"image_share {self.image_share}, follow_share {self.follow_share}: use shares of at least 0 "
+                             "that add up to less than 1 (text clips stay in every batch)")
         if self.loss_weight not in LOSS_WEIGHTS:
             raise ValueError(f"loss_weight {self.loss_weight!r}: use none, std or var")
         if self.rollout_truth not in ("history", "absolute"):
@@ -159,13 +160,19 @@ class TrainConfig:
     @classmethod
     def smoke(cls) -> TrainConfig:
         """A few steps of each stage (CI), each stage of two or more steps at both chunk sizes."""
-        return cls(pca_clips=4, decoder_steps=3, teacher_steps=3, batch=2, rollout_steps=2, rollout_batch=2, rollout_chunks=3,
-                   follow_steps=2, follow_batch=2, follow_pool=3)
+        return cls(pca_clips=4, decoder_steps=3, teacher_steps=3, batch=3, rollout_steps=2, rollout_batch=2, rollout_chunks=3,
+                   follow_steps=2, follow_batch=2, follow_pool=3)  # a teacher batch: a text clip, a pair, an image clip
+
+
+# fields added to TrainConfig since, at the value that the runs made before them trained with
+LATER_FIELDS = {"image_share": 0.0, "follow_share": 0.0}
 
 
 def saved_config(config: dict) -> dict:
     """A checkpoint's TrainConfig in today's fields. One from before `chunk_sizes` trained chunks of 3 only, on clips
-    of `chunks` (5, what the cache holds, now derived from it): it resumes with `--set chunk_sizes=3`."""
+    of `chunks` (5, what the cache holds, now derived from it): it resumes with `--set chunk_sizes=3`. One from before
+    a field of LATER_FIELDS trained without what it adds: it resumes with `--set follow_share=0` (say)."""
+    config = {**LATER_FIELDS, **config}
     if "chunk_sizes" in config or config.get("chunks") != 5:
         return config
     return {**{k: v for k, v in config.items() if k != "chunks"}, "chunk_sizes": "3"}
@@ -191,7 +198,7 @@ class Trainer:
         self.rng = np.random.default_rng(cfg.seed)
         self.opt = self._optimizer()
         self.skipped_steps = 0  # steps whose loss was not finite (not stepped), this run
-        self._pool: dict[int, dict[str, torch.Tensor | list]] = {}  # the follow stage's data by chunk size (not checkpointed: redrawn)
+        self._pool: dict[int, FollowPool] = {}  # the follow stage's data by chunk size (not checkpointed: redrawn)
 
     def _optimizer(self) -> torch.optim.Optimizer | None:
         params = {"decoder": self.decoder, "teacher": self.model, "rollout": self.model, "follow": self.model}.get(self.stage)
@@ -324,129 +331,85 @@ class Trainer:
         return loss.item()
 
     def teacher_step(self) -> float:
+        """Teacher forcing on a batch of text clips, video-to-video pairs (`follow_share`) and image clips
+        (`image_share`), at the step's chunk size; the pairs share the text clips' layout, the images have theirs."""
         self._lr()
         cfg, fpc = self.cfg, self.chunk_size()
         n_images = image_count(cfg.batch, cfg.image_share)
-        clips = self._clips(cfg.batch - n_images, fpc)
+        n_pairs = pair_count(cfg.batch, cfg.follow_share, n_images)
+        clips = self._clips(cfg.batch - n_images - n_pairs, fpc)
         clean = self.pca.encode(self._render(clips))  # [B, C, F, h, w]
         captions = [clip_captions(c, fpc) for c in clips]
         weight = torch.tensor([chunk_weights(c) for c in clips], device=self.device).repeat_interleave(fpc, dim=1)  # [B, F]
+        if n_pairs:  # after the text clips
+            pairs = self._pairs(n_pairs, fpc)
+            clean, weight = torch.cat([clean, pairs.target]), torch.cat([weight, pairs.weights])
+            captions = captions + pairs.captions
         clean, captions, weight, lead = with_image_clips(self.rng, self.pca, self.mc, clean, captions, weight, n_images, fpc)
-        b, nc = clean.shape[0], len(clips[0].chunks)
-        # sigma per noisy chunk: mostly one of the sampler's levels, else shift-warped uniform
+        b, nc, first = clean.shape[0], len(clips[0].chunks), len(clips)
+        # sigma per noisy chunk: mostly one of the sampler's levels, else shift-warped uniform (a pair's: an input's)
         levels = sigmas(self.gen).to(self.device)
         u = torch.rand(b, nc, device=self.device)
         warped = self.gen.shift * u / (1 + (self.gen.shift - 1) * u)
         pick = levels[torch.randint(len(levels), (b, nc), device=self.device)]
         sigma = torch.where(torch.rand(b, nc, device=self.device) < cfg.p_sampler_sigma, pick, warped)
+        start = clean
+        if n_pairs:
+            input_levels = follow_levels(cfg.follow_timesteps, self.device)
+            sigma[first : first + n_pairs] = pair_sigmas(n_pairs, nc, input_levels, cfg.follow_min_step)
+            start = clean.clone()
+            start[first : first + n_pairs] = pair_starts(pairs.target, pairs.source, fpc)
         sigma = frame_sigmas(sigma, fpc, lead)  # [B, F]
         s = sigma[:, None, :, None, None]
-        eps = torch.randn_like(clean)
-        noisy = (1 - s) * clean + s * eps
-        ctx = torch.rand(b, 1, 1, 1, 1, device=self.device) * cfg.context_noise
+        noisy = (1 - s) * start + s * torch.randn_like(clean)
+        return self._forcing_step(clean, noisy, sigma, captions, weight, fpc, lead)
+
+    def follow_step(self) -> float:
+        """Teacher forcing on video-to-video pairs, plus as many text-to-video clips (stage 5), from a pool."""
+        self._lr()
+        cfg, fpc = self.cfg, self.chunk_size()
+        b = cfg.follow_batch
+        if fpc not in self._pool:
+            self._pool[fpc] = follow_pool(self.rng, self.pca, self.mc, self.gen, cfg.follow_pool, fpc, **self._pair_recipe())
+        pool = self._pool[fpc]
+        pairs = pool.pairs.take(torch.randint(len(pool.pairs), (b,)).tolist())
+        pick = torch.randint(len(pool.clips), (cfg.follow_t2v or b,)).tolist()
+        clips = [pool.clips[i] for i in pick]
+        clean = torch.cat([pairs.target, pool.clean[pick]])  # [B + T, C, F, h, w]
+        captions = pairs.captions + [clip_captions(c, fpc) for c in clips]
+        weight = torch.tensor([chunk_weights(c) for c in clips], device=self.device).repeat_interleave(fpc, dim=1)
+        weight = torch.cat([pairs.weights, weight])  # [B + T, F]
+        levels = follow_levels(cfg.follow_timesteps, self.device)
+        nc = clean.shape[2] // fpc
+        sigma = levels[torch.randint(len(levels), (clean.shape[0], nc), device=self.device)].float()
+        sigma[:b] = pair_sigmas(b, nc, levels, cfg.follow_min_step)
+        sigma = sigma.repeat_interleave(fpc, dim=1)  # [B + T, F]
+        s = sigma[:, None, :, None, None]
+        start = clean.clone()
+        start[:b] = pair_starts(pairs.target, pairs.source, fpc)
+        noisy = (1 - s) * start + s * torch.randn_like(clean)
+        return self._forcing_step(clean, noisy, sigma, captions, weight, fpc)
+
+    def _forcing_step(self, clean: torch.Tensor, noisy: torch.Tensor, sigma: torch.Tensor, captions: list, weight: torch.Tensor,
+                      fpc: int, lead: torch.Tensor | None = None) -> float:
+        """One teacher-forcing update: the clean context noised a little, the forward, the loss on x0 (clean
+        [B, C, F, h, w]) over the noisy frames as `weight` [B, F] counts them."""
+        ctx = torch.rand(clean.shape[0], 1, 1, 1, 1, device=self.device) * self.cfg.context_noise
         context = (1 - ctx) * clean + ctx * torch.randn_like(clean)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             text = frame_text(self.model, self.encoder, captions)
             v = teacher_forward(self.model, context, noisy, 1000 * sigma, text, fpc, lead).float()
-        per_frame = ((noisy - s * v - clean).pow(2) * self._channel_weights()).mean(dim=(1, 3, 4))  # [B, F]
+        per_frame = ((noisy - sigma[:, None, :, None, None] * v - clean).pow(2) * self._channel_weights()).mean(dim=(1, 3, 4))
         loss = (per_frame * weight).sum() / weight.sum().clamp_min(1)
         self._update(loss, self.model)
         return loss.item()
 
-    def follow_step(self) -> float:
-        """Teacher forcing on video-to-video pairs, plus as many text-to-video clips (module doc, stage 5)."""
-        self._lr()
-        cfg, fpc = self.cfg, self.chunk_size()
-        b = cfg.follow_batch
-        pool = self._follow_pool(fpc)
-        pick_pairs = torch.randint(len(pool["pairs"]), (b,)).tolist()
-        pick_clips = torch.randint(len(pool["clips"]), (cfg.follow_t2v or b,)).tolist()
-        clips = [pool["clips"][i] for i in pick_clips]
-        clean = torch.cat([pool["target"][pick_pairs], pool["clean"][pick_clips]])  # [B + T, C, F, h, w]
-        source = pool["source"][pick_pairs]
-        target = clean[:b]
-        captions = [pool["pairs"][i][0] for i in pick_pairs] + [clip_captions(c, fpc) for c in clips]
-        nc = clean.shape[2] // fpc
-        levels = torch.tensor(GeneratorConfig(timesteps=tuple(float(t) for t in cfg.follow_timesteps.split(","))).sigmas,
-                              device=self.device)
-        n = clean.shape[0]
-        pick = torch.randint(len(levels), (n, nc), device=self.device)
-        pick[:b] = torch.randint(cfg.follow_min_step, len(levels), (b, nc), device=self.device)  # where an input chunk starts
-        sigma = levels[pick].float().repeat_interleave(fpc, dim=1)  # [B + T, F]
-        s = sigma[:, None, :, None, None]
-        start = clean.clone()
-        from_input = torch.rand(b, 1, nc, 1, 1, device=self.device).repeat_interleave(fpc, dim=2) < 0.5
-        start[:b] = torch.where(from_input, source, target)  # its first step starts from the input, later ones from x0
-        noisy = (1 - s) * start + s * torch.randn_like(clean)
-        ctx = torch.rand(n, 1, 1, 1, 1, device=self.device) * cfg.context_noise
-        context = (1 - ctx) * clean + ctx * torch.randn_like(clean)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            text = frame_text(self.model, self.encoder, captions)
-            v = teacher_forward(self.model, context, noisy, 1000 * sigma, text, fpc).float()
-        weight = torch.tensor([pool["pairs"][i][1] for i in pick_pairs] + [chunk_weights(c) for c in clips], device=self.device)
-        weight = weight.repeat_interleave(fpc, dim=1)
-        per_frame = ((noisy - s * v - clean).pow(2) * self._channel_weights()).mean(dim=(1, 3, 4))  # [B + T, F]
-        loss = (per_frame * weight).sum() / weight.sum().clamp_min(1)
-        self._update(loss, self.model)
-        return loss.item()
+    def _pair_recipe(self) -> dict:
+        return {"shape_share": self.cfg.follow_shape_share, "switch_share": self.cfg.follow_switch, "device": self.device}
 
-    def _follow_pool(self, fpc: int) -> dict:
-        """`follow_pool` video-to-video pairs and as many text-to-video clips at chunk size `fpc`, encoded (rendering
-        and encoding cost a CPU step more than the model's forward and backward)."""
-        if fpc not in self._pool:
-            n = self.cfg.follow_pool
-            target, source, captions = [], [], []
-            for _ in range(n):
-                t, s, c = self._pair(fpc)
-                target.append(self.pca.encode(t[None]))
-                source.append(self.pca.encode(s[None]))
-                captions.append(c)
-            clips = self._clips(n, fpc)
-            clean = torch.cat([self.pca.encode(self._render(clips[i : i + 16])) for i in range(0, n, 16)])
-            self._pool[fpc] = {"target": torch.cat(target), "source": torch.cat(source), "pairs": captions, "clips": clips, "clean": clean}
-        return self._pool[fpc]
-
-    def _pair(self, fpc: int) -> tuple[torch.Tensor, torch.Tensor, tuple[list[str], list[float]]]:
-        """One video-to-video clip: (the target frames [F, tu, H, W, 3], the input frames, (the caption of each
-        frame of [clean | noisy], the loss weight of each noisy chunk)). Both follow one path of a training
-        family (models/paths.py, up to 4 px a frame); the input differs in colour and background,
-        and often in shape (`follow_shape_share`). The captions name the target's colour and shape and no
-        motion (as a restyling prompt does, "a blue ball"): a motion phrase against the trajectory taught the
-        model to drop motion words, and its text-to-video switches to a new motion stopped following (issue
-        15's pixel test: 0 % after the switch). With `follow_switch` the prompt switches at a chunk boundary
-        while the input goes on; the frames' captions and the chunks the loss counts are a cache's after the
-        switch's recache, as the teacher's (`clip_captions`, `chunk_weights`)."""
-        rng, mc, (sinks, nc) = self.rng, self.mc, clip_layout(self.gen, fpc)
-        looks = [sample_scene(rng)]
-        switch = int(rng.integers(1, nc)) if rng.random() < self.cfg.follow_switch else None
-        if switch is not None:
-            while (new := sample_scene(rng)).triple[:2] == looks[0].triple[:2]:  # another colour or shape
-                pass
-            looks.append(new)
-        target = looks[0]
-        colour = str(rng.choice([c for c in COLOURS if c != target.colour]))
-        background = str(rng.choice([g for g in BACKGROUNDS if g not in (colour, target.background)]))
-        others = [sh for sh in SHAPES if sh != target.shape]
-        shape = str(rng.choice(others)) if rng.random() < self.cfg.follow_shape_share else target.shape
-        source = Scene(colour, shape, target.size, target.motion, background)
-        captions = []
-        for look in looks:
-            still = Scene(look.colour, look.shape, look.size, "still", look.background)
-            caption = still.caption(rng)
-            while any(phrase in caption for phrase in MOTION_PHRASES["still"]):  # half the still captions name it
-                caption = still.caption(rng)
-            captions.append(caption)
-        frames = np.asarray(video_frames(list(range(nc * fpc)), mc.temporal_upsample))
-        centres = sample_training_path(rng, int(frames.max()) + 1, mc.height, mc.width)[frames]
-        which = (chunks_of_frames(frames, fpc) >= switch).astype(int) if switch is not None else np.zeros(len(frames), int)
-        out = [draw(centres, looks, mc.height, mc.width, self.device, which),
-               draw(centres, [source], mc.height, mc.width, self.device, np.zeros(len(frames), dtype=int))]
-        nf = nc * fpc
-        # the sinks keep the prompt they were committed under
-        frame_captions = [captions[int(switch is not None and c >= switch)] for c in range(sinks) for _ in range(fpc)]
-        frame_captions += [captions[-1]] * (2 * nf - sinks * fpc)
-        weights = [float(switch is None or c >= switch) for c in range(nc)]  # chunks under the last prompt
-        return *(o.view(-1, mc.temporal_upsample, *o.shape[1:]) for o in out), (frame_captions, weights)
+    def _pairs(self, n: int, fpc: int) -> FollowPairs:
+        """`n` fresh video-to-video pairs at chunk size `fpc` (models/train_follow.py)."""
+        return sample_pairs(self.rng, self.pca, self.mc, self.gen, n, fpc, **self._pair_recipe())
 
     def init_from(self, path: Path) -> None:
         """Start the follow stage from a model file's weights (`python -m models.train --export`'s)."""

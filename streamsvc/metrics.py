@@ -117,20 +117,26 @@ class Metrics:
                                        "connection's rate of them (streamsvc/viewers/outbox.py)", registry=r)
         self.connections = Gauge("streamsvc_connections", "Open connections: WebSockets (with a stream or not), "
                                  "WebRTC peer connections (viewers', WHEP's) and WHIP publishers", ["kind"], registry=r)
+        self.tables = Gauge("streamsvc_table_entries", "Entries of the server's tables kept per stream, viewer, "
+                            "connection or client address, by table (Server.table_sizes: flat over a long run)",
+                            ["table"], registry=r)
         self.refusals = Counter("streamsvc_refusals", "Requests refused, by reason", ["reason"], registry=r)
         for reason in Refusal:
             self.refusals.labels(reason.value)  # every reason shows, at 0 until it happens
 
     def refresh(self, engine: Engine, sessions: Collection[Session], recording_bytes: int,
-                streamless_s: float = 0.0, connections: Mapping[str, int] | None = None) -> None:
+                streamless_s: float = 0.0, connections: Mapping[str, int] | None = None,
+                tables: Mapping[str, int] | None = None) -> None:
         """Set the gauges from the engine's counters and its latest snapshot, the open streams (`sessions`), the
-        disk the recordings use, the event loop's CPU on clients without a stream so far (`streamless_s`) and the
-        open connections by kind (`connections`)."""
+        disk the recordings use, the event loop's CPU on clients without a stream so far (`streamless_s`), the
+        open connections by kind (`connections`) and the server's tables' entries by name (`tables`)."""
         m, st = self, engine.stats()
         snap = st.scheduler
         out = engine.output  # (None while the engine builds)
         m.process.refresh(out.encoder_pids() if out else (), out.device_memory() if out else None)
         m.streamless_s.set(streamless_s)
+        for table, n in (tables or {}).items():
+            m.tables.labels(table).set(n)
         for kind, n in (connections or {}).items():
             m.connections.labels(kind).set(n)
         for state in SessionState:

@@ -6,7 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from models import ChunkGenerator, GeneratorConfig, WorkKind, build_generator
+from models import (
+    CacheAccess,
+    ChunkGenerator,
+    GeneratorConfig,
+    WorkKind,
+    build_generator,
+)
 
 # `pytest -m quick`: a first check in about 2 minutes on 2 cores (the whole suite takes 20-30): the pure parts
 # (scheduler, KV accounting, wire protocol, sessions, access rules, input framing and gates, the client's playback
@@ -25,6 +31,7 @@ QUICK = (
     "tests/kvcache/test_quant.py", "tests/models/test_scenes.py", "tests/models/test_dit.py",
     "tests/models/test_generator.py", "tests/models/test_decoder.py", "tests/models/test_text.py",
     "tests/models/test_weights.py", "tests/models/test_model_file.py", "tests/models/test_fidelity.py",
+    "tests/models/test_long_stream.py",
     "tests/test_imports.py",
 )
 
@@ -81,3 +88,29 @@ def solo_and_batched(gen: ChunkGenerator, prompts: list[str], chunks: int = 2):
         for j, ch in enumerate(gen.run(WorkKind.COMMIT, batch)):
             batch_out[j].append(ch)
     return solo, batch, solo_out, batch_out
+
+
+def reference_latents(gen, prompt, seed, n_chunks, image=None):
+    """No cache: every forward recomputes all visible frames with full block-causal attention. With `image` (a
+    clean latent frame [C, 1, h, w]) the stream starts from it: a block of its own (-1), chunk c the frames
+    1 + c nf ..; the chunks alone are returned."""
+    model, nf, sig = gen.model, gen.cfg.frames_per_chunk, gen.sigmas
+    mc = gen.model_cfg
+    noise = torch.Generator().manual_seed(seed)
+    text = gen.encode_prompt(prompt)
+    lead = 0 if image is None else 1
+    clean = [] if image is None else [image]  # committed clean frames, each [C, F, h, w]
+    for c in range(n_chunks):
+        x = torch.randn((mc.in_channels, nf, mc.latent_height, mc.latent_width), generator=noise)
+        for k, s in enumerate(sig):
+            frames = torch.cat(clean + [x], dim=1)[None]  # [1, C, past + F, h, w]
+            past = frames.shape[2] - nf
+            t = torch.tensor([[0.0] * past + [1000 * s] * nf])
+            blocks = [(i - lead) // nf for i in range(frames.shape[2])]
+            v = model(frames, t, text, [CacheAccess(None, 0, block_ids=blocks)])[0, :, past:]
+            x0 = (x.double() - s * v.double()).float()
+            if k + 1 < len(sig):
+                eps = torch.randn(x0.shape, generator=noise)
+                x = ((1 - sig[k + 1]) * x0.double() + sig[k + 1] * eps.double()).float()
+        clean.append(x0)
+    return clean[lead:]

@@ -120,6 +120,13 @@ def _threads_and_children() -> list[int]:
     return ids
 
 
+def stale_leases(leases: dict[str, float], owner: dict[str, str], now: float, lease_s: float) -> list[str]:
+    """The gateways whose lease ran out and that hold no session here: forgotten (a gateway that comes back renews
+    with its next session), so that over a long run the leases are those of the gateways of late."""
+    holding = set(owner.values())
+    return [g for g, renewed in leases.items() if g not in holding and now - renewed > lease_s]
+
+
 def stream_prefix(replica_uid: str) -> str:
     """The prefix of a replica's stream ids: its id's letters and digits and a '-' (`s3` there is `<uid>-s3`)."""
     return "".join(c for c in replica_uid if c.isascii() and c.isalnum()) + "-"
@@ -241,6 +248,8 @@ class EngineReplica:
                     if inbox is not None:
                         inbox.put_nowait(None)
                     self.owner.pop(conn_id, None)
+            for gateway in stale_leases(self.leases, self.owner, now, self.config.lease_s):
+                del self.leases[gateway]
 
     # -- operations ----------------------------------------------------------------------------
 

@@ -50,10 +50,16 @@ class Board:
         return set(self.lost)
 
     def pending(self, now: float) -> dict[str, int]:
+        """Sessions this router placed on each replica within PENDING_S; a replica with none has no entry (over a
+        long run the replicas replaced would otherwise each keep one)."""
         out = {}
-        for uid, times in self.placed.items():
-            times[:] = [t for t in times if now - t < PENDING_S]
-            out[uid] = len(times)
+        for uid in list(self.placed):
+            times = [t for t in self.placed[uid] if now - t < PENDING_S]
+            if times:
+                self.placed[uid] = times
+                out[uid] = len(times)
+            else:
+                del self.placed[uid]
         return out
 
 

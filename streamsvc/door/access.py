@@ -308,6 +308,10 @@ class StreamLimits:
         self._by_address[address] += 1
         return None
 
+    def table_sizes(self) -> dict[str, int]:
+        """Its entries (see Server.table_sizes): an address or a token that holds no stream has none."""
+        return {"door.streams_by_address": len(self._by_address), "door.streams_by_token": len(self._by_token)}
+
     def held(self) -> int:
         """Streams counted now (by address: every stream has one)."""
         return sum(self._by_address.values())
@@ -332,6 +336,7 @@ FDS_PER_CONNECTION = 3
 MAX_CONNECTIONS_CEILING = 16384  # beyond what one event loop serves: 256 streams of 64 watchers, with room
 PROTOCOL_ERROR_WINDOW_S = 10.0  # the window --max-protocol-errors counts in
 RATE_TABLE_SIZE = 8192  # addresses (times kinds of request) whose rates are tracked at once; the idlest go first
+RATE_PRUNE_PERIOD_S = 60.0  # how often the rate table drops the buckets that have refilled (RequestRates.prune)
 
 
 def default_max_connections(fd_limit: int) -> int:
@@ -415,7 +420,8 @@ class RequestRates:
 
     An attacker with many addresses cannot grow the table past `size`: a new entry evicts the least recently
     used one. Evicting loses nothing the attacker lacks anyway (a new address gets a full bucket too), and entries
-    that have refilled to their burst, the same as absent ones, are dropped first by `prune`.
+    that have refilled to their burst, the same as absent ones, are dropped first by `prune`, which also runs every
+    RATE_PRUNE_PERIOD_S: over a long run the table holds the addresses of late, not every address ever seen.
     """
 
     REFUSALS = {RateKind.HTTP: Refusal.HTTP_RATE, RateKind.UPGRADE: Refusal.CONNECT_RATE,
@@ -427,6 +433,7 @@ class RequestRates:
         self.rates = dict(rates)
         self.size = size
         self._buckets: OrderedDict[tuple[RateKind, str], TokenBucket] = OrderedDict()
+        self._pruned_at = -math.inf  # the latest prune's time
 
     @classmethod
     def from_config(cls, config: AccessConfig, size: int = RATE_TABLE_SIZE) -> RequestRates:
@@ -437,6 +444,8 @@ class RequestRates:
         """Spend one of the address's requests of `kind`: None if it may go on, else the seconds until it may
         (Retry-After)."""
         key = (kind, address_key(address))
+        if now - self._pruned_at >= RATE_PRUNE_PERIOD_S:
+            self.prune(now)
         bucket = self._buckets.get(key)
         if bucket is None:
             if len(self._buckets) >= self.size:
@@ -466,6 +475,7 @@ class RequestRates:
 
     def prune(self, now: float) -> None:
         """Drop the entries whose buckets have refilled by `now` (they hold nothing a new entry would not)."""
+        self._pruned_at = now
         for key in [k for k, bucket in self._buckets.items() if bucket.full(now)]:
             del self._buckets[key]
 
@@ -512,3 +522,7 @@ class LogGate:
         while len(self._keys) > self.size:
             self._keys.popitem(last=False)
         return 0 if last is None else last[1]
+
+    def __len__(self) -> int:
+        """Keys tracked (at most `size`)."""
+        return len(self._keys)

@@ -233,12 +233,21 @@ class DownloadSlots:
     def held(self, client: str) -> int:
         return self._held[client]
 
+    def __len__(self) -> int:
+        """Addresses with a download under way."""
+        return len(self._held)
+
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
     """A server's TLS context from a PEM certificate (chain) and its key; raises OSError / ssl.SSLError."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert_file, key_file)
     return context
+
+
+# the tables of a front (HttpFront.table_sizes): connections, connections before their first request, WebSockets,
+# addresses downloading
+FRONT_TABLES = ("door.connections", "door.handshakes", "door.websockets", "door.downloads_by_address")
 
 
 class HttpFront:
@@ -256,6 +265,14 @@ class HttpFront:
     @property
     def scheme(self) -> str:
         return "https" if self.config.tls is not None else "http"
+
+    def table_sizes(self) -> dict[str, int]:
+        """Its tables' entries (see Server.table_sizes): connections open, those whose first request has not come,
+        WebSockets open, addresses downloading (a /metrics request counts its own connection)."""
+        listener = self._listener
+        return dict(zip(FRONT_TABLES, (listener.connections if listener is not None else 0,
+                                       listener.handshakes if listener is not None else 0,
+                                       len(self._sockets), len(self.downloads)), strict=True))
 
     async def start(self) -> None:
         cfg = self.config
@@ -470,6 +487,16 @@ class _Listener(web.Server):
             transport.pause_reading()
             loop.call_later(hold_s, _resume_reading, transport)
         self._waiting[handler] = loop.call_later(self._deadline_s, transport.abort)
+
+    @property
+    def connections(self) -> int:
+        """Connections admitted and open."""
+        return len(self._admitted)
+
+    @property
+    def handshakes(self) -> int:
+        """Connections whose first request's head has not come yet."""
+        return len(self._waiting)
 
     def request_began(self, handler) -> None:
         """A request's head came on this connection: its handshake deadline is met."""

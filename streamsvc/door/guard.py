@@ -127,6 +127,14 @@ class Guard:
                         "connection (raise the fd limit, `ulimit -n`, or lower --max-connections-per-client)",
                         per_client, total)
 
+    def table_sizes(self) -> dict[str, int]:
+        """Its tables' entries (see Server.table_sizes): addresses holding WebSockets and sockets (none once their
+        connections closed), the request rates' buckets and the refusals' log keys (kept, each bounded: RATE_TABLE_SIZE,
+        LogGate.size)."""
+        return {"door.websockets_by_address": self.clients.addresses(),
+                "door.sockets_by_address": self.sockets.addresses(), "door.rate_buckets": len(self.rates),
+                "door.log_keys": len(self.logs)}
+
     # -- the front's hooks ---------------------------------------------------------------------
 
     def admit_connection(self, peer: str) -> str | None:

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from streamsvc.door.access import Refusal, exposure_warning
 from streamsvc.door.cpumeter import CpuMeter
-from streamsvc.door.front import Connection, FrontConfig, Handlers, HttpFront, tls_context
+from streamsvc.door.front import FRONT_TABLES, Connection, FrontConfig, Handlers, HttpFront, tls_context
 from streamsvc.door.guard import Guard, raise_fd_limit
 from streamsvc.door.routes import HttpReply, HttpRequest
 from streamsvc.metrics import Metrics
@@ -68,6 +68,14 @@ class Port:
     def socket(self):
         """The port's listening socket."""
         return self._fronts[0].socket
+
+    def table_sizes(self) -> dict[str, int]:
+        """Its fronts' tables' entries, summed (the port's and --metrics-port's; see Server.table_sizes)."""
+        sizes = dict.fromkeys(FRONT_TABLES, 0)
+        for front in self._fronts:
+            for name, n in front.table_sizes().items():
+                sizes[name] += n
+        return sizes
 
     async def close(self) -> None:
         for front in self._fronts:

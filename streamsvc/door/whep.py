@@ -215,6 +215,11 @@ class Endpoints:
         # a client opens watch sessions at its connect rate: their lines, one of each kind every 6 s at most
         self._session_lines = LogGate(SESSION_LOG_PERIOD_S)
 
+    def table_sizes(self) -> dict[str, int]:
+        """Its tables' entries (see Server.table_sizes): WHEP and WHIP sessions open, and WHIP publishers."""
+        return {"door.http_sessions": len(self.sessions),
+                "door.whip_publishers": len(self.whip.publishers) if self.whip is not None else 0}
+
     def _log_session(self, kind: str, what: str, *args) -> None:
         """A session's line (`kind`: opened, ended), unless one of its kind went out within the period."""
         held = self._session_lines.allow(kind, time.monotonic())

@@ -339,13 +339,14 @@ class EncoderProcess:
                                       pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         theirs.close()
         self._conn = Connection(ours.detach())
+        self.encoders = 0  # the child's open encoders, as of its last answer
 
     def encode(self, stream_id: str, spec: EncoderSpec, frames: np.ndarray, *, start_index: int,
                keyframe: bool, fast: bool = False) -> list[av.Packet]:
         """The stream's packets for ``frames``, as ``StreamEncoder.encode`` returns them."""
         try:
             self._conn.send(("encode", stream_id, asdict(spec), frames, start_index, keyframe, fast))
-            status, payload = self._conn.recv()
+            status, payload, self.encoders = self._conn.recv()
         except (EOFError, OSError) as e:
             raise RuntimeError(f"the encoder process is gone (exit code {self._proc.poll()}): {e}") from None
         if status != "ok":
@@ -362,11 +363,12 @@ class EncoderProcess:
         return self._proc.pid
 
     def close_stream(self, stream_id: str) -> None:
-        """Close the stream's encoder (if it has one)."""
+        """Close the stream's encoder (if it has one); returns once the child has."""
         try:
             self._conn.send(("close", stream_id))
+            _, _, self.encoders = self._conn.recv()
         except (EOFError, OSError):
-            pass  # the child is gone, and its encoders with it
+            self.encoders = 0  # the child is gone, and its encoders with it
 
     def stop(self, timeout: float = 5.0) -> None:
         try:
@@ -393,7 +395,8 @@ def _packet(data: bytes, pts: int, duration: int, keyframe: bool) -> av.Packet:
 
 def _encoder_main(conn) -> None:
     """The encoder process: ("encode", stream_id, spec, frames, start_index, keyframe, fast) -> ("ok", packets as
-    (bytes, pts, duration, keyframe)) or ("error", message); ("close", stream_id); None or a closed pipe ends it."""
+    (bytes, pts, duration, keyframe), encoders) or ("error", message, encoders); ("close", stream_id) -> ("closed",
+    None, encoders); None or a closed pipe ends it. `encoders`: how many it holds open after the request."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     encoders: dict[str, StreamEncoder] = {}
     try:
@@ -408,15 +411,16 @@ def _encoder_main(conn) -> None:
                 encoder = encoders.pop(msg[1], None)
                 if encoder is not None:
                     encoder.close()
+                conn.send(("closed", None, len(encoders)))
                 continue
             _, stream_id, spec, frames, start_index, keyframe, fast = msg
             try:
                 if stream_id not in encoders:
                     encoders[stream_id] = EncoderSpec(**spec).make()
                 packets = encoders[stream_id].encode(frames, start_index=start_index, keyframe=keyframe, fast=fast)
-                conn.send(("ok", [(bytes(p), p.pts, p.duration, p.is_keyframe) for p in packets]))
+                conn.send(("ok", [(bytes(p), p.pts, p.duration, p.is_keyframe) for p in packets], len(encoders)))
             except Exception as e:  # noqa: BLE001 - the stream's worker reports it; the process serves the others
-                conn.send(("error", f"{type(e).__name__}: {e}"))
+                conn.send(("error", f"{type(e).__name__}: {e}", len(encoders)))
     finally:
         for encoder in encoders.values():
             encoder.close()

@@ -1,24 +1,22 @@
 """The engine: one thread per device that decides and launches the scheduler's plans.
 
-The loop reads like vLLM v1's core: `plan = scheduler.next()`, launch the plan's forward (a CUDA
-graph replay on a GPU), record CUDA events around it, and go on to the next plan while the GPU
-works. The scheduler counts a plan done when it is launched; what it cost comes from the events
-once they have passed, and a chunk counts as delivered when the output stage (engine/output.py)
-has encoded it. At most two plans are in flight on the device, so a command (a prompt, a close)
-waits at most one forward.
+The loop reads like vLLM v1's core: `plan = scheduler.next()`, launch the plan's forward (a CUDA graph replay on a
+GPU), record CUDA events around it, and go on to the next plan while the GPU works. The scheduler counts a plan done
+when it is launched; what it cost comes from the events once they have passed, and a chunk counts as delivered when
+the output stage (engine/output.py) has encoded it. At most two plans are in flight on the device, so a command (a
+prompt, a close) waits at most one forward.
 
-The event loop never touches the model, the scheduler or the KV pool. It sends commands (open, prompt, pause,
-close, ...) that the engine thread applies between launches and answers through concurrent futures; finished chunks
-come back through `on_chunk` (from the output workers), errors through `on_error(stream_id, message, code)`, both of
-which the server wraps in `loop.call_soon_threadsafe`. The code is "internal" for a failure, "overloaded" for the
-last resort: the newest stream ended because degradation could no longer keep every stream from stalling
-(Scheduler.overloaded), "park_expired" for a paused stream parked longer than `park_timeout_s`. Pause and resume
-park a stream's whole state in host memory between launches and bring it back (engine/parking.py).
+The event loop never touches the model, the scheduler or the KV pool. It sends commands (open, prompt, pause, close,
+...) that the engine thread applies between launches and answers through concurrent futures; finished chunks come
+back through `on_chunk` (from the output workers), errors through `on_error(stream_id, message, code)`, both of which
+the server wraps in `loop.call_soon_threadsafe`. The code is "internal" for a failure, "overloaded" for the last
+resort: the newest stream ended because degradation could no longer keep every stream from stalling
+(Scheduler.overloaded), "park_expired" for a paused stream parked longer than `park_timeout_s`. Pause and resume park
+a stream's whole state in host memory between launches and bring it back (engine/parking.py).
 
-Before serving, the engine captures every CUDA graph serving replays (models/graphs.py) and runs
-a throwaway stream through a full window, every ring phase and prompt switches, timing each kind
-of forward at least five times; the scheduler starts from the medians (engine/warmup.py). Launched
-forwards are timed by CUDA events (engine/timing.py).
+Before serving, the engine captures every CUDA graph serving replays (models/graphs.py) and runs a throwaway stream
+through a full window, every ring phase and prompt switches, timing each kind of forward at least five times; the
+scheduler starts from the medians (engine/warmup.py). Launched forwards are timed by CUDA events (engine/timing.py).
 """
 
 from __future__ import annotations
@@ -109,6 +107,7 @@ class Engine:
         self.heartbeat_at: float | None = None  # engine clock at the loop's latest turn (None: not serving yet)
         self.gen: ChunkGenerator | None = None
         self.sched: Scheduler | None = None
+        self.pool: CachePool | None = None  # the device's KV caches
         self.output: OutputStage | None = None
         self.parking: Parking | None = None  # paused streams (streamsvc/engine/parking.py)
         self.inputs: InputStage | None = None  # streams' input video (issue 35): releases, frames to the generator
@@ -125,6 +124,12 @@ class Engine:
                                            fast_encodes=out.fast_chunks, chunk_latency_max_s=out.latency_max_s)),
             **({} if park is None else {name: getattr(park, name) for name in PARKING_FIGURES}),
         )
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of its per-stream tables and its parts' (any thread, a moment's view; see Server.table_sizes)."""
+        parts = (self.pool, self.sched, self.parking, self.inputs, self.output)
+        return {"engine.streams": len(self._streams), "engine.forwards_in_flight": len(self._in_flight),
+                **{k: n for part in parts if part is not None for k, n in part.table_sizes().items()}}
 
     @property
     def failure(self) -> str | None:
@@ -173,7 +178,7 @@ class Engine:
         """Future[ParkResult]: the stream's chunk in progress is committed, then its state is parked in host
         memory and its device memory goes back to the pool; resolves once parked. Fails (EngineError) for a
         stream not open or already paused, or when the park budget has no room for it."""
-        return self._submit_later(self._pause, stream_id)
+        return self._submit(self._pause, stream_id, later=True)
 
     def resume(self, stream_id: str) -> Future:
         """Future[ParkResult]: the paused stream back on the device, going on where it stopped; resolves once
@@ -181,7 +186,7 @@ class Engine:
         when admission refuses it now (no KV room, the device's load, ...), or for a stream not paused. A
         stream still finishing its chunk before its park goes on at once (ParkResult of 0 bytes) and its
         pause fails."""
-        return self._submit_later(self._resume, stream_id)
+        return self._submit(self._resume, stream_id, later=True)
 
     def observe_buffer(self, stream_id: str, buffered_frames: float, at_most: bool = False,
                        grace_s: float = 0.0) -> Future:
@@ -212,9 +217,6 @@ class Engine:
     def wake(self) -> None:
         """Make the engine thread's loop turn now (any thread): something it plans by has changed."""
         self._commands.put(_WAKE)
-
-    def _submit_later(self, fn, *args) -> Future:
-        return self._submit(fn, *args, later=True)
 
     def _submit(self, fn, *args, later: bool = False) -> Future:
         cmd = _Command(fn, args, later=later)

@@ -108,10 +108,19 @@ class OutputStage:
         self.chunks = 0
         self.fast_chunks = 0  # chunks encoded cheaper to meet their deadline
         self.latency_max_s = 0.0
+        self.streams = 0  # streams opened here whose close their worker has not done yet (under _lock)
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of its per-stream tables (see the server's `table_sizes`): its open streams, and the x264
+        encoders alive (in this process, one per open stream; else as the encoder processes last told)."""
+        encoders = sum(host.encoders for host in self._hosts) if self._hosts else self.streams
+        return {"output.streams": self.streams, "output.encoders": encoders}
 
     def open(self, stream_id: str, spec: EncoderSpec) -> StreamOutput:
         """A stream's output; its encoder is made here (threads) or at its first chunk (processes)."""
         encoder = None if self._hosts else spec.make()
+        with self._lock:
+            self.streams += 1
         return StreamOutput(stream_id, spec, next(self._next_worker) % len(self._queues), encoder)
 
     def submit(self, stream: StreamOutput, frames: torch.Tensor, *, index: int, first_frame: int, prompt_version: int,
@@ -168,6 +177,8 @@ class OutputStage:
                     job.encoder.close()
                 else:
                     self._hosts[job.worker].close_stream(job.stream_id)
+                with self._lock:
+                    self.streams -= 1
                 continue
             if job.stream.closed:
                 continue

@@ -92,6 +92,11 @@ class Parking:
         self.last_park_seconds: float | None = None  # the latest park's copy time (None: none yet)
         self.last_restore_seconds: float | None = None  # the latest resume's copy time (None: none yet)
 
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of its per-stream tables (see the server's `table_sizes`): streams being parked, parked or coming
+        back, and those the park budget charges."""
+        return {"parking.streams": len(self._parks), "parking.budget_streams": self.budget.num_streams}
+
     def pending(self) -> bool:
         """Whether a held stream waits for its chunk's commit to be parked, or copies are running (to poll)."""
         return any(park.parked_at is None or park.resumed is not None for park in self._parks.values())

@@ -74,6 +74,13 @@ class InputStage:
         latency (it runs all the steps then, in the other half), at least one frame."""
         return max(self.latency_s / 2, 1.0 / 16)
 
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of its per-stream tables (see the server's `table_sizes`): the streams with input, and their
+        chunks' releases and capture times kept until each chunk's commit."""
+        streams = list(self.streams.values())
+        return {"inputs.streams": len(streams),
+                "inputs.chunks": sum(len(s.releases) + len(s.captures) for s in streams)}
+
     # -- streams ----------------------------------------------------------------------------------
 
     def refusal(self) -> str | None:

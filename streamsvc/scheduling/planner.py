@@ -500,12 +500,14 @@ class Planner:
             forwards_left = forwards - s.step + 1
         else:  # a fresh chunk
             recache = s.recache_pending()
-            if recache and not restart and s.deferred_seq < s.prompt_seq:
+            if recache and not restart and s.deferred_seq <= s.cache_seq:
                 headroom_s = self._recache_headroom_s()
                 with_recache = self._slack(s, now, chunk_s + recache_s, plain)
                 if with_recache < headroom_s and self._slack(s, now, chunk_s, plain) >= 0:
                     # With the recache the stream would (nearly) stall, without it the chunk makes it:
-                    # the prompt waits one chunk (that chunk keeps the prompt the cache holds).
+                    # the prompt waits one chunk (that chunk keeps the prompt the cache holds). One chunk since
+                    # the cache's prompt, not one per prompt: under a flood each commit plans a newer one, and
+                    # the stream would never switch.
                     recache = False
             extra_s = recache_s if recache else 0.0
             steps = self._steps(s, now, 0, cfg.denoise_steps, extra_s)

@@ -406,6 +406,16 @@ class Scheduler:
             client_late=sum(st.client_late for st in per_stream),
         )
 
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of the scheduler's per-stream tables (see the server's `table_sizes`): its streams, running and
+        parked, and what each keeps: the prompt texts a plan may still run under, the chunks in flight, the input
+        releases. Read from another thread it is a moment's view."""
+        streams = [*self._streams.values(), *self._parked.values()]
+        return {"scheduler.streams": len(self._streams), "scheduler.parked": len(self._parked),
+                "scheduler.prompt_texts": sum(len(s.prompt_texts) for s in streams),
+                "scheduler.chunks_in_flight": sum(len(s.in_flight) for s in streams),
+                "scheduler.releases": sum(len(s.releases) for s in streams)}
+
     # ----- internals -----------------------------------------------------------------
 
     def _get(self, stream_id: str) -> ScheduledStream:

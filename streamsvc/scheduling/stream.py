@@ -49,7 +49,9 @@ class ScheduledStream:
     prompt_seq: int = 0  # the prompt version the planner steers to (the newest planned; see new_prompt)
     cache_seq: int = 0  # prompt version the KV cache was last computed under
     chunk_seq: int = 0  # prompt version the chunk in progress (or, between chunks, the last one) runs under
-    deferred_seq: int = 0  # newest prompt version a chunk was already made without (a prompt waits one chunk at most)
+    # newest prompt version a chunk was already made without: past its cache's, the next fresh chunk recaches (a
+    # prompt waits one chunk at most, however many come meanwhile)
+    deferred_seq: int = 0
     shown_seq: int = 0  # prompt version of the last committed chunk (a newer one's first chunk cuts, with prompt_cut)
     after_cut: bool = False  # its last commit was a cut and no chunk has started since: the next runs ahead too
     first_delivered_at: float | None = None  # time the first chunk was delivered
@@ -62,7 +64,7 @@ class ScheduledStream:
     latest_seq: int = 0  # the newest prompt version given out (one per set_prompt)
     waiting_seq: int | None = None  # a prompt that waits for the next commit (`new_prompt`)
     prompted_since_chunk: bool = False  # a prompt was planned since the last commit: a newer one waits
-    prompt_texts: dict[int, str] = field(default_factory=dict)  # by version: those a plan may still run under
+    prompt_texts: dict[int, str] = field(default_factory=dict)  # by version: those a plan may still run under (<= 5)
     steps: int = 0  # denoising steps of the chunk in progress (set by each of its DENOISE forwards: it may be cut)
     degraded: int = 0  # chunks committed with fewer steps than the schedule's
     viewers: int = 1  # connections each of its chunks is sent to (its steerer and its watchers): the send's load
@@ -140,8 +142,12 @@ class ScheduledStream:
             self.prompted_since_chunk = False
 
     def _plan_prompt(self, version: int, now: float) -> None:
+        # the texts a plan may still run under: the cache's, the chunk's, the one planned before (a recache of it
+        # may be under way) and this one; those planned between and never run are gone too (under a flood a stream
+        # may run chunks under its cache's prompt while newer ones are planned: a text each, for its life)
+        live = {self.cache_seq, self.chunk_seq, self.prompt_seq, version}
         self.prompt_seq, self.prompt_at, self.prompted_since_chunk = version, now, True
-        for old in [v for v in self.prompt_texts if v < min(self.cache_seq, self.chunk_seq)]:  # never planned again
+        for old in [v for v in self.prompt_texts if v not in live]:
             del self.prompt_texts[old]
 
     def prompt_pending(self) -> bool:

@@ -171,6 +171,11 @@ class RecordingStore:
         self._stored = 0  # bytes of the finished recordings' files, as of the last scan (or finished() since)
         self._active: dict[str, Recorder] = {}  # recordings being written, by id (counted by bytes_written)
 
+    def table_sizes(self) -> dict[str, int]:
+        """Its tables' entries (see Server.table_sizes): recordings being written, and those it knows (made here or
+        found in the directory: as many as the directory holds, and those being written)."""
+        return {"recordings.active": len(self._active), "recordings.known": len(self._known)}
+
     @property
     def used_bytes(self) -> int:
         """Disk the recordings use: those finished (from earlier runs too, as the directory holds them now: deleting
@@ -241,8 +246,11 @@ class RecordingStore:
         return self._stored + sum(r.bytes_written for r in self._active.values())
 
     def _scan(self) -> None:
-        """Count the finished recordings in the directory (earlier runs' too) as it is now."""
+        """Count the finished recordings in the directory (earlier runs' too) as it is now, and know those it holds
+        and those being written, no others: a recording deleted from the directory is forgotten (over a long run
+        the recordings made would otherwise all stay known)."""
         stored = 0
+        known = {recording_id: recorder.secret for recording_id, recorder in self._active.items()}
         try:
             entries = list(self.directory.iterdir())
         except OSError:  # no directory yet (made at the first recording), or unreadable
@@ -256,9 +264,9 @@ class RecordingStore:
                     size = None
                 if size is not None:
                     if link is not None:
-                        self._known.setdefault(link["id"], link["secret"])
+                        known.setdefault(link["id"], link["secret"])
                     stored += size
-        self._stored = stored
+        self._stored, self._known = stored, known
 
 
 def _nal_units(access_unit: bytes) -> list[bytes]:

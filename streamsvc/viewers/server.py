@@ -105,6 +105,11 @@ class ServerConfig:
 class Server:
     """One `streamsvc serve`: an engine, and the port its viewers and the HTTP routes are served on."""
 
+    # tables that outlive the streams by design (see table_sizes), each bounded: the door's request-rate buckets by
+    # address (access.RATE_TABLE_SIZE), its refusals' log keys (LogGate.size), the recordings known (as many as the
+    # recordings directory holds)
+    KEPT_TABLES = frozenset({"door.rate_buckets", "door.log_keys", "recordings.known"})
+
     def __init__(self, engine_config: EngineConfig, config: ServerConfig = ServerConfig(),
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -239,7 +244,32 @@ class Server:
         connections = {"websocket": self.guard.clients.held(), "whip": len(self.whep.whip.publishers),
                        "webrtc": sum(1 for rtc in self.webrtc.values() if rtc.pc is not None)}
         self.metrics.refresh(self.engine, self.sessions.values(), self.recordings.used_bytes, self.streamless.seconds,
-                             connections)
+                             connections, self.table_sizes())
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of every table the server keeps per stream, viewer, connection or client address, by a stable name
+        (`part.table`), each counted by its part; /metrics shows them as streamsvc_table_entries{table=NAME}. All but
+        KEPT_TABLES are 0 once every stream has ended and every connection has closed (the scraper's own connection
+        shows in door.connections while it asks), and none grows with a stream's age. The names:
+
+        - viewers.*: sessions (open streams), viewers (steerers and watchers), prompt_texts (each stream's recent
+          prompts, for its recording's chapters), gop_chunks (chunks kept for watchers who join), track_queues (WebRTC
+          viewers' queue reports), revocable (what a steer secret opened: WHIP publishers), tasks (work spawned off
+          callers), webrtc (WebRTC viewers' peer connections);
+        - door.*: streams_by_address and streams_by_token (the per-client stream caps' counts), websockets_by_address
+          and sockets_by_address (the connection caps' counts), rate_buckets and log_keys (kept), connections,
+          handshakes (connections whose first request has not come), websockets, downloads_by_address, http_sessions
+          (WHEP and WHIP sessions), whip_publishers;
+        - recordings.*: active (being written), known (kept: those in the recordings directory and being written);
+        - engine.streams, engine.forwards_in_flight; kv.caches; scheduler.*: streams, parked, prompt_texts (those a
+          plan may still run under), chunks_in_flight, releases (input video's released chunks); parking.streams,
+          parking.budget_streams; inputs.streams, inputs.chunks (input releases and capture times until the chunk's
+          commit); output.streams, output.encoders (x264 encoders alive, in the encoder processes too).
+        """
+        sizes = {"viewers.webrtc": len(self.webrtc)}
+        for part in (self.streams, self.entry.limits, self.guard, self.front, self.whep, self.recordings, self.engine):
+            sizes |= part.table_sizes()
+        return sizes
 
     # -- viewers (streamsvc/viewers/driver.py carries out each one's protocol) ----------------------------------
 
@@ -334,7 +364,7 @@ class Server:
         if transport != "webrtc":
             return
         viewer.rtc = self.webrtc[viewer.viewer_id] = WebRtcTransport(
-            viewer, _TrackReports(self.engine, viewer), self._webrtc_config,
+            viewer, TrackReports(self.engine, viewer), self._webrtc_config,
             on_control=lambda m: self.streams.control(viewer, m),
             on_lost=lambda reason: self.streams.leave(viewer, reason), on_stall=self.metrics.track_stalls.inc,
             on_backlog=self.metrics.refusals.labels(Refusal.SLOW_CLIENT.value).inc,
@@ -440,14 +470,19 @@ class Server:
                               if steers else {}))
 
 
-class _TrackReports:
+class TrackReports:
     """What a viewer's WebRTC track tells the engine (WebRtcTransport's `engine`): its queue of frames, as the lowest
-    of its stream's WebRTC viewers (the model follows the viewer closest to stalling), and its keyframe requests."""
+    of its stream's WebRTC viewers (the model follows the viewer closest to stalling), and its keyframe requests.
+    A viewer that left its stream reports nothing: its track may still send what it had queued until its peer
+    connection closes, and its entry (dropped when it left) would come back for the stream's life, holding the
+    stream's model at a queue nobody plays."""
 
     def __init__(self, engine: Engine, viewer: Viewer) -> None:
         self.engine, self.viewer = engine, viewer
 
     def observe_buffer(self, stream_id: str, buffered_frames: float, grace_s: float = 0.0) -> None:
+        if self.viewer.closed:
+            return
         queues = self.viewer.session.track_queues
         queues[self.viewer.viewer_id] = buffered_frames
         self.engine.observe_buffer(stream_id, min(queues.values()), grace_s=grace_s)

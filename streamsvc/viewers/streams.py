@@ -49,6 +49,17 @@ class Streams:
         self.orphan_timeout_s = orphan_timeout_s  # how long a stream whose steerer left goes on for its watchers
         self._tasks: set[asyncio.Task] = set()  # work spawned off a caller (kept referenced until done)
 
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of the open streams' tables (see Server.table_sizes): the streams, their viewers, the recent prompt
+        texts (each stream's at most PROMPT_TEXTS_KEPT), the chunks kept for watchers who join, the WebRTC viewers'
+        queue reports, what the steer secret opened, and the work spawned off callers."""
+        sessions = list(self.sessions.values())
+        return {"viewers.sessions": len(sessions), "viewers.viewers": sum(len(s.viewers) for s in sessions),
+                "viewers.prompt_texts": sum(len(s.prompt_texts) for s in sessions),
+                "viewers.gop_chunks": sum(len(s.gop) for s in sessions),
+                "viewers.track_queues": sum(len(s.track_queues) for s in sessions),
+                "viewers.revocable": sum(len(s.revocable) for s in sessions), "viewers.tasks": len(self._tasks)}
+
     async def control(self, viewer: Viewer, msg) -> None:
         """A viewer's message after its `start` or `watch` (on its WebSocket, or a WebRTC viewer's data channel).
         Steering messages are the steerer's alone, every message but `close` is held to the viewer's rate, and a

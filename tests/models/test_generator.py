@@ -6,35 +6,12 @@ import torch
 
 from kvcache import StreamCache
 from models import CacheAccess, WorkKind
-from tests.conftest import solo_and_batched, tiny_generator
+from tests.conftest import reference_latents, solo_and_batched, tiny_generator
 
 
 def run_chunks(gen, state, n, prompt_at=None):
     it = gen.stream(state, prompt_at)
     return [next(it) for _ in range(n)]
-
-
-def reference_latents(gen, prompt, seed, n_chunks):
-    """No cache: every forward recomputes all visible frames with full block-causal attention."""
-    model, nf, sig = gen.model, gen.cfg.frames_per_chunk, gen.sigmas
-    mc = gen.model_cfg
-    noise = torch.Generator().manual_seed(seed)
-    text = gen.encode_prompt(prompt)
-    clean = []  # committed clean chunks, each [C, F, h, w]
-    for c in range(n_chunks):
-        x = torch.randn((mc.in_channels, nf, mc.latent_height, mc.latent_width), generator=noise)
-        for k, s in enumerate(sig):
-            frames = torch.cat(clean + [x], dim=1)[None]  # [1, C, past + F, h, w]
-            past = frames.shape[2] - nf
-            t = torch.tensor([[0.0] * past + [1000 * s] * nf])
-            blocks = [i // nf for i in range(frames.shape[2])]
-            v = model(frames, t, text, [CacheAccess(None, 0, block_ids=blocks)])[0, :, past:]
-            x0 = (x.double() - s * v.double()).float()
-            if k + 1 < len(sig):
-                eps = torch.randn(x0.shape, generator=noise)
-                x = ((1 - sig[k + 1]) * x0.double() + sig[k + 1] * eps.double()).float()
-        clean.append(x0)
-    return clean
 
 
 def test_cached_generation_equals_full_recompute():

@@ -6,7 +6,7 @@ import torch
 
 from models import CacheAccess, WorkKind, build_generator
 from models.model_file import BUILTIN_WEIGHTS
-from tests.conftest import tiny_generator
+from tests.conftest import reference_latents, tiny_generator
 
 
 def square_image(size=128, centre=(40, 80), half=14, fg=(20, 170, 160), bg=(235, 215, 175)) -> torch.Tensor:
@@ -23,30 +23,6 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(255**2 / mse)
 
 
-def reference_from_image(gen, z_image, prompt, seed, n_chunks):
-    """No cache: every forward recomputes the image and all chunks before with block-causal attention, the
-    image a block of its own (-1), chunk c the frames 1 + c nf .. (block c)."""
-    model, nf, sig = gen.model, gen.cfg.frames_per_chunk, gen.sigmas
-    mc = gen.model_cfg
-    noise = torch.Generator().manual_seed(seed)
-    text = gen.encode_prompt(prompt)
-    clean = [z_image]
-    for _ in range(n_chunks):
-        x = torch.randn((mc.in_channels, nf, mc.latent_height, mc.latent_width), generator=noise)
-        for k, s in enumerate(sig):
-            frames = torch.cat(clean + [x], dim=1)[None]
-            past = frames.shape[2] - nf
-            t = torch.tensor([[0.0] * past + [1000 * s] * nf])
-            blocks = [(i - 1) // nf for i in range(frames.shape[2])]
-            v = model(frames, t, text, [CacheAccess(None, 0, block_ids=blocks)])[0, :, past:]
-            x0 = (x.double() - s * v.double()).float()
-            if k + 1 < len(sig):
-                eps = torch.randn(x0.shape, generator=noise)
-                x = ((1 - sig[k + 1]) * x0.double() + sig[k + 1] * eps.double()).float()
-        clean.append(x0)
-    return clean[1:]
-
-
 @pytest.mark.parametrize("nf", [3, 1])
 def test_chunks_after_the_image_equal_a_full_recompute_with_the_image_as_block_zero(nf):
     gen = tiny_generator(frames_per_chunk=nf, sink_frames=3, window_frames=9)
@@ -60,7 +36,7 @@ def test_chunks_after_the_image_equal_a_full_recompute_with_the_image_as_block_z
     n = 9 // nf  # the image and n chunks fit the sinks and the window: no eviction
     it = gen.stream(state)
     chunks = [next(it) for _ in range(n)]
-    for c, r in zip(chunks, reference_from_image(gen, z, "a ball moving right", 5, n)):
+    for c, r in zip(chunks, reference_latents(gen, "a ball moving right", 5, n, image=z)):
         assert torch.allclose(c.latents, r, atol=1e-4, rtol=1e-4), (c.index, (c.latents - r).abs().max())
     assert state.cache.frame_ids[: state.cache.num_frames] == list(range(1 + n * nf))
 

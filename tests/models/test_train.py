@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from client import pixels
 from models.latent import BlockPCA, video_frames
 from models import train, train_clips
 from models.scenes import Clip, Scene, Timeline, draw, sample_clip
@@ -172,8 +171,8 @@ def test_a_teacher_step_at_chunk_size_one_trains_on_what_its_cache_holds(monkeyp
     before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
     assert math.isfinite(trainer.teacher_step())
     (shape, fpc, lead), = seen
-    assert fpc == 1 and shape[0] == 2 and shape[2] == 13
-    assert lead.tolist() == [0, 1]  # the smoke batch's second clip starts from an image (models/train_image.py)
+    assert fpc == 1 and shape[0] == 3 and shape[2] == 13
+    assert lead.tolist() == [0, 0, 1]  # a text clip, a pair, then a clip that starts from an image (models/train_image.py)
     assert [k for k, p in trainer.model.named_parameters() if torch.equal(p, before[k])] == []
 
 
@@ -428,44 +427,6 @@ def test_a_stage_of_zero_steps_is_skipped(tmp_path):
     assert "teacher" in stages and "rollout" not in stages and trainer.stage == "done"
 
 
-def test_a_follow_pair_is_one_trajectory_in_two_looks_under_a_caption_without_motion(tmp_path):
-    from models.scenes import MOTION_PHRASES
-
-    trainer = Trainer(TrainConfig.smoke(), out=tmp_path, device=torch.device("cpu"))
-    mc = trainer.mc
-    for _ in range(12):
-        target, source, (captions, weights) = trainer._pair(3)
-        assert len(captions) == 2 * 15 and len(weights) == 5 and weights[-1] == 1.0
-        caption = " ".join(set(captions))
-        assert target.shape == source.shape == (15, 4, mc.height, mc.width, 3)
-        frames_t, frames_s = target.flatten(0, 1).float() / 127.5 - 1, source.flatten(0, 1).float() / 127.5 - 1
-        ct, cs = object_centres(frames_t), object_centres(frames_s)  # the same place in both, frame by frame
-        both = ~(ct.isnan().any(1) | cs.isnan().any(1))
-        assert both.float().mean() > 0.9
-        d = (ct[both] - cs[both]).abs()
-        assert float(torch.minimum(d, torch.tensor([mc.width, mc.height]) - d).max()) < 6  # a triangle's centroid: r/3 off
-        look_t, look_s = pixels.read_frame(target[2, 0].numpy()), pixels.read_frame(source[2, 0].numpy())
-        assert look_t.colour != look_s.colour and look_t.background != look_s.background
-        if weights[0] == 0:  # a prompt switch: the target's look changes at the first counted chunk, the input's not
-            at = weights.index(1.0) * 3
-            a, b = pixels.read_frame(target[at - 1, -1].numpy()), pixels.read_frame(target[at, -1].numpy())
-            assert (a.colour, a.shape) != (b.colour, b.shape) or a.background != b.background
-            assert captions[0] != captions[-1] and captions[:3] == [captions[0]] * 3
-        words = [p for ps in MOTION_PHRASES.values() for p in ps]
-        assert not any(p in caption for p in words), caption
-    for _ in range(12):  # chunks of 1: 13 of them, the sinks 0-2 each under the prompt it was made under
-        target, source, (captions, weights) = trainer._pair(1)
-        assert target.shape == source.shape == (13, 4, mc.height, mc.width, 3)
-        assert len(captions) == 2 * 13 and len(weights) == 13 and weights[-1] == 1.0
-        switch = weights.index(1.0)
-        assert captions[:3] == [captions[0] if c < switch else captions[-1] for c in range(3)]
-        assert captions[3:] == [captions[-1]] * 23
-        if switch:
-            a, b = pixels.read_frame(target[switch - 1, -1].numpy()), pixels.read_frame(target[switch, -1].numpy())
-            assert (a.colour, a.shape) != (b.colour, b.shape) or a.background != b.background
-            assert captions[0] != captions[-1]
-
-
 def test_the_follow_stage_starts_from_a_model_file_and_trains_the_dit(tmp_path):
     smoke = Trainer(TrainConfig.smoke(), out=tmp_path, device=torch.device("cpu"))
     assert smoke.run(minutes=5, save_minutes=60)
@@ -478,4 +439,4 @@ def test_the_follow_stage_starts_from_a_model_file_and_trains_the_dit(tmp_path):
     loss = trainer.follow_step()
     assert math.isfinite(loss) and loss > 0
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
-    assert len(trainer._follow_pool(3)["pairs"]) == 3
+    assert len(trainer._pool[3].pairs) == len(trainer._pool[3].clips) == 3  # follow_pool of each, rendered once

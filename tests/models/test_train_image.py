@@ -142,7 +142,7 @@ def test_a_teacher_step_trains_on_text_and_image_clips(monkeypatch):
     trainer.opt = trainer._optimizer()
     before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
     loss = trainer.teacher_step()
-    assert np.isfinite(loss) and seen[0].tolist() == [0, 1]  # one text clip, one from an image
+    assert np.isfinite(loss) and seen[0].tolist() == [0, 0, 1]  # a text clip, a video-to-video pair, one from an image
     assert [k for k, p in trainer.model.named_parameters() if torch.equal(p, before[k])] == []
     with pytest.raises(ValueError, match="image_share"):
         TrainConfig(image_share=1.0)

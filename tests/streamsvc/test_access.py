@@ -11,6 +11,8 @@ from streamsvc.door.access import (
     ConnectionLimits,
     LogGate,
     ProtocolErrors,
+    RATE_PRUNE_PERIOD_S,
+    RATE_TABLE_SIZE,
     Rate,
     RateKind,
     Refusal,
@@ -289,6 +291,24 @@ def test_prune_drops_refilled_buckets_only():
     rates.take(RateKind.HTTP, "b", 0.9)
     rates.prune(1.0)  # a has refilled to 2; b holds 1.0 (0.9 left at 0.9 s, plus 0.1)
     assert len(rates) == 1
+
+
+def test_the_rate_table_forgets_addresses_gone_quiet_every_prune_period():
+    """Over a long run the table holds the addresses of late: every RATE_PRUNE_PERIOD_S the buckets that have
+    refilled go, however far the table is from its size."""
+    rates = RequestRates({w: Rate(10.0, 5) for w in RateKind}, size=RATE_TABLE_SIZE)
+    for i in range(500):  # many clients, once each, within the first seconds
+        rates.take(RateKind.HTTP, f"10.0.{i >> 8}.{i & 255}", now=i * 0.01)
+    assert len(rates) == 500
+    rates.take(RateKind.UPGRADE, "10.1.0.1", now=RATE_PRUNE_PERIOD_S - 1)  # not yet a period since the last prune
+    assert len(rates) == 501
+    rates.take(RateKind.UPGRADE, "10.1.0.1", now=RATE_PRUNE_PERIOD_S + 0.1)  # its own bucket has refilled as well
+    assert len(rates) == 1
+    for _ in range(5):  # an address that spends its burst just before the next prune
+        rates.take(RateKind.HTTP, "10.1.0.2", now=2 * RATE_PRUNE_PERIOD_S + 0.15)
+    rates.take(RateKind.HTTP, "10.1.0.3", now=2 * RATE_PRUNE_PERIOD_S + 0.2)  # a period since the last prune
+    assert len(rates) == 2  # 10.1.0.1 went; 10.1.0.2 stays, its bucket not full again; the newcomer
+    assert rates.take(RateKind.HTTP, "10.1.0.2", now=2 * RATE_PRUNE_PERIOD_S + 0.2) is not None  # still over
 
 
 def test_protocol_errors_close_at_the_limit_within_the_window():

@@ -14,7 +14,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from streamsvc.cluster.placement import ReplicaStats, rank_replicas
-from streamsvc.cluster.replica import EngineReplica, ReplicaConfig
+from streamsvc.cluster.replica import EngineReplica, ReplicaConfig, stale_leases
 from streamsvc.engine.config import EngineConfig
 from streamsvc.engine.engine import Engine
 from streamsvc.viewers.server import Server, ServerConfig
@@ -30,6 +30,23 @@ def replica(name: str, free: int, streams: int = 0, load: float = 0.0, **kw) -> 
 
 def test_the_replica_with_the_most_free_kv_comes_first():
     assert rank_replicas([replica("a", 300), replica("b", 500), replica("c", 400)]) == ["b", "c", "a"]
+
+
+def test_the_cluster_forgets_replicas_and_gateways_of_long_ago():
+    """Over a long run the router's placements are those of the last PENDING_S (a replica placed on long ago, or
+    replaced since, keeps no entry) and a replica's leases those of gateways that hold a session or renewed lately."""
+    pytest.importorskip("ray.serve")  # the router module imports Ray (no instance is started)
+    from streamsvc.cluster.router import PENDING_S, Board
+
+    board = Board()
+    for uid, at in (("old", 0.0), ("old", 1.0), ("new", 10.0), ("new", 10.5)):
+        board.placed.setdefault(uid, []).append(at)
+    assert board.pending(10.0 + PENDING_S / 2) == {"new": 2} and set(board.placed) == {"new"}
+    assert board.pending(11.0 + PENDING_S) == {} and board.placed == {}
+    leases = {"g-gone": 0.0, "g-holding": 0.0, "g-renewed": 95.0}
+    owner = {"conn1": "g-holding"}
+    assert stale_leases(leases, owner, now=100.0, lease_s=10.0) == ["g-gone"]
+    assert stale_leases(leases, {}, now=100.0, lease_s=10.0) == ["g-gone", "g-holding"]
 
 
 def test_streams_placed_since_the_stats_count_against_their_replica():

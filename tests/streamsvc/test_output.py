@@ -90,6 +90,28 @@ def test_a_closed_stream_is_dropped_and_a_failure_ends_only_its_stream(processes
     assert [sid for sid, _ in sink.failed] == ["bad"] and "encoding failed" in sink.failed[0][1] and bad.closed
 
 
+@WHERE
+def test_the_stage_counts_its_streams_and_encoders_and_none_is_left_once_they_close(processes):
+    """Its tables (the server's table_sizes): a stream is counted from its open until its worker has closed it, and
+    its x264 encoder (in an encoder process: made at its first chunk, as the process says in each answer) as long."""
+    sink = Sink()
+    stage = OutputStage(torch.device("cpu"), 2, sink.on_chunk, sink.on_failed, processes=processes)
+    streams = [stage.open(sid, SPEC) for sid in ("a", "b", "c")]
+    try:
+        for s in streams[:2]:
+            submit(stage, s, frames(1))
+        sink.wait(2)
+        assert stage.table_sizes() == {"output.streams": 3, "output.encoders": 3 if not processes else 2}
+        for s in streams:
+            stage.close(s)
+        deadline = time.monotonic() + 10
+        while stage.table_sizes() != {"output.streams": 0, "output.encoders": 0} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stage.table_sizes() == {"output.streams": 0, "output.encoders": 0}
+    finally:
+        stage.stop()
+
+
 def test_a_dead_encoder_process_fails_its_streams_and_the_next_ones_get_a_new_one():
     sink = Sink()
     stage = OutputStage(torch.device("cpu"), 1, sink.on_chunk, sink.on_failed, processes=True)

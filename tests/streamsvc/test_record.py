@@ -247,3 +247,28 @@ def test_a_recordings_link_carries_a_secret_of_its_own_and_is_found_only_with_it
     again = RecordingStore(tmp_path, 1 << 30)  # the next run finds the recordings by their links, from their names
     assert again.path(legacy.name) is None and again.used_bytes == store.used_bytes >= 1000 + rec.path.stat().st_size
     assert again.path(rec.name + ".mp4") == rec.path and again.path(f"{rec.recording_id}-{other.secret}.mp4") is None
+
+
+def test_a_recording_deleted_from_the_directory_is_forgotten_and_those_written_or_kept_are_not(tmp_path):
+    """Over a long run the store knows the recordings the directory holds and those being written, no more: one
+    deleted by the operator leaves no entry behind (its link finds nothing, as before)."""
+    store = RecordingStore(tmp_path, 1 << 30)
+    done = []
+    for i in range(3):
+        rec = store.open(f"s{i}", FPS, W, H)
+        rec.add(*chunks(1)[0], "p")
+        rec.close()
+        done.append(rec)
+    writing = store.open("s9", FPS, W, H)  # no file yet: it waits for its first keyframe
+    assert store.table_sizes() == {"recordings.active": 1, "recordings.known": 4}
+    for rec in done[:2]:
+        rec.path.unlink()
+        rec.chapters_path.unlink()
+    assert store.path(done[0].path.name) is None  # (a request scans the directory)
+    assert store.table_sizes() == {"recordings.active": 1, "recordings.known": 2}
+    assert store.path(done[2].path.name) == done[2].path  # the one kept is still served
+    writing.add(*chunks(1)[0], "p")
+    assert store.in_progress(writing.name + ".mp4")
+    writing.close()
+    assert store.path(writing.path.name) == writing.path
+    assert store.table_sizes() == {"recordings.active": 0, "recordings.known": 2}

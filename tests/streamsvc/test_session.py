@@ -82,3 +82,29 @@ def test_a_stream_has_a_watch_and_a_steer_secret_of_128_bits_each_that_differ_be
         assert not a.may_watch(wrong), wrong
     for wrong in (None, "", b.steer_secret, a.watch_secret):
         assert not a.may_steer(wrong), wrong
+
+
+# ---------------------------------------------------------------- WebRTC viewers' queue reports
+
+
+def test_a_webrtc_viewer_that_left_reports_no_queue_and_leaves_no_entry_behind():
+    """A track still sends what it had queued after its viewer left (until its peer connection closes): its report
+    must not bring back its entry, which would stay for the stream's life and hold the stream's model at a queue
+    nobody plays."""
+    from streamsvc.viewers.server import TrackReports
+
+    reported = []
+    engine = SimpleNamespace(observe_buffer=lambda sid, frames, grace_s=0.0: reported.append(frames))
+    session = Session("s0", 16, "a red ball")
+    staying, leaving = Viewer("v0", session, Role.STEER), Viewer("v1", session, Role.WATCH)
+    for v in (staying, leaving):
+        session.join(v)
+    TrackReports(engine, staying).observe_buffer("s0", 20.0)
+    TrackReports(engine, leaving).observe_buffer("s0", 4.0)
+    assert session.track_queues == {"v0": 20.0, "v1": 4.0} and reported == [20.0, 4.0]  # the lowest of the two
+    session.leave(leaving, now=1.0)
+    session.track_queues.pop(leaving.viewer_id)  # (what Streams.leave does)
+    TrackReports(engine, leaving).observe_buffer("s0", 3.0)  # a frame its track still had
+    assert session.track_queues == {"v0": 20.0} and reported == [20.0, 4.0]
+    TrackReports(engine, staying).observe_buffer("s0", 18.0)
+    assert reported[-1] == 18.0  # the model follows the viewer that stays

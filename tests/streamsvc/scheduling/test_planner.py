@@ -6,12 +6,13 @@ import math
 
 import pytest
 
-from streamsvc.scheduling import RECACHE_STAGE, Plan, Scheduler, SchedulerError
+from streamsvc.scheduling import RECACHE_STAGE, Plan, Scheduler, SchedulerError, StreamRequest
 from tests.streamsvc.scheduling.helpers import (
     CHUNK,
     CHUNK_WORK,
     COST,
     DEGRADE,
+    FPS,
     MARGIN,
     C,
     Clock,
@@ -699,3 +700,59 @@ def test_with_prompt_cut_a_new_prompts_first_chunk_leaves_its_viewer_holding_it_
     plain.delivered("a", t)
     assert plain.stream_stats("a", t).buffered_s == pytest.approx(1.0 - 0.375 + 0.75)
 
+
+
+def test_a_stream_steered_for_hours_keeps_a_handful_of_prompt_texts_and_switches_within_two_chunks():
+    """Over a long stream's life (here 2,000 forwards, a prompt before every one, its viewer's reports keeping it
+    short of its lead, a pause and a resume) the scheduler keeps the texts a plan may still run under, a few a
+    stream, and nothing once it is removed. A stream near its lead may make one chunk under its cache's prompt
+    rather than recache first, not more: under the flood each commit planned a newer prompt, each counted as one
+    not yet waited for, and the stream ran every chunk under its first prompt while the texts of those planned
+    piled up (one a chunk)."""
+    per_stream_prompts = 5  # the cache's, the chunk's, the one planned before and the newest; the one waiting
+    sched = make()
+    admit(sched, "a", "b")
+    clock = Clock(sched)
+    most, versions = {}, []  # versions: the prompt each of a's chunks ran under
+    for k in range(2000):
+        sched.set_prompt("a", clock.now, f"prompt {k}")
+        if k % 7 == 0:
+            sched.set_prompt("b", clock.now, f"other {k}")
+        sched.observe_buffer("a", 8, clock.now)  # short of its lead (0.5625 s): a recache would (nearly) stall it
+        if k == 1000:
+            sched.pause("a", clock.now)
+        if k == 1200:
+            sched.resume("a", clock.now)
+        plan = clock.step()
+        if plan is None:
+            clock.now += COST
+        elif plan.kind is D and plan.step == 0 and "a" in plan.stream_ids:
+            versions.append(plan.prompt_seqs[plan.stream_ids.index("a")])
+        for name, n in sched.table_sizes().items():
+            most[name] = max(most.get(name, 0), n)
+    assert len(versions) > 100  # it went on making chunks
+    assert all(versions[i + 2] > versions[i] for i in range(len(versions) - 2)), versions[:20]
+    assert 2 <= most["scheduler.prompt_texts"] <= 2 * per_stream_prompts
+    assert most["scheduler.streams"] == 2 and most["scheduler.chunks_in_flight"] == 0  # (delivered at once here)
+    sched.remove("a")
+    sched.remove("b")
+    assert set(sched.table_sizes().values()) == {0}
+
+
+def test_the_prompt_texts_a_stream_keeps_are_those_a_plan_may_still_run_under():
+    """Whatever its plans do, a stream keeps the texts of its cache's prompt, its chunk's, the one planned before
+    (a recache of it may be under way), the newest and the one waiting, no more: here prompts come and commits
+    follow while its cache and chunk stay under its first prompt (the old rule kept every version since those)."""
+    from collections import deque
+
+    from streamsvc.scheduling.playback import PlaybackModel
+    from streamsvc.scheduling.stream import ScheduledStream
+
+    s = ScheduledStream(StreamRequest("a", FPS), order=0, admitted_at=0.0, playback=PlaybackModel(FPS),
+                        latencies=deque(maxlen=8), prompt_texts={0: "first"})
+    for k in range(1, 200):
+        s.new_prompt(f"prompt {k}", now=float(k))
+        s.new_prompt(f"prompt {k} again", now=float(k))  # waits for the next commit
+        assert len(s.prompt_texts) <= 5 and s.cache_seq in s.prompt_texts and s.prompt_seq in s.prompt_texts
+        s.chunk_committed(now=k + 0.5)  # plans the one that waited
+    assert s.prompt_texts[s.prompt_seq] == "prompt 199 again" and s.prompt_texts[0] == "first"
