@@ -110,6 +110,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "colour word (client/verify.py), reported beside the header-based control latency; the prompts "
                         "become the built-in model's scene captions (colour, shape, motion), each a new colour; needs "
                         "--decode inline or thread")
+    add_server_arguments(p)
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """The local server's options (`local_serve_args` makes `streamsvc serve`'s): the load test's, the soak's."""
     g = p.add_argument_group("local server (ignored with --url)")
     g.add_argument("--preset", default="tiny", help="model preset of the local server (default tiny)")
     g.add_argument("--device", default="cpu", help="device of the local server (default cpu)")
@@ -133,6 +138,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------- the local server
+
+
+def local_serve_args(args) -> list[str]:
+    """`streamsvc serve`'s arguments for the local server, from `add_server_arguments`' options (and --token; a
+    webrtc --transport keeps ICE on loopback)."""
+    serve = ["--preset", args.preset, "--device", args.device, "--policy", args.policy, "--kv-quant", args.kv_quant,
+             "--weights", args.weights, *args.server_arg]
+    for flag, value in (("--buffer-cap", args.buffer_cap), ("--latency", args.latency),
+                        ("--chunk-latent-frames", args.chunk_latent_frames)):
+        if value is not None:
+            serve += [flag, str(value)]
+    if getattr(args, "token", None) is not None:
+        serve += ["--auth-token", args.token]
+    if getattr(args, "transport", "ws") == "webrtc":  # the viewers gather on 127.0.0.1 for a local URL
+        serve += ["--ice-address", "127.0.0.1"]
+    return serve
 
 
 class LocalServer:
@@ -514,16 +535,7 @@ def run(args, input_sources: list | None = None) -> int:
     old_term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM cleans up like Ctrl-C (no orphaned server)
     try:
         if args.url is None:
-            serve_args = ["--preset", args.preset, "--device", args.device, "--policy", args.policy,
-                          "--kv-quant", args.kv_quant, "--weights", args.weights, *args.server_arg]
-            for flag, value in (("--buffer-cap", args.buffer_cap), ("--latency", args.latency),
-                                ("--chunk-latent-frames", args.chunk_latent_frames)):
-                if value is not None:
-                    serve_args += [flag, str(value)]
-            if args.token is not None:
-                serve_args += ["--auth-token", args.token]
-            if args.transport == "webrtc":  # keep ICE on loopback (the viewers gather on 127.0.0.1 for a local URL)
-                serve_args += ["--ice-address", "127.0.0.1"]
+            serve_args = local_serve_args(args)
             server = LocalServer(serve_args, start_timeout_s=args.server_timeout)
             shown = ["***" if prev == "--auth-token" else arg for prev, arg in zip(["", *serve_args], serve_args)]
             print(f"starting a local server: streamsvc serve {' '.join(shown)}", flush=True)  # the token not shown

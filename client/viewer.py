@@ -220,6 +220,9 @@ class ViewerClient:
         self.reconnects = 0  # reconnections after one that were admitted
         self._retry = False  # the stream ended with a retryable error: run() connects again
         self.pixels: PixelLatency | None = None  # with verify_pixels: times prompts on the played frames' pixels
+        # called with each chunk's header and its decoded frames (the transport's: av.VideoFrame, still YUV) as it
+        # arrives, when set and frames are decoded: a soak test samples them (benchmarks/soak.py)
+        self.frame_tap: Callable[[P.Chunk, list[Any]], None] | None = None
         self.audience: P.Audience | None = None  # the latest audience message
         self.audience_max = 0  # the most watchers any audience message announced
         # the stream's steer secret while this viewer steers (ready's, then a handover's or a take's audience's)

@@ -303,7 +303,8 @@ class StreamClient(ViewerClient):
                 self._fail(f"chunk {header.index} came before any keyframe chunk: it and any more such are not played")
             return
         t0 = time.perf_counter()
-        kept: list[av.VideoFrame] | None = [] if self.pixels is not None else None  # the frames, for their pixels
+        # the frames, for their pixels (verify_pixels) or the frame tap
+        kept: list[av.VideoFrame] | None = [] if self.pixels is not None or self.frame_tap is not None else None
         if self.config.decode is DecodeMode.NONE:
             frames = header.frames
         elif self.config.decode is DecodeMode.THREAD:
@@ -315,6 +316,8 @@ class StreamClient(ViewerClient):
         self.decode_max_s = max(self.decode_max_s, took)
         if frames <= 0 or self._ended_at is not None:
             return
+        if self.frame_tap is not None and kept:
+            self.frame_tap(header, kept)
         now = self.clock()
         buf = self._buffer
         if self.frames_decoded > 0:  # how close to running dry this chunk came
@@ -322,7 +325,7 @@ class StreamClient(ViewerClient):
             self.min_headroom_s = left if self.min_headroom_s is None else min(self.min_headroom_s, left)
         stalled = buf.state is PlaybackState.STALLED
         self.frames_decoded += frames
-        for f in kept or ():
+        for f in kept if self.pixels is not None else ():
             self.pixels.arrived(f)  # before the push, which may play the first of them
         self.g2g.arrived(header.capture_ms, frames)
         # input video: the first chunk plays from its last capture + input_latency_s (+ a later chunk's extra frames:

@@ -4,14 +4,31 @@ engine and the open streams when /metrics is asked for (`Metrics.refresh`).
 Counters and histograms move as things happen (a stream admitted, a chunk sent, a refusal); the gauges are set
 from the engine's counters and the streams' states at each refresh. The cluster's gateway keeps one too, for what
 it refuses at its own front.
+
+What the process holds, which an hour-long stream must leave flat (benchmarks/soak.py reads it every minute): its own
+RSS, open fds and CPU come from prometheus_client's `ProcessCollector`, on the server's registry; `ProcessGauges` adds
+what that collector lacks, read off Linux's /proc (`read_process`):
+
+- the server's thread count (`streamsvc_process_threads`: every OS thread, torch's and x264's included);
+- the encoder child processes (streamsvc/engine/encode.py `EncoderProcess`: x264 out of the server's GIL), summed:
+  `streamsvc_encoder_processes`, `..._rss_bytes`, `..._open_fds`, `..._threads`;
+- on a CUDA device, torch's allocated and reserved memory (`streamsvc_cuda_memory_{allocated,reserved}_bytes`), made
+  at the first refresh that has them, so a CPU server shows none.
+
+Where there is no /proc the thread and child figures are skipped (logged once), as the collector skips its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import logging
+import os
+import threading
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from streamsvc.door.access import Refusal
 from streamsvc.viewers.session import Session, SessionState
@@ -19,12 +36,21 @@ from streamsvc.viewers.session import Session, SessionState
 if TYPE_CHECKING:
     from streamsvc.engine.engine import Engine
 
+# chunk latency buckets (s): about 25 % apart from 0.1 to 2 s, where chunks land, so that a percentile read off the
+# buckets over a minute (benchmarks/soak.py) moves when the latency creeps by a tenth
+CHUNK_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1, 1.25, 1.5,
+                         2, 3, 5)
+PROC = Path("/proc")
+
+log = logging.getLogger(__name__)
+
 
 class Metrics:
     """Prometheus metrics of one server (its own registry, no globals)."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self.process = ProcessGauges(r)  # RSS, fds, CPU, threads; the encoder processes'; CUDA memory (refresh)
         self.streams = Gauge("streamsvc_streams", "Open streams by state", ["state"], registry=r)
         self.admitted = Counter("streamsvc_streams_admitted", "Streams admitted", registry=r)
         self.refused = Counter("streamsvc_streams_refused", "Streams refused at admission", registry=r)
@@ -49,7 +75,7 @@ class Metrics:
                            "repeated, decode errors, chunks taken with frames and missing", ["kind"], registry=r)
         self.recording_bytes = Gauge("streamsvc_recordings_bytes", "Disk the recordings use", registry=r)
         self.chunk_latency = Histogram("streamsvc_chunk_latency_seconds", "First denoising step to chunk ready",
-                                       registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5))
+                                       registry=r, buckets=CHUNK_LATENCY_BUCKETS)
         self.chunks = Counter("streamsvc_chunks", "Chunks sent", registry=r)
         self.degraded = Gauge("streamsvc_degraded_chunks", "Chunks degraded instead of a stall, by the stage that "
                               "was late (device: fewer denoising steps; encode: a cheaper x264 encode)", ["stage"],
@@ -106,6 +132,8 @@ class Metrics:
         open connections by kind (`connections`) and the server's tables' entries by name (`tables`)."""
         m, st = self, engine.stats()
         snap = st.scheduler
+        out = engine.output  # (None while the engine builds)
+        m.process.refresh(out.encoder_pids() if out else (), out.device_memory() if out else None)
         m.streamless_s.set(streamless_s)
         for table, n in (tables or {}).items():
             m.tables.labels(table).set(n)
@@ -151,3 +179,76 @@ class Metrics:
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format (the body of GET /metrics)."""
         return generate_latest(self.registry)
+
+
+@dataclass(frozen=True)
+class ProcessFigures:
+    """One process's holdings, from /proc/<pid>."""
+
+    rss_bytes: int  # resident memory (VmRSS)
+    open_fds: int  # entries of /proc/<pid>/fd
+    threads: int  # OS threads (Threads)
+
+
+def read_process(pid: int, proc: Path = PROC) -> ProcessFigures | None:
+    """The figures of process `pid` from `proc` (/proc), or None when it cannot be read (gone, no /proc, not ours)."""
+    try:
+        fields = {}
+        for line in (proc / str(pid) / "status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields[key] = value.split()
+        fds = sum(1 for _ in (proc / str(pid) / "fd").iterdir())
+        return ProcessFigures(rss_bytes=int(fields["VmRSS"][0]) * 1024, open_fds=fds, threads=int(fields["Threads"][0]))
+    except (OSError, KeyError, IndexError, ValueError):
+        return None
+
+
+class ProcessGauges:
+    """The process collector and the gauges above, on a server's registry; `refresh` sets the gauges."""
+
+    def __init__(self, registry: CollectorRegistry, proc: Path = PROC) -> None:
+        self.registry = registry
+        self.proc = proc
+        self.has_proc = (proc / "self" / "status").exists()
+        self._skip_logged = False
+        ProcessCollector(registry=registry)  # process_resident_memory_bytes, process_open_fds, process_cpu_seconds...
+        r = registry
+        self.threads = Gauge("streamsvc_process_threads", "OS threads of the server process", registry=r)
+        self.encoders = Gauge("streamsvc_encoder_processes", "Encoder child processes (x264 out of the server's GIL) "
+                              "that could be read", registry=r)
+        self.encoder_rss = Gauge("streamsvc_encoder_rss_bytes", "Resident memory of the encoder child processes, "
+                                 "summed", registry=r)
+        self.encoder_fds = Gauge("streamsvc_encoder_open_fds", "Open fds of the encoder child processes, summed",
+                                 registry=r)
+        self.encoder_threads = Gauge("streamsvc_encoder_threads", "OS threads of the encoder child processes, summed",
+                                     registry=r)
+        self.cuda_allocated: Gauge | None = None  # made at the first refresh with device memory (a CUDA server)
+        self.cuda_reserved: Gauge | None = None
+
+    def refresh(self, encoder_pids: Iterable[int] = (), device_memory: tuple[int, int] | None = None) -> None:
+        """Read the server's threads and the encoder children `encoder_pids`; `device_memory`: (allocated, reserved)
+        bytes of torch's CUDA allocator, None off CUDA."""
+        if device_memory is not None:
+            if self.cuda_allocated is None:
+                r = self.registry
+                self.cuda_allocated = Gauge("streamsvc_cuda_memory_allocated_bytes", "Device memory torch's CUDA "
+                                            "allocator has handed out (torch.cuda.memory_allocated)", registry=r)
+                self.cuda_reserved = Gauge("streamsvc_cuda_memory_reserved_bytes", "Device memory torch's CUDA "
+                                           "allocator holds (torch.cuda.memory_reserved)", registry=r)
+            self.cuda_allocated.set(device_memory[0])
+            self.cuda_reserved.set(device_memory[1])
+        if not self.has_proc:
+            self.threads.set(threading.active_count())  # Python's threads only: better than none
+            if not self._skip_logged:
+                log.info("no %s on this platform: the encoder processes' memory, fds and threads are not measured",
+                         self.proc)
+                self._skip_logged = True
+            return
+        own = read_process(os.getpid(), self.proc)
+        if own is not None:
+            self.threads.set(own.threads)
+        children = [f for f in (read_process(pid, self.proc) for pid in encoder_pids) if f is not None]
+        self.encoders.set(len(children))
+        self.encoder_rss.set(sum(f.rss_bytes for f in children))
+        self.encoder_fds.set(sum(f.open_fds for f in children))
+        self.encoder_threads.set(sum(f.threads for f in children))

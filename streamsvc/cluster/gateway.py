@@ -175,6 +175,7 @@ class Gateway:
         samples: dict[str, list[str]] = {}
         stats = self.board.stats()
         self.metrics.connections.labels("websocket").set(self.guard.clients.held())  # its viewers' sockets
+        self.metrics.process.refresh()  # its own threads (it has no encoder processes)
         for s in stats:
             for key, value in (s.metrics or {}).items():
                 name, labels = _split(key)

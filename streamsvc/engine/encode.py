@@ -357,6 +357,11 @@ class EncoderProcess:
     def alive(self) -> bool:
         return self._proc.poll() is None
 
+    @property
+    def pid(self) -> int:
+        """The child's process id (what /metrics reads its memory, fds and threads by)."""
+        return self._proc.pid
+
     def close_stream(self, stream_id: str) -> None:
         """Close the stream's encoder (if it has one); returns once the child has."""
         try:

@@ -147,6 +147,16 @@ class OutputStage:
         stream.closed = True
         self._queues[stream.worker].put(stream)
 
+    def encoder_pids(self) -> list[int]:
+        """The process ids of the workers' encoder processes (none when x264 runs in this process)."""
+        return [host.pid for host in self._hosts or ()]
+
+    def device_memory(self) -> tuple[int, int] | None:
+        """(allocated, reserved) bytes of torch's CUDA allocator on the stage's device; None off CUDA."""
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+
     def stop(self, timeout: float = 5.0) -> None:
         for q in self._queues:
             q.put(None)

@@ -6,6 +6,7 @@ These are the one place where client tests may import the server.
 
 import asyncio
 import contextlib
+import os
 
 import pytest
 from websockets.asyncio.client import connect
@@ -244,6 +245,22 @@ async def test_every_chunk_header_says_its_denoising_steps(server):
     assert c.ready.steps == len(server.engine.gen.sigmas) == 4
     assert all(1 <= h.steps <= c.ready.steps for h in c.headers)
     assert c.result().degraded_chunks == sum(1 for h in c.headers if h.steps < c.ready.steps)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the encoder processes are read off /proc")
+async def test_metrics_show_the_process_and_its_encoder_processes(server):
+    async with viewer(server) as c:
+        assert await c.wait_until(lambda: c.chunks >= 2, T)
+        server.refresh_metrics()
+        value = server.metrics.registry.get_sample_value
+        workers = len(server.engine.output.encoder_pids())
+        assert workers >= 1  # on the CPU, x264 runs in child processes, one an output worker
+        assert value("streamsvc_encoder_processes") == workers
+        assert value("streamsvc_encoder_rss_bytes") > workers * 5e6  # Python, av and numpy in each
+        assert value("streamsvc_encoder_threads") >= workers and value("streamsvc_encoder_open_fds") >= 3 * workers
+        assert value("process_resident_memory_bytes") > value("streamsvc_encoder_rss_bytes") / workers
+        assert value("process_open_fds") > 0 and value("streamsvc_process_threads") >= 3  # loop, engine, output
+        assert value("streamsvc_cuda_memory_allocated_bytes") is None  # a CPU server shows no device memory
 
 
 async def test_pause_and_resume_are_acknowledged_and_generation_waits_while_paused(server):

@@ -85,6 +85,19 @@ async def test_frames_of_another_size_than_ready_said_are_counted_bad(chunks):
     assert c.frames_decoded == 12 and c.bad_frames == 12
 
 
+@pytest.mark.parametrize("decode", [DecodeMode.INLINE, DecodeMode.NONE])
+async def test_the_frame_tap_gets_each_played_chunks_header_and_decoded_frames(chunks, decode):
+    c = watcher(decode)
+    tapped = []
+    c.frame_tap = lambda header, frames: tapped.append((header.index, len(frames), {f.width for f in frames}))
+    await c._on_chunk(P.pack_chunk(*chunks[1]))  # before any keyframe: not played, not tapped
+    for chunk in (chunks[0], chunks[2]):
+        await c._on_chunk(P.pack_chunk(*chunk))
+    # without decoding there are no frames to give
+    assert tapped == ([(0, 12, {W}), (2, 12, {W})] if decode is DecodeMode.INLINE else [])
+    assert c.frames_decoded == 24 and c.pixels is None  # (it needs no verify_pixels)
+
+
 class _Socket:
     """What `_await_ready` reads: the server's messages, then the end of the connection after a long wait."""
 
