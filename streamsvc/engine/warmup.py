@@ -2,8 +2,8 @@
 
 `keep_freed_memory` keeps glibc's malloc from paying page faults on every chunk's CPU tensors, and
 `log_attention` says which attention kernel runs. `warm_up` runs a throwaway stream through a full window,
-every ring phase and prompt switches, timing each kind of forward at least five times (and batches of max_batch and half of it when
-the scheduler batches), and seeds the scheduler's costs with the medians, its output stage's with x264's and its
+every ring phase and prompt switches, timing each kind of forward at least five times (and batches of max_batch
+and half of it when the scheduler batches), and seeds the scheduler's costs with the medians, its output stage's with x264's and its
 send's with what sending its chunks costs the sender (`send_cost_s`).
 """
 

@@ -80,8 +80,9 @@ class CostModel:
         if (kind, batch) in self._estimate:
             return self._estimate[(kind, batch)]
         one_by_one = batch * self._estimate.get((kind, 1), self.initial_forward_s)
-        below = [b for b in self.sizes(kind) if b < batch]
-        above = [b for b in self.sizes(kind) if b > batch]
+        sizes = self.sizes(kind)
+        below = [b for b in sizes if b < batch]
+        above = [b for b in sizes if b > batch]
         if not below or not above:
             return one_by_one
         lo, hi = below[-1], above[0]

@@ -30,8 +30,8 @@ there: `ScheduledStream.new_prompt`): the first since the last commit at once, a
 the next commit, the newest of those that came meanwhile. A chunk in progress is abandoned for the new prompt
 (`restart_on_prompt`) only while the stream keeps `restart_margin_chunks` chunks
 of slack after redoing it (with `prompt_cut`, the RECACHE's headroom: the chunk's frames would be cut anyway, and
-the lead holds a switch's reserve, `switch_reserve_s`, so that a prompt goes at once); a RECACHE that would leave the stream less slack than
-`start_margin_s` (one forward at least), where skipping it would not stall it,
+the lead holds a switch's reserve, `switch_reserve_s`, so that a prompt goes at once); a RECACHE that would leave
+the stream less slack than `start_margin_s` (one forward at least), where skipping it would not stall it,
 waits one chunk (that chunk keeps the old prompt). So a prompt does not cause a
 stall; it shows up later instead.
 
