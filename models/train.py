@@ -119,7 +119,8 @@ class TrainConfig:
     rollout_truth: str = "history"
     # video-to-video pairs (models/train_follow.py), in the teacher's batches (`follow_share`) and in stage 5's. The
     # follow stage (a fine-tune from a model file): steps, pairs per step (plus as many text-to-video clips), peak
-    # learning rate. Both: the sampler's schedule whose levels below 1 an input chunk starts at (the built-in model's)
+    # learning rate. Both: the sampler's schedule whose levels below 1 an input chunk starts at: the built-in model's,
+    # which the export names (`--timesteps` to name another)
     follow_steps: int = 0
     follow_batch: int = 32
     follow_lr: float = 5e-4
@@ -502,7 +503,7 @@ class Trainer:
 
     def export(self, path: Path, timesteps: Sequence[float] | None = None) -> None:
         """The weights as shipped: DiT, decoder, encoder and the caption words' text vectors, one file, with
-        the denoising schedule to sample it with (`timesteps`; default: the levels training drew from)."""
+        the denoising schedule to sample it with (`timesteps`; default: `follow_timesteps`, the built-in model's)."""
         from safetensors.torch import save_file
 
         words = vocabulary()
@@ -512,7 +513,7 @@ class Trainer:
         tensors["text.vectors"] = torch.stack([self.encoder.word_vector(w) for w in words])
         tensors = {k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}
         metadata = {"preset": self.cfg.preset, "model": json.dumps(asdict(self.mc)), "text.words": json.dumps(words),
-                    "sampler.timesteps": json.dumps([float(t) for t in timesteps or self.gen.timesteps])}
+                    "sampler.timesteps": json.dumps([float(t) for t in timesteps or self.cfg.follow_timesteps.split(",")])}
         save_file(tensors, path, metadata=metadata)
 
 
@@ -527,9 +528,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a TrainConfig field")
     p.add_argument("--export", type=Path, help="after training, write the weights to this .safetensors file")
     p.add_argument("--timesteps", type=lambda v: tuple(float(t) for t in v.split(",")), metavar="T1,T2,...",
-                   help="the sampling schedule the export names (timesteps before the shift; default: the sampler's "
-                        "levels training drew from). The built-in model ships with 1000,500,250,100: a lower last "
-                        "level than Self-Forcing's 250 gives it sharper edges")
+                   help="the sampling schedule the export names (timesteps before the shift; default: the "
+                        "follow_timesteps field, 1000,500,250,100: a lower last level than Self-Forcing's 250 gives "
+                        "the built-in model sharper edges)")
     p.add_argument("--init", type=Path, metavar="FILE",
                    help="start from a model file's weights (e.g. models/assets/tiny.safetensors) at the follow stage "
                         "(video-to-video; set follow_steps) instead of from scratch")

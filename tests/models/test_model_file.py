@@ -47,20 +47,22 @@ def test_a_model_file_builds_its_dit_decoder_and_text_encoder(model_file):
 
 
 def test_a_model_file_names_the_schedule_it_samples_with(model_file, tmp_path):
-    """The export records the denoising levels (training's by default, or `--timesteps`); the generator
-    takes the file's levels for the default schedule, the first N of them for a steps-N one, and keeps a
-    schedule written out by hand."""
+    """The export records the denoising levels (the recipe's `follow_timesteps` by default, so that
+    `python -m models.train` alone makes the shipped kind of file, or `--timesteps`); the generator takes the file's
+    levels for the default schedule, the first N of them for a steps-N one, and keeps a schedule written out by
+    hand."""
     from models.stream import GeneratorConfig
     from models.train import main
 
-    assert M.read_model_file(model_file).timesteps == GeneratorConfig.timesteps
+    own = (1000.0, 500.0, 250.0, 100.0)
+    assert M.read_model_file(model_file).timesteps == own != GeneratorConfig.timesteps
     out = tmp_path / "run"
     args = ["--smoke", "--device", "cpu", "--out", str(out), "--set", f"model={GROWN}"]
     assert main([*args, "--minutes", "5"]) == 0  # trains to the end
-    own = (1000.0, 500.0, 250.0, 100.0)
-    assert main([*args, "--export", str(tmp_path / "f.safetensors"), "--timesteps", "1000,500,250,100"]) == 0
+    assert main([*args, "--export", str(tmp_path / "f.safetensors"), "--timesteps", "1000,600,300"]) == 0
     path = str(tmp_path / "f.safetensors")
-    assert M.read_model_file(path).timesteps == own
+    assert M.read_model_file(path).timesteps == (1000.0, 600.0, 300.0)
+    path = str(model_file)
     assert build_generator("tiny", weights=path).cfg.timesteps == own
     two = GeneratorConfig(timesteps=GeneratorConfig.timesteps[:2])  # what steps-2 makes of the default
     assert build_generator("tiny", weights=path, cfg=two).cfg.timesteps == own[:2]
