@@ -213,7 +213,9 @@ class StreamEncoder:
         return packets
 
     def close(self) -> None:
-        """Release the encoder. Idempotent; ``encode`` raises afterwards."""
+        """Release the encoder: its x264 contexts and its swscale context, with the threads swscale keeps (a pool
+        of as many as the host has cores), now rather than when a garbage collection finds an owner that sits in a
+        reference cycle. Idempotent; ``encode`` raises afterwards."""
         for ctx in (self._ctx, self._fast_ctx):
             if ctx is not None:
                 try:
@@ -221,6 +223,7 @@ class StreamEncoder:
                 except av.FFmpegError:
                     pass
         self._ctx = self._fast_ctx = None
+        self._to_yuv = None
 
     def _open(self, crf: int) -> av.VideoCodecContext:
         ctx = av.CodecContext.create("libx264", "w")
@@ -316,8 +319,10 @@ class StreamDecoder:
         return self._to_rgb.reformat(frame, format="rgb24").to_ndarray()
 
     def close(self) -> None:
-        """Release the decoder (frames still inside are dropped)."""
+        """Release the decoder and its swscale context (with its threads: see ``StreamEncoder.close``); frames
+        still inside are dropped."""
         self._ctx = None
+        self._to_rgb = None
 
 
 class EncoderProcess:

@@ -16,6 +16,7 @@ from streamsvc.engine.encode import (
     nal_unit_types,
     rtp_pts,
 )
+from tests.threads import names, needs_proc, thread_ids
 
 W, H, FPS = 64, 48, 16
 
@@ -174,3 +175,20 @@ def test_bad_input_is_refused_with_the_expected_shape(encoder):
     encoder.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         encoder.encode(moving_frames(1), start_index=2)
+
+
+@needs_proc
+def test_closing_an_encoder_or_a_decoder_ends_the_threads_its_swscale_context_started():
+    """A stream's encoder and decoder leave no thread behind once closed, whoever still refers to them (a stream's
+    objects can sit in a reference cycle until a rare full garbage collection: issue 46)."""
+    before = thread_ids()
+    encoder, decoder = StreamEncoder(W, H, FPS), StreamDecoder()
+    for packet in encode_chunks(encoder, [4])[0]:
+        assert len(decoder.decode(bytes(packet))) == 1
+    started = thread_ids() - before
+    if not started:
+        pytest.skip("swscale started no threads here (one core)")
+    encoder.close()
+    decoder.close()
+    assert not started & thread_ids(), f"still running after close: {names(started & thread_ids())}"
+
