@@ -153,6 +153,8 @@ class InputFrames:
 
     def _scale_av(self, frame) -> np.ndarray:
         with self._scale_lock:  # one swscale context per stream, kept: making one costs more than a scale
+            if self.closed:  # it came as the stream closed and is dropped (`_place`): no context made past `close`
+                return np.zeros((self.height, self.width, 3), np.uint8)
             if self._scaler is None:
                 from av.video.reformatter import VideoReformatter
 
@@ -335,11 +337,17 @@ class InputFrames:
             self._last = None
 
     def close(self) -> None:
-        """The stream ended: nothing more is held or taken."""
+        """The stream ended: nothing more is held or taken, and its swscale context goes now, with the threads it
+        keeps (FFmpeg's swscale runs a pool of as many threads as the host has cores a context), not when a garbage
+        collection finds the stream's objects: a session and its viewers refer to each other, and in a server
+        whose heap is mostly the model's, a full collection is rare (each closed input stream kept its threads, 2
+        on 2 cores, for as long as the soak ran: issue 46)."""
         with self._lock:
             self.closed = True
             self._slots.clear()
             self._last = None
+        with self._scale_lock:  # after a scale under way
+            self._scaler = None
 
     @property
     def held(self) -> int:

@@ -84,6 +84,7 @@ class Upstream:
         # the flood's bound: frames a second, and a second's worth; the pixel cap; the decoder's CPU budget
         self.gate = InputGate(FLOOD_RATE * fps, fps, time.monotonic())
         self._told = False  # the client was sent the refusal
+        self._closed = False  # its connection ended (`close`)
 
     @classmethod
     def for_viewer(cls, viewer) -> Upstream | None:
@@ -135,6 +136,13 @@ class Upstream:
                 self.frames.drop()
         return batch
 
+    def close(self) -> None:
+        """The connection ended: its decoder (and the pictures it holds) goes now, not when a garbage collection
+        finds the connection's objects (they refer to each other). A decode under way ends with the decoder it
+        began with; none begins after this."""
+        self._closed = True
+        self._decoder = None
+
     def _refuse(self) -> None:
         """The input is refused: the decoder and its pictures go, the client is told once."""
         self._decoder = None
@@ -148,14 +156,16 @@ class Upstream:
     def _decode(self, batch: list[tuple[bytes, float]]) -> None:
         import av
 
+        if self._closed:
+            return
         if self._decoder is None:
             self._decoder = av.CodecContext.create("h264", "r")
             self._decoder.thread_count = 1  # no frame threading: a frame out for each frame in, no added delay
-        decode_s = 0.0
+        decoder, decode_s = self._decoder, 0.0
         for unit, capture_ms in batch:
             t0, cpu0 = time.perf_counter(), time.thread_time()
             try:
-                frames = self._decoder.decode(av.Packet(unit))
+                frames = decoder.decode(av.Packet(unit))
             except (av.FFmpegError, ValueError):
                 self.frames.decode_error()
                 continue

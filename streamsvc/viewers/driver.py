@@ -110,6 +110,8 @@ class ViewerDriver:
         """Nothing more comes from the viewer: it leaves its stream, its last messages go out, its guard is done."""
         if self.viewer is not None:
             await self.host.streams.leave(self.viewer, reason)
+        if self._upstream is not None:  # its input decoder goes with the connection
+            self._upstream.close()
         if self._sender is not None:  # its last messages (`closed`), then the outlet closes (guard.ended)
             with contextlib.suppress(asyncio.TimeoutError, ConnectionClosed):
                 await asyncio.wait_for(self._sender, timeout=SENDER_GRACE_S)

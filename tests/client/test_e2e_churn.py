@@ -7,12 +7,15 @@ one recording, one pausing and resuming, one taking input video from a synthetic
 comes and goes; clients that vanish
 without a close (a steerer before and after a pause, a watcher). While it runs every table stays within what the
 open streams and viewers allow; once every stream has ended every per-stream table is empty, and /metrics says so
-(with the same series as before the run: no label set grows with streams).
+(with the same series as before the run: no label set grows with streams), and the threads are those of before the
+run but for the pools that fill once (a closed stream's swscale threads were kept until a rare full garbage
+collection: issue 46; the process's threads are the server's and its clients', one process).
 Every loop is bounded by the run's deadline and a count.
 """
 
 import asyncio
 import contextlib
+import os
 import random
 import time
 import urllib.request
@@ -30,6 +33,7 @@ from streamsvc.viewers.server import Server, ServerConfig
 from streamsvc.viewers.session import GOP_CHUNKS
 from streamsvc.viewers.streams import PROMPT_TEXTS_KEPT
 from streamsvc.wire import protocol as P
+from tests.threads import HAS_PROC, names, python_names, thread_ids
 
 CHURN_S = 100.0  # the churn's length; with start-up and the end, about two minutes on 2 cores
 STREAMS = 4  # streams the test keeps open (the vanishing clients' come on top, briefly)
@@ -40,6 +44,10 @@ T = 15.0  # bound on anything that should take well under a second
 PROMPTS = ("a red fox in the snow", "a blue ball on grass", "a green car at night", "a yellow bird in the sky",
            "a white boat on the sea")
 PER_STREAM_PROMPTS = 5  # the scheduler's prompt texts a stream: the cache's, the chunk's, the one before, the newest, the waiting
+
+# the thread pools that start threads as they are needed, up to a bound, and keep them: the input decoders'
+# (streamsvc/inputs/ws.py) and the event loop's default executor's (asyncio.to_thread)
+POOLS = {"input-decode": 2, "asyncio": min(32, (os.cpu_count() or 1) + 4)}
 
 pytestmark = pytest.mark.slow
 
@@ -157,6 +165,18 @@ class Churn:
                       if sizes[name] > bound]
 
 
+def threads_left(before: set[int]) -> list[str]:
+    """The threads started since `before` that still run, but for those of POOLS within their bounds."""
+    started = thread_ids() - before
+    pooled: dict[str, list[int]] = {}
+    for tid, name in python_names(started).items():
+        pooled.setdefault(name.rsplit("_", 1)[0], []).append(tid)
+    for pool, bound in POOLS.items():
+        if len(pooled.get(pool, ())) <= bound:
+            started -= set(pooled.get(pool, ()))
+    return names(started)
+
+
 async def sampler(churn: Churn) -> None:
     for _ in range(int(CHURN_S / 0.25) + 1):
         if not churn.running():
@@ -253,6 +273,7 @@ async def test_a_server_under_churn_keeps_its_tables_bounded_and_empties_them_wh
     await asyncio.wait_for(server.start(), 60)
     try:
         before = await metrics(server)
+        threads = thread_ids() if HAS_PROC else set()
         churn = Churn(server)
         churn.long = await churn.open(prompt=PROMPTS[0], seed=1)
         assert churn.long is not None
@@ -289,5 +310,12 @@ async def test_a_server_under_churn_keeps_its_tables_bounded_and_empties_them_wh
         assert set(tables) == set(sizes)
         assert tables["engine.streams"] == tables["kv.caches"] == tables["output.encoders"] == 0
         assert tables["door.connections"] >= 1  # the scrape's own
+
+        if HAS_PROC:  # the threads its streams and viewers started end with them (WebRTC's decoders as they close)
+            for _ in range(int(T / 0.1)):
+                if not threads_left(threads):
+                    break
+                await asyncio.sleep(0.1)
+            assert not threads_left(threads), f"threads left after every stream ended: {threads_left(threads)}"
     finally:
         await asyncio.wait_for(server.stop(), 30)

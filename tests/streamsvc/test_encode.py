@@ -16,6 +16,7 @@ from streamsvc.engine.encode import (
     nal_unit_types,
     rtp_pts,
 )
+from tests.threads import names, needs_proc, thread_ids
 
 W, H, FPS = 64, 48, 16
 
@@ -174,3 +175,50 @@ def test_bad_input_is_refused_with_the_expected_shape(encoder):
     encoder.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         encoder.encode(moving_frames(1), start_index=2)
+
+
+@needs_proc
+def test_closing_an_encoder_or_a_decoder_ends_the_threads_its_swscale_context_started():
+    """A stream's encoder and decoder leave no thread behind once closed, whoever still refers to them (a stream's
+    objects can sit in a reference cycle until a rare full garbage collection: issue 46)."""
+    before = thread_ids()
+    encoder, decoder = StreamEncoder(W, H, FPS), StreamDecoder()
+    for packet in encode_chunks(encoder, [4])[0]:
+        assert len(decoder.decode(bytes(packet))) == 1
+    started = thread_ids() - before
+    if not started:
+        pytest.skip("swscale started no threads here (one core)")
+    encoder.close()
+    decoder.close()
+    assert not started & thread_ids(), f"still running after close: {names(started & thread_ids())}"
+
+
+MEMORY_PROBE = """
+import sys
+from streamsvc.engine.encode import memory_giver
+def rss_mb():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) // 1024
+blocks = [bytearray(64 * 1024) for _ in range(1024)]  # 64 MiB under glibc's mmap threshold: on its heap
+pin = bytearray(64 * 1024)  # above them: the heap's top stays in use, so free() alone returns nothing
+del blocks
+freed = rss_mb()
+memory_giver()()
+print(freed, rss_mb())
+"""
+
+
+@needs_proc
+def test_the_memory_giver_returns_freed_pages_that_glibc_keeps():
+    """What the encoder process does after closing an encoder: freed memory in the middle of the heap goes back to
+    the system (without it, its RSS crept up under churn and stayed up after every stream closed: issue 46)."""
+    import subprocess
+    import sys
+
+    from streamsvc.engine.encode import memory_giver
+
+    if memory_giver() is None:
+        pytest.skip("no malloc_trim in this C library")
+    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    freed, given_back = map(int, out.stdout.split())
+    assert freed - given_back >= 48, (freed, given_back)  # most of the 64 MiB

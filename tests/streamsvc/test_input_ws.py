@@ -97,3 +97,15 @@ async def test_a_decoder_over_its_cpu_budget_refuses_the_input_with_the_reason(g
         await asyncio.sleep(1 / 16)
     assert [m.code for m in sent] == [P.ErrorCode.INPUT_REFUSED] and "CPU-seconds a second" in sent[0].message
     assert 0 < up.frames_in < 40 and up._decoder is None  # a second of frames decoded, then refused
+
+
+async def test_closing_drops_the_decoder_and_nothing_is_decoded_after(gop):
+    """The connection's end releases its decoder at once (not at a garbage collection: issue 46), and a message that
+    was still on its way makes none again."""
+    up, sent = upstream()
+    await up.receive(message(0, [gop[0]], keyframe=True))
+    assert up.frames_in == 1 and up._decoder is not None
+    up.close()
+    assert up._decoder is None
+    await up.receive(message(1, [gop[1]], keyframe=False))
+    assert up.frames_in == 1 and up._decoder is None and not sent

@@ -9,6 +9,7 @@ import pytest
 
 from streamsvc.inputs.frames import FIRST_FRAME_WAIT_S, InputFrames, crop_box, scale_crop, scale_crop_av
 from tests.clock import ManualClock
+from tests.threads import names, needs_proc, thread_ids
 
 FPS = 16
 W, H = 32, 16  # the model's frame size in these tests (2:1)
@@ -227,3 +228,19 @@ def test_a_camera_that_never_sends_lets_the_stream_start_without_input():
     clock.now = inp.missing_at(0, 9, 0.25)
     assert not inp.released(0, 9) and inp.take(0, 9) is None
     assert inp.stats()["missing_chunks"] == 1
+
+
+@needs_proc
+def test_close_ends_the_threads_of_the_streams_swscale_context():
+    """The stream's scaler is kept from frame to frame, not past the stream (a closed stream's objects can sit in a
+    reference cycle until a rare full garbage collection: issue 46)."""
+    clock = ManualClock()
+    inp = make(clock)
+    before = thread_ids()
+    inp.push_av(av.VideoFrame.from_ndarray(np.zeros((48, 64, 3), np.uint8), format="rgb24"), 1.0)
+    assert inp.held == 1
+    started = thread_ids() - before
+    if not started:
+        pytest.skip("swscale started no threads here (one core)")
+    inp.close()
+    assert not started & thread_ids(), f"still running after close: {names(started & thread_ids())}"
