@@ -174,6 +174,7 @@ class EngineReplica:
         self.owner: dict[str, str] = {}  # conn id -> its gateway
         with _niced(config.warmup_nice):  # threads and processes started in here inherit it
             await self.server.start(listen=False)
+        self.server.heap.freeze()  # the replica's process is its server's (streamsvc/engine/heap.py)
         gen = self.server.engine.gen
         self.stream_kv_bytes = gen.cache_spec().stream_bytes() + self.server.engine.decoder_bytes  # one stream's
         self._reaper = asyncio.create_task(self._reap())

@@ -9,4 +9,5 @@
 - `parking`: a paused stream's KV cache moved off the device and back.
 - `timing`: forwards timed without waiting for them (CUDA events; wall time on a CPU).
 - `group`, `lockstep`: `--parallel K`, one stream's forwards split over K devices.
+- `heap`: the serving process's memory over hours: closed streams' cycles collected soon, freed pages trimmed.
 """

@@ -36,7 +36,6 @@ takes what x264 takes.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -44,7 +43,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from multiprocessing.connection import Connection
@@ -55,6 +54,8 @@ import numpy as np
 from av.codec.context import Flags
 from av.video.frame import PictureType
 from av.video.reformatter import VideoReformatter
+
+from streamsvc.engine.heap import memory_giver
 
 log = logging.getLogger(__name__)
 
@@ -397,26 +398,6 @@ def _packet(data: bytes, pts: int, duration: int, keyframe: bool) -> av.Packet:
     packet.time_base = RTP_TIME_BASE
     packet.is_keyframe = keyframe
     return packet
-
-
-def memory_giver() -> Callable[[], None] | None:
-    """A call that gives the pages of freed memory back to the system: glibc's `malloc_trim(0)`; None where the C
-    library has none (musl, macOS).
-
-    glibc returns freed memory to the system only from the top of its heap; the pages of an x264 context freed in
-    the middle stay resident. In the encoder process, where streams' encoders come and go, its RSS crept up under
-    churn and stayed up once every stream had closed (issue 46: 77 MB to 110 MB in a 20-minute soak, 107 MB after;
-    a 300-stream churn of 16 at a time, 96 MB to 104 MB, 104 MB after all closed and 57 MB after a trim). A trim
-    after each encoder closed kept it flat (85-88 MB over the same churn), at 0.1-0.3 ms a close."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # this process's symbols, the C library's among them
-    if trim is None:
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-
-    def give_back() -> None:
-        trim(0)
-
-    return give_back
 
 
 def _encoder_main(conn) -> None:

@@ -47,6 +47,7 @@ from streamsvc.door.whep import Endpoints, WhepOutlet, WhepSession
 from streamsvc.door.whip import Ingest
 from streamsvc.engine.config import EngineConfig
 from streamsvc.engine.engine import ChunkOut, Engine
+from streamsvc.engine.heap import Heap
 from streamsvc.inputs.ws import input_frames, ready_fields
 from streamsvc.metrics import Metrics
 from streamsvc.scheduling import SendSampler
@@ -135,8 +136,9 @@ class Server:
             config.webrtc, ice_addresses=server_ice_addresses(config.host, config.webrtc.ice_addresses))
         self.engine = Engine(engine_config, on_chunk=self._from_engine(self._on_chunk),
                              on_error=self._from_engine(self._on_error), streamless=self.streamless.reading)
+        self.heap = Heap()  # the process's collections and trims: streams and connections come and go for hours
         self.streams = Streams(self.engine, self.sessions, self.entry.limits, self.recordings, self.metrics, clock,
-                               config.orphan_timeout_s)
+                               config.orphan_timeout_s, self.heap)
         self.routes = Routes(config.access, config.static_dir, self.recordings, self.metrics,
                              ready=lambda: self.engine.shape is not None and not self.engine.failure,
                              refresh_metrics=self.refresh_metrics,
@@ -167,10 +169,18 @@ class Server:
         if self._send_meter is not None:
             self._send_meter.cancel()
         await self.front.close()
+        self.heap.cancel()
         await asyncio.to_thread(self.engine.stop)
 
     async def serve_forever(self) -> None:
-        await serve_until_signalled(self.start, self.stop)
+        """`streamsvc serve`: the process is the server's, so once the engine is up its heap is frozen (the model, the
+        libraries, the warm-up: alive for good, out of every later collection; streamsvc/engine/heap.py)."""
+
+        async def start() -> None:
+            await self.start()
+            self.heap.freeze()
+
+        await serve_until_signalled(start, self.stop)
 
     async def _measure_send(self) -> None:
         """Every SEND_PERIOD_S, the event loop's CPU time per chunk sent goes to admission as the SEND stage's cost
@@ -284,7 +294,10 @@ class Server:
         # flood of junk frames, three quarters of the loop's CPU)
         outlet = WebSocketOutlet(ws, closing=lambda close: self.streamless.run(close, stream_less))
         driver = ViewerDriver(self, client, outlet, self.guard.connection(outlet, client.address))
-        await self.streamless.run(driver.serve(ws), stream_less)
+        try:
+            await self.streamless.run(driver.serve(ws), stream_less)
+        finally:
+            self.heap.tidy_soon()  # the connection's objects refer to each other: a collection frees them
 
     async def admit(self, client: Client, msg: P.Start | P.Watch, outlet: Outlet) -> Viewer | Refused:
         """A viewer's start (a new stream, which it steers) or watch (of an open stream): its Viewer, whose outbox

@@ -23,6 +23,7 @@ from streamsvc.door.access import Refusal, StreamLimits
 from streamsvc.door.routes import RECORDINGS_PATH
 from streamsvc.engine.engine import ChunkOut, Engine
 from streamsvc.engine.errors import EngineError
+from streamsvc.engine.heap import Heap
 from streamsvc.metrics import Metrics
 from streamsvc.viewers.record import RecordingRefused, RecordingStore
 from streamsvc.viewers.session import Session, SessionState, Viewer
@@ -39,7 +40,7 @@ class Streams:
     event loop."""
 
     def __init__(self, engine: Engine, sessions: dict[str, Session], limits: StreamLimits, recordings: RecordingStore,
-                 metrics: Metrics, clock: Callable[[], float], orphan_timeout_s: float) -> None:
+                 metrics: Metrics, clock: Callable[[], float], orphan_timeout_s: float, heap: Heap) -> None:
         self.engine = engine
         self.sessions = sessions  # the server's own dict: a stream is in it from its `start` until it ends
         self.limits = limits  # the per-client stream counts, released when a stream ends
@@ -47,6 +48,7 @@ class Streams:
         self.metrics = metrics
         self.clock = clock  # the control rates' time (tests inject one)
         self.orphan_timeout_s = orphan_timeout_s  # how long a stream whose steerer left goes on for its watchers
+        self.heap = heap  # what a stream held goes back soon after it ends
         self._tasks: set[asyncio.Task] = set()  # work spawned off a caller (kept referenced until done)
 
     def table_sizes(self) -> dict[str, int]:
@@ -329,6 +331,7 @@ class Streams:
             viewer.send(P.Closed(reason=reason))
             viewer.send(None)
             viewer.left = True
+        self.heap.tidy_soon()
 
 
 def _cannot_steer(viewer: Viewer) -> bool:

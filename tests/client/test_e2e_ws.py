@@ -6,7 +6,9 @@ These are the one place where client tests may import the server.
 
 import asyncio
 import contextlib
+import gc
 import os
+import weakref
 
 import pytest
 from websockets.asyncio.client import connect
@@ -359,3 +361,17 @@ async def test_latency_low_serves_chunks_of_4_frames_whose_lone_first_frame_come
         assert cuts == [(1, True)] and next(h for h in c.headers if h.prompt_version == 1).cut
     finally:
         await asyncio.wait_for(server.stop(), 30)
+
+
+async def test_a_closed_streams_session_is_freed_soon_without_the_automatic_collector(server):
+    """A closed stream's session, viewers and driver refer to one another, so only a collection frees them: the
+    server runs one soon after the close (before, only the rare automatic full one did, and a soak's RSS crept up)."""
+    gc.collect()
+    gc.disable()  # the automatic collector could free it too, at a moment of its own
+    try:
+        async with viewer(server, "a red ball moving right") as c:
+            assert await c.wait_until(lambda: c.chunks >= 1, T)
+            session = weakref.ref(server.sessions[c.ready.stream_id])
+        assert await wait_for_server(lambda: session() is None, T)
+    finally:
+        gc.enable()

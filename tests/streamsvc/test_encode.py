@@ -195,7 +195,7 @@ def test_closing_an_encoder_or_a_decoder_ends_the_threads_its_swscale_context_st
 
 MEMORY_PROBE = """
 import sys
-from streamsvc.engine.encode import memory_giver
+from streamsvc.engine.heap import memory_giver
 def rss_mb():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) // 1024
 blocks = [bytearray(64 * 1024) for _ in range(1024)]  # 64 MiB under glibc's mmap threshold: on its heap
@@ -214,7 +214,7 @@ def test_the_memory_giver_returns_freed_pages_that_glibc_keeps():
     import subprocess
     import sys
 
-    from streamsvc.engine.encode import memory_giver
+    from streamsvc.engine.heap import memory_giver
 
     if memory_giver() is None:
         pytest.skip("no malloc_trim in this C library")
