@@ -222,3 +222,39 @@ def test_the_memory_giver_returns_freed_pages_that_glibc_keeps():
     assert out.returncode == 0, out.stderr
     freed, given_back = map(int, out.stdout.split())
     assert freed - given_back >= 48, (freed, given_back)  # most of the 64 MiB
+
+
+def test_the_encoder_process_trims_after_fast_chunks_at_most_once_a_second_and_after_each_close(monkeypatch):
+    """A fast chunk ends by reopening its x264 context: under load these came and went by the hundred a minute and
+    the encoder process's RSS rose. The process trims after one, once its reply is sent, at most once a second; and
+    after every close."""
+    import threading
+    from dataclasses import asdict
+    from multiprocessing import Pipe
+
+    from streamsvc.engine import encode as E
+
+    trims = []
+    monkeypatch.setattr(E, "memory_giver", lambda: lambda: trims.append(1))
+    monkeypatch.setattr(E.signal, "signal", lambda *_: None)  # the process's main loop, run on a thread here
+    ours, theirs = Pipe()
+    worker = threading.Thread(target=E._encoder_main, args=(theirs,), daemon=True)
+    worker.start()
+    spec = asdict(E.EncoderSpec(W, H, 16))
+
+    def ask(msg):
+        ours.send(msg)
+        assert ours.poll(30), "no reply"
+        return ours.recv()
+
+    try:
+        for i, fast in enumerate([False, True, True, True]):
+            reply = ask(("encode", "s", spec, moving_frames(4, start=4 * i), 4 * i, i == 0, fast))
+            assert reply[0] == "ok" and len(reply[1]) == 4, reply
+        assert len(trims) == 1  # three fast chunks within a second: one trim
+        assert ask(("close", "s"))[0] == "closed"
+        assert len(trims) == 2
+    finally:
+        ours.send(None)
+        worker.join(10)
+    assert not worker.is_alive()
