@@ -33,9 +33,10 @@ Every minute it records, and prints a progress line of:
 At the end (benchmarks/soak_figures.py): RSS, fds, threads, encoder and GPU memory and every table from minute 5 to
 the end (`growth`); latency p95 of the last 10 minutes against minutes 5-15 (both windows scaled to the run for a run
 under an hour); the drift of every frame figure, the mean of the run's last 15 % less its first 15 % (HeliosBench's
-delta-M), and of the pixel score with the prompts' mix taken out (`all_same_prompts`: each prompt against its own
-score over the run; the built-in model draws a ball far better than a triangle, so a window that asked for more
-triangles would read as drift); the must-show checks; what the host did (its load, CPU steal, the client loop's pauses). A PNG of each
+delta-M), and of the pixel score and the frame figures with the prompts' mix taken out (`all_same_prompts`,
+`sharpness_same_prompts`...: each prompt against itself over the run; the built-in model draws a ball far better
+than a triangle and a dark prompt's frames are darker, so a window that asked for more of them would read as
+drift); the must-show checks; what the host did (its load, CPU steal, the client loop's pauses). A PNG of each
 curve goes to `--out` where matplotlib is installed (skipped with a line if not). Ends with one JSON line.
 """
 
@@ -59,7 +60,7 @@ from benchmarks.soak_churn import ChurnConfig, slot_plan  # noqa: E402
 from benchmarks.soak_figures import (  # noqa: E402
     bucket_delta, caption_triple, drift, growth, highest_bucket, histogram_quantile, mix_adjusted_drift, window_mean,
     window_quantile, windows)
-from benchmarks.soak_streams import POSITIONS, SWITCHES, Context, Samples, run_slot  # noqa: E402
+from benchmarks.soak_streams import FRAME_STATS, POSITIONS, SWITCHES, Context, Samples, run_slot  # noqa: E402
 from client import loadtest  # noqa: E402
 from client.loadtest_host import LoopPauses, cpu_ticks, steal_fraction  # noqa: E402
 from client.loadtest_prompts import probe_vocabulary, viewer_prompt  # noqa: E402
@@ -165,8 +166,7 @@ def minute_record(minute: int, t: float, m: dict | None, before: dict | None, pr
         rec[who] = {"count": dn, "seconds": round(ds, 3), "ratio": _r(ds / (ds + dp) if ds + dp > 0 else 0.0, 6)}
         rec[f"_{who}"] = (n, stall_s, play_s)  # (totals: dropped from the JSON)
     s = ctx.samples
-    frames = {name: _r(window_mean(getattr(s, name), t_prev, t)) for name in ("brightness", "saturation", "sharpness",
-                                                                              "change")}
+    frames = {name: _r(window_mean(getattr(s, name), t_prev, t)) for name in FRAME_STATS}
     rec["frames"] = {**frames, "n": sum(1 for x, _ in s.brightness if t_prev <= x < t)}
     rec["pixels"] = None
     if ctx.score_pixels:
@@ -213,9 +213,11 @@ def summarize(records: list[dict], scrapes: list[tuple[float, dict | None]], sam
     n, stall_s, play_s = last.get("_stalls", (0, 0.0, 0.0))
     ratio = stall_s / (stall_s + play_s) if stall_s + play_s > 0 else 0.0
     drifts = {name: drift(getattr(samples, name), run_s) for name in Samples.SERIES
-              if score_pixels or name in ("brightness", "saturation", "sharpness", "change")}
+              if score_pixels or name in FRAME_STATS}
     if score_pixels:
         drifts["all_same_prompts"] = mix_adjusted_drift(samples.scored, run_s)
+    for name, chunks in samples.by_prompt.items():  # frame statistics, each prompt against itself
+        drifts[f"{name}_same_prompts"] = mix_adjusted_drift(chunks, run_s)
     rss, px, same = grown["rss_bytes"], drifts.get("all"), drifts.get("all_same_prompts")
     checks = {
         "stall_ratio_at_most_1e-4": ratio <= 1e-4,

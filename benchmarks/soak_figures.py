@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,28 +117,31 @@ def drift(samples: Sequence[Sample], run_s: float, share: float = DRIFT_SHARE) -
                         sum(1 for t, _ in samples if t >= (1 - share) * run_s))}
 
 
-def mix_adjusted_drift(chunks: Sequence[tuple[float, Triple, int, int]], run_s: float,
+def mix_adjusted_drift(chunks: Sequence[tuple[float, Hashable, float, int]], run_s: float,
                        share: float = DRIFT_SHARE) -> dict:
-    """`drift` of a pixel score with the prompts' mix taken out: chunks (t, the triple asked for, frames right,
-    frames) each count as their share right less their triple's over the whole run, weighted by frames. The
-    built-in model draws some triples far better than others (a ball before a triangle), so a window that happened
-    to ask for more triangles would read as drift; this compares each prompt with itself."""
-    right: dict[Triple, float] = {}
-    total: dict[Triple, float] = {}
-    for _, want, r, n in chunks:
-        right[want] = right.get(want, 0.0) + r
-        total[want] = total.get(want, 0.0) + n
+    """`drift` with the prompts' mix taken out: chunks (t, the prompt asked for, the sum of their frames' values,
+    frames) each count as their mean less their prompt's over the whole run, weighted by frames; `relative` is the
+    delta against the run's mean. For a pixel score (a value 1 per frame right): the built-in model draws some triples
+    far better than others (a ball before a triangle), so a window that happened to ask for more triangles would read
+    as drift; for a frame statistic, a dark prompt's frames are darker. This compares each prompt with itself."""
+    total: dict[Hashable, float] = {}
+    frames: dict[Hashable, int] = {}
+    for _, want, v, n in chunks:
+        total[want] = total.get(want, 0.0) + v
+        frames[want] = frames.get(want, 0) + n
 
     def mean(t0: float, t1: float) -> tuple[float | None, int]:
-        inside = [(want, r, n) for t, want, r, n in chunks if t0 <= t < t1 and n > 0]
-        frames = sum(n for _, _, n in inside)
-        if not frames:
+        inside = [(want, v, n) for t, want, v, n in chunks if t0 <= t < t1 and n > 0]
+        count = sum(n for _, _, n in inside)
+        if not count:
             return None, 0
-        return sum(r - n * right[want] / total[want] for want, r, n in inside) / frames, frames
+        return sum(v - n * total[want] / frames[want] for want, v, n in inside) / count, count
 
     (first, n0), (last, n1) = mean(0.0, share * run_s), mean((1 - share) * run_s, math.inf)
-    return {"first": first, "last": last, "delta": None if first is None or last is None else last - first,
-            "samples": (n0, n1)}
+    delta = None if first is None or last is None else last - first
+    overall = sum(total.values()) / max(1, sum(frames.values()))
+    return {"first": first, "last": last, "delta": delta,
+            "relative": None if delta is None or overall == 0 else delta / abs(overall), "samples": (n0, n1)}
 
 
 def at_or_after(samples: Sequence[Sample], t: float) -> Sample | None:

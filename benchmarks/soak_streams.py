@@ -58,17 +58,29 @@ class Samples:
     # all three, frames scored], settled chunks only: whether a stream follows its 20th prompt as it followed its first
     by_switches: dict[int, list[int]] = field(default_factory=dict)
     scored: list[tuple[float, Triple, int, int]] = field(default_factory=list)  # settled chunks: t, asked, right, frames
+    # settled chunks' frame statistics by their prompt's text, for any model: statistic -> [(t, prompt, sum over
+    # the chunk's frames, frames)] (soak_figures.mix_adjusted_drift: each prompt against itself)
+    by_prompt: dict[str, list[tuple[float, str, float, int]]] = field(default_factory=dict)
 
     SERIES = ("brightness", "saturation", "sharpness", "change", "colour", "shape", "motion", "all")
 
 
+FRAME_STATS = ("brightness", "saturation", "sharpness", "change")
+
+
+def values(name: str, stats: Sequence, changes: list[float]) -> list[float]:
+    """A chunk's values of frame statistic `name`: one a frame, or one a pair of frames for `change`."""
+    return changes if name == "change" else [getattr(st, name) for st in stats]
+
+
 class FrameSampler:
     """A steerer's frame tap (`StreamClient.frame_tap`): reads one chunk in `every` into `samples`; `versions` maps the
-    stream's prompt versions to the triple each asks for (None: not a caption, not scored)."""
+    stream's prompt versions to the triple each asks for (None: not a caption, not scored), `prompts` to their text."""
 
     def __init__(self, samples: Samples, every: int, since: Callable[[], float], score: bool, settle: int = 2) -> None:
         self.samples, self.every, self.since, self.score, self.settle = samples, every, since, score, settle
         self.versions: dict[int, Triple | None] = {}
+        self.prompts: dict[int, str] = {}
         self.chunks = 0
         self.version: int | None = None  # the prompt version of the chunk before
         self.position = 0  # chunks since the switch to it (0: its first)
@@ -84,12 +96,16 @@ class FrameSampler:
         t0 = time.perf_counter()
         t, s = self.since(), self.samples
         rgb = [f.to_ndarray(format="rgb24") for f in frames]
-        for f in rgb:
-            st = frame_stats(f)
-            s.brightness.append((t, st.brightness))
-            s.saturation.append((t, st.saturation))
-            s.sharpness.append((t, st.sharpness))
-        s.change += [(t, frame_change(a, b)) for a, b in zip(rgb, rgb[1:])]
+        stats = [frame_stats(f) for f in rgb]
+        changes = [frame_change(a, b) for a, b in zip(rgb, rgb[1:])]
+        for name in FRAME_STATS:
+            getattr(s, name).extend((t, v) for v in values(name, stats, changes))
+        prompt = self.prompts.get(header.prompt_version)
+        if prompt is not None and self.position >= self.settle:
+            for name in FRAME_STATS:
+                vs = values(name, stats, changes)
+                if vs:
+                    s.by_prompt.setdefault(name, []).append((t, prompt, sum(vs), len(vs)))
         want = self.versions.get(header.prompt_version)
         if self.score and want is not None and len(rgb) >= 2:
             sc = score_chunk(rgb, want)
@@ -221,6 +237,7 @@ async def _open(ctx: Context, slot: int, session: int, until: float) -> tuple[St
     if sampled:
         sampler = FrameSampler(ctx.samples, ctx.sample_every, ctx.since, ctx.score_pixels, ctx.settle)
         sampler.versions[c.ready.prompt_version] = caption_triple(prompt)
+        sampler.prompts[c.ready.prompt_version] = prompt
         c.frame_tap = sampler
     return c, sampler
 
@@ -241,6 +258,7 @@ async def _prompt(ctx: Context, c: StreamClient, sampler: FrameSampler | None, p
         ctx.tally.prompt_errors += 1
         return
     sampler.versions[mine()[0].prompt_version] = caption_triple(prompt)
+    sampler.prompts[mine()[0].prompt_version] = prompt
 
 
 async def _watch(ctx: Context, ready: P.Ready, length_s: float) -> None:

@@ -78,6 +78,17 @@ def test_the_mix_adjusted_drift_compares_each_prompt_with_itself():
     assert sf.mix_adjusted_drift([], 100.0)["delta"] is None
 
 
+def test_the_mix_adjusted_drift_of_a_frame_statistic_is_relative_to_the_runs_mean():
+    # sums over 12 frames: a dark prompt (mean 20) early, a bright one (mean 100) late, both at the middle too
+    chunks = [(5.0, "a dark night", 240.0, 12), (95.0, "a sunny beach", 1200.0, 12),
+              (50.0, "a dark night", 240.0, 12), (50.0, "a sunny beach", 1200.0, 12)]
+    assert sf.mix_adjusted_drift(chunks, 100.0)["relative"] == pytest.approx(0.0)
+    dimmer = chunks[:1] + [(95.0, "a sunny beach", 840.0, 12)] + chunks[2:]  # the beach at 70 at the end
+    d = sf.mix_adjusted_drift(dimmer, 100.0)
+    # the beach's run mean is 85: first 0 (the night against itself), last 70 - 85; the run's mean is 52.5
+    assert d["delta"] == pytest.approx(-15.0) and d["relative"] == pytest.approx(-15.0 / 52.5)
+
+
 # ---------------------------------------------------------------- latency from the histogram
 
 
@@ -179,6 +190,22 @@ def test_the_sampler_reads_one_chunk_in_k_and_scores_settled_chunks_against_thei
     for i in range(10, 14):  # version 2 is no caption: read, not scored
         chunk(i, 2)
     assert samples.chunks_read == 7 and len(samples.all) == 36
+    assert samples.by_prompt == {}  # no prompt texts given: no frame statistics by prompt
+
+
+def test_the_sampler_keeps_settled_chunks_frame_statistics_by_their_prompts_text():
+    samples, t = Samples(), [0.0]
+    sampler = FrameSampler(samples, every=1, since=lambda: t[0], score=False, settle=2)
+    sampler.prompts = {0: "a red square moving right"}
+    red = [Decoded(f) for f in rendered("red", "square", "right")]
+    for i in range(4):  # chunks 2 and 3 are settled
+        t[0] = float(i)
+        sampler(P.Chunk.describe([b"x"] * 12, index=i, pts=12 * i, prompt_version=0, steps=4, keyframe=i == 0), red)
+    sharp = samples.by_prompt["sharpness"]
+    assert [(t, p, n) for t, p, _, n in sharp] == [(2.0, "a red square moving right", 12), (3.0, "a red square moving right", 12)]
+    per_frame = [v for t, v in samples.sharpness if t == 2.0]
+    assert sharp[0][2] == pytest.approx(sum(per_frame))
+    assert [n for *_, n in samples.by_prompt["change"]] == [11, 11]  # a value a pair of frames
 
 
 def test_the_load_tests_captions_name_their_triple():
