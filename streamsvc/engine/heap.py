@@ -50,8 +50,11 @@ def memory_giver() -> Callable[[], None] | None:
 class Heap:
     """The serving process's collections and trims (module docstring)."""
 
-    def __init__(self, settle_s: float = 2.0, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settle_s: float = 2.0, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 metered: Callable[[Callable[[], None]], Callable[[], None]] | None = None) -> None:
         self.settle_s, self.every_s, self.clock = settle_s, every_s, clock
+        # what a tidy's CPU counts as (the server's: stream-less work, not a stream's send cost)
+        self._run = metered(self.tidy) if metered is not None else self.tidy
         self.give_back = memory_giver()
         self.tidies = 0  # collections run since start (tests read it)
         self._last = -float("inf")
@@ -72,7 +75,7 @@ class Heap:
             return
         now = self.clock()
         delay = max(self.settle_s, self._last + self.every_s - now)
-        self._pending = asyncio.get_running_loop().call_later(delay, self.tidy)
+        self._pending = asyncio.get_running_loop().call_later(delay, self._run)
 
     def tidy(self) -> None:
         self._pending = None

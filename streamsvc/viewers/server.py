@@ -136,7 +136,8 @@ class Server:
             config.webrtc, ice_addresses=server_ice_addresses(config.host, config.webrtc.ice_addresses))
         self.engine = Engine(engine_config, on_chunk=self._from_engine(self._on_chunk),
                              on_error=self._from_engine(self._on_error), streamless=self.streamless.reading)
-        self.heap = Heap()  # the process's collections and trims: streams and connections come and go for hours
+        # the process's collections and trims (streams and connections come and go for hours), stream-less work
+        self.heap = Heap(metered=lambda fn: self.streamless.hook(fn, event=False))
         self.streams = Streams(self.engine, self.sessions, self.entry.limits, self.recordings, self.metrics, clock,
                                config.orphan_timeout_s, self.heap)
         self.routes = Routes(config.access, config.static_dir, self.recordings, self.metrics,
