@@ -43,7 +43,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from fractions import Fraction
@@ -61,6 +60,7 @@ from streamsvc.engine.heap import memory_giver
 log = logging.getLogger(__name__)
 
 FAST_CRF_OFFSET = 12  # a fast (degraded) chunk's CRF above the stream's
+MMAP_THRESHOLD = 128 * 1024  # the encoder process's allocations this large are mmapped (glibc's default, held fixed)
 RTP_CLOCK_HZ = 90_000
 RTP_TIME_BASE = Fraction(1, RTP_CLOCK_HZ)
 
@@ -342,7 +342,12 @@ class EncoderProcess:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+               # x264's frame buffers (1-2 MB each) stay mmapped, so a closed encoder's go back whole and an open one
+               # holds only the pages it touches. Left to glibc, the first buffer freed raises the mmap threshold
+               # above their size and the next encoders' come from the heap, resident in full and fragmented: the
+               # process grew about 1 MB a minute with 16 streams reconnecting every 8 minutes (76 to 106 MB).
+               "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
         self._proc = subprocess.Popen([sys.executable, "-m", "streamsvc.engine.encode", str(theirs.fileno())],
                                       pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         theirs.close()
@@ -405,14 +410,11 @@ def _encoder_main(conn) -> None:
     """The encoder process: ("encode", stream_id, spec, frames, start_index, keyframe, fast) -> ("ok", packets as
     (bytes, pts, duration, keyframe), encoders) or ("error", message, encoders); ("close", stream_id) -> ("closed",
     None, encoders); None or a closed pipe ends it. `encoders`: how many it holds open after the request. A closed
-    encoder's memory goes back to the system (`memory_giver`); so does whatever a fast chunk freed, once its reply is
-    sent and at most once a second (a stream's first fast chunk opens its second x264 context). Under load the
-    process's RSS rose with the fast chunks (16 streams, 200 a minute: 82 to 104 MB in 8 minutes); these trims did
-    not stop it (30 minutes: about 1 MB a minute while streams are open, 59 MB after they close)."""
+    encoder's memory goes back to the system: its large buffers are mmapped (`EncoderProcess` fixes the threshold),
+    and the heap is trimmed after each close (`memory_giver`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     encoders: dict[str, StreamEncoder] = {}
     give_back = memory_giver()
-    trimmed = 0.0  # time.monotonic() of the last trim after a fast chunk
     try:
         while True:
             try:
@@ -436,9 +438,6 @@ def _encoder_main(conn) -> None:
                     encoders[stream_id] = EncoderSpec(**spec).make()
                 packets = encoders[stream_id].encode(frames, start_index=start_index, keyframe=keyframe, fast=fast)
                 conn.send(("ok", [(bytes(p), p.pts, p.duration, p.is_keyframe) for p in packets], len(encoders)))
-                if fast and give_back is not None and time.monotonic() - trimmed > 1.0:
-                    give_back()
-                    trimmed = time.monotonic()
             except Exception as e:  # noqa: BLE001 - the stream's worker reports it; the process serves the others
                 conn.send(("error", f"{type(e).__name__}: {e}", len(encoders)))
     finally:
