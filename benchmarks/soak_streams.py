@@ -31,6 +31,8 @@ from streamsvc.wire import protocol as P
 
 ACK_TIMEOUT_S = 5.0  # a prompt's ack (its version) is waited for this long at most
 OPEN_ATTEMPTS = 5  # a refused open is tried again this often (2 s apart) within its session
+RESUME_RETRY_S = 5.0  # a refused resume (no room now) is sent again this often, times the churn's scale
+RESUME_TRIES = 48  # within its session at most
 MAX_ERRORS_KEPT = 20
 POSITIONS = 6  # by_position keeps chunks 0..5 after a switch apart, and 6 on together
 SWITCHES = 12  # by_switches keeps prompts 0..11 apart, and 12 on together
@@ -161,7 +163,8 @@ class Tally:
     prompts: int = 0
     prompt_errors: int = 0  # set_prompt answered by an error, or no ack in time
     pauses: int = 0
-    resumes: int = 0
+    resumes: int = 0  # resume requests sent (a refused one is sent again)
+    resumes_refused: int = 0  # of those, refused: the stream stayed paused (no room now), and playback with it
     watchers: int = 0  # watchers admitted
     watchers_refused: int = 0
     input_sessions: int = 0  # sessions that asked for input video
@@ -276,6 +279,25 @@ async def _watch(ctx: Context, ready: P.Ready, length_s: float) -> None:
         ctx.watchers.fold(w)
 
 
+async def _resume(ctx: Context, c: StreamClient, session_end: float) -> None:
+    """Resume the paused stream. The server may refuse (`unavailable`: no room now, the stream stays paused and so
+    does playback, client/viewer.py); a viewer tries again, so the request goes again every `RESUME_RETRY_S` until it
+    is taken or the session is about to end."""
+    retry_s = RESUME_RETRY_S * ctx.churn.scale
+    for _ in range(RESUME_TRIES):
+        refused, answered = c.resumes_refused, len(c.acks)
+        await c.resume()
+        ctx.tally.resumes += 1
+        await c.wait_until(lambda: c.resumes_refused > refused or not playing(c)
+                           or any(a.request == "resume" for a in c.acks[answered:]), ACK_TIMEOUT_S)
+        if c.resumes_refused == refused or not playing(c):
+            return
+        ctx.tally.resumes_refused += 1
+        if ctx.since() + retry_s >= session_end - ctx.churn.quiet_s * ctx.churn.scale:
+            return
+        await asyncio.sleep(retry_s)
+
+
 async def _end(ctx: Context, c: StreamClient | None) -> None:
     if c is not None:
         await c.close()
@@ -306,7 +328,7 @@ async def run_slot(ctx: Context, slot: int, plan: Sequence[Event]) -> None:
                     ctx.tally.failed += e.act is Act.OPEN
                     continue
             try:
-                await _act(ctx, slot, e, c, sampler)
+                await _act(ctx, slot, e, c, sampler, closes[e.session])
             except RuntimeError as err:  # the stream ended under the request: opened again at the next event
                 ctx.tally.error(f"slot {slot}: {err}")
     finally:
@@ -314,7 +336,8 @@ async def run_slot(ctx: Context, slot: int, plan: Sequence[Event]) -> None:
             await _end(ctx, c)
 
 
-async def _act(ctx: Context, slot: int, e: Event, c: StreamClient, sampler: FrameSampler | None) -> None:
+async def _act(ctx: Context, slot: int, e: Event, c: StreamClient, sampler: FrameSampler | None,
+               session_end: float) -> None:
     """One event of an open stream's (a prompt, a pause or resume, a watcher)."""
     if e.act is Act.PROMPT:
         index = slot + ctx.slots * e.session
@@ -323,8 +346,7 @@ async def _act(ctx: Context, slot: int, e: Event, c: StreamClient, sampler: Fram
         await c.pause()
         ctx.tally.pauses += 1
     elif e.act is Act.RESUME:
-        await c.resume()
-        ctx.tally.resumes += 1
+        await _resume(ctx, c, session_end)
     elif e.act is Act.WATCH and c.ready.watch_secret is not None:
         task = asyncio.create_task(_watch(ctx, c.ready, e.length_s))
         ctx.tasks.add(task)

@@ -197,6 +197,7 @@ class ViewerClient:
         self.closed_reason: str | None = None
         self.headers: list[P.Chunk] = []  # every chunk header received, in order
         self.acks: list[P.Ack] = []
+        self.resumes_refused = 0  # resumes the server answered with an error (the stream stayed paused)
         self.errors: list[str] = []
         self.server_errors: list[P.Error] = []  # the error messages themselves (code + message)
         self.frames_decoded = 0
@@ -388,6 +389,8 @@ class ViewerClient:
         await self._send(P.encode(P.Pause()))
 
     async def resume(self) -> None:
+        """Resume playback here and ask the server to generate again. It may refuse (no room now: `unavailable`):
+        then playback pauses again (`resumes_refused`), and resume may be asked again."""
         self._require_playing("resume")
         self._buffer.resume(self.clock())
         await self._send(P.encode(P.Resume()))
@@ -513,6 +516,11 @@ class ViewerClient:
             self._unacked_prompts -= 1
             if self._buffer is not None:
                 self._buffer.prompt_rejected()
+        # A refused resume (no room now: `unavailable`) leaves the stream paused on the server: playback pauses
+        # again, so the wait for chunks that will not come is not counted as a stall. `resume` may be sent again.
+        if msg.request == "resume" and self._buffer is not None and self._ended_at is None:
+            self._buffer.pause(self.clock())
+            self.resumes_refused += 1
 
     def _fail(self, text: str) -> None:
         self.errors.append(text)

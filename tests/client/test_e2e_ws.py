@@ -306,6 +306,35 @@ async def test_a_pause_without_park_budget_is_unavailable_with_the_reason_and_th
             assert c.acks == [] and server.engine.stats().parked_streams == 0
 
 
+async def test_a_resume_refused_for_room_leaves_the_stream_and_its_playback_paused_until_one_is_taken():
+    """Room for one stream: A pauses (its cache goes to host memory), B takes the room, A's resume is refused
+    (`unavailable`): A stays paused and so does its playback, its wait not counted as a stall. B leaves, and A's
+    next resume is taken."""
+    stream_bytes = build_generator("tiny", device="cpu", cfg=GeneratorConfig()).cache_spec().stream_bytes()
+    async with running(engine_config(kv_budget_bytes=stream_bytes * 3 // 2)) as server:
+        async with viewer(server, "first") as a:
+            assert await a.wait_until(lambda: a.chunks >= 1, T)
+            await a.pause()
+            assert await a.wait_until(lambda: [x.request for x in a.acks] == ["pause"], T)
+            assert await wait_for_server(lambda: server.engine.stats().parked_streams == 1)
+            async with viewer(server, "second") as b:
+                assert await b.wait_until(lambda: b.chunks >= 1, T), b.errors
+                await a.resume()
+                assert await a.wait_until(lambda: a.resumes_refused == 1, T)
+                error = a.server_errors[-1]
+                assert error.code == P.ErrorCode.UNAVAILABLE and error.request == "resume" and "kv" in error.message.lower()
+                stalled = a.stats().stall_s
+                await asyncio.sleep(1.0)
+                assert a.stats().stall_s == stalled and a.stats().paused_s >= 1.0  # paused, not stalled
+                assert a.state is ClientState.PLAYING and server.engine.stats().parked_streams == 1
+            assert await wait_for_server(lambda: server.engine.stats().kv_used_bytes == 0)
+            n = a.chunks
+            await a.resume()
+            assert await a.wait_until(lambda: [x.request for x in a.acks] == ["pause", "resume"], T), a.errors
+            assert await a.wait_until(lambda: a.chunks >= n + 2, T)
+            assert a.resumes_refused == 1
+
+
 async def test_graceful_stop_sends_closed_to_every_connected_client():
     async with running() as server:
         clients = [viewer(server, f"p{i}", seed=i) for i in range(2)]
