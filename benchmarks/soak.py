@@ -37,7 +37,8 @@ delta-M), and of the pixel score and the frame figures with the prompts' mix tak
 `sharpness_same_prompts`...: each prompt against itself over the run; the built-in model draws a ball far better
 than a triangle and a dark prompt's frames are darker, so a window that asked for more of them would read as
 drift); the must-show checks; what the host did (its load, CPU steal, the client loop's pauses). A PNG of each
-curve goes to `--out` where matplotlib is installed (skipped with a line if not). Ends with one JSON line.
+curve goes to `--out` where matplotlib is installed (skipped with a line if not), and `overview.png` with the main
+ones side by side (the README's picture). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -256,7 +257,7 @@ def plot(records: list[dict], out: Path) -> list[str]:
         f"frame_{q}": (lambda r, q=q: r["frames"][q]) for q in ("brightness", "saturation", "sharpness", "change")} | {
         f"pixels_{q}": (lambda r, q=q: (r["pixels"] or {}).get(q)) for q in ("colour", "shape", "motion", "all")} | {
         f"table_{n}": (lambda r, n=n: r["tables"].get(n)) for n in sorted({n for r in records for n in r["tables"]})}
-    paths = []
+    paths = [overview(records, out, plt)]
     for name, get in curves.items():
         points = [(r["minute"], get(r)) for r in records if get(r) is not None]
         if not points:
@@ -273,6 +274,37 @@ def plot(records: list[dict], out: Path) -> list[str]:
         plt.close(fig)
         paths.append(str(path))
     return paths
+
+
+OVERVIEW = (  # the README's picture: what would grow, how late chunks are, what the frames show
+    ("server RSS (MB)", lambda r: r["rss_bytes"] / 2**20),
+    ("encoder process RSS (MB)", lambda r: r["encoder_rss_bytes"] / 2**20 if r["encoder_rss_bytes"] else None),
+    ("GPU memory allocated (MB)", lambda r: r["gpu_allocated_bytes"] / 2**20 if r["gpu_allocated_bytes"] else None),
+    ("server threads", lambda r: r["threads"]),
+    ("chunk latency p95 (s)", lambda r: r["latency"]["p95_s"]),
+    ("frames: colour, shape and motion right (%)", lambda r: 100 * r["pixels"]["all"] if r["pixels"] else None),
+    ("frames: sharpness", lambda r: r["frames"]["sharpness"]),
+)
+
+
+def overview(records: list[dict], out: Path, plt) -> str:
+    """One PNG of the run's main curves side by side (those with points), each from 0: `overview.png`."""
+    panels = [(title, [(r["minute"], v) for r in records if (v := get(r)) is not None]) for title, get in OVERVIEW]
+    panels = [(title, points) for title, points in panels if points][:6]
+    fig, axes = plt.subplots(2, 3, figsize=(12, 5), squeeze=False)
+    for ax, (title, points) in zip(axes.flat, panels):
+        ax.plot(*zip(*points), marker=".")
+        ax.set_ylim(bottom=min(0.0, min(v for _, v in points)), top=1.15 * max(v for _, v in points) or 1.0)
+        ax.ticklabel_format(axis="y", useOffset=False)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("minute", fontsize=9)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    path = out / "overview.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return str(path)
 
 
 # ---------------------------------------------------------------- running

@@ -308,6 +308,7 @@ def test_a_png_of_each_curve_where_matplotlib_is_installed(tmp_path):
     paths = soak.plot(minutes, tmp_path)
     names = {p.rsplit("/", 1)[1] for p in paths}
     assert {"rss_bytes.png", "fds.png", "latency_p95_s.png", "frame_sharpness.png", "table_s.png"} <= names
+    assert "overview.png" in names  # the main curves side by side (those with points: server RSS, p95, sharpness)
     assert "gpu_allocated_bytes.png" not in names and "latency_max_s.png" not in names  # no points: no PNG
     assert all((tmp_path / n).stat().st_size > 1000 for n in names)
 
