@@ -488,6 +488,9 @@ class ViewerClient:
                 self.steer_secret = msg.steer_secret
             elif msg.role != "steer":  # it went on: the secret this viewer had is revoked
                 self.steer_secret = None
+            if msg.role == "watch" and self._buffer is not None and self._ended_at is None:
+                # the steerer paused or resumed: a watcher's playback waits with the stream, not counted as a stall
+                (self._buffer.pause if msg.paused else self._buffer.resume)(self.clock())
         elif isinstance(msg, P.Recording):
             self.recording = msg
         else:

@@ -77,6 +77,7 @@
     viewerId: null,
     watchers: 0,            // viewers watching the stream, the steerer not counted
     steered: true,          // false: the steerer left and the token is free to take
+    hostPaused: false,      // a watcher's: the steerer paused the stream (audience)
     recording: null,        // the recording's MP4 address, once one runs
     vocabulary: null,       // the words the model knows (ready); null: it reads any text
     unknownWords: [],       // words of the latest prompt outside the vocabulary (ready, then set_prompt's ack)
@@ -126,7 +127,8 @@
     $("audience").hidden = player.streamId === null;
     if (player.streamId === null) return;
     $("role").textContent = player.role === "watch" ? "watching" : "steering";
-    $("watchers").textContent = `${player.watchers} watching`;
+    $("watchers").textContent = `${player.watchers} watching` + (player.role === "watch" && player.hostPaused
+      ? ", paused by its steerer" : "");
     const link = `${location.origin}${location.pathname}#watch=${encodeURIComponent(player.streamId)}`
       + (watchSecret ? `&secret=${encodeURIComponent(watchSecret)}` : "");
     $("watch-link").href = link;
@@ -181,7 +183,7 @@
       streamId: null, fps: null, ttffMs: null, presentedFps: 0, framesPresented: 0, framesDecoded: 0,
       freezeCount: 0, totalFreezesDuration: 0, versionOnScreen: null, promptVersion: 0,
       steerLatenciesMs: [], chunks: 0, acks: [], errors: [], closedReason: null,
-      role: null, viewerId: null, watchers: 0, steered: true, recording: null, vocabulary: null, unknownWords: [],
+      role: null, viewerId: null, watchers: 0, steered: true, hostPaused: false, recording: null, vocabulary: null, unknownWords: [],
       input: false, strengths: null, strength: null, inputOnScreen: null, glassToGlassMs: null, glassToGlass: [],
     });
     renderVocabulary();
@@ -319,6 +321,7 @@
         player.role = msg.role;
         player.watchers = msg.watchers;
         player.steered = msg.steered;
+        player.hostPaused = msg.paused === true;  // the steerer paused the stream: shown, not a stall
         renderAudience();
         camera.roleChanged();  // the input is the steerer's: handed over, the camera goes off
         break;

@@ -159,6 +159,8 @@ class Streams:
                 session.pause()
             else:
                 session.resume()
+            if session.watchers:
+                self._send_audience(session)  # the watchers learn the stream is paused (or goes on)
         viewer.send(P.Ack(request=request))
 
     def _handover(self, viewer: Viewer, to: str) -> None:
@@ -216,9 +218,11 @@ class Streams:
         if session.closed:
             return
         watchers, steered = session.watchers, session.steerer is not None
+        paused = session.state is SessionState.PAUSED
         for viewer in list(session.viewers.values()):
             secret = session.steer_secret if viewer is new_steerer else None
-            viewer.send(P.Audience(role=viewer.role.value, watchers=watchers, steered=steered, steer_secret=secret))
+            viewer.send(P.Audience(role=viewer.role.value, watchers=watchers, steered=steered, paused=paused,
+                                   steer_secret=secret))
 
     async def record(self, viewer: Viewer, quiet: bool = False) -> None:
         """Record the stream from its next keyframe on (`record`, or every stream with --record)."""

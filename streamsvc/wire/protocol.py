@@ -384,12 +384,13 @@ class Ready(BaseMessage):
 
 
 class Audience(BaseMessage):
-    """Who is on the stream, as one viewer sees it; sent when its role or the watcher count changes."""
+    """Who is on the stream, as one viewer sees it; sent when its role, the watcher count or the pause changes."""
 
     type: Literal["audience"] = "audience"
     role: Literal["steer", "watch"]  # this viewer's role now
     watchers: Count  # viewers watching, the steerer not counted
     steered: bool  # someone holds the steer token (false: the steerer left; any watcher may ``take`` it)
+    paused: bool = False  # the steerer paused the stream: no chunk comes until it resumes (a watcher's wait, no stall)
     # the stream's new steer secret, to the viewer a handover or a take just gave the token (the one before is
     # revoked); None in every other audience
     steer_secret: Secret | None = None

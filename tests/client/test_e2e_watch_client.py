@@ -48,6 +48,27 @@ async def test_a_watcher_plays_the_stream_keeps_its_audience_and_cannot_steer():
         assert r.closed_reason == "closed by client"
 
 
+async def test_a_watcher_is_told_when_its_steerer_pauses_and_waits_without_a_stall():
+    """The steerer pauses: its watchers get `audience` with paused, and their playback waits with the stream (no
+    chunk comes, no stall is counted); it resumes: paused is false again and chunks come."""
+    async with running() as server:
+        async with StreamClient(url(server), ClientConfig(prompt="a red ball moving right", seed=3)) as steerer:
+            async with watcher(server, steerer.ready) as w:
+                assert await w.wait_until(lambda: w.chunks >= 2 and w.audience is not None, T), w.errors
+                assert w.audience.paused is False
+                await steerer.pause()
+                assert await w.wait_until(lambda: w.audience.paused, T)
+                assert await steerer.wait_until(lambda: [a.request for a in steerer.acks] == ["pause"], T)
+                await asyncio.sleep(0.5)  # what was generated before the pause plays out
+                stalled = w.stats().stall_s
+                await asyncio.sleep(1.0)
+                assert w.stats().stall_s == stalled and w.stats().paused_s >= 1.0
+                n = w.chunks
+                await steerer.resume()
+                assert await w.wait_until(lambda: not w.audience.paused and w.chunks >= n + 2, T), w.errors
+                assert w.audience.role == "watch" and w.audience.watchers == 1
+
+
 async def test_a_watch_of_no_stream_is_a_refusal_and_the_steerers_close_ends_its_watchers():
     async with running() as server:
         nobody = StreamClient(url(server), ClientConfig(watch="s404", secret="x" * 22))
