@@ -198,6 +198,7 @@ class ViewerClient:
         self.headers: list[P.Chunk] = []  # every chunk header received, in order
         self.acks: list[P.Ack] = []
         self.resumes_refused = 0  # resumes the server answered with an error (the stream stayed paused)
+        self._stream_paused = False  # this client asked for a pause, and no resume has been acknowledged since
         self.errors: list[str] = []
         self.server_errors: list[P.Error] = []  # the error messages themselves (code + message)
         self.frames_decoded = 0
@@ -386,6 +387,7 @@ class ViewerClient:
         """Pause playback here and ask the server to stop generating once the buffer is full."""
         self._require_playing("pause")
         self._buffer.pause(self.clock())
+        self._stream_paused = True
         await self._send(P.encode(P.Pause()))
 
     async def resume(self) -> None:
@@ -498,6 +500,8 @@ class ViewerClient:
 
     def _on_ack(self, msg: P.Ack) -> None:
         self.acks.append(msg)
+        if msg.request == "resume":
+            self._stream_paused = False
         if msg.request == "set_prompt" and msg.prompt_version is not None and self._unacked_prompts > 0:
             self._unacked_prompts -= 1
             if self._ended_at is None:
@@ -519,9 +523,12 @@ class ViewerClient:
             self._unacked_prompts -= 1
             if self._buffer is not None:
                 self._buffer.prompt_rejected()
-        # A refused resume (no room now: `unavailable`) leaves the stream paused on the server: playback pauses
-        # again, so the wait for chunks that will not come is not counted as a stall. `resume` may be sent again.
-        if msg.request == "resume" and self._buffer is not None and self._ended_at is None:
+        if msg.request == "pause":
+            self._stream_paused = False  # refused: the stream goes on
+        # A refused resume of a stream this client paused (no room now: `unavailable`, or over the control rate)
+        # leaves it paused on the server: playback pauses again, so the wait for chunks that will not come is not
+        # counted as a stall. `resume` may be sent again.
+        if msg.request == "resume" and self._stream_paused and self._buffer is not None and self._ended_at is None:
             self._buffer.pause(self.clock())
             self.resumes_refused += 1
 
