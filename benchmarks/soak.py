@@ -263,11 +263,7 @@ def plot(records: list[dict], out: Path) -> list[str]:
         if not points:
             continue
         fig, ax = plt.subplots(figsize=(6, 3))
-        ax.plot(*zip(*points), marker=".")
-        ax.set_ylim(bottom=min(0.0, min(v for _, v in points)))  # from 0: a flat curve reads flat
-        ax.ticklabel_format(axis="y", useOffset=False)
-        ax.set_xlabel("minute")
-        ax.set_title(name)
+        draw_curve(ax, name, points)
         fig.tight_layout()
         path = out / f"{name}.png"
         fig.savefig(path, dpi=80)
@@ -287,17 +283,22 @@ OVERVIEW = (  # the README's picture: what would grow, how late chunks are, what
 )
 
 
+def draw_curve(ax, title: str, points: list[tuple], top: float | None = None, fontsize: float | None = None) -> None:
+    """One curve over the run's minutes, its y axis from 0 (a flat curve reads flat) up to `top` (None: matplotlib's)."""
+    ax.plot(*zip(*points), marker=".")
+    ax.set_ylim(bottom=min(0.0, min(v for _, v in points)), top=top)
+    ax.ticklabel_format(axis="y", useOffset=False)
+    ax.set_title(title, fontsize=fontsize)
+    ax.set_xlabel("minute", fontsize=fontsize and fontsize - 1)
+
+
 def overview(records: list[dict], out: Path, plt) -> str:
     """One PNG of the run's main curves side by side (those with points), each from 0: `overview.png`."""
     panels = [(title, [(r["minute"], v) for r in records if (v := get(r)) is not None]) for title, get in OVERVIEW]
     panels = [(title, points) for title, points in panels if points][:6]
     fig, axes = plt.subplots(2, 3, figsize=(12, 5), squeeze=False)
     for ax, (title, points) in zip(axes.flat, panels):
-        ax.plot(*zip(*points), marker=".")
-        ax.set_ylim(bottom=min(0.0, min(v for _, v in points)), top=1.15 * max(v for _, v in points) or 1.0)
-        ax.ticklabel_format(axis="y", useOffset=False)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("minute", fontsize=9)
+        draw_curve(ax, title, points, top=1.15 * max(v for _, v in points) or 1.0, fontsize=10)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()

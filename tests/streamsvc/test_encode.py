@@ -261,10 +261,6 @@ def test_the_encoder_process_trims_after_each_close_and_not_after_chunks(monkeyp
     assert not worker.is_alive()
 
 
-def _rss_mb(pid: int) -> int:
-    return int(next(line for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS")).split()[1]) // 1024
-
-
 @needs_proc
 def test_the_encoder_process_does_not_grow_while_its_streams_come_and_go():
     """Eight streams open at a time, the oldest closing and a new one opening each round (viewers reconnect), fast
@@ -273,6 +269,10 @@ def test_the_encoder_process_does_not_grow_while_its_streams_come_and_go():
     at 256x256 in the first rounds (a 30-minute soak: about 1 MB a minute)."""
     from streamsvc.engine.encode import EncoderProcess, EncoderSpec
     from streamsvc.engine.heap import memory_giver
+    from streamsvc.metrics import read_process
+
+    def rss_mb() -> int:
+        return read_process(host.pid).rss_bytes >> 20
 
     if memory_giver() is None:
         pytest.skip("not glibc")
@@ -293,7 +293,7 @@ def test_the_encoder_process_does_not_grow_while_its_streams_come_and_go():
         for n in range(8):
             live[f"s{n}"] = 0
             chunks(f"s{n}")
-        opened = _rss_mb(host.pid)
+        opened = rss_mb()
         for n in range(8, 8 + rounds):
             oldest = next(iter(live))
             host.close_stream(oldest)
@@ -301,7 +301,7 @@ def test_the_encoder_process_does_not_grow_while_its_streams_come_and_go():
             live[f"s{n}"] = 0
             for stream_id in list(live):
                 chunks(stream_id)
-        churned = _rss_mb(host.pid)
+        churned = rss_mb()
         assert host.encoders == 8
     finally:
         host.stop()
