@@ -59,7 +59,10 @@ class Samples:
     # prompts the stream had before (0: its opening prompt's chunks; SWITCHES and more together) -> [frames right in
     # all three, frames scored], settled chunks only: whether a stream follows its 20th prompt as it followed its first
     by_switches: dict[int, list[int]] = field(default_factory=dict)
-    scored: list[tuple[float, Triple, int, int]] = field(default_factory=list)  # settled chunks: t, asked, right, frames
+    # settled chunks: t, what was asked (the triple; in `scored_with_history` with the prompts the stream had before,
+    # SWITCHES and more together), frames right in all three, frames
+    scored: list[tuple[float, Triple, int, int]] = field(default_factory=list)
+    scored_with_history: list[tuple[float, tuple[Triple, int], int, int]] = field(default_factory=list)
     # settled chunks' frame statistics by their prompt's text, for any model: statistic -> [(t, prompt, sum over
     # the chunk's frames, frames)] (soak_figures.mix_adjusted_drift: each prompt against itself)
     by_prompt: dict[str, list[tuple[float, str, float, int]]] = field(default_factory=dict)
@@ -122,6 +125,7 @@ class FrameSampler:
                 tally[0] += sc.all
                 tally[1] += sc.frames
                 s.scored.append((t, want, sc.all, sc.frames))
+                s.scored_with_history.append((t, (want, min(self.switches, SWITCHES)), sc.all, sc.frames))
         s.chunks_read += 1
         s.read_s += time.perf_counter() - t0
 
@@ -133,6 +137,7 @@ class Viewing:
 
     open: list[StreamClient] = field(default_factory=list)
     ended: np.ndarray = field(default_factory=lambda: np.zeros(3))  # stalls, stall_s, play_s of the ended sessions
+    ended_events: list[tuple[float, float]] = field(default_factory=list)  # the ended sessions' `stall_events`
 
     def totals(self) -> tuple[int, float, float]:
         """(stalls, stall seconds, playing seconds) so far."""
@@ -143,6 +148,11 @@ class Viewing:
                 out += (st.stalls, st.stall_s, st.play_s)
         return int(out[0]), float(out[1]), float(out[2])
 
+    def stall_events(self) -> list[tuple[float, float]]:
+        """Every ended stall so far as (its start on the monotonic clock, its length): the load test's loop pauses
+        are on that clock too (client/loadtest_host.py `own_stalls`)."""
+        return self.ended_events + [e for c in self.open for e in session_stalls(c)]
+
     def fold(self, c: StreamClient) -> None:
         """A session ended (its stats frozen): keep its figures, drop the client."""
         if c in self.open:
@@ -150,6 +160,14 @@ class Viewing:
             st = c.stats()
             if st is not None:
                 self.ended += (st.stalls, st.stall_s, st.play_s)
+            self.ended_events += session_stalls(c)
+
+
+def session_stalls(c: StreamClient) -> list[tuple[float, float]]:
+    """A session's ended stalls as (start on the monotonic clock, length)."""
+    if c.connected_at is None:
+        return []
+    return [(c.connected_at + end - length, length) for end, length in c.stall_events]
 
 
 @dataclass

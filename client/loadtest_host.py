@@ -50,14 +50,16 @@ class LoopPauses:
 
 def own_stalls(results: Sequence[StreamResult], pauses: Sequence[tuple[float, float]]) -> int:
     """Stalls that overlap a pause of the viewers' own event loop (the load test's, not the server's)."""
-    count = 0
-    for r in results:
-        if r.connected_at is None:
-            continue
-        for end, length in r.stall_events:
-            start, stop = r.connected_at + end - length, r.connected_at + end
-            count += any(p < stop and start < p + lag for p, lag in pauses)
-    return count
+    events = [(r.connected_at + end - length, length) for r in results if r.connected_at is not None
+              for end, length in r.stall_events]
+    return overlapping(events, pauses)[0]
+
+
+def overlapping(stalls: Sequence[tuple[float, float]], pauses: Sequence[tuple[float, float]]) -> tuple[int, float]:
+    """(how many, their seconds) of `stalls` that overlap one of `pauses`, both (start, length) on the monotonic
+    clock."""
+    hit = [length for start, length in stalls if any(p < start + length and start < p + lag for p, lag in pauses)]
+    return len(hit), sum(hit)
 
 
 STEAL_WARN = 0.05  # above this share of CPU time taken by the hypervisor, the report says so

@@ -187,6 +187,8 @@ def test_the_sampler_reads_one_chunk_in_k_and_scores_settled_chunks_against_thei
     # by chunks since the switch, settled or not: 0 (chunks 0 and 6), 2 (2 and 8), 4 (4)
     assert samples.by_position == {0: [12, 24], 2: [12, 24], 4: [12, 12]}
     assert samples.by_switches == {0: [24, 24], 1: [0, 12]}  # settled chunks, by the prompts before theirs
+    red_square, blue_ball = ("red", "square", "right"), ("blue", "ball", "left")
+    assert [key for _, key, _, _ in samples.scored_with_history] == [(red_square, 0), (red_square, 0), (blue_ball, 1)]
     for i in range(10, 14):  # version 2 is no caption: read, not scored
         chunk(i, 2)
     assert samples.chunks_read == 7 and len(samples.all) == 36
@@ -279,7 +281,7 @@ def test_the_summary_checks_growth_latency_stalls_and_pixels():
     records = [record(60.0 * k, 1000.0 + (50.0 if k > 50 else 0.0), tables={"sessions": 4.0}) for k in range(1, 61)]
     records[-1]["_stalls"] = (2, 4.8, 16 * 3600.0 - 4.8)  # 16 stream-hours, 0.3 s of stall each
     samples = Samples(all=[(float(t), 1.0 if t < 3000 else 0.97) for t in range(0, 3600, 10)])
-    r = soak.summarize(records, scrapes, samples, 3600.0, 60.0, score_pixels=True)
+    r = soak.summarize(records, scrapes, samples, 3600.0, 60.0, score_pixels=True, own=(1, 0.5))
     assert r["growth"]["rss_bytes"]["relative"] == pytest.approx(0.05)  # 1000 at minute 5, 1050 at the end
     assert r["growth"]["tables"]["sessions"]["change"] == 0.0
     assert r["checks"]["rss_growth_under_5pct"] is False
@@ -288,8 +290,14 @@ def test_the_summary_checks_growth_latency_stalls_and_pixels():
     assert r["checks"]["latency_p95_within_10pct"] is False
     assert r["stalls"]["per_stream_hour_s"] == pytest.approx(0.3, abs=1e-3) and r["stalls"]["count"] == 2
     assert r["checks"]["stall_ratio_at_most_1e-4"] is True
+    assert r["stalls"]["during_own_pauses"] == 1 and r["stalls"]["ratio_outside_own_pauses"] == pytest.approx(4.3 / 57600, rel=1e-3)
+    records[-1]["_stalls"] = (9, 7.2, 16 * 3600.0 - 7.2)  # 0.45 s a stream-hour, 2 s of it in the soak's own pauses
+    r2 = soak.summarize(records, scrapes, samples, 3600.0, 60.0, score_pixels=True, own=(3, 2.0))
+    assert r2["checks"]["stall_ratio_at_most_1e-4"] is False
+    assert r2["checks"]["stall_ratio_outside_own_pauses_at_most_1e-4"] is True
     assert r["drift"]["all"]["delta"] == pytest.approx(-0.03) and r["checks"]["pixels_within_2_points"] is False
     assert r["checks"]["pixels_same_prompts_within_2_points"] is None  # no chunk scored with its prompt
+    assert r["checks"]["pixels_same_prompts_and_history_within_2_points"] is None
     assert "colour" not in soak.summarize(records, scrapes, samples, 3600.0, 60.0, score_pixels=False)["drift"]
 
 
@@ -331,11 +339,42 @@ def test_a_short_soak_against_a_local_server_ends_with_its_json_line(tmp_path, c
     assert churn["sessions"] >= 4 and churn["prompts"] >= 8 and churn["watchers"] >= 1  # reconnects, prompts, watchers
     assert churn["pauses"] == churn["resumes"] >= 1 and churn["failed"] == 0
     assert report["stalls"]["count"] >= 0 and report["stalls"]["ratio"] is not None
-    assert set(report["checks"]) == {"stall_ratio_at_most_1e-4", "rss_growth_under_5pct", "latency_p95_within_10pct",
-                                     "pixels_within_2_points", "pixels_same_prompts_within_2_points"}
+    assert set(report["checks"]) == {"stall_ratio_at_most_1e-4", "stall_ratio_outside_own_pauses_at_most_1e-4",
+                                     "rss_growth_under_5pct", "latency_p95_within_10pct", "pixels_within_2_points",
+                                     "pixels_same_prompts_within_2_points",
+                                     "pixels_same_prompts_and_history_within_2_points"}
+    own = report["host"]["stalls_during_own_pauses"]
+    assert 0 <= own["stalls"]["count"] <= report["stalls"]["count"] and own["watcher_stalls"]["count"] >= 0
     assert report["latency_p95"]["early_s"] > 0 and report["latency_p95"]["late_s"] > 0
     assert report["growth"]["rss_bytes"]["start"] > 0 and report["after_close"]["fds"] > 0
-    for name in ("brightness", "saturation", "sharpness", "change", "all", "all_same_prompts"):
+    for name in ("brightness", "saturation", "sharpness", "change", "all", "all_same_prompts",
+                 "all_same_prompts_and_history"):
         assert report["drift"][name]["delta"] is not None, name
     assert report["sampling"]["frames_read"] > 0 and (tmp_path / "soak.json").exists()
     assert report["sampling"]["pixels_by_chunks_since_switch"]  # the built-in model's frames, scored
+
+
+def test_stalls_that_overlap_the_soaks_own_loop_pauses_are_counted_apart():
+    from client.loadtest_host import overlapping
+
+    pauses = [(10.0, 0.3), (50.0, 0.1)]  # (start, length) on the monotonic clock
+    stalls = [(10.2, 0.2), (9.0, 0.5), (49.9, 0.15), (50.1, 0.05), (70.0, 1.0)]  # the 1st, 3rd overlap; 4th touches
+    count, seconds = overlapping(stalls, pauses)
+    assert count == 2 and seconds == pytest.approx(0.35)
+    assert overlapping(stalls, []) == (0, 0)
+
+
+def test_viewing_keeps_the_stall_events_of_ended_sessions_on_the_monotonic_clock():
+    from types import SimpleNamespace
+
+    from benchmarks.soak_streams import Viewing
+
+    stats = SimpleNamespace(stalls=2, stall_s=0.5, play_s=100.0)
+    a = SimpleNamespace(connected_at=1000.0, stall_events=[(30.0, 0.2), (60.0, 0.3)], stats=lambda: stats)
+    b = SimpleNamespace(connected_at=None, stall_events=[], stats=lambda: None)  # never connected
+    viewing = Viewing(open=[a, b])
+    assert viewing.stall_events() == [(1029.8, 0.2), (1059.7, 0.3)]
+    viewing.fold(a)
+    viewing.fold(b)
+    assert viewing.open == [] and viewing.stall_events() == [(1029.8, 0.2), (1059.7, 0.3)]
+    assert viewing.totals() == (2, 0.5, 100.0)
