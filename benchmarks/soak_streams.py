@@ -24,6 +24,7 @@ import numpy as np
 
 from benchmarks.soak_churn import Act, ChurnConfig, Event
 from benchmarks.soak_figures import Sample, Triple, caption_triple, frame_change, frame_stats, score_chunk
+from client.loadtest_host import stall_spans
 from client.loadtest_prompts import viewer_prompt
 from client.viewer import ClientConfig, ClientState, DecodeMode
 from client.ws_client import StreamClient
@@ -151,7 +152,7 @@ class Viewing:
     def stall_events(self) -> list[tuple[float, float]]:
         """Every ended stall so far as (its start on the monotonic clock, its length): the load test's loop pauses
         are on that clock too (client/loadtest_host.py `own_stalls`)."""
-        return self.ended_events + [e for c in self.open for e in session_stalls(c)]
+        return self.ended_events + [e for c in self.open for e in stall_spans(c.connected_at, c.stall_events)]
 
     def fold(self, c: StreamClient) -> None:
         """A session ended (its stats frozen): keep its figures, drop the client."""
@@ -160,14 +161,7 @@ class Viewing:
             st = c.stats()
             if st is not None:
                 self.ended += (st.stalls, st.stall_s, st.play_s)
-            self.ended_events += session_stalls(c)
-
-
-def session_stalls(c: StreamClient) -> list[tuple[float, float]]:
-    """A session's ended stalls as (start on the monotonic clock, length)."""
-    if c.connected_at is None:
-        return []
-    return [(c.connected_at + end - length, length) for end, length in c.stall_events]
+            self.ended_events += stall_spans(c.connected_at, c.stall_events)
 
 
 @dataclass

@@ -50,9 +50,15 @@ class LoopPauses:
 
 def own_stalls(results: Sequence[StreamResult], pauses: Sequence[tuple[float, float]]) -> int:
     """Stalls that overlap a pause of the viewers' own event loop (the load test's, not the server's)."""
-    events = [(r.connected_at + end - length, length) for r in results if r.connected_at is not None
-              for end, length in r.stall_events]
-    return overlapping(events, pauses)[0]
+    return overlapping([span for r in results for span in stall_spans(r.connected_at, r.stall_events)], pauses)[0]
+
+
+def stall_spans(connected_at: float | None, stall_events: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """A viewer's ended stalls (`stall_events`: seconds from its connect to the stall's end, the stall's length) as
+    (start, length) on the monotonic clock, where the loop's pauses are; none for a viewer that never connected."""
+    if connected_at is None:
+        return []
+    return [(connected_at + end - length, length) for end, length in stall_events]
 
 
 def overlapping(stalls: Sequence[tuple[float, float]], pauses: Sequence[tuple[float, float]]) -> tuple[int, float]:
