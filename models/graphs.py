@@ -166,8 +166,9 @@ def graph_key(x, t, text: TextKV, access: Sequence[CacheAccess], patch_t: int = 
     """What a graph of this forward fixes: the shapes, the storage it reads (the device's workspace),
     how many cached frames it reads and how many it writes, and whether it rotates the cached keys
     first. Not the stream, the slots or the RoPE positions: those are copied in before each replay.
-    None: the forward must run eagerly (several streams, a mask, storage read through a copy)."""
-    if len(access) != 1 or access[0].cache is None or not in_place(access, x.shape[2] // patch_t):
+    None: the forward must run eagerly (several streams, a mask, storage read through a copy, a style: its
+    adapter's buffers are not captured yet)."""
+    if len(access) != 1 or access[0].cache is None or access[0].lora is not None or not in_place(access, x.shape[2] // patch_t):
         return None
     acc = access[0]
     storage = acc.cache.storage
