@@ -38,6 +38,7 @@ does; until those are captured, a forward with an adapter runs eagerly (models/g
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -75,7 +76,7 @@ class LoraLayer:
 
     a: torch.Tensor  # [r, in]
     b: torch.Tensor  # [out, r]
-    scale: float  # alpha / r
+    scale: float | torch.Tensor  # alpha / r; in `AdapterBuffers`, a 0-d device tensor (a graph reads it)
 
     @property
     def rank(self) -> int:
@@ -101,6 +102,11 @@ class Adapter:
     def nbytes(self) -> int:
         """Device memory its pairs hold."""
         return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in (layer.a, layer.b))
+
+    @functools.cached_property
+    def targets(self) -> tuple[str, ...]:
+        """Its Linears' names, sorted: adapters with the same targets share CUDA graphs (`AdapterBuffers`)."""
+        return tuple(sorted(self.layers))
 
     @property
     def touches_text(self) -> bool:
@@ -150,7 +156,57 @@ class LoraBatch:
 def add_term(layer: LoraLayer, scale: float, x: torch.Tensor, out: torch.Tensor) -> None:
     """out += scale * layer.scale * (x A^T) B^T, in place. x: [..., in]; out: [..., out] with rows viewable flat."""
     h = x.reshape(-1, x.shape[-1]) @ layer.a.t()  # [n, r]
-    out.view(-1, out.shape[-1]).addmm_(h, layer.b.t(), alpha=scale * layer.scale)
+    if isinstance(layer.scale, torch.Tensor):  # a graph's buffers: the scale is a value on the device
+        out.view(-1, out.shape[-1]).addmm_(h.mul_(layer.scale), layer.b.t(), alpha=scale)
+    else:
+        out.view(-1, out.shape[-1]).addmm_(h, layer.b.t(), alpha=scale * layer.scale)
+
+
+class AdapterBuffers:
+    """Fixed device buffers that hold one adapter at a time, for CUDA graphs (models/graphs.py): per targeted
+    Linear A [max_rank, in] and B [out, max_rank], zero-padded past the adapter's rank (exact: the padding
+    adds exact zeros), and each layer's scale times the stream's as a device value. A graph captured reading
+    `use` serves every adapter with these targets; `load` copies one in before a replay (nothing when it is
+    there already: a stream's forwards in a row copy it once)."""
+
+    def __init__(self, adapter: Adapter, max_rank: int) -> None:
+        self.targets, self.max_rank = adapter.targets, max_rank
+        layers = [adapter.layers[m] for m in self.targets]
+        dev, dt = layers[0].a.device, layers[0].a.dtype
+        self.a = [torch.zeros(max_rank, layer.a.shape[1], device=dev, dtype=dt) for layer in layers]  # [R, in] each
+        self.b = [torch.zeros(layer.b.shape[0], max_rank, device=dev, dtype=dt) for layer in layers]  # [out, R] each
+        self.scales = torch.zeros(len(layers), device=dev)  # [targets] float32: layer scale x stream scale
+        self.ranks = [0] * len(layers)  # rows of each A the resident adapter wrote
+        self.resident: tuple[int, float] | None = None  # (uid, scale) of the adapter held
+        bufs = {m: LoraLayer(a, b, self.scales[i]) for i, (m, a, b) in enumerate(zip(self.targets, self.a, self.b))}
+        linear_of = {id(layer): lin for lin, layer in adapter.modules.items()}  # the model's Linear of each pair
+        static = Adapter("(graph buffers)", "", bufs, {linear_of[id(adapter.layers[m])]: bufs[m] for m in bufs}, 0)
+        self.use = AdapterUse(static, 1.0)  # what a graph is captured with
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.a + self.b)
+
+    def load(self, use: AdapterUse) -> None:
+        """Hold `use`'s adapter (of the same targets) and scale: copied in, device to device, unless held already."""
+        if use.adapter.targets != self.targets:
+            raise ValueError(f"style {use.adapter.name!r} adapts other layers than these buffers hold")
+        if self.resident == (use.adapter.uid, use.scale):
+            return
+        dst, src = [], []
+        for i, m in enumerate(self.targets):
+            layer = use.adapter.layers[m]
+            r = layer.rank
+            dst += [self.a[i][:r], self.b[i][:, :r]]
+            src += [layer.a, layer.b]
+            if self.ranks[i] > r:  # rows a larger rank left: zeros again (B's columns past them then meet zeros)
+                dst.append(self.a[i][r : self.ranks[i]])
+                src.append(torch.zeros_like(dst[-1]))
+            self.ranks[i] = r
+        torch._foreach_copy_(dst, src)
+        scales = torch.tensor([use.adapter.layers[m].scale * use.scale for m in self.targets], dtype=torch.float32)
+        self.scales.copy_(scales.to(self.scales.device))
+        self.resident = (use.adapter.uid, use.scale)
 
 
 class AdapterSet:

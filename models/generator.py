@@ -44,7 +44,7 @@ from models.config import ModelConfig
 from models.decoder import StreamingDecoder, TinyStreamingDecoder, frames_per_chunk
 from models.dit import CacheAccess, CausalWanModel, TextKV, in_place
 from models.encoder import BlockPCAEncoder, StreamingEncoder, check_frames
-from models.graphs import GraphedForward
+from models.graphs import GraphedForward, capture_serving
 from models.prompts import PromptCache, batch_text
 from models.stream import PARKED_FIELDS, Chunk, GeneratorConfig, ParkedStream, StreamState, field_tensors, with_tensors
 from models.text import HashTextEncoder, TextEncoder
@@ -77,7 +77,7 @@ class ChunkGenerator:
         built-in random decoder comes with a random BlockPCA encoder, `BlockPCAEncoder.random`)."""
         self.model, self.cfg = apply_speed_options(model, cfg), cfg
         # what `forward` runs: CUDA graphs on CUDA, the model itself elsewhere
-        self.runner = GraphedForward(model) if cfg.cuda_graphs and model.device.type == "cuda" else model
+        self.runner = GraphedForward(model, cfg.lora_max_rank) if cfg.cuda_graphs and model.device.type == "cuda" else model
         mc: ModelConfig = model.cfg
         self.model_cfg = mc
         self.text_encoder = text_encoder or HashTextEncoder(mc.text_dim, mc.text_len)
@@ -217,8 +217,7 @@ class ChunkGenerator:
         if state.pending_prompt is not None:
             self._apply_prompt(state)
         slots = state.cache.plan_commit(1)
-        access = CacheAccess(state.cache, 0, write_slots=slots, lora=self.lora_use(state))
-        self.forward(z[None], torch.zeros(1, 1, device=self.device), state.text, [access])
+        self.forward(z[None], torch.zeros(1, 1, device=self.device), state.text, [CacheAccess(state.cache, 0, write_slots=slots, lora=self.lora_use(state))])
         state.cache.advance(slots)
         state.clean[_rows(slots, self.device)] = z.transpose(0, 1)
         state.forwards[WorkKind.COMMIT.value] += 1
@@ -235,9 +234,8 @@ class ChunkGenerator:
         state.pending_prompt, state.pending_version = prompt, version
 
     def set_lora(self, state: StreamState, name: str | None, scale: float = 1.0, version: int | None = None) -> None:
-        """Switch the stream's style (live): from the next chunk on it runs under adapter `name` (None: none) at
-        `scale`, after a recache of the window under it, as a prompt switch (it is one, to the same prompt unless
-        another is pending), tagged `version`. An unknown name or a bad scale is a ValueError; the stream goes on."""
+        """Switch the stream's style live: from the next chunk on, adapter `name` (None: none) at `scale`, after a recache
+        as a prompt switch's (it is one, to the same prompt unless another is pending), tagged `version`. A bad name or scale: ValueError."""
         self.adapters.use(name, scale)
         state.pending_lora = (name, float(scale))
         if state.pending_prompt is None:
@@ -513,41 +511,9 @@ class ChunkGenerator:
 
     @torch.inference_mode()
     def capture_graphs(self) -> int:
-        """Capture every CUDA graph that serving replays, before serving (then `freeze`): with a
-        throwaway stream, at each cache fill, a chunk's first denoising step (it rotates the cached
-        keys), its later steps, its commit, and a commit that rotates (after a switch of streams,
-        or in a recache); then a recache (with recache_chunks, also one of the whole window). Returns
-        the number of graphs captured (0 off CUDA)."""
-        runner = self.runner
-        if not isinstance(runner, GraphedForward):
-            return 0
-        mc, nf = self.model_cfg, self.cfg.frames_per_chunk
-        state = self.open_stream("capture", "capture", seed=0)
-        cache = state.cache
-        x = torch.randn(1, mc.in_channels, nf, mc.latent_height, mc.latent_width, generator=state.noise, device=self.device)
-        t, t0 = torch.full((1, nf), 500.0, device=self.device), torch.zeros(1, nf, device=self.device)
-        seen: set[int] = set()
-        try:
-            while cache.num_frames not in seen:  # fills 0, 3, ... up to a full cache
-                n = cache.num_frames
-                seen.add(n)
-                slots = cache.plan_commit(nf)
-                self.forward(x, t0, state.text, [CacheAccess(cache, n, write_slots=slots)])  # a commit that rotates
-                self.forward(x, t, state.text, [CacheAccess(cache, n)])  # a chunk's first step: rotates
-                self.forward(x, t, state.text, [CacheAccess(cache, n)])  # its later steps
-                self.forward(x, t0, state.text, [CacheAccess(cache, n, write_slots=slots)])  # its commit
-                cache.advance(slots)
-                state.clean[_rows(slots, self.device)] = x[0].transpose(0, 1)
-            self.set_prompt(state, "capture again")
-            self.recache(state)
-            if self.cfg.recache_chunks:  # the whole window too, as after commit reuse's chunk abandoned over it
-                state.recache_all = True
-                self.set_prompt(state, "capture once more")
-                self.recache(state)
-        finally:
-            self.close_stream(state)
-        runner.freeze()
-        return runner.stats["captures"]
+        """Capture every CUDA graph that serving replays, before serving (models/graphs.py `capture_serving`; load
+        the styles first). Returns the number of graphs captured (0 off CUDA)."""
+        return capture_serving(self) if isinstance(self.runner, GraphedForward) else 0
 
     # -- offline ------------------------------------------------------------------------------
 

@@ -300,3 +300,31 @@ def test_a_styled_forward_with_streams_at_other_fills_is_the_merged_forward(tmp_
     mtext = [(torch.cat([a, a]), torch.cat([b, b])) for a, b in merged.encode_prompt("a cat")]
     want = merged.model(x, t, mtext, [CacheAccess(c, n) for c, n in zip(caches, (3, 6))])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_graph_buffers_hold_any_adapter_of_the_same_targets_exactly(tmp_path):
+    # what a CUDA graph reads (models/graphs.py): fixed buffers of the maximum rank, zero-padded, the scales
+    # on the device; an adapter of a smaller rank after a larger one leaves no trace of it
+    from models.adapters import AdapterBuffers
+
+    gen = tiny_generator(lora_max_rank=8)
+    for name, rank, seed in (("wide", 8, 1), ("narrow", 2, 2)):
+        gen.adapters.load(name, save_kohya(tmp_path / f"{name}.safetensors", make_pairs(gen.model, rank, seed), alpha=3.0))
+    buffers = AdapterBuffers(gen.adapters.get("wide"), max_rank=8)
+    state = gen.open_stream("s", "a cat", seed=0)
+    mc = gen.model_cfg
+    x = torch.randn(1, mc.in_channels, 3, mc.latent_height, mc.latent_width, generator=torch.Generator().manual_seed(0))
+    t = torch.full((1, 3), 800.0)
+    for name, scale in (("wide", 1.0), ("narrow", 0.5), ("narrow", 0.5), ("wide", 2.0)):
+        use = gen.adapters.use(name, scale)
+        buffers.load(use)
+        assert buffers.resident == (use.adapter.uid, scale)
+        text = gen.encode_prompt("a cat", use)
+        want = gen.model(x, t, text, [CacheAccess(state.cache, 0, lora=use)])
+        got = gen.model(x, t, text, [CacheAccess(state.cache, 0, lora=buffers.use)])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    other = make_pairs(gen.model, 2, seed=3, skip={"head.head"})
+    gen.adapters.load("other", save_peft(tmp_path / "other.pt", other))
+    with pytest.raises(ValueError, match="other layers"):
+        buffers.load(gen.adapters.use("other", 1.0))
+    assert buffers.nbytes == 4 * 8 * sum(a.shape[1] + b.shape[0] for a, b in make_pairs(gen.model, 1, 0).values())
