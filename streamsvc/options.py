@@ -128,8 +128,16 @@ def engine_config(args):
         weights_seed=args.weights_seed, generator=gen, scheduler=sched, compile=args.compile, **weights(args),
         degrade=degrade(args), latency=latency_name(args),
         kv_budget_bytes=int(args.kv_budget_gib * 2**30) if args.kv_budget_gib else None,
-        **_park(args, mode), **({"device": str(device)} | _group(args, device)),
+        **_park(args, mode), **_styles(args), **({"device": str(device)} | _group(args, device)),
     )
+
+
+def _styles(args) -> dict:
+    """EngineConfig's style fields from --lora-dir and --lora-budget-gib (streamsvc/engine/styles.py)."""
+    budget = getattr(args, "lora_budget_gib", 2.0)
+    if not budget >= 0:
+        raise ValueError(f"--lora-budget-gib takes a number of GiB >= 0, got {budget:g}")
+    return dict(lora_dir=getattr(args, "lora_dir", None), lora_budget_bytes=int(budget * 2**30))
 
 
 def _group(args, device) -> dict:

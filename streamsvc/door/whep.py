@@ -3,8 +3,9 @@ watches a stream with one HTTP POST of its SDP offer (draft-ietf-wish-whep; issu
 
 The endpoints (paths under WHEP_PATH; `Endpoints.handle` answers them, the front awaits its reply):
 
-- ``POST /whep?prompt=...`` (optional ``&fps=``, ``&seed=``) with an SDP offer (``Content-Type: application/sdp``):
-  a new stream, steered by this session (``&input=1``, optional ``&strength=``: it takes a WHIP publisher's video).
+- ``POST /whep?prompt=...`` (optional ``&fps=``, ``&seed=``, a style's ``&lora=`` and ``&lora_scale=``) with an SDP
+  offer (``Content-Type: application/sdp``): a new stream, steered by this session (``&input=1``, optional
+  ``&strength=``: it takes a WHIP publisher's video).
   ``201 Created``, the answer, ``Location`` (the session, SESSION_PATH + a 128-bit secret), and the stream's
   capabilities in headers: ``X-Stream-Id``, ``X-Watch-Url`` (a WHEP URL that watches it), ``X-Watch-Secret``,
   ``X-Steer-Secret``. With a data channel named ``control`` in the offer, the player steers over it with the protocol's
@@ -310,6 +311,8 @@ class Endpoints:
                 extra["input"] = True
                 if "strength" in query:
                     extra["strength"] = float(query["strength"])
+            if "lora" in query:  # a style per stream (README: Styles per stream)
+                extra |= {"lora": query["lora"], "lora_scale": float(query.get("lora_scale", 1.0))}
             return P.Start(prompt=query["prompt"], transport="webrtc", **extra)
         except ValueError as e:  # pydantic's ValidationError, or int()
             status = http.HTTPStatus.NOT_FOUND if stream else http.HTTPStatus.BAD_REQUEST

@@ -7,6 +7,7 @@
 - `output`: the output stage (decode, encode) beside the device's work; `encode`: the H.264 encoders (x264 in
   a child process: `python -m streamsvc.engine.encode`).
 - `parking`: a paused stream's KV cache moved off the device and back.
+- `styles`: the style LoRAs a stream may run under (`serve --lora-dir`): loaded once, shared, evicted under a budget.
 - `timing`: forwards timed without waiting for them (CUDA events; wall time on a CPU).
 - `group`, `lockstep`: `--parallel K`, one stream's forwards split over K devices.
 - `heap`: the serving process's memory over hours: closed streams' cycles collected soon, freed pages trimmed.

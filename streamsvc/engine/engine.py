@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvcache import CachePool, ParkBudget
-from models import ChunkGenerator, StreamState, build_generator, fidelity
+from models import ChunkGenerator, StreamState, fidelity
 from models.work import WorkKind
 from streamsvc.engine.config import EngineConfig
 from streamsvc.engine.encode import EncoderSpec
@@ -42,6 +42,7 @@ from streamsvc.engine.errors import EngineError
 from streamsvc.engine.output import ChunkOut, OutputStage, StreamOutput
 from streamsvc.engine.parking import Parking
 from streamsvc.engine.reports import PARKING_FIGURES, EngineStats, ModelShape, Opened, PromptAccepted, StreamDescription
+from streamsvc.engine.styles import StyleLibrary
 from streamsvc.engine.timing import InFlight, Timer
 from streamsvc.engine.warmup import keep_freed_memory, log_attention, warm_up
 from streamsvc.inputs.stage import InputStage, seed_input_stage
@@ -73,14 +74,9 @@ _WAKE = object()  # what `Engine.wake` queues: the loop turns, nothing runs (Non
 
 
 class Engine:
-    def __init__(
-        self,
-        config: EngineConfig,
-        on_chunk: Callable[[ChunkOut], None],
-        on_error: Callable[[str, str, str], None],
-        clock: Callable[[], float] = time.monotonic,
-        streamless: Callable[[], tuple[float, int]] | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, on_chunk: Callable[[ChunkOut], None],
+                 on_error: Callable[[str, str, str], None], clock: Callable[[], float] = time.monotonic,
+                 streamless: Callable[[], tuple[float, int]] | None = None) -> None:
         self.config = config
         # the event loop's CPU on clients without a stream so far and their events (the server's meter): on a CPU
         # device it is left out of the forwards' cost samples (scheduling.without_streamless)
@@ -112,6 +108,7 @@ class Engine:
         self.parking: Parking | None = None  # paused streams (streamsvc/engine/parking.py)
         self.inputs: InputStage | None = None  # streams' input video (issue 35): releases, frames to the generator
         self.shape: ModelShape | None = None  # what every stream has (frame size, chunks, words): set once ready
+        self.styles = StyleLibrary(None, {})  # the styles offered (streamsvc/engine/styles.py): set once built
 
     def stats(self) -> EngineStats:
         """The engine's figures now (any thread)."""
@@ -127,7 +124,7 @@ class Engine:
 
     def table_sizes(self) -> dict[str, int]:
         """Entries of its per-stream tables and its parts' (any thread, a moment's view; see Server.table_sizes)."""
-        parts = (self.pool, self.sched, self.parking, self.inputs, self.output)
+        parts = (self.pool, self.sched, self.parking, self.inputs, self.output, self.styles)
         return {"engine.streams": len(self._streams), "engine.forwards_in_flight": len(self._in_flight),
                 **{k: n for part in parts if part is not None for k, n in part.table_sizes().items()}}
 
@@ -161,10 +158,16 @@ class Engine:
     # -- commands (any thread; answered by the engine thread between launches) ---------------
 
     def open_stream(self, stream_id: str, prompt: str, seed: int, fps: int, input=None,
-                    strength: float | None = None) -> Future:
+                    strength: float | None = None, lora: str | None = None, lora_scale: float = 1.0) -> Future:
         """Future[Opened]: admitted streams start generating at once, described for their viewers; with `input` (an
-        InputFrames) they restyle it at `strength` (refused, with the reason, by a model without an encoder)."""
-        return self._submit(self._open, stream_id, prompt, seed, fps, input, strength)
+        InputFrames) they restyle it at `strength` (refused, with the reason, by a model without an encoder), with
+        `lora` under that style at `lora_scale` (refused, with the reason, when it cannot be: engine/styles.py)."""
+        return self._submit(self._open, stream_id, prompt, seed, fps, input, strength, lora, lora_scale)
+
+    def set_lora(self, stream_id: str, lora: str | None, scale: float, prompt: str) -> Future:
+        """Future[int]: the stream's style from its next chunk on: a switch to its newest `prompt` (styles.switch)."""
+        return self._submit(lambda: self.styles.switch(self._get(stream_id).state.stream_id, lora, scale, lambda cost:
+                                                       self.sched.set_prompt(stream_id, self.clock(), prompt, cost)))
 
     def set_strength(self, stream_id: str, strength: float) -> Future:
         """Future[float]: a stream with input restyles it at `strength` from its next chunk on (snapped)."""
@@ -255,15 +258,7 @@ class Engine:
             if not keep_freed_memory():
                 log.info("not glibc's malloc: CPU tensors' large blocks go back to the OS when freed (slower chunks)")
         t0 = time.monotonic()
-        kw = dict(device=device, seed=cfg.weights_seed, checkpoint=cfg.checkpoint, lora=cfg.lora,
-                  lora_alpha=cfg.lora_alpha, wrapper=cfg.wrapper, wan_dir=cfg.wan_dir, decoder=cfg.decoder,
-                  taehv=cfg.taehv, weights=cfg.weights)
-        if cfg.group is not None:  # --parallel K: rank 0 of a group (streamsvc/engine/lockstep.py)
-            from streamsvc.engine.lockstep import group_generator
-
-            self.gen = gen = group_generator(cfg.preset, cfg.group, cfg.generator, kw)
-        else:
-            self.gen = gen = build_generator(cfg.preset, cfg=cfg.generator, **kw)
+        self.gen = gen = cfg.build_generator(device)
         self.decoder_bytes = gen.decoder_state_bytes()  # counted with each stream's KV cache
         log_attention(device)
         if cfg.compile if cfg.compile is not None else device.type == "cuda":
@@ -280,6 +275,9 @@ class Engine:
             budget -= scratch_bytes(spec)
         self.pool = CachePool(budget, device)
         self._kv_budget_bytes = budget
+        self.styles = StyleLibrary.from_folder(getattr(gen, "adapters", None), cfg.lora_dir, cfg.lora_budget_bytes,
+                                               self.pool, parallel=cfg.group is not None)
+        self.styles.load_at_start()  # before the CUDA graphs: those of its styles' Linears are captured
         # the scheduler plans the generator's schedule, and its shorter ones instead of stalls unless told not to
         degrade = gen.cfg.shorter_steps if cfg.degrade else ()
         workers = cfg.output_workers or min(4, max(1, (os.cpu_count() or 1) // 4))
@@ -297,14 +295,12 @@ class Engine:
             t0 = time.monotonic()
             n = gen.capture_graphs()
             log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
+        self.styles.ready(gen)
         self._cheap_encode = warm_up(gen, self.sched, cfg.warmup_chunks, self.clock)
         self.inputs = InputStage(gen, self.sched, self.clock, self.wake,
                                  cfg.input_latency_s, parallel=cfg.group is not None)
         seed_input_stage(gen, self.sched, latency_s=cfg.input_latency_s)  # and warns if it cannot be met
-        words = gen.text_encoder.vocabulary
-        self.shape = ModelShape(gen.model_cfg.width, gen.model_cfg.height, gen.frames_in_chunk(0),
-                                gen.frames_in_chunk(1), len(gen.sigmas), None if words is None else tuple(words),
-                                tuple(float(s) for s in gen.input_strengths()))
+        self.shape = ModelShape.of(gen)
         self._snapshot = self.sched.stats(self.clock())
 
     # -- engine thread: the loop ------------------------------------------------------------------
@@ -370,6 +366,7 @@ class Engine:
                 if seq > st.state.prompt_version:  # the plan brings a new prompt: its text encoded now, off the
                     self.gen.encode_prompt(prompt)  # forward's timed cost (of a flood, one a chunk), and applied
                     self.gen.set_prompt(st.state, prompt, version=seq)
+                    self.styles.apply(self.gen, st.state, seq)  # a style switch planned up to it goes with it
             now = self.clock()
             timer = Timer(self.gen.device, self.clock, self._streamless)
             chunks = self._run(plan, streams, now)
@@ -517,11 +514,11 @@ class Engine:
             raise EngineError(f"stream {stream_id!r} is not open")
         return self._streams[stream_id]
 
-    def _open(self, stream_id: str, prompt: str, seed: int, fps: int, input=None, strength=None) -> Admission:
+    def _open(self, stream_id: str, prompt: str, seed: int, fps: int, input=None, strength=None, lora=None, scale=1.0):
         if stream_id in self._streams:
             raise EngineError(f"stream {stream_id!r} is already open")
-        refusal = f"this server cannot generate: {self.failure}" if self.failure else \
-            self.inputs.refusal() if input is not None else None
+        refusal = (f"this server cannot generate: {self.failure}" if self.failure else self.inputs.refusal()
+                   if input is not None else None) or self.styles.take(stream_id, lora, scale)  # (held if None)
         if refusal:
             return Opened(Admission(False, refusal, 0.0))
         gen = self.gen
@@ -530,26 +527,28 @@ class Engine:
             stream_id, prompt=prompt, fps=float(fps), first_chunk_frames=gen.frames_in_chunk(0),
             chunk_frames=gen.frames_in_chunk(1),
             input_start_step=None if input is None else self.inputs.start_step(strength)[0],
-            input_latency_s=self.config.input_latency_s)
+            input_latency_s=self.config.input_latency_s, style_cost=self.styles.cost_of(stream_id))
         admission = self.sched.admit(req, self.clock(), kv_refusal=self.pool.refusal(spec, self.decoder_bytes))
         if not admission.accepted:
+            self.styles.release(stream_id)
             return Opened(admission)
         try:
             cache = self.pool.allocate_or_raise(stream_id, spec, self.decoder_bytes)
-            state = gen.open_stream(stream_id, prompt, seed, cache)
+            state = gen.open_stream(stream_id, prompt, seed, cache, lora=lora, lora_scale=scale)
             # on a GPU host, two x264 threads per stream: the encode is part of every chunk's latency
             spec = EncoderSpec(gen.model_cfg.width, gen.model_cfg.height, fps,
                                threads=2 if gen.device.type == "cuda" else 1)
         except Exception:
             self.sched.remove(stream_id)
             self.pool.release(stream_id)
+            self.styles.release(stream_id)
             raise
         self._streams[stream_id] = _Stream(state, fps, self.output.open(stream_id, spec), has_input=input is not None)
         snapped = None if input is None else self.inputs.open(stream_id, input, state, strength, fps).strength
         self._kv_used_bytes = self.pool.used_bytes
         return Opened(admission, StreamDescription(
             self.shape, fps, self._unknown_words(prompt), strength=snapped,
-            input_latency_s=None if input is None else self.config.input_latency_s))
+            input_latency_s=None if input is None else self.config.input_latency_s, lora=lora, lora_scale=scale))
 
     def _set_prompt(self, stream_id: str, prompt: str) -> PromptAccepted:
         self._get(stream_id)  # (an EngineError for a stream not open)
@@ -589,6 +588,7 @@ class Engine:
         self.sched.remove(stream_id)
         self.inputs.close(stream_id)
         self.parking.drop(stream_id)  # a paused stream's host memory goes (with the parked copies)
+        self.styles.release(stream_id)
         # a paused one's too: a group's workers forget its parked copy (streamsvc/engine/lockstep.py)
         if st is not None:
             self.gen.close_stream(st.state)

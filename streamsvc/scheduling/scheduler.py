@@ -9,6 +9,7 @@ documented where it is decided.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 
@@ -164,15 +165,18 @@ class Scheduler:
 
     # ----- what viewers do and get ------------------------------------------------------
 
-    def set_prompt(self, stream_id: str, now: float, prompt: str = "") -> int:
+    def set_prompt(self, stream_id: str, now: float, prompt: str = "", style_cost: float | None = None) -> int:
         """A new prompt (its text: the plans that run under it carry it); returns its version, one per call.
 
         Prompts are coalesced here, so that a flood of them costs one prompt switch a chunk at most: the first since
         the stream's last committed chunk is planned at once (its next chunk runs under it, after a RECACHE if the
         stream has committed frames, and may start as soon as the cap allows; with restart_on_prompt a chunk in
         progress is abandoned when the stream's slack allows); a later one waits for the next commit, and a newer
-        one replaces it (of those that come between two chunks only the newest is planned)."""
+        one replaces it (of those that come between two chunks only the newest is planned). A style switch is one
+        (streamsvc/engine/styles.py), with its `style_cost`: the stream is charged that share from now on."""
         s = self._get(stream_id)
+        if style_cost is not None:
+            s.request = dataclasses.replace(s.request, style_cost=style_cost)
         s.playback.advance(now)
         return s.new_prompt(prompt, now)
 

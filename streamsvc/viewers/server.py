@@ -57,7 +57,7 @@ from streamsvc.viewers.driver import ViewerDriver
 from streamsvc.viewers.outbox import Outbox, OutboxLimits
 from streamsvc.viewers.record import RecordingStore
 from streamsvc.viewers.session import Role, Session, Viewer
-from streamsvc.viewers.streams import Streams, wire_vocabulary, wire_words
+from streamsvc.viewers.streams import Streams, chapter_title, wire_vocabulary, wire_words
 from streamsvc.wire import protocol as P
 from streamsvc.wire.rtc import WebRtcConfig, server_ice_addresses
 
@@ -142,7 +142,7 @@ class Server:
         self.routes = Routes(config.access, config.static_dir, self.recordings, self.metrics,
                              ready=lambda: self.engine.shape is not None and not self.engine.failure,
                              refresh_metrics=self.refresh_metrics,
-                             metrics_apart=config.metrics_port is not None)
+                             metrics_apart=config.metrics_port is not None, styles=lambda: self.engine.styles.listing)
         self.whep = Endpoints(self, whip=Ingest(self))  # WHEP (a POST's offer served as a connection) and WHIP
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -274,7 +274,8 @@ class Server:
         - engine.streams, engine.forwards_in_flight; kv.caches; scheduler.*: streams, parked, prompt_texts (those a
           plan may still run under), chunks_in_flight, releases (input video's released chunks); parking.streams,
           parking.budget_streams; inputs.streams, inputs.chunks (input releases and capture times until the chunk's
-          commit); output.streams, output.encoders (x264 encoders alive, in the encoder processes too).
+          commit); output.streams, output.encoders (x264 encoders alive, in the encoder processes too); styles.streams
+          (the streams whose styles the engine holds).
         """
         sizes = {"viewers.webrtc": len(self.webrtc)}
         for part in (self.streams, self.entry.limits, self.guard, self.front, self.whep, self.recordings, self.engine):
@@ -311,7 +312,7 @@ class Server:
         stream_id = f"{self.config.stream_prefix}s{next(self._ids)}"
         seed = msg.seed if msg.seed is not None else random.randrange(2**31)
         session = Session(stream_id, msg.fps or 16, msg.prompt, token=token, address=client.address)
-        session.prompt_texts[0] = msg.prompt
+        session.prompt_texts[0] = chapter_title(msg.prompt, msg.lora, msg.lora_scale)
         self.sessions[stream_id] = session
         try:
             return await self._open(client, msg, session, seed, outlet)
@@ -325,8 +326,8 @@ class Server:
         stream_id, fps = session.stream_id, session.fps
         session.input = input_frames(self.engine, msg, fps)  # input video (issue 35), if it asked for it
         try:
-            opened = await asyncio.wrap_future(self.engine.open_stream(stream_id, msg.prompt, seed, fps,
-                                                                       session.input, msg.strength))
+            opened = await asyncio.wrap_future(self.engine.open_stream(stream_id, msg.prompt, seed, fps, session.input,
+                                                                       msg.strength, msg.lora, msg.lora_scale))
         except Exception as e:  # noqa: BLE001 - reported to the client, the server goes on
             log.exception("open_stream failed")
             opened = None
@@ -370,6 +371,8 @@ class Server:
             # a watcher steering)
             **({"watch_secret": session.watch_secret, "steer_secret": session.steer_secret}
                if viewer.role is Role.STEER else {}), **ready_fields(desc), latency=self.engine_config.latency,
+            loras=list(self.engine.styles.offered[: P.MAX_LORAS]) or None, lora=desc.lora,
+            lora_scale=desc.lora_scale if desc.lora is not None else None,
         )
 
     def _connect(self, viewer: Viewer, transport: str | None) -> None:

@@ -14,8 +14,8 @@ messages; over WebRTC the same JSON travels on the data channel named
 Client -> server::
 
     {"type": "start", "prompt": "...", "seed": 7, "fps": 16, "transport": "ws", "token": "...", "input": true,
-     "strength": 0.6}
-    {"type": "set_strength", "strength": 0.8}
+     "strength": 0.6, "lora": "ink", "lora_scale": 0.8}
+    {"type": "set_strength", "strength": 0.8}  {"type": "set_lora", "lora": "ink", "lora_scale": 1.0}
     {"type": "watch", "stream_id": "s3", "secret": "...", "transport": "ws", "token": "..."}
     {"type": "set_prompt", "prompt": "..."}
     {"type": "handover", "to": "v7"}  {"type": "take", "secret": "..."}  {"type": "record"}
@@ -28,26 +28,26 @@ Server -> client::
     {"type": "ready", "stream_id": "...", "fps": 16, "width": 832, "height": 480, "vocabulary": ["a", ...],
      "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0, "steps": 4, "unknown_words": ["fox"],
      "role": "steer", "viewer_id": "v0", "watch_secret": "...", "steer_secret": "...", "latency": "default",
-     "input": true, "strengths": [1.0, 0.83, 0.625, 0.357], "strength": 0.625, "input_latency_s": 0.5}
+     "input": true, "strengths": [1.0, 0.83, 0.625, 0.357], "strength": 0.625, "input_latency_s": 0.5,
+     "loras": ["ink", "neon"], "lora": "ink", "lora_scale": 0.8}
     {"type": "audience", "role": "watch", "watchers": 23, "steered": true}
     {"type": "audience", "role": "steer", "watchers": 1, "steered": true, "steer_secret": "..."}
     {"type": "recording", "url": "/recordings/s3-20250102T030405-SECRET.mp4", "chapters": "...vtt"}
     {"type": "chunk", "index": 3, "pts": 33, "frames": 12, "prompt_version": 1, "steps": 4,
      "keyframe": false, "sizes": [2311, 187, ...], "input": "frames", "capture_ms": [...], "strength": 0.625}
     {"type": "ack", "request": "set_prompt", "prompt_version": 1, "unknown_words": []}
+    {"type": "ack", "request": "set_lora", "prompt_version": 2}
     {"type": "error", "code": "invalid_field", "message": "...", "request": "set_prompt"}
     {"type": "closed", "reason": "..."}
     {"type": "answer", "sdp": "v=0..."}
 
-Input video (issue 35): a ``start`` with ``"input": true`` opens a stream that takes the viewer's video (a camera)
-and restyles it under the prompt, at ``strength`` (1: text-to-video, lower: closer to the input), snapped to the
-model's schedule (``ready`` lists ``strengths`` and the snapped ``strength``; ``set_strength`` steers it live, from
-the next chunk, acked with the snapped value). A model with no encoder refuses it at ``start`` (``refused``, with
-the reason). Over WebSocket the input is H.264 in binary messages of streamsvc/wire/framing.py; over WebRTC it is
-the peer connection's video track. Each chunk's header says its ``input`` ("none", "frames", or "missing" when the
-input had stopped: that chunk is text-to-video) and, per frame, the ``capture_ms`` of the input frame it restyles
-(the sender's clock, echoed), so the viewer computes glass-to-glass latency in its own clock. A chunk is due to
-play ``input_latency_s`` after its last input frame was captured.
+Input video (issue 35): a ``start`` with ``"input": true`` restyles the viewer's video (a camera) under the prompt at
+``strength``; streamsvc/wire/framing.py says how (its fields here: ``strengths``, ``input``, ``capture_ms``, ...).
+
+Styles: a ``start`` may name a style of ``ready``'s ``loras`` (a LoRA each; ``GET /loras``) at ``lora_scale``
+(default 1, 0: none; the server says its range); ``set_lora`` switches it live (``"lora": null``: none) as a prompt
+switch, acked with the version its chunks carry. A style the server cannot give refuses the ``start`` with the
+reason, or answers ``set_lora`` with an ``error`` (the stream goes on under its style before).
 
 ``offer`` and ``answer`` are exactly the JSON of a browser's ``RTCSessionDescription`` (``{"type": "offer", "sdp":
 ...}``): the message type doubles as the SDP type, so ``JSON.stringify(pc.localDescription)`` is a valid ``offer``
@@ -90,29 +90,13 @@ A server with access tokens starts a stream only with a valid ``token`` (in
 ``start``, or as ``Authorization: Bearer TOKEN`` on the WebSocket upgrade);
 otherwise it answers ``unauthorized`` and closes the socket. A ``start``
 refused for any reason gets one of ``START_REFUSALS``. An error that answers a
-request names it in ``request``; replies to ``set_prompt`` (``ack`` or
-``error``) come in the order of the requests.
+request names it in ``request``; replies to ``set_prompt`` and ``set_lora``
+(``ack`` or ``error``) come in the order of the requests.
 
 Binary chunk framing (WebSocket)
 --------------------------------
-Each chunk of video is one binary WebSocket message::
-
-    offset  size  content
-    0       4     magic b"SSC1" (stream chunk, framing version 1)
-    4       4     H: length of the header in bytes, unsigned 32-bit big-endian
-    8       H     the chunk header: a ``chunk`` message as UTF-8 JSON
-    8+H     ...   the frames' H.264 access units (Annex-B), back to back, in
-                  frame order; frame i's access unit is ``sizes[i]`` bytes
-
-The payload is exactly ``sum(sizes)`` bytes; anything else is refused. On the
-WebRTC data channel the chunk header is the same JSON ``chunk`` message, sent
-as text, without the payload (the frames travel as RTP).
-
-A chunk's ``pts`` is the stream index of its first frame (frames count from 0
-at the start of the stream), so frame i of a chunk is frame ``pts + i`` and
-plays at ``(pts + i) / fps`` seconds of stream time. ``keyframe`` is true when
-the chunk's first access unit is an IDR frame carrying SPS/PPS: a viewer can
-start decoding at that chunk.
+Each chunk of video is one binary WebSocket message: a prefix, the ``chunk`` header as JSON, then its frames'
+H.264 access units (streamsvc/wire/framing.py has the layout; ``pack_chunk`` and ``unpack_chunk`` are here).
 """
 
 from __future__ import annotations
@@ -150,6 +134,7 @@ MAX_TOKEN_CHARS = 256
 """Longest access token; tokens are printable ASCII without spaces."""
 MAX_WORD_CHARS, MAX_VOCABULARY, MAX_UNKNOWN_WORDS = 32, 256, 64
 """Longest word, most words of a model's vocabulary and of a prompt's unknown ones (all: a ready that still fits)."""
+MAX_LORA_NAME_CHARS, MAX_LORAS = 128, 256  # longest style name (a LoRA file's stem), most styles a ready lists
 MAX_SECRET_CHARS = 128  # longest watch or steer secret (the server's: 22 URL-safe base64 characters, 128 bits)
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
 """Largest binary chunk message; give it to the WebSocket client as ``max_size``."""
@@ -239,8 +224,9 @@ Dimension = Annotated[int, Field(ge=1, le=MAX_DIMENSION, description=f"an intege
 FrameCount = Annotated[int, Field(ge=1, le=MAX_CHUNK_FRAMES, description=f"an integer in [1, {MAX_CHUNK_FRAMES}]")]
 Steps = Annotated[int, Field(ge=1, le=MAX_STEPS, description=f"an integer in [1, {MAX_STEPS}]")]
 Strength = Annotated[float, Field(ge=0.0, le=1.0, description="a number in [0, 1]")]
+LoraName = Annotated[str, Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)]  # a style's name (ready's `loras`)
 ClientType = Literal["start", "watch", "set_prompt", "handover", "take", "record", "pause", "resume", "stats", "close",
-                     "offer", "set_strength"]
+                     "offer", "set_strength", "set_lora"]
 StreamId = Annotated[str, Field(min_length=1, max_length=MAX_STREAM_ID_CHARS, pattern=r"^[A-Za-z0-9_.-]+$",
                                 description=f"1 to {MAX_STREAM_ID_CHARS} letters, digits, '_', '.' or '-'")]
 ViewerId = StreamId
@@ -267,6 +253,8 @@ class Start(BaseMessage):
     token: Token | None = None
     input: bool = False  # the viewer sends input video (a camera) to restyle (issue 35)
     strength: Strength | None = None  # with input: how far from the input (1: text-to-video); None: the server's
+    lora: LoraName | None = None  # a style of ready's `loras` (None: none)
+    lora_scale: float = 1.0  # how much of it (0: none)
 
 
 class Watch(BaseMessage):
@@ -294,6 +282,15 @@ class SetStrength(BaseMessage):
 
     type: Literal["set_strength"] = "set_strength"
     strength: Strength
+
+
+class SetLora(BaseMessage):
+    """Steerer only: the stream's style from its next chunk on (a prompt switch to the same prompt); ``ack`` carries
+    its version, and an ``error`` says why not (the stream goes on under its style)."""
+
+    type: Literal["set_lora"] = "set_lora"
+    lora: LoraName | None  # a style of ready's `loras`; None: none
+    lora_scale: float = 1.0
 
 
 class Handover(BaseMessage):
@@ -381,6 +378,9 @@ class Ready(BaseMessage):
     strength: Strength | None = None  # the stream's strength, snapped
     input_latency_s: Seconds | None = None  # a chunk is due this long after its last input frame's capture
     latency: Literal["default", "low"] = "default"  # the server's latency mode (its chunk size and buffer targets)
+    loras: Annotated[list[LoraName], Field(max_length=MAX_LORAS)] | None = None  # the styles offered; None: none
+    lora: LoraName | None = None  # the stream's style (None: none)
+    lora_scale: float | None = None  # and its scale
 
 
 class Audience(BaseMessage):
@@ -404,7 +404,7 @@ class Recording(BaseMessage):
 
 
 class Chunk(BaseMessage):
-    """Header of one chunk of video (see the module docstring for the binary framing)."""
+    """Header of one chunk of video (see streamsvc/wire/framing.py for the binary framing)."""
 
     type: Literal["chunk"] = "chunk"
     index: Annotated[int, Field(ge=0)]  # chunk number in the stream, from 0
@@ -472,7 +472,8 @@ class Answer(BaseMessage):
     sdp: Sdp
 
 
-_CLIENT_MODELS = (Start, Watch, SetPrompt, Handover, Take, Record, Pause, Resume, Stats, Close, Offer, SetStrength)
+_CLIENT_MODELS = (Start, Watch, SetPrompt, Handover, Take, Record, Pause, Resume, Stats, Close, Offer, SetStrength,
+                  SetLora)
 _SERVER_MODELS = (Ready, Audience, Recording, Chunk, Ack, Error, Closed, Answer)
 ClientMessage = Annotated[Union[_CLIENT_MODELS], Field(discriminator="type")]
 ServerMessage = Annotated[Union[_SERVER_MODELS], Field(discriminator="type")]
@@ -488,7 +489,7 @@ _SERVER_TYPES = {m.model_fields["type"].default: m for m in _SERVER_MODELS}
 
 
 def parse_client(data: str | bytes) -> (Start | Watch | SetPrompt | Handover | Take | Record | Pause | Resume | Stats
-                                        | Close | Offer | SetStrength):
+                                        | Close | Offer | SetStrength | SetLora):
     """Parse one control message from a viewer. Raises ``ProtocolError`` and nothing else."""
     return _parse(data, _CLIENT, _CLIENT_TYPES)
 

@@ -143,7 +143,7 @@ class Churn:
         bounds = {
             **dict.fromkeys(("viewers.sessions", "engine.streams", "kv.caches", "scheduler.streams", "output.streams",
                              "output.encoders", "parking.streams", "parking.budget_streams", "inputs.streams",
-                             "recordings.active", "viewers.tasks"), streams),
+                             "recordings.active", "viewers.tasks", "styles.streams"), streams),
             "scheduler.parked": streams - sizes["scheduler.streams"] if scheduled <= streams else -1,
             **dict.fromkeys(("viewers.viewers", "door.websockets", "door.connections"), MAX_VIEWERS),
             "viewers.webrtc": 1 + SLACK, "viewers.track_queues": sizes["viewers.webrtc"], "viewers.revocable": 0,
