@@ -21,6 +21,7 @@ by default, 0.05 s under ``low``, so that a chunk started on time (its start mar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from models import GeneratorConfig, fidelity
 
@@ -137,7 +138,10 @@ def _styles(args) -> dict:
     budget = getattr(args, "lora_budget_gib", 2.0)
     if not budget >= 0:
         raise ValueError(f"--lora-budget-gib takes a number of GiB >= 0, got {budget:g}")
-    return dict(lora_dir=getattr(args, "lora_dir", None), lora_budget_bytes=int(budget * 2**30))
+    folder = getattr(args, "lora_dir", None)
+    if folder is not None and not Path(folder).is_dir():
+        raise ValueError(f"--lora-dir {folder}: not a directory (give a folder of LoRA files, one style each)")
+    return dict(lora_dir=folder, lora_budget_bytes=int(budget * 2**30))
 
 
 def _group(args, device) -> dict:

@@ -164,32 +164,42 @@ class StyleLibrary:
         self.graph_targets = None if buffers is None else set(buffers)
         self.measure_cost(gen)
 
-    def measure_cost(self, gen, chunks: int = 3, clock: Callable[[], float] = time.perf_counter) -> None:
-        """Time a style's extra share of a forward (module docstring): `chunks` chunks of a throwaway stream without
-        a style and of one under the loaded style of the highest rank, each after one untimed (one stream at a time:
-        the warm-up's memory)."""
+    def measure_cost(self, gen, chunks: int = 3, min_s: float = 2.0, rounds: tuple[int, int] = (3, 15),
+                     clock: Callable[[], float] = time.perf_counter) -> None:
+        """Time a style's extra share of a forward (module docstring): rounds of `chunks` chunks of a throwaway stream
+        without a style, then of one under the loaded style of the highest rank (one stream at a time: the warm-up's
+        memory), after one round untimed, until `min_s` have passed (within `rounds`); the median of the rounds'
+        ratios (a round's pair ran close together: drifts in the host's speed cancel)."""
         if not self.recent:
             return
         name = max(self.recent, key=lambda n: self.files[n].rank or 0)
-        medians = []
-        for style in (None, name):
-            state, times = gen.open_stream("style-cost", "style cost", seed=0, lora=style), []
-            try:
-                for i in range(chunks + 1):
-                    t0 = clock()
-                    while gen.run(gen.next_work(state), [state])[0] is None:
-                        pass
-                    if gen.device.type == "cuda":
-                        torch.cuda.synchronize(gen.device)
-                    if i:
-                        times.append(clock() - t0)
-            finally:
-                gen.close_stream(state)
-            medians.append(statistics.median(times))
-        self.cost = max(0.0, medians[1] / medians[0] - 1)
+        ratios, t_start = [], clock()
+        for i in range(rounds[1] + 1):
+            took = [self._time_chunks(gen, style, chunks, clock) for style in (None, name)]
+            if i:
+                ratios.append(took[1] / took[0])
+            if len(ratios) >= rounds[0] and clock() - t_start >= min_s:
+                break
+        self.cost = max(0.0, statistics.median(ratios) - 1)
         self.cost_rank = self.files[name].rank or 0
-        log.info("styles: a chunk under %r (rank %d) costs %+.0f %% of one without (medians of %d): each stream with "
-                 "a style is charged that on the device", name, self.cost_rank, 100 * self.cost, chunks)
+        log.info("styles: a chunk under %r (rank %d) costs %+.0f %% of one without (median of %d rounds of %d chunks): "
+                 "each stream with a style is charged that on the device", name, self.cost_rank, 100 * self.cost,
+                 len(ratios), chunks)
+
+    @staticmethod
+    def _time_chunks(gen, style: str | None, chunks: int, clock: Callable[[], float]) -> float:
+        """Seconds `chunks` chunks of a new throwaway stream under `style` take."""
+        state = gen.open_stream("style-cost", "style cost", seed=0, lora=style)
+        try:
+            t0 = clock()
+            for _ in range(chunks):
+                while gen.run(gen.next_work(state), [state])[0] is None:
+                    pass
+            if gen.device.type == "cuda":
+                torch.cuda.synchronize(gen.device)
+            return clock() - t0
+        finally:
+            gen.close_stream(state)
 
     # -- streams (the engine thread) -------------------------------------------------------------------------------
 

@@ -180,3 +180,19 @@ def test_admission_charges_a_styled_stream_its_share_more_from_its_start_or_its_
     before = sched.predicted_load()
     assert sched.set_prompt("a", 0.1, "the same prompt", style_cost=0.5) == 1  # a switch to a style: a version
     assert sched.predicted_load() == pytest.approx(1.5 * before)
+
+
+def test_serve_flags_give_the_engine_its_styles_or_a_clear_error(tmp_path):
+    from streamsvc import options
+    from streamsvc.cli import build_parser
+
+    def config(*flags):
+        return options.engine_config(build_parser().parse_args(["serve", "--device", "cpu", *flags]))
+
+    cfg = config("--lora-dir", str(tmp_path), "--lora-budget-gib", "0.5")
+    assert (cfg.lora_dir, cfg.lora_budget_bytes) == (str(tmp_path), 2**29)
+    assert (config().lora_dir, config().lora_budget_bytes) == (None, 2 * 2**30)
+    for flags, message in ((("--lora-dir", str(tmp_path / "none")), "not a directory"),
+                           (("--lora-budget-gib", "-1"), "--lora-budget-gib takes a number")):
+        with pytest.raises(ValueError, match=message):
+            config(*flags)
