@@ -196,3 +196,11 @@ def test_serve_flags_give_the_engine_its_styles_or_a_clear_error(tmp_path):
                            (("--lora-budget-gib", "-1"), "--lora-budget-gib takes a number")):
         with pytest.raises(ValueError, match=message):
             config(*flags)
+
+
+def test_a_recordings_chapter_names_the_style_its_prompt_ran_under():
+    from streamsvc.viewers.streams import chapter_title
+
+    assert chapter_title("a red ball", None, 1.0) == "a red ball"
+    assert chapter_title("a red ball", "ink", 0.0) == "a red ball"  # scale 0: no style
+    assert chapter_title("a red ball", "ink", 0.75) == "a red ball [style ink x0.75]"
