@@ -28,9 +28,9 @@ PROMPT, SEED = "a red ball moving right", 5
 
 
 @contextlib.asynccontextmanager
-async def running(lora_dir=None, tokens=()):
+async def running(lora_dir=None, tokens=(), **server_kw):
     config = EngineConfig(preset="tiny", device="cpu", degrade=False, lora_dir=lora_dir)
-    server = Server(config, ServerConfig(port=0) if not tokens else ServerConfig(port=0, access=_access(tokens)))
+    server = Server(config, ServerConfig(port=0, **server_kw, **({"access": _access(tokens)} if tokens else {})))
     await asyncio.wait_for(server.start(), 120)
     try:
         yield server
@@ -205,3 +205,22 @@ async def test_a_style_survives_pause_and_resume_and_loras_needs_the_token(tmp_p
         # the chunks after the resume are the twin's, under the same style, where it stopped; not the plain stream's
         assert difference(paused, twin, range(n)) == 0.0
         assert difference(paused, plain, range(resumed_at, n)) > 2.0
+
+
+async def test_a_recordings_chapters_name_the_styles(tmp_path):
+    async with running(str(write_styles(tmp_path / "styles")), recordings_dir=str(tmp_path / "rec")) as server:
+        v = await Viewer.start(server, lora="ink", lora_scale=0.75)
+        try:
+            await v.send(type="record")
+            assert await v.wait_until(lambda: any(isinstance(m, P.Recording) for m in v.messages))
+            assert await v.wait_until(lambda: len(v.chunks) >= 2)
+            await v.send(type="set_lora", lora="neon")
+            assert await v.wait_until(lambda: sum(h.prompt_version == 1 for h, _, _ in v.chunks) >= 2)
+            await v.send(type="close")
+            assert await v.wait_until(lambda: any(isinstance(m, P.Closed) for m in v.messages))
+        finally:
+            await v.close()
+        rec = next(m for m in v.messages if isinstance(m, P.Recording))
+        url = f"http://127.0.0.1:{server.port}{rec.chapters}"
+        vtt = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=T).read().decode())
+        assert f"{PROMPT} [style ink x0.75]" in vtt and f"{PROMPT} [style neon x1]" in vtt
