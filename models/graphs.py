@@ -99,9 +99,12 @@ class GraphedForward:
             self._graphs[key] = self._try_capture(x, t, text, access)
             return out
         if not isinstance(g, _Graph):
-            if key is not None and g is None and key not in self._warned:
-                self._warned.add(key)
-                log.warning("no CUDA graph was captured at start-up for %s: running it eagerly", describe(key))
+            targets = None if key is None else key[5]  # a style's Linears (graph_key): one warning a set of them
+            warn = key if targets is None else ("style", targets)
+            if key is not None and g is None and warn not in self._warned:
+                self._warned.add(warn)
+                what = describe(key) if targets is None else f"forwards with a style on these {len(targets)} Linears"
+                log.warning("no CUDA graph was captured at start-up for %s: running it eagerly", what)
             self.stats["eager"] += 1
             return self.model(x, t, text, access)
         self._load(g.inputs, x, t, text, access[0])

@@ -8,8 +8,8 @@ adapters (models/adapters.py) once, shared by every stream that uses them, evict
 - Loading and CUDA graphs: at start the styles are kept loaded in name order while they fit the budget, before the
   engine captures its CUDA graphs, so that serving replays graphs for each set of Linears those styles adapt; a style
   loaded later whose Linears match such a set replays them too (its weights go through the same buffers,
-  `AdapterBuffers`). One loaded later that adapts another set of Linears runs eagerly: said in one log line as it
-  loads (models/graphs.py warns once per kind of forward too). On CPU nothing is captured.
+  `AdapterBuffers`). One loaded later that adapts another set of Linears runs eagerly: models/graphs.py says so in
+  one log line, at its first forward. On CPU nothing is captured.
 - The budget (`budget_bytes`, serve --lora-budget-gib): the loaded adapters' bytes stay under it. Loading one more
   evicts the least recently used ones that no open or paused stream holds (its style, or a switch not yet applied);
   when that cannot make room, the stream or the switch is refused with the figures, and the stream goes on.
@@ -104,7 +104,6 @@ class StyleLibrary:
         self.files = {name: _File(Path(p)) for name, p in sorted(files.items())}
         self.streams: dict[str, _Held] = {}
         self.recent: list[str] = []  # the loaded styles, least recently used first
-        self.graph_targets: set[tuple[str, ...]] | None = None  # the Linear sets with CUDA graphs (None: none made)
         self.cost, self.cost_rank = FALLBACK_COST, 0  # a styled forward's extra share, measured at that rank
         self.listing: tuple[StyleInfo, ...] = ()  # what GET /loras shows (published by the engine thread)
         self.offered: tuple[str, ...] = ()  # the names `ready` lists: styles whose files can be used
@@ -158,10 +157,7 @@ class StyleLibrary:
         self._publish()
 
     def ready(self, gen) -> None:
-        """The engine's CUDA graphs are captured (if any: the Linear sets they hold buffers of are noted): time a
-        style's cost (`measure_cost`)."""
-        buffers = getattr(gen.runner, "adapter_buffers", None)  # (a GraphedForward's; on CPU none)
-        self.graph_targets = None if buffers is None else set(buffers)
+        """The engine's CUDA graphs are captured (if any): time a style's cost as serving will run it."""
         self.measure_cost(gen)
 
     def measure_cost(self, gen, chunks: int = 3, min_s: float = 2.0, rounds: tuple[int, int] = (3, 15),
@@ -286,9 +282,6 @@ class StyleLibrary:
         if self.loaded_bytes > self.budget_bytes or not self._reserve(name, f.nbytes):
             self._evict(name)
             raise self._busy(name)
-        if self.graph_targets is not None and self.adapters.get(name).targets not in self.graph_targets:
-            log.info("style %r adapts Linears no style loaded at start did: its forwards run without CUDA graphs",
-                     name)
 
     def _busy(self, name: str) -> StyleBusy:
         pool = "" if self.pool is None else f", the KV pool {format_bytes(self.pool.free_bytes)} free"
