@@ -193,17 +193,20 @@ class AdapterBuffers:
             raise ValueError(f"style {use.adapter.name!r} adapts other layers than these buffers hold")
         if self.resident == (use.adapter.uid, use.scale):
             return
-        dst, src = [], []
+        if use.adapter.rank > self.max_rank:
+            raise ValueError(f"style {use.adapter.name!r} has rank {use.adapter.rank}, over these buffers' {self.max_rank}")
+        dst, src, stale = [], [], []
         for i, m in enumerate(self.targets):
             layer = use.adapter.layers[m]
             r = layer.rank
             dst += [self.a[i][:r], self.b[i][:, :r]]
             src += [layer.a, layer.b]
             if self.ranks[i] > r:  # rows a larger rank left: zeros again (B's columns past them then meet zeros)
-                dst.append(self.a[i][r : self.ranks[i]])
-                src.append(torch.zeros_like(dst[-1]))
+                stale.append(self.a[i][r : self.ranks[i]])
             self.ranks[i] = r
         torch._foreach_copy_(dst, src)
+        if stale:
+            torch._foreach_zero_(stale)
         scales = torch.tensor([use.adapter.layers[m].scale * use.scale for m in self.targets], dtype=torch.float32)
         self.scales.copy_(scales.to(self.scales.device))
         self.resident = (use.adapter.uid, use.scale)
@@ -228,6 +231,12 @@ class AdapterSet:
     @property
     def names(self) -> list[str]:
         return sorted(self.adapters)
+
+    def buffer_rank(self, targets: tuple[str, ...]) -> int:
+        """The rank of the CUDA graphs' buffers for styles on `targets` (`AdapterBuffers`): the largest such style
+        loaded, rounded up to a multiple of 16 and at most `max_rank`, so a library of rank-16 styles pays for 16."""
+        rank = max((a.rank for a in self.adapters.values() if a.targets == targets), default=self.max_rank)
+        return min(self.max_rank, -(-rank // 16) * 16)
 
     @property
     def nbytes(self) -> int:

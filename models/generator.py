@@ -76,8 +76,6 @@ class ChunkGenerator:
         """`encoder`: the input encoder of video-to-video (None: none, unless `decoder` is None too: the
         built-in random decoder comes with a random BlockPCA encoder, `BlockPCAEncoder.random`)."""
         self.model, self.cfg = apply_speed_options(model, cfg), cfg
-        # what `forward` runs: CUDA graphs on CUDA, the model itself elsewhere
-        self.runner = GraphedForward(model, cfg.lora_max_rank) if cfg.cuda_graphs and model.device.type == "cuda" else model
         mc: ModelConfig = model.cfg
         self.model_cfg = mc
         self.text_encoder = text_encoder or HashTextEncoder(mc.text_dim, mc.text_len)
@@ -94,6 +92,8 @@ class ChunkGenerator:
         self.workspace = Workspace(self.workspace_spec(), self.device) if cfg.stage_kv and cfg.kv_quant == "none" else None
         self.copier = HostCopier(self.device)  # parks streams in host memory and brings them back
         self.adapters = AdapterSet(self.model, max_rank=cfg.lora_max_rank)  # the styles (`adapters.load` / `load_dir`)
+        # what `forward` runs: CUDA graphs on CUDA, the model itself elsewhere
+        self.runner = GraphedForward(model, self.adapters) if cfg.cuda_graphs and model.device.type == "cuda" else model
 
     # -- streams ------------------------------------------------------------------------------
 

@@ -12,9 +12,10 @@ replay (gpt-fast's `input_pos`, vLLM's persistent inputs):
 - the cos/sin of the cached keys' RoPE positions (`CacheAccess.key_rope`), which do too;
 - the K/V themselves: every stream's forward reads and writes the device's one workspace
   (kvcache/workspace.py), which the stream about to run is copied into;
-- a stream's style: its adapter, zero-padded to the maximum rank, with its scales, in buffers
-  shared by every graph of styles with the same targeted Linears (models/adapters.py
-  `AdapterBuffers`), copied in when another adapter or scale runs.
+- a stream's style: its adapter, zero-padded to the rank of the widest style loaded on its Linears
+  at start-up (rounded up to 16: `AdapterSet.buffer_rank`), with its scales, in buffers shared by
+  every graph of styles with the same targeted Linears (models/adapters.py `AdapterBuffers`),
+  copied in when another adapter or scale runs; a wider style loaded later runs eagerly.
 What is left in the key (`graph_key`) is the shape of the work: how many cached frames are
 read, how many written, whether the cached keys must be rotated first, and the Linears a style
 adapts (none without one). At sink 3 + window 9 that is 18 graphs, and as many again for each
@@ -32,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvcache.storage import DenseStorage
-from models.adapters import MAX_RANK, AdapterBuffers
+from models.adapters import AdapterBuffers, AdapterSet
 from models.dit import CacheAccess, CausalWanModel, TextKV, in_place
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,9 @@ _UNCAPTURABLE = object()  # a key whose capture failed
 class GraphedForward:
     """Drop-in for `model(x, t, text, access)` that replays CUDA graphs where it safely can."""
 
-    def __init__(self, model: CausalWanModel, lora_max_rank: int = MAX_RANK) -> None:
+    def __init__(self, model: CausalWanModel, adapters: AdapterSet | None = None) -> None:
         self.model = model
-        self.lora_max_rank = lora_max_rank  # the rank of the styles' buffers
+        self.adapters = adapters or AdapterSet(model)  # the styles: what ranks their buffers take
         self.adapter_buffers: dict[tuple[str, ...], AdapterBuffers] = {}  # by the Linears the styles adapt
         # while True (the warm-up), a forward of a new key runs eagerly (its kernels compile) and is
         # captured; after freeze() new keys run eagerly and nothing is captured
@@ -98,6 +99,9 @@ class GraphedForward:
             self.stats["eager"] += 1
             self._graphs[key] = self._try_capture(x, t, text, access)
             return out
+        if isinstance(g, _Graph) and access[0].lora is not None and not self._fits(access[0]):
+            self.stats["eager"] += 1  # a style loaded after the capture, wider than its Linears' buffers
+            return self.model(x, t, text, access)
         if not isinstance(g, _Graph):
             targets = None if key is None else key[5]  # a style's Linears (graph_key): one warning a set of them
             warn = key if targets is None else ("style", targets)
@@ -157,11 +161,23 @@ class GraphedForward:
             self._buffers(acc).load(acc.lora)
 
     def _buffers(self, acc: CacheAccess) -> AdapterBuffers:
-        """The buffers that graphs of the style's targets read (made at its first capture)."""
+        """The buffers that graphs of the style's targets read (made at its first capture, of the rank the
+        styles loaded by then need)."""
         targets = acc.lora.adapter.targets
         if targets not in self.adapter_buffers:
-            self.adapter_buffers[targets] = AdapterBuffers(acc.lora.adapter, self.lora_max_rank)
+            self.adapter_buffers[targets] = AdapterBuffers(acc.lora.adapter, self.adapters.buffer_rank(targets))
         return self.adapter_buffers[targets]
+
+    def _fits(self, acc: CacheAccess) -> bool:
+        """Whether the style fits its Linears' buffers (sized at start-up); logs once per style when not."""
+        adapter, rank = acc.lora.adapter, self._buffers(acc).max_rank
+        if adapter.rank <= rank:
+            return True
+        if ("rank", adapter.uid) not in self._warned:
+            self._warned.add(("rank", adapter.uid))
+            log.warning("style %r has rank %d, wider than its Linears' CUDA graph buffers (%d, sized at start-up): "
+                        "its forwards run eagerly", adapter.name, adapter.rank, rank)
+        return False
 
     def _capture(self, x, t, text, access) -> _Graph:
         acc = access[0]

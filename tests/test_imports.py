@@ -246,6 +246,8 @@ PRIVATE_ALLOWED = {
     "torch._scaled_mm": "the FP8 matmul of the FP8 linears (models/fp8.py): torch has no public one",
     "torch._foreach_copy_": "a graph's text inputs and a style's buffers copied in one launch (models/graphs.py, "
                             "models/adapters.py): no public op",
+    "torch._foreach_zero_": "a style's buffers' rows a wider one left, zeroed in one launch (models/adapters.py): no "
+                            "public op",
     "os._exit": "public despite its name: the documented exit without cleanup (streamsvc/engine/group.py)",
 }
 PRIVATE_HOOKS = "_hooks.py"  # streamsvc/**/*_hooks.py hold our private hooks into aiortc, aioice and aiohttp

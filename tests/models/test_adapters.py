@@ -328,3 +328,25 @@ def test_graph_buffers_hold_any_adapter_of_the_same_targets_exactly(tmp_path):
     with pytest.raises(ValueError, match="other layers"):
         buffers.load(gen.adapters.use("other", 1.0))
     assert buffers.nbytes == 4 * 8 * sum(a.shape[1] + b.shape[0] for a, b in make_pairs(gen.model, 1, 0).values())
+
+
+def test_graph_buffers_take_the_rank_the_styles_need(tmp_path):
+    # the CUDA graphs' buffers are as wide as the widest style loaded on those Linears, rounded up to 16 (a library
+    # of rank-16 styles does not pay for the maximum), and refuse a wider one loaded later
+    from models.adapters import AdapterBuffers
+
+    gen = tiny_generator(lora_max_rank=64)
+    gen.adapters.load("small", save_kohya(tmp_path / "small.safetensors", make_pairs(gen.model, 4, 1), alpha=4.0))
+    targets = gen.adapters.get("small").targets
+    assert gen.adapters.buffer_rank(targets) == 16
+    assert gen.adapters.buffer_rank(("blocks.0.ffn.0",)) == 64  # no style there yet: the maximum
+    gen.adapters.load("mid", save_kohya(tmp_path / "mid.safetensors", make_pairs(gen.model, 20, 2), alpha=4.0))
+    assert gen.adapters.buffer_rank(targets) == 32
+    buffers = AdapterBuffers(gen.adapters.get("small"), max_rank=16)
+    gen.adapters.load("wide", save_kohya(tmp_path / "wide.safetensors", make_pairs(gen.model, 40, 3), alpha=4.0))
+    assert gen.adapters.buffer_rank(targets) == 48
+    with pytest.raises(ValueError, match="rank 40, over these buffers' 16"):
+        buffers.load(gen.adapters.use("wide", 1.0))
+    small = tiny_generator(lora_max_rank=8)
+    small.adapters.load("small", tmp_path / "small.safetensors")
+    assert small.adapters.buffer_rank(targets) == 8  # never past the generator's maximum

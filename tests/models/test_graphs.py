@@ -134,10 +134,11 @@ def test_styles_replay_graphs_captured_with_their_buffers_and_equal_eager(tmp_pa
 
     mc = ModelConfig.from_name("tiny", dim=256, num_heads=2, latent_height=64, latent_width=64)
     model = CausalWanModel(mc).init_weights(3).to("cuda", torch.bfloat16).eval()
-    cfg = GeneratorConfig(sink_frames=3, window_frames=6, lora_max_rank=8)
+    cfg = GeneratorConfig(sink_frames=3, window_frames=6, lora_max_rank=32)
     graphed, eager = ChunkGenerator(model, cfg), ChunkGenerator(model, replace(cfg, cuda_graphs=False))
     g = torch.Generator().manual_seed(0)
-    for name, rank, skip in (("ink", 8, ()), ("neon", 2, ()), ("attn", 4, ("ffn",))):
+
+    def load(name, rank, skip=()):
         sd = {}
         for module, lin in model.named_modules():
             if module.startswith("blocks.") and isinstance(lin, torch.nn.Linear) and not any(s in module for s in skip):
@@ -146,6 +147,9 @@ def test_styles_replay_graphs_captured_with_their_buffers_and_equal_eager(tmp_pa
         torch.save(sd, tmp_path / f"{name}.pt")
         for gen in (graphed, eager):
             gen.adapters.load(name, tmp_path / f"{name}.pt")
+
+    for name, rank, skip in (("ink", 8, ()), ("neon", 2, ()), ("attn", 4, ("ffn",))):
+        load(name, rank, skip)
     assert graphed.capture_graphs() == 3 * (2 + 3 * 4)  # none, the blocks' Linears, their attention only
     before = dict(graphed.runner.stats)
     latents = []
@@ -163,4 +167,13 @@ def test_styles_replay_graphs_captured_with_their_buffers_and_equal_eager(tmp_pa
     assert stats["captures"] == before["captures"] and stats["eager"] == before["eager"], (before, stats)
     assert stats["replays"] - before["replays"] == 3 * 5 * 5 + 2, stats  # 5 forwards a chunk, a 2-forward recache
     err = ((latents[0] - latents[1]).norm() / latents[1].norm()).item()
+    assert err < 1e-2, err
+    assert {b.max_rank for b in graphed.runner.adapter_buffers.values()} == {16}  # the widest style (8), rounded up
+
+    # a style loaded after the capture, wider than its Linears' buffers: its forwards run eagerly, and right
+    load("wide", 24)
+    before = dict(stats)
+    got = [chunk(gen, gen.open_stream("w", "prompt w", seed=7, lora="wide")).latents.float() for gen in (graphed, eager)]
+    assert graphed.runner.stats["eager"] > before["eager"] and graphed.runner.stats["captures"] == before["captures"]
+    err = ((got[0] - got[1]).norm() / got[1].norm()).item()
     assert err < 1e-2, err
