@@ -32,12 +32,17 @@ from models import CacheAccess, ChunkGenerator, GeneratorConfig, ModelConfig  # 
 from models.dit import CausalWanModel  # noqa: E402
 
 
-def write_lora(model, rank: int, seed: int, path: Path) -> Path:
-    """A PEFT LoRA file over every Linear of the blocks."""
+TARGETS = {"blocks": "every Linear of the blocks (musubi-tuner's Wan LoRAs)",
+           "attention": "the attention Linears only (diffusers' Wan LoRA training's default: q, k, v, o)"}
+
+
+def write_lora(model, rank: int, seed: int, path: Path, targets: str = "blocks") -> Path:
+    """A PEFT LoRA file over the blocks' Linears `targets` names (TARGETS)."""
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for name, m in model.named_modules():
-        if name.startswith("blocks.") and isinstance(m, torch.nn.Linear):
+        if (name.startswith("blocks.") and isinstance(m, torch.nn.Linear)
+                and (targets == "blocks" or "_attn." in name)):
             sd[f"{name}.lora_A.weight"] = torch.randn(rank, m.in_features, generator=g) / m.in_features**0.5
             sd[f"{name}.lora_B.weight"] = torch.randn(m.out_features, rank, generator=g) * 0.01
     torch.save(sd, path)
@@ -79,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cached-frames", type=int, default=9)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--steps", type=int, default=4, help="forwards a timed run makes in a row (a chunk's)")
+    p.add_argument("--targets", choices=sorted(TARGETS), default="blocks",
+                   help="; ".join(f"{k}: {v}" for k, v in TARGETS.items()))
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-cuda-graphs", action="store_true")
     args = p.parse_args(argv)
@@ -102,14 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for rank in ranks:  # a generator per rank: its graphs' buffers take that rank
             gen = ChunkGenerator(model, GeneratorConfig(cuda_graphs=not args.no_cuda_graphs, lora_max_rank=max(ranks)))
-            files = [write_lora(model, rank, i, Path(tmp) / f"r{rank}-{i}.pt") for i in range(2 * args.batch)]
+            files = [write_lora(model, rank, i, Path(tmp) / f"r{rank}-{i}.pt", args.targets) for i in range(2 * args.batch)]
             ms[f"rank {rank}"], mbs[f"rank {rank}"] = time_styles(gen, files, x, t, args, timer)
             del gen
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     tokens = args.batch * nf * mc.tokens_per_frame
     print(f"{mc.name}: dim {mc.dim}, ffn {mc.ffn_dim}, {mc.num_layers} layers, {mc.tokens_per_frame} tokens a frame; "
-          f"batch {args.batch} ({tokens} tokens) over {args.cached_frames} cached frames, {device}, {dtype}")
+          f"batch {args.batch} ({tokens} tokens) over {args.cached_frames} cached frames, {device}, {dtype}; "
+          f"styles on {TARGETS[args.targets]}")
     print(f"{'adapters':>10} {'ms':>9} {'none ms':>8} {'vs none':>8} {'adapter MB':>11}")
     rows = {}
     for name, (none, v) in ms.items():
@@ -117,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                       "adapter_mb": round(mbs[name], 2)}
         print(f"{name:>10} {v:9.2f} {none:8.2f} {v / none - 1:+8.1%} {mbs[name]:11.2f}")
     print(json.dumps({"bench": "lora_forward", "preset": mc.name, "dim": mc.dim, "layers": mc.num_layers,
-                      "tokens_per_frame": mc.tokens_per_frame, "batch": args.batch, "steps": args.steps,
+                      "tokens_per_frame": mc.tokens_per_frame, "batch": args.batch, "steps": args.steps, "targets": args.targets,
                       "cached_frames": args.cached_frames,
                       "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                       "threads": torch.get_num_threads(), "runs": rows}))
