@@ -139,6 +139,18 @@ _METRICS_TOKEN = (b"/metrics needs the access token here: send it as an 'Authori
                   b"serve the metrics on their own port with --metrics-port)\n")
 
 
+def token_refusal(request: HttpRequest, access: AccessConfig, metrics: Metrics) -> HttpReply | None:
+    """The 401 of a request without the access token (``?token=`` or a Bearer header) on a server with tokens
+    (GET /loras, a recording); None: served."""
+    if access.auth:
+        given = (request.query.get("token") or [None])[0] or bearer_token(request.headers.get("Authorization"))
+        if find_token(access.tokens, given) is None:
+            metrics.refusals.labels(Refusal.UNAUTHORIZED.value).inc()
+            return reply(http.HTTPStatus.UNAUTHORIZED, b"this server needs an access token: add ?token=... to "
+                         b"the address or send an Authorization: Bearer header\n", "text/plain")
+    return None
+
+
 def check_origin(request: HttpRequest, access: AccessConfig, metrics: Metrics) -> HttpReply | None:
     """Refuses (403) a browser's upgrade from a page of another site; see access.origin_allowed. None: allowed."""
     origin, host = request.headers.get("Origin"), request.headers.get("Host")
@@ -238,7 +250,7 @@ class Routes:
             return self._recording(request, path.removeprefix(RECORDINGS_PATH))
         if path == "/loras":
             body = json.dumps([dataclasses.asdict(style) for style in self.styles()]).encode()
-            return self._token_refusal(request) or reply(http.HTTPStatus.OK, body, "application/json")
+            return token_refusal(request, self.access, self.metrics) or reply(http.HTTPStatus.OK, body, "application/json")
         return static_file(self.static_dir, path)
 
     def metrics_only(self, request: HttpRequest) -> HttpReply:
@@ -248,20 +260,10 @@ class Routes:
         self.refresh_metrics()
         return reply(http.HTTPStatus.OK, self.metrics.exposition(), "text/plain; version=0.0.4")
 
-    def _token_refusal(self, request: HttpRequest) -> HttpReply | None:
-        """The 401 of a request without the access token (``?token=`` or a Bearer header) on a server with tokens."""
-        if self.access.auth:
-            given = (request.query.get("token") or [None])[0] or bearer_token(request.headers.get("Authorization"))
-            if find_token(self.access.tokens, given) is None:
-                self.metrics.refusals.labels(Refusal.UNAUTHORIZED.value).inc()
-                return reply(http.HTTPStatus.UNAUTHORIZED, b"this server needs an access token: add ?token=... to "
-                             b"the address or send an Authorization: Bearer header\n", "text/plain")
-        return None
-
     def _recording(self, request: HttpRequest, name: str) -> HttpReply:
         """A recording (ID-SECRET.mp4) or its chapters (.vtt), behind the access token when the server has tokens (as
         `?token=` for a page's <video>, or an Authorization header); a Range request gets its part (seeking)."""
-        refusal = self._token_refusal(request)
+        refusal = token_refusal(request, self.access, self.metrics)
         if refusal is not None:
             return refusal
         if self.recordings.in_progress(name):  # its index (the moov box) and chapters are written when it ends
