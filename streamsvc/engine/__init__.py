@@ -1,6 +1,7 @@
 """The engine: the device's loop that turns the scheduler's plans into chunks.
 
 - `engine`: the `Engine` thread: streams in, forwards run by plan, chunks out to the event loop.
+- `commands`: what other threads ask of the engine thread, queued and applied between launches.
 - `config`: its configuration (`EngineConfig`), `errors`: its exception.
 - `reports`: what the event loop reads of it: frozen descriptions (a stream's, its figures), never the model.
 - `warmup`: the start-up run that measures each forward's cost before the first stream is admitted.

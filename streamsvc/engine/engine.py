@@ -23,19 +23,19 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvcache import CachePool, ParkBudget
 from models import ChunkGenerator, StreamState, fidelity
 from models.work import WorkKind
+from streamsvc.engine.commands import Commands
 from streamsvc.engine.config import EngineConfig
 from streamsvc.engine.encode import EncoderSpec
 from streamsvc.engine.errors import EngineError
@@ -62,17 +62,6 @@ class _Stream:
     has_input: bool = False  # it takes input video (streamsvc/inputs/stage.py)
 
 
-@dataclass
-class _Command:
-    fn: Callable  # run in the engine thread
-    args: tuple
-    future: Future = field(default_factory=Future)
-    later: bool = False  # fn(future, *args) resolves the future itself, maybe later (fn's errors still do)
-
-
-_WAKE = object()  # what `Engine.wake` queues: the loop turns, nothing runs (None: it stops)
-
-
 class Engine:
     def __init__(self, config: EngineConfig, on_chunk: Callable[[ChunkOut], None],
                  on_error: Callable[[str, str, str], None], clock: Callable[[], float] = time.monotonic,
@@ -83,7 +72,7 @@ class Engine:
         self._streamless = streamless
         self._on_chunk, self._on_error = on_chunk, on_error
         self.clock = clock
-        self._commands: queue.SimpleQueue[_Command | object | None] = queue.SimpleQueue()  # None: stop
+        self._commands = Commands()  # what other threads ask of the engine thread (streamsvc/engine/commands.py)
         self._streams: dict[str, _Stream] = {}
         self._in_flight: deque[InFlight] = deque()
         self._thread = threading.Thread(target=self._main, name=f"engine-{config.device}", daemon=True)
@@ -149,7 +138,7 @@ class Engine:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
-        self._commands.put(None)
+        self._commands.close()
         if self._thread.is_alive():
             self._thread.join(timeout)
         if self.output is not None:
@@ -162,26 +151,27 @@ class Engine:
         """Future[Opened]: admitted streams start generating at once, described for their viewers; with `input` (an
         InputFrames) they restyle it at `strength` (refused, with the reason, by a model without an encoder), with
         `lora` under that style at `lora_scale` (refused, with the reason, when it cannot be: engine/styles.py)."""
-        return self._submit(self._open, stream_id, prompt, seed, fps, input, strength, lora, lora_scale)
+        return self._commands.submit(self._open, stream_id, prompt, seed, fps, input, strength, lora, lora_scale)
 
     def set_lora(self, stream_id: str, lora: str | None, scale: float, prompt: str) -> Future:
         """Future[int]: the stream's style from its next chunk on: a switch to its newest `prompt` (styles.switch)."""
-        return self._submit(lambda: self.styles.switch(self._get(stream_id).state.stream_id, lora, scale, lambda cost:
-                                                       self.sched.set_prompt(stream_id, self.clock(), prompt, cost)))
+        return self._commands.submit(lambda: self.styles.switch(
+            self._get(stream_id).state.stream_id, lora, scale,
+            lambda cost: self.sched.set_prompt(stream_id, self.clock(), prompt, cost)))
 
     def set_strength(self, stream_id: str, strength: float) -> Future:
         """Future[float]: a stream with input restyles it at `strength` from its next chunk on (snapped)."""
-        return self._submit(lambda: self.inputs.set_strength(self._get(stream_id).state.stream_id, strength))
+        return self._commands.submit(lambda: self.inputs.set_strength(self._get(stream_id).state.stream_id, strength))
 
     def set_prompt(self, stream_id: str, prompt: str) -> Future:
         """Future[PromptAccepted]: the new prompt's version and its words the model does not know."""
-        return self._submit(self._set_prompt, stream_id, prompt)
+        return self._commands.submit(self._set_prompt, stream_id, prompt)
 
     def pause(self, stream_id: str) -> Future:
         """Future[ParkResult]: the stream's chunk in progress is committed, then its state is parked in host
         memory and its device memory goes back to the pool; resolves once parked. Fails (EngineError) for a
         stream not open or already paused, or when the park budget has no room for it."""
-        return self._submit(self._pause, stream_id, later=True)
+        return self._commands.submit(self._pause, stream_id, later=True)
 
     def resume(self, stream_id: str) -> Future:
         """Future[ParkResult]: the paused stream back on the device, going on where it stopped; resolves once
@@ -189,45 +179,38 @@ class Engine:
         when admission refuses it now (no KV room, the device's load, ...), or for a stream not paused. A
         stream still finishing its chunk before its park goes on at once (ParkResult of 0 bytes) and its
         pause fails."""
-        return self._submit(self._resume, stream_id, later=True)
+        return self._commands.submit(self._resume, stream_id, later=True)
 
     def observe_buffer(self, stream_id: str, buffered_frames: float, at_most: bool = False,
                        grace_s: float = 0.0) -> Future:
         """The viewer's buffer (Scheduler.observe_buffer: `at_most` for a report that crossed the network,
         `grace_s` for what the viewer holds beyond it)."""
-        return self._submit(self._observe, stream_id, buffered_frames, at_most, grace_s)
+        return self._commands.submit(self._observe, stream_id, buffered_frames, at_most, grace_s)
 
     def request_keyframe(self, stream_id: str) -> Future:
-        return self._submit(self._keyframe, stream_id)
+        return self._commands.submit(self._keyframe, stream_id)
 
     def admit_viewer(self, stream_id: str) -> Future:
         """Future[Admission]: one more viewer (a watcher) of the stream's chunks, if the send has room; an
         accepted one carries the stream's modelled buffer (`buffered_s`)."""
-        return self._submit(lambda: self.sched.admit_viewer(self._get(stream_id).state.stream_id, self.clock()))
+        return self._commands.submit(lambda: self.sched.admit_viewer(self._get(stream_id).state.stream_id,
+                                                                     self.clock()))
 
     def viewer_left(self, stream_id: str) -> Future:
         """A viewer of the stream left (the stream goes on)."""
-        return self._submit(self.sched.viewer_left, stream_id)
+        return self._commands.submit(self.sched.viewer_left, stream_id)
 
     def observe_send(self, seconds_per_chunk: float) -> Future:
         """What the transports' send cost the event loop per chunk lately (admission's SEND stage)."""
-        return self._submit(self.sched.observe_stage, Stage.SEND, seconds_per_chunk)
+        return self._commands.submit(self.sched.observe_stage, Stage.SEND, seconds_per_chunk)
 
     def close_stream(self, stream_id: str) -> Future:
         """Future[bool]: frees the stream's KV cache at once; False if it was not open."""
-        return self._submit(self._close, stream_id)
+        return self._commands.submit(self._close, stream_id)
 
     def wake(self) -> None:
         """Make the engine thread's loop turn now (any thread): something it plans by has changed."""
-        self._commands.put(_WAKE)
-
-    def _submit(self, fn, *args, later: bool = False) -> Future:
-        cmd = _Command(fn, args, later=later)
-        if self._stopping:
-            cmd.future.set_exception(EngineError("engine is stopping"))
-        else:
-            self._commands.put(cmd)
-        return cmd.future
+        self._commands.wake()
 
     # -- engine thread: start-up ----------------------------------------------------------------
 
@@ -243,7 +226,7 @@ class Engine:
             self._loop()
         finally:
             self._wait_all()
-            for cmd in self._drain():
+            for cmd in self._commands.drain():
                 cmd.future.set_exception(EngineError("engine stopped"))
             for sid in list(self._streams):
                 self._close(sid)
@@ -305,31 +288,11 @@ class Engine:
 
     # -- engine thread: the loop ------------------------------------------------------------------
 
-    def _drain(self) -> list[_Command]:
-        out = []
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return out
-            if isinstance(cmd, _Command):
-                out.append(cmd)
-
-    def _apply(self, cmd: _Command) -> None:
-        try:
-            if cmd.later:
-                cmd.fn(cmd.future, *cmd.args)
-            else:
-                cmd.future.set_result(cmd.fn(*cmd.args))
-        except Exception as e:  # noqa: BLE001 - the caller gets the error through the future
-            if not cmd.future.done():
-                cmd.future.set_exception(e)
-
     def _loop(self) -> None:
         while not self._stopping:
             self.heartbeat_at = self.clock()
-            for cmd in self._drain():
-                self._apply(cmd)
+            for cmd in self._commands.drain():
+                Commands.apply(cmd)
             self._retire(wait=False)
             now = self.clock()
             self.parking.tend(now)
@@ -350,12 +313,9 @@ class Engine:
             timeout = 0.5 if wake is None else min(0.5, max(0.0, wake - now))
             if self.parking.pending():
                 timeout = min(timeout, 0.002)  # copies to poll, or a stream to park once its chunk is committed
-            try:
-                cmd = self._commands.get(timeout=timeout)
-            except queue.Empty:
-                continue
-            if isinstance(cmd, _Command):
-                self._apply(cmd)
+            cmd = self._commands.next(timeout)
+            if cmd is not None:
+                Commands.apply(cmd)
 
     def _launch(self, plan: Plan) -> None:
         """Launch `plan`'s forward (and for a COMMIT, its decode and the copy of its frames to the
@@ -465,7 +425,7 @@ class Engine:
         now = self.clock()
         for chunk in (stream.held, out) if stream.held is not None else (out,):
             self._on_chunk(chunk)
-            self._commands.put(_Command(self._delivered, (stream, chunk, now)))
+            self._commands.post(self._delivered, stream, chunk, now)
         stream.held = None
 
     def _delivered(self, stream: StreamOutput, out: ChunkOut, now: float) -> None:
@@ -497,7 +457,7 @@ class Engine:
                        "overloaded")
 
     def _output_failed(self, stream: StreamOutput, message: str) -> None:
-        self._commands.put(_Command(self._fail, (stream, message)))
+        self._commands.post(self._fail, stream, message)
 
     def _fail(self, stream: StreamOutput, message: str) -> None:
         if self._is_open(stream) and self._close(stream.stream_id):
