@@ -238,7 +238,7 @@ class Routes:
             return self._recording(request, path.removeprefix(RECORDINGS_PATH))
         if path == "/loras":
             body = json.dumps([dataclasses.asdict(style) for style in self.styles()]).encode()
-            return self._token_refusal(request) or reply(http.HTTPStatus.OK, body, "application/json")
+            return self.token_refusal(request) or reply(http.HTTPStatus.OK, body, "application/json")
         return static_file(self.static_dir, path)
 
     def metrics_only(self, request: HttpRequest) -> HttpReply:
@@ -248,7 +248,7 @@ class Routes:
         self.refresh_metrics()
         return reply(http.HTTPStatus.OK, self.metrics.exposition(), "text/plain; version=0.0.4")
 
-    def _token_refusal(self, request: HttpRequest) -> HttpReply | None:
+    def token_refusal(self, request: HttpRequest) -> HttpReply | None:
         """The 401 of a request without the access token (``?token=`` or a Bearer header) on a server with tokens."""
         if self.access.auth:
             given = (request.query.get("token") or [None])[0] or bearer_token(request.headers.get("Authorization"))
@@ -261,7 +261,7 @@ class Routes:
     def _recording(self, request: HttpRequest, name: str) -> HttpReply:
         """A recording (ID-SECRET.mp4) or its chapters (.vtt), behind the access token when the server has tokens (as
         `?token=` for a page's <video>, or an Authorization header); a Range request gets its part (seeking)."""
-        refusal = self._token_refusal(request)
+        refusal = self.token_refusal(request)
         if refusal is not None:
             return refusal
         if self.recordings.in_progress(name):  # its index (the moov box) and chapters are written when it ends
