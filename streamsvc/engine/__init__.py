@@ -9,6 +9,7 @@
   a child process: `python -m streamsvc.engine.encode`).
 - `parking`: a paused stream's KV cache moved off the device and back.
 - `styles`: the style LoRAs a stream may run under (`serve --lora-dir`): loaded once, shared, evicted under a budget.
+- `images`: streams that start from an image: its frame encoded and committed as the stream's chunk 0.
 - `timing`: forwards timed without waiting for them (CUDA events; wall time on a CPU).
 - `group`, `lockstep`: `--parallel K`, one stream's forwards split over K devices.
 - `heap`: the serving process's memory over hours: closed streams' cycles collected soon, freed pages trimmed.

@@ -39,6 +39,7 @@ from streamsvc.engine.commands import Commands
 from streamsvc.engine.config import EngineConfig
 from streamsvc.engine.encode import EncoderSpec
 from streamsvc.engine.errors import EngineError
+from streamsvc.engine.images import IMAGE_AND_INPUT, StartImages
 from streamsvc.engine.output import ChunkOut, OutputStage, StreamOutput
 from streamsvc.engine.parking import Parking
 from streamsvc.engine.reports import PARKING_FIGURES, EngineStats, ModelShape, Opened, PromptAccepted, StreamDescription
@@ -98,6 +99,7 @@ class Engine:
         self.inputs: InputStage | None = None  # streams' input video (issue 35): releases, frames to the generator
         self.shape: ModelShape | None = None  # what every stream has (frame size, chunks, words): set once ready
         self.styles = StyleLibrary(None, {})  # the styles offered (streamsvc/engine/styles.py): set once built
+        self.images = StartImages()  # streams started from an image (streamsvc/engine/images.py): set once built
 
     def stats(self) -> EngineStats:
         """The engine's figures now (any thread)."""
@@ -147,11 +149,13 @@ class Engine:
     # -- commands (any thread; answered by the engine thread between launches) ---------------
 
     def open_stream(self, stream_id: str, prompt: str, seed: int, fps: int, input=None,
-                    strength: float | None = None, lora: str | None = None, lora_scale: float = 1.0) -> Future:
+                    strength: float | None = None, lora: str | None = None, lora_scale: float = 1.0,
+                    image=None) -> Future:
         """Future[Opened]: admitted streams start generating at once, described for their viewers; with `input` (an
         InputFrames) they restyle it at `strength` (refused, with the reason, by a model without an encoder), with
-        `lora` under that style at `lora_scale` (refused, with the reason, when it cannot be: engine/styles.py)."""
-        return self._commands.submit(self._open, stream_id, prompt, seed, fps, input, strength, lora, lora_scale)
+        `lora` under that style at `lora_scale` (refused, with the reason, when it cannot be: engine/styles.py), from
+        `image` ([H, W, 3] uint8 at the model's frame size: chunk 0 is its frame, engine/images.py) if given."""
+        return self._commands.submit(self._open, stream_id, prompt, seed, fps, input, strength, lora, lora_scale, image)
 
     def set_lora(self, stream_id: str, lora: str | None, scale: float, prompt: str) -> Future:
         """Future[int]: the stream's style from its next chunk on: a switch to its newest `prompt` (styles.switch)."""
@@ -280,6 +284,8 @@ class Engine:
             log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
         self.styles.ready(gen)
         self._cheap_encode = warm_up(gen, self.sched, cfg.warmup_chunks, self.clock)
+        self.images = StartImages(gen, parallel=cfg.group is not None)
+        self.images.warm_up(gen)
         self.inputs = InputStage(gen, self.sched, self.clock, self.wake,
                                  cfg.input_latency_s, parallel=cfg.group is not None)
         seed_input_stage(gen, self.sched, latency_s=cfg.input_latency_s)  # and warns if it cannot be met
@@ -474,17 +480,20 @@ class Engine:
             raise EngineError(f"stream {stream_id!r} is not open")
         return self._streams[stream_id]
 
-    def _open(self, stream_id: str, prompt: str, seed: int, fps: int, input=None, strength=None, lora=None, scale=1.0):
+    def _open(self, stream_id: str, prompt: str, seed: int, fps: int, input=None, strength=None, lora=None, scale=1.0,
+              image=None):
         if stream_id in self._streams:
             raise EngineError(f"stream {stream_id!r} is already open")
         refusal = (f"this server cannot generate: {self.failure}" if self.failure else self.inputs.refusal()
-                   if input is not None else None) or self.styles.take(stream_id, lora, scale)  # (held if None)
+                   if input is not None else None) or (self.images.refusal or (IMAGE_AND_INPUT if input else None)
+                   if image is not None else None) or self.styles.take(stream_id, lora, scale)  # (held if None)
         if refusal:
             return Opened(Admission(False, refusal, 0.0))
         gen = self.gen
         spec = gen.cache_spec()
         req = StreamRequest(
-            stream_id, prompt=prompt, fps=float(fps), first_chunk_frames=gen.frames_in_chunk(0),
+            stream_id, prompt=prompt, fps=float(fps),
+            first_chunk_frames=1 if image is not None else gen.frames_in_chunk(0),  # an image's one frame
             chunk_frames=gen.frames_in_chunk(1),
             input_start_step=None if input is None else self.inputs.start_step(strength)[0],
             input_latency_s=self.config.input_latency_s, style_cost=self.styles.cost_of(stream_id))
@@ -503,12 +512,27 @@ class Engine:
             self.pool.release(stream_id)
             self.styles.release(stream_id)
             raise
-        self._streams[stream_id] = _Stream(state, fps, self.output.open(stream_id, spec), has_input=input is not None)
+        st = self._streams[stream_id] = _Stream(state, fps, self.output.open(stream_id, spec),
+                                                has_input=input is not None)
         snapped = None if input is None else self.inputs.open(stream_id, input, state, strength, fps).strength
         self._kv_used_bytes = self.pool.used_bytes
+        if image is not None:  # its chunk 0, committed now (streamsvc/engine/images.py); a failure ends the stream
+            self._start_image(st, image)
         return Opened(admission, StreamDescription(
-            self.shape, fps, self._unknown_words(prompt), strength=snapped,
+            self.shape, fps, self._unknown_words(prompt), strength=snapped, image=image is not None,
             input_latency_s=None if input is None else self.config.input_latency_s, lora=lora, lora_scale=scale))
+
+    def _start_image(self, st: _Stream, image) -> None:
+        try:
+            chunk = self.images.start(self.gen, st.state, image)
+        except Exception:
+            self._close(st.state.stream_id)
+            raise
+        now = self.clock()
+        self.sched.started(st.state.stream_id, now, frames=chunk.frames.shape[0])
+        self.output.submit(st.output, chunk.frames, index=0, first_frame=0, prompt_version=chunk.prompt_version,
+                           steps=len(self.gen.sigmas), keyframe=True, started_at=now, extra={"input": "image"})
+        st.keyframe = False
 
     def _set_prompt(self, stream_id: str, prompt: str) -> PromptAccepted:
         self._get(stream_id)  # (an EngineError for a stream not open)
