@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 
 import numpy as np
+import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -240,3 +241,30 @@ async def test_pause_resume_recording_and_a_watcher_of_a_stream_started_from_an_
     with av.open(__import__("io").BytesIO(mp4)) as container:
         recorded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     assert len(recorded) >= 1 + 12 and np.array_equal(recorded[0], paused.chunks[0][1][0])
+
+
+async def test_the_python_client_starts_from_an_image_inline_or_uploaded():
+    """client/start_image.py: a small file goes inline, a large one is uploaded once and named by two clients; the
+    client's TTFF counts from its connect to the image's frame."""
+    from client.start_image import image_ref
+    from client.viewer import ClientConfig
+    from client.ws_client import StreamClient
+
+    small = encode(drawn())
+    noise = np.random.default_rng(0).integers(0, 256, (400, 400, 3), dtype=np.uint8)  # incompressible: ~480 KB
+    large = encode(noise)
+    assert len(small) <= I.MAX_INLINE_IMAGE_BYTES < len(large) <= I.MAX_IMAGE_BYTES
+    async with running() as server:
+        url = f"ws://127.0.0.1:{server.port}/ws"
+        inline, uploaded = [await asyncio.to_thread(image_ref, data, url) for data in (small, large)]
+        assert I.is_data_url(inline) and I.UPLOAD_ID.match(uploaded)
+        clients = [StreamClient(url, ClientConfig(prompt=PROMPT, seed=SEED, image=image))
+                   for image in (inline, uploaded, uploaded, None)]
+        results = await asyncio.gather(*(c.run(3.0) for c in clients))
+    for c, r in zip(clients, results):
+        assert c.ready is not None and r.playback is not None and r.playback.ttff_s is not None, r
+    assert [c.ready.image for c in clients] == [True, True, True, None]
+    assert [c.headers[0].input for c in clients] == ["image", "image", "image", "none"]
+    assert [c.headers[0].frames for c in clients[:3]] == [1, 1, 1] and clients[3].headers[0].frames == 9
+    with pytest.raises(ValueError, match="a watcher sends no input nor image"):
+        ClientConfig(watch="s0", secret="x", image=inline)
