@@ -110,8 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "server's, snapped to the model's schedule)")
     p.add_argument("--start-image", default=None, metavar="FILE",
                    help="every stream starts from this image (PNG, JPEG or WebP: inline in its start up to 45 KiB, "
-                        "else uploaded once, POST /images, up to 4 MiB), so that TTFF from an image can be compared "
-                        "with TTFF without (README: Start from an image); not with --input")
+                        "else uploaded once before the streams connect, POST /images, up to 4 MiB, and not counted "
+                        "in TTFF), so that TTFF from an image can be compared with TTFF without (README: Start from "
+                        "an image); not with --input")
     p.add_argument("--verify-pixels", action="store_true",
                    help="time each prompt from its send to the first played frame whose colour matches the prompt's "
                         "colour word (client/verify.py), reported beside the header-based control latency; the prompts "
