@@ -18,8 +18,9 @@ the engine thread between two launches, like a command, outside any timed plan: 
 costs, and other streams wait for it as for one forward. `warm_up` runs it once at start-up (so that nothing runs
 for the first time on the serving path: the one-frame forward, the encoder) and logs what it takes.
 
-Refused, with the reason: on a model without an encoder, and under --parallel (a forward split over a device group
-takes no image, as it takes no input video).
+Refused, with the reason: on a model without an encoder, under --parallel (a forward split over a device group
+takes no image, as it takes no input video), and where the warm-up's image start failed (logged; the server serves
+without images rather than not at all).
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ class StartImages:
                 if gen.device.type == "cuda":
                     torch.cuda.synchronize(gen.device)
                 took.append(time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001 - the server serves without images rather than not at all
+                log.exception("a start image failed at the warm-up: streams are refused an image")
+                self.refusal = f"start images failed on this server at start-up ({type(e).__name__}: {e})"
+                return
             finally:
                 gen.close_stream(state)
         self.start_s = statistics.median(took)

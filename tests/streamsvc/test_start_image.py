@@ -246,3 +246,26 @@ def test_upload_refusals_say_why():
     for bad, why in {"AAAA": "not a data: URL .* nor an upload's id", "x" * 22: "no upload xxxxxx... here"}.items():
         with pytest.raises(I.ImageError, match=why):
             asyncio.run(up.resolve(bad))
+
+
+# ----- the engine's side ----------------------------------------------------------------------------------------
+
+
+def test_the_warm_up_times_an_image_start_and_one_that_fails_refuses_images_after(monkeypatch):
+    from streamsvc.engine.images import NO_ENCODER, PARALLEL, StartImages
+    from tests.conftest import tiny_generator
+
+    gen = tiny_generator()
+    images = StartImages(gen)
+    images.warm_up(gen)
+    assert images.refusal is None and images.start_s > 0
+    assert StartImages(gen, parallel=True).refusal == PARALLEL and StartImages(None).refusal == NO_ENCODER
+
+    def broken(state, image):
+        raise RuntimeError("no graph for one latent frame")
+
+    monkeypatch.setattr(gen, "start_from_image", broken)
+    images = StartImages(gen)
+    images.warm_up(gen)
+    assert images.refusal == ("start images failed on this server at start-up (RuntimeError: no graph for one latent "
+                              "frame)")
