@@ -250,7 +250,7 @@ class Routes:
             return self._recording(request, path.removeprefix(RECORDINGS_PATH))
         if path == "/loras":
             body = json.dumps([dataclasses.asdict(style) for style in self.styles()]).encode()
-            return token_refusal(request, self.access, self.metrics) or reply(http.HTTPStatus.OK, body, "application/json")
+            return self.token_refusal(request) or reply(http.HTTPStatus.OK, body, "application/json")
         return static_file(self.static_dir, path)
 
     def metrics_only(self, request: HttpRequest) -> HttpReply:
@@ -260,10 +260,14 @@ class Routes:
         self.refresh_metrics()
         return reply(http.HTTPStatus.OK, self.metrics.exposition(), "text/plain; version=0.0.4")
 
+    def token_refusal(self, request: HttpRequest) -> HttpReply | None:
+        """The 401 of a request without the access token on this server (`token_refusal`); None: served."""
+        return token_refusal(request, self.access, self.metrics)
+
     def _recording(self, request: HttpRequest, name: str) -> HttpReply:
         """A recording (ID-SECRET.mp4) or its chapters (.vtt), behind the access token when the server has tokens (as
         `?token=` for a page's <video>, or an Authorization header); a Range request gets its part (seeking)."""
-        refusal = token_refusal(request, self.access, self.metrics)
+        refusal = self.token_refusal(request)
         if refusal is not None:
             return refusal
         if self.recordings.in_progress(name):  # its index (the moov box) and chapters are written when it ends

@@ -47,6 +47,7 @@ class StreamDescription:
     input_latency_s: float | None = None  # a stream with input: a chunk is due this long after its last frame
     lora: str | None = None  # its style (streamsvc/engine/styles.py), None: none; a live switch replaces it
     lora_scale: float = 1.0
+    image: bool = False  # it started from an image: its chunk 0 is that one frame (streamsvc/engine/images.py)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from .costs import CostEstimates
 from .overload import OverloadMonitor
 from .planner import Planner
 from .playback import PlaybackModel
-from .stream import ScheduledStream
+from .stream import InFlight, ScheduledStream
 from .types import Admission, Plan, SchedulerError, SchedulerStats, Stage, StreamLoad, StreamRequest, StreamStats
 
 
@@ -179,6 +179,21 @@ class Scheduler:
             s.request = dataclasses.replace(s.request, style_cost=style_cost)
         s.playback.advance(now)
         return s.new_prompt(prompt, now)
+
+    def started(self, stream_id: str, now: float, frames: int) -> None:
+        """The stream's first chunk was made at its admission, outside the plans: a start image, encoded and committed
+        by the engine (streamsvc/engine/images.py), of `frames` frames (its request's first_chunk_frames). It counts
+        as committed at `now` and in flight until `delivered`, as any chunk (its latency is no sample of the start
+        rule); the stream's next chunk is its second. Only before any plan ran for the stream."""
+        s = self._get(stream_id)
+        if s.chunks_done or s.step or self._planner.busy(stream_id):
+            raise SchedulerError(f"stream {stream_id!r} has begun its chunks ({s.chunks_done} committed, step "
+                                 f"{s.step}): its first chunk can no longer come from outside the plans")
+        if frames != s.request.first_chunk_frames:
+            raise SchedulerError(f"stream {stream_id!r}: a first chunk of {frames} frames, but its request says "
+                                 f"{s.request.first_chunk_frames}")
+        s.in_flight.append(InFlight(frames, now, sampled=False))
+        s.chunks_done, s.last_commit_at = 1, now
 
     def release(self, stream_id: str, chunk_index: int, start_step: int, now: float, frames: bool = True) -> None:
         """Input video (issue 35): chunk `chunk_index` of the stream may start at `now`, at `start_step` (its

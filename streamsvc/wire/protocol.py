@@ -14,7 +14,7 @@ messages; over WebRTC the same JSON travels on the data channel named
 Client -> server::
 
     {"type": "start", "prompt": "...", "seed": 7, "fps": 16, "transport": "ws", "token": "...", "input": true,
-     "strength": 0.6, "lora": "ink", "lora_scale": 0.8}
+     "strength": 0.6, "lora": "ink", "lora_scale": 0.8, "image": "data:image/png;base64,..."}
     {"type": "set_strength", "strength": 0.8}  {"type": "set_lora", "lora": "ink", "lora_scale": 1.0}
     {"type": "watch", "stream_id": "s3", "secret": "...", "transport": "ws", "token": "..."}
     {"type": "set_prompt", "prompt": "..."}
@@ -29,7 +29,7 @@ Server -> client::
      "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0, "steps": 4, "unknown_words": ["fox"],
      "role": "steer", "viewer_id": "v0", "watch_secret": "...", "steer_secret": "...", "latency": "default",
      "input": true, "strengths": [1.0, 0.83, 0.625, 0.357], "strength": 0.625, "input_latency_s": 0.5,
-     "loras": ["ink", "neon"], "lora": "ink", "lora_scale": 0.8}
+     "loras": ["ink", "neon"], "lora": "ink", "lora_scale": 0.8, "image": true}
     {"type": "audience", "role": "watch", "watchers": 23, "steered": true}
     {"type": "audience", "role": "steer", "watchers": 1, "steered": true, "steer_secret": "..."}
     {"type": "recording", "url": "/recordings/s3-20250102T030405-SECRET.mp4", "chapters": "...vtt"}
@@ -48,6 +48,9 @@ Styles: a ``start`` may name a style of ``ready``'s ``loras`` (a LoRA each; ``GE
 (default 1, 0: none; the server says its range); ``set_lora`` switches it live (``"lora": null``: none) as a prompt
 switch, acked with the version its chunks carry. A style the server cannot give refuses the ``start`` with the
 reason, or answers ``set_lora`` with an ``error`` (the stream goes on under its style before).
+
+A start image: ``start``'s ``image`` (a ``data:`` URL, or an upload's id) is the stream's chunk 0, one frame (its
+header's ``input`` is "image"), and generation goes on from it; streamsvc/wire/image.py says how and why.
 
 ``offer`` and ``answer`` are exactly the JSON of a browser's ``RTCSessionDescription`` (``{"type": "offer", "sdp":
 ...}``): the message type doubles as the SDP type, so ``JSON.stringify(pc.localDescription)`` is a valid ``offer``
@@ -102,12 +105,12 @@ H.264 access units (streamsvc/wire/framing.py has the layout; ``pack_chunk`` and
 from __future__ import annotations
 
 import struct
-from enum import StrEnum
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from streamsvc.wire import errors as wire_errors
+from streamsvc.wire.errors import RETRYABLE, START_REFUSALS, ErrorCode  # noqa: F401 (the protocol's, kept there)
 
 # ---------------------------------------------------------------- limits
 
@@ -145,41 +148,6 @@ CHUNK_PREFIX_BYTES = _PREFIX.size  # 8
 
 
 # ---------------------------------------------------------------- errors
-
-
-class ErrorCode(StrEnum):
-    """The ``code`` of an ``error`` message."""
-
-    BAD_JSON = "bad_json"  # not UTF-8, not JSON, or not a JSON object
-    UNKNOWN_TYPE = "unknown_type"  # no "type" field, or a type we do not know
-    INVALID_FIELD = "invalid_field"  # a field missing, unknown, of the wrong type or out of range
-    TOO_LARGE = "too_large"  # the message exceeds MAX_MESSAGE_BYTES (or MAX_CHUNK_BYTES)
-    BAD_CHUNK = "bad_chunk"  # a binary chunk message that does not follow the framing
-    NOT_STARTED = "not_started"  # a stream command before "start"
-    ALREADY_STARTED = "already_started"  # a second "start" on one connection
-    REFUSED = "refused"  # admission refused the stream (the message says why)
-    UNAUTHORIZED = "unauthorized"  # start without a valid access token; the server closes the socket
-    TOO_MANY_STREAMS = "too_many_streams"  # start over this token's or this address's stream limit
-    RATE_LIMITED = "rate_limited"  # a control message over the stream's rate; it was dropped, the stream goes on
-    INTERNAL = "internal"  # the server failed; the message says what, never a traceback
-    # the server ended the stream, the newest, because degradation could no longer keep every stream from stalling
-    OVERLOADED = "overloaded"
-    NOT_STEERER = "not_steerer"  # a watcher asked for what only the stream's steerer may do; its stream goes on
-    # the stream's input video was refused (a frame over the pixel cap, a decoder over its CPU budget: the message
-    # says which); nothing more of it is decoded, and the stream goes on without input
-    INPUT_REFUSED = "input_refused"
-    NOT_FOUND = "not_found"  # watch: no open stream has that id
-    # a request the server cannot serve now (the recordings' disk budget is full, no room to resume); the stream goes on
-    UNAVAILABLE = "unavailable"
-    # a cluster's worker (the GPU replica that ran the stream) was lost; the stream is gone, and a new `start`
-    # on a new connection is placed again (on another worker): the one error worth retrying at once
-    WORKER_LOST = "worker_lost"
-
-
-START_REFUSALS = frozenset({ErrorCode.REFUSED, ErrorCode.UNAUTHORIZED, ErrorCode.TOO_MANY_STREAMS, ErrorCode.NOT_FOUND})
-"""The codes that answer a ``start`` or ``watch`` the server will not serve: no stream follows."""
-RETRYABLE = frozenset({ErrorCode.WORKER_LOST})
-"""The codes after which a viewer should reconnect at once: its stream ended through no fault of its own."""
 
 
 class ProtocolError(Exception):
@@ -255,6 +223,15 @@ class Start(BaseMessage):
     strength: Strength | None = None  # with input: how far from the input (1: text-to-video); None: the server's
     lora: LoraName | None = None  # a style of ready's `loras` (None: none)
     lora_scale: float = 1.0  # how much of it (0: none)
+    # the picture the stream starts from: a data: URL or an upload's id (streamsvc/wire/image.py); None: from noise
+    image: Annotated[str, Field(min_length=1, max_length=MAX_MESSAGE_BYTES)] | None = None
+
+    @model_validator(mode="after")
+    def _image_or_input(self) -> Start:
+        if self.image is not None and self.input:
+            raise ValueError("a stream starts from an image or restyles input video, not both (its first frame would "
+                             "be both): leave out 'image' or 'input'")
+        return self
 
 
 class Watch(BaseMessage):
@@ -381,6 +358,7 @@ class Ready(BaseMessage):
     loras: Annotated[list[LoraName], Field(max_length=MAX_LORAS)] | None = None  # the styles offered; None: none
     lora: LoraName | None = None  # the stream's style (None: none)
     lora_scale: float | None = None  # and its scale
+    image: bool | None = None  # it started from its start's image: chunk 0 is its one frame (first_chunk_frames 1)
 
 
 class Audience(BaseMessage):
@@ -416,7 +394,9 @@ class Chunk(BaseMessage):
     # "fast": encoded cheaper (higher CRF, point-sampled chroma) because it would otherwise have reached the viewer late
     encode: Literal["normal", "fast"] = "normal"
     sizes: list[Annotated[int, Field(ge=1, le=MAX_CHUNK_BYTES)]]  # byte size of each frame's access unit
-    input: Literal["none", "frames", "missing"] = "none"  # its input video: none asked, restyled, or missing (t2v)
+    # its input: none asked, input video restyled or missing (t2v), or the start image (chunk 0 of a stream that
+    # started from one: its one frame; `steps` is then the stream's full count, it was not degraded)
+    input: Literal["none", "frames", "missing", "image"] = "none"
     capture_ms: list[float] | None = None  # per frame: the capture time (sender's clock, ms) of its input frame
     strength: Strength | None = None  # the strength it was made at (a stream with input)
     cut: bool = False  # a new prompt's first chunk: the player drops what it holds and has not shown, and plays this
