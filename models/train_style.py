@@ -183,7 +183,7 @@ class StyleTrainer:
         for i, clip in enumerate(clips):
             if self.rng.random() < self.cfg.switch_share:
                 switch = styled_from(self.rng, clip)
-                styled[i] = torch.tensor([c >= switch for c in clip.chunks])
+                styled[i] = torch.tensor([c >= switch for c in clip.chunks], device=self.device)
         styled = styled.repeat_interleave(fpc, dim=1)  # [B, F]
         frames = torch.where(styled[:, :, None, None, None, None], STYLES[self.cfg.style](frames), frames)
         weight = weight.repeat_interleave(fpc, dim=1) * styled  # a plain chunk was the base model's: not taught
