@@ -93,6 +93,13 @@ class Adapter:
     modules: dict[nn.Module, LoraLayer]  # the model's Linear -> its pair
     uid: int  # unique per load: text K/V computed under this adapter are cached under it
 
+    @classmethod
+    def of(cls, name: str, layers: dict[str, LoraLayer], linears: dict[str, nn.Module], path: str = "") -> Adapter:
+        """An adapter of `layers` (module name -> pair) on the model's Linears (`linears`: name -> module), with a
+        uid of its own. Training builds one over its parameters (models/train_style.py), so that its forward is
+        the one serving runs."""
+        return cls(name, path, layers, {linears[m]: layer for m, layer in layers.items()}, next(_uids))
+
     @property
     def rank(self) -> int:
         """The largest rank of its layers."""
@@ -125,10 +132,15 @@ class AdapterUse:
 class LoraBatch:
     """The adapters of one forward's streams. The DiT's Linear call sites pass it each Linear's input and output,
     the forward's streams along dim 0; it adds each stream's term to that stream's rows, in place, and touches
-    no other row."""
+    no other row. A forward whose streams all carry one and the same `AdapterUse` object (training's batch of
+    clips, models/train_style.py) gets it over all rows in one product; serving gives each stream its own, so
+    that a stream's rows are computed alike whatever batch it runs in."""
 
     def __init__(self, uses: Sequence[AdapterUse | None]) -> None:
+        self.size = len(uses)  # the forward's streams
         self.streams = [(j, use) for j, use in enumerate(uses) if use is not None]
+        first = uses[0] if uses else None
+        self.shared = first if first is not None and all(use is first for use in uses) else None
 
     @classmethod
     def of(cls, uses: Sequence[AdapterUse | None]) -> LoraBatch | None:
@@ -137,11 +149,19 @@ class LoraBatch:
 
     def add(self, module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out[j] += stream j's term of `module` at x[j], for each stream j with one. x: [B, ..., in] and
-        out: [B, ..., out] (contiguous), B the forward's streams. Returns out."""
+        out: [B, ..., out] (contiguous), B the forward's streams, or [B * R, ...]: R rows of each stream in turn
+        (training's cross-attention runs a prompt per frame). Returns out."""
+        if self.shared is not None:
+            layer = self.shared.adapter.modules.get(module)
+            if layer is not None:
+                add_term(layer, self.shared.scale, x, out)
+            return out
+        per = out.shape[0] // self.size
         for j, use in self.streams:
             layer = use.adapter.modules.get(module)
             if layer is not None:
-                add_term(layer, use.scale, x[j], out[j])
+                rows = slice(j * per, (j + 1) * per)
+                add_term(layer, use.scale, x[rows], out[rows])
         return out
 
     def add_stream(self, j: int, module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -261,7 +281,7 @@ class AdapterSet:
                                    "(serve it with a larger maximum rank, or merge it with --lora)")
             scale = (alpha if alpha is not None else file_alpha if file_alpha is not None else r) / r
             layers[module] = LoraLayer(a.to(self.device, self.dtype).contiguous(), b.to(self.device, self.dtype).contiguous(), scale)
-        adapter = Adapter(name, str(path), layers, {self.linears[m]: layer for m, layer in layers.items()}, next(_uids))
+        adapter = Adapter.of(name, layers, self.linears, str(path))
         self.adapters[name] = adapter
         return adapter
 
