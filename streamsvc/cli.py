@@ -245,7 +245,9 @@ def _style_args(p: argparse.ArgumentParser) -> None:
                         "in its start (\"lora\": NAME, \"lora_scale\": S, 0 to 2, default 1) and its steerer switches "
                         "it live (set_lora); GET /loras and ready list them. The base weights stay shared, never "
                         "merged (--lora merges one LoRA for every stream). A bad file is logged at start and refused, "
-                        "with its reason, to the stream that names it. Not with --parallel (default: no styles)")
+                        "with its reason, to the stream that names it. Not with --parallel. Default: with the built-in "
+                        "weights, the styles shipped for them in models/assets/styles, if any (`python -m "
+                        "models.train_style` trains them), else none; 'none': no styles")
     p.add_argument("--lora-budget-gib", type=float, default=2.0, metavar="GIB",
                    help="device memory the loaded styles may hold (default 2), counted in the KV pool's budget: each "
                         "is loaded once and shared by its streams (at start, in name order while they fit); loading "

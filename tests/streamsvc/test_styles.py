@@ -183,6 +183,7 @@ def test_admission_charges_a_styled_stream_its_share_more_from_its_start_or_its_
 
 
 def test_serve_flags_give_the_engine_its_styles_or_a_clear_error(tmp_path):
+    from models.model_file import BUILTIN_WEIGHTS, shipped_styles
     from streamsvc import options
     from streamsvc.cli import build_parser
 
@@ -191,7 +192,9 @@ def test_serve_flags_give_the_engine_its_styles_or_a_clear_error(tmp_path):
 
     cfg = config("--lora-dir", str(tmp_path), "--lora-budget-gib", "0.5")
     assert (cfg.lora_dir, cfg.lora_budget_bytes) == (str(tmp_path), 2**29)
-    assert (config().lora_dir, config().lora_budget_bytes) == (None, 2 * 2**30)
+    shipped = shipped_styles(BUILTIN_WEIGHTS)  # the built-in model's styles, when this checkout has them
+    assert (config().lora_dir, config().lora_budget_bytes) == (shipped and str(shipped), 2 * 2**30)
+    assert config("--lora-dir", "none").lora_dir is None and config("--weights", "random").lora_dir is None
     for flags, message in ((("--lora-dir", str(tmp_path / "none")), "not a directory"),
                            (("--lora-budget-gib", "-1"), "--lora-budget-gib takes a number")):
         with pytest.raises(ValueError, match=message):
