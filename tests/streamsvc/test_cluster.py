@@ -174,6 +174,23 @@ async def test_the_gateway_lists_the_replicas_styles_and_a_stream_through_it_pla
                     break
             else:
                 raise AssertionError("no chunk in 20 messages")
+        # a start image goes inline through the relay (uploads stay on one server: the gateway serves no /images)
+        from streamsvc.wire import image as I
+        from tests.streamsvc.test_start_image import drawn, encode
+
+        async with connect(f"ws://127.0.0.1:{g.port}/ws", max_size=P.MAX_CHUNK_BYTES) as ws:
+            await ws.send(json.dumps({"type": "start", "prompt": "a red fox", "seed": 2,
+                                      "image": I.data_url(encode(drawn()))}))
+            ready = P.parse_server(await asyncio.wait_for(ws.recv(), T))
+            assert isinstance(ready, P.Ready) and ready.image and ready.first_chunk_frames == 1, ready
+            headers = []
+            for _ in range(20):  # chunk 0 (the image's frame, input "image") comes with chunk 1
+                message = await asyncio.wait_for(ws.recv(), T)
+                if isinstance(message, bytes):
+                    headers.append(P.unpack_chunk(message)[0])
+                    if len(headers) == 2:
+                        break
+            assert [(h.index, h.input) for h in headers][:1] == [(0, "image")], headers
         assert await wait_for(lambda: sum(streams_by_replica(g).values()) == 0)
     from streamsvc.door.access import AccessConfig
 
