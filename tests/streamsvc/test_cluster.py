@@ -174,6 +174,8 @@ async def test_the_gateway_lists_the_replicas_styles_and_a_stream_through_it_pla
                     break
             else:
                 raise AssertionError("no chunk in 20 messages")
+            assert await wait_for(lambda: sum(streams_by_replica(g).values()) == 1)  # the stats have seen it
+        assert await wait_for(lambda: sum(streams_by_replica(g).values()) == 0)  # (not stale stats' 0)
         # a start image goes inline through the relay (uploads stay on one server: the gateway serves no /images)
         from streamsvc.wire import image as I
         from tests.streamsvc.test_start_image import drawn, encode
@@ -191,6 +193,7 @@ async def test_the_gateway_lists_the_replicas_styles_and_a_stream_through_it_pla
                     if len(headers) == 2:
                         break
             assert [(h.index, h.input) for h in headers][:1] == [(0, "image")], headers
+            assert await wait_for(lambda: sum(streams_by_replica(g).values()) == 1)
         assert await wait_for(lambda: sum(streams_by_replica(g).values()) == 0)
     from streamsvc.door.access import AccessConfig
 
