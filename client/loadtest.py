@@ -51,15 +51,18 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from client.camera import FileSource
 from client.loadtest_host import STEAL_WARN, LoopPauses, cpu_ticks, own_stalls, steal_fraction
+from client.loadtest_metrics import bucket_key, metrics_url, scrape_metrics, server_figures  # noqa: F401 (used there)
 from client.loadtest_prompts import probe_vocabulary, prompt_schedule, viewer_prompt
 from client.loadtest_report import format_table, summarize, verdict
+from client.start_image import check as check_image
+from client.start_image import image_ref
 from client.viewer import ClientConfig, DecodeMode, StreamResult, tls_context
 from client.webrtc_client import WebRtcClient
 from client.ws_client import StreamClient, stream_url
+from streamsvc.wire.image import ImageError, is_data_url
 
 TRANSPORTS: dict[str, type] = {"ws": StreamClient, "webrtc": WebRtcClient}
 """transport name -> client class (``cls(url, ClientConfig)``, ``await run(duration_s, prompts) -> StreamResult``)."""
@@ -105,6 +108,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strength", type=float, default=None,
                    help="with --input: how far from the input each stream goes, 0..1 (1: text-to-video; default: the "
                         "server's, snapped to the model's schedule)")
+    p.add_argument("--start-image", default=None, metavar="FILE",
+                   help="every stream starts from this image (PNG, JPEG or WebP: inline in its start up to 45 KiB, "
+                        "else uploaded once before the streams connect, POST /images, up to 4 MiB, and not counted "
+                        "in TTFF), so that TTFF from an image can be compared with TTFF without (README: Start from "
+                        "an image); not with --input")
     p.add_argument("--verify-pixels", action="store_true",
                    help="time each prompt from its send to the first played frame whose colour matches the prompt's "
                         "colour word (client/verify.py), reported beside the header-based control latency; the prompts "
@@ -261,103 +269,6 @@ def process_cpu_seconds(pid: int) -> float | None:
         return None
 
 
-# ---------------------------------------------------------------- metrics scrape
-
-
-def scrape_metrics(url: str, timeout_s: float = 2.0, token: str | None = None,
-                   ssl_context=None) -> dict[str, float] | None:
-    """The server's /metrics as {name{labels}: value}, or None when it does not answer.
-
-    Labels are sorted and written ``k=v`` without quotes; a histogram bucket's ``le`` is written as
-    Python's ``repr(float(le))``, e.g. ``streamsvc_chunk_latency_seconds_bucket{le=1.0}`` (see ``bucket_key``).
-    """
-    from prometheus_client.parser import text_string_to_metric_families
-
-    # with tokens the server's /metrics wants one (as a Bearer header); an https URL may need ssl_context
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s, context=ssl_context) as r:
-            text = r.read().decode()
-    except (urllib.error.URLError, OSError, TimeoutError):
-        return None
-    out = {}
-    across: dict[str, float] = {}  # a cluster gateway's per-replica samples, summed over replicas (max of maxima)
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = {k: (repr(float(v)) if k == "le" else v) for k, v in s.labels.items()}
-            joined = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-            out[f"{s.name}{{{joined}}}" if joined else s.name] = s.value
-            if "replica" in labels:
-                rest = ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k != "replica")
-                key = f"{s.name}{{{rest}}}" if rest else s.name
-                peak = s.name.endswith(("_max_seconds", "_scheduler_load", "_scheduler_pressure"))
-                across[key] = max(across.get(key, s.value), s.value) if peak else across.get(key, 0.0) + s.value
-    for key, value in across.items():
-        out.setdefault(key, value)
-    return out
-
-
-def bucket_key(histogram: str, le: float) -> str:
-    """The ``scrape_metrics`` key of a (label-less) histogram's cumulative bucket ``le``."""
-    return f"{histogram}_bucket{{le={float(le)!r}}}"
-
-
-def metrics_url(ws_url: str) -> str:
-    parts = urlsplit(ws_url)
-    scheme = "https" if parts.scheme == "wss" else "http"
-    return f"{scheme}://{parts.netloc}/metrics"
-
-
-def server_figures(first: dict | None, last: dict | None, wall_s: float, peak: dict | None) -> dict | None:
-    """A few server figures over the run: forward costs (wall and device), engine busy fraction, output
-    stage cost, chunk latency, stalls. Counters are deltas between the first and the last scrape, except
-    ``chunk_latency_max_s``: the server's slowest chunk since it started (the last scrape's value)."""
-    if last is None:
-        return None
-    first = first or {}
-
-    def delta(key: str) -> float:
-        return last.get(key, 0.0) - first.get(key, 0.0)
-
-    kinds = ("recache", "denoise", "commit")
-    forwards = {k: delta(f"streamsvc_forwards{{kind={k}}}") for k in kinds}
-    seconds = {k: delta(f"streamsvc_forward_seconds{{kind={k}}}") for k in kinds}
-    gpu_seconds = {k: delta(f"streamsvc_forward_gpu_seconds{{kind={k}}}") for k in kinds}
-    chunks_n = delta("streamsvc_chunk_latency_seconds_count")
-    encoded_n = delta("streamsvc_chunks_encoded")
-    le_1s = bucket_key("streamsvc_chunk_latency_seconds", 1.0)
-    ttff_n = delta("streamsvc_ttff_seconds_count")
-    return {
-        "admitted": delta("streamsvc_streams_admitted_total"),
-        "refused": delta("streamsvc_streams_refused_total"),
-        "chunks": delta("streamsvc_chunks_total"),  # sent: a chunk fanned out to watchers counts once per viewer
-        "chunks_encoded": encoded_n,  # generated: once per stream however many watch it
-        "forward_ms": {k: round(1e3 * seconds[k] / forwards[k], 3) if forwards[k] else None for k in kinds},
-        "gpu_ms": {k: round(1e3 * gpu_seconds[k] / forwards[k], 3) if forwards[k] else None for k in kinds},
-        "encode_ms_per_chunk": round(1e3 * delta("streamsvc_encode_seconds") / encoded_n, 3) if encoded_n else None,
-        "forwards": forwards,
-        # device time: with forwards launched ahead, launch-to-finish wall times overlap
-        "engine_busy": round(sum((gpu_seconds if any(gpu_seconds.values()) else seconds).values()) / wall_s, 4)
-        if wall_s > 0 else None,
-        "chunk_latency_mean_s": round(delta("streamsvc_chunk_latency_seconds_sum") / chunks_n, 4) if chunks_n else None,
-        "chunk_latency_max_s": last.get("streamsvc_chunk_latency_max_seconds"),
-        "chunks_over_1s": chunks_n - delta(le_1s) if le_1s in last else None,
-        "server_ttff_mean_s": round(delta("streamsvc_ttff_seconds_sum") / ttff_n, 4) if ttff_n else None,
-        "client_stalls": delta("streamsvc_client_stalls_total"),
-        "webrtc_track_stalls": delta("streamsvc_webrtc_track_stalls_total"),
-        "degraded_chunks": {stage: delta(f"streamsvc_degraded_chunks{{stage={stage}}}") for stage in ("device", "encode")},
-        "overloaded": delta("streamsvc_streams_overloaded_total"),
-        "pressure_peak": None if peak is None else peak.get("streamsvc_scheduler_pressure"),
-        "modelled_stalls_peak": None if peak is None else peak.get("streamsvc_modelled_stalls"),
-        "scheduler_load_peak": None if peak is None else peak.get("streamsvc_scheduler_load"),
-        "kv_bytes_peak": None if peak is None else peak.get("streamsvc_kv_bytes"),
-        "open_streams_peak": None if peak is None else sum(
-            v for k, v in peak.items() if k.startswith("streamsvc_streams{") and k != "streamsvc_streams{state=closed}"),
-        "watchers_peak": None if peak is None else peak.get("streamsvc_watchers"),
-        "kv_budget_bytes": last.get("streamsvc_kv_budget_bytes"),
-    }
-
-
 # ---------------------------------------------------------------- running
 
 
@@ -458,11 +369,12 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     sources = getattr(args, "input_sources", None)  # input video: one frame source a viewer (--input)
     if sources is None and getattr(args, "input", None) not in (None, "synthetic"):
         sources = [FileSource(args.input, max_frames=128, width=480)]  # (at most 480 wide: 50 MB held, looped)
+    image = await start_image(args, url, tls)
     clients = []
     for i in range(args.streams):
         prompt = viewer_prompt(i, 0, captions, vocabulary)
         camera = {"input": sources[i % len(sources)], "strength": args.strength} if sources else {}
-        cfg = ClientConfig(prompt=prompt, seed=args.seed + i, fps=args.fps, token=args.token,
+        cfg = ClientConfig(prompt=prompt, seed=args.seed + i, fps=args.fps, token=args.token, image=image,
                            stats_every_s=args.stats_every, decode=DecodeMode(args.decode),
                            open_timeout_s=max(10.0, 0.25 * args.streams), verify_pixels=args.verify_pixels,
                            **camera, **tls)
@@ -507,6 +419,33 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     return report
 
 
+def start_image_error(args) -> str | None:
+    """What is wrong with --start-image before any server is asked (None: nothing, or no --start-image)."""
+    if getattr(args, "start_image", None) is None:
+        return None
+    if getattr(args, "input", None) is not None:
+        return "not with --input: a stream starts from an image or restyles input video, not both"
+    try:
+        check_image(Path(args.start_image).read_bytes())
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    except ImageError as e:
+        return str(e)
+    return None
+
+
+async def start_image(args, url: str, tls: dict) -> str | None:
+    """--start-image FILE as every stream's start names it (client/start_image.py: inline, or uploaded once now)."""
+    if getattr(args, "start_image", None) is None:
+        return None
+    data = Path(args.start_image).read_bytes()
+    context = tls_context(tls["ca_file"], tls["insecure"])
+    image = await asyncio.to_thread(image_ref, data, url, args.token, context)
+    print(f"start image {args.start_image}: {len(data)} bytes, "
+          f"{'inline in each start' if is_data_url(image) else 'uploaded once'}", flush=True)
+    return image
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -522,6 +461,10 @@ def run(args, input_sources: list | None = None) -> int:
     if args.streams < 1 or args.duration <= 0 or args.watchers_per_stream < 0:
         print("streamsvc loadtest: --streams must be >= 1, --duration > 0 and --watchers-per-stream >= 0",
               file=sys.stderr)
+        return 2
+    image_error = start_image_error(args)
+    if image_error is not None:
+        print(f"streamsvc loadtest: --start-image {args.start_image}: {image_error}", file=sys.stderr)
         return 2
     if args.verify_pixels and args.decode == DecodeMode.NONE.value:
         print("streamsvc loadtest: --verify-pixels reads the frames: use --decode inline or thread", file=sys.stderr)
@@ -557,6 +500,9 @@ def run(args, input_sources: list | None = None) -> int:
     except ServerStartError as e:
         print(f"streamsvc loadtest: {e}", file=sys.stderr)
         return 3
+    except ImageError as e:
+        print(f"streamsvc loadtest: --start-image {args.start_image}: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("streamsvc loadtest: interrupted", file=sys.stderr)
         return 130
@@ -585,7 +531,8 @@ def run(args, input_sources: list | None = None) -> int:
                         "chunk_latent_frames": args.chunk_latent_frames, "prompt_every_s": args.prompt_every,
                         "decode": args.decode, "stats_every_s": args.stats_every, "server_args": args.server_arg,
                         "verify_pixels": args.verify_pixels, "watchers_per_stream": args.watchers_per_stream,
-                        "input": getattr(args, "input", None), "strength": getattr(args, "strength", None)}
+                        "input": getattr(args, "input", None), "strength": getattr(args, "strength", None),
+                        "start_image": getattr(args, "start_image", None)}
     print(format_table(report))
     print(verdict(report))
     if args.json:

@@ -93,6 +93,8 @@ class ClientConfig:
     # paced in real time at the stream's fps; the stream restyles it at `strength` (None: the server's default)
     input: FrameSource | None = None
     strength: float | None = None
+    # the picture the stream starts from: a data: URL or an upload's id (client/start_image.py `image_ref`)
+    image: str | None = None
 
     def __post_init__(self) -> None:
         if self.watch is not None and (self.prompt or self.seed is not None or self.fps is not None):
@@ -112,8 +114,8 @@ class ClientConfig:
             raise ValueError(f"ca_file={self.ca_file!r} and insecure: give one (insecure checks no certificate)")
         if self.stats_every_s < 0:
             raise ValueError(f"stats_every_s={self.stats_every_s}: must be >= 0 (0 turns stats off)")
-        if self.watch is not None and self.input is not None:
-            raise ValueError("a watcher sends no input: the input video is its stream's steerer's")
+        if self.watch is not None and (self.input is not None or self.image is not None):
+            raise ValueError("a watcher sends no input nor image: they are its stream's steerer's")
         if self.verify_pixels and self.decode is DecodeMode.NONE:
             raise ValueError("verify_pixels reads the frames: it needs decode inline or thread, not none")
 
@@ -126,7 +128,7 @@ class ClientConfig:
     def start_message(self, transport: str | None = None) -> P.Start:
         """The ``start`` message that opens this viewer's stream."""
         return P.Start(prompt=self.prompt, seed=self.seed, fps=self.fps, transport=transport, token=self.token,
-                       input=self.input is not None, strength=self.strength)
+                       input=self.input is not None, strength=self.strength, image=self.image)
 
     def first_message(self, transport: str | None = None) -> P.Start | P.Watch:
         """What the viewer sends first: ``watch`` of ``self.watch``, or the ``start`` of its own stream."""

@@ -25,7 +25,9 @@ class CachePool:
     """Hands out per-stream caches under `budget_bytes` and takes the memory back on release.
 
     Accounting is by exact storage bytes (`CacheSpec.stream_bytes`), so it is testable with
-    no backing memory: on device "meta" tensors have shapes but no storage.
+    no backing memory: on device "meta" tensors have shapes but no storage. Other device memory
+    that streams share (a style's adapter: streamsvc/engine/styles.py) is held against the same
+    budget by `reserve`, so a stream's cache fits only in what the caches and those leave.
     """
 
     def __init__(self, budget_bytes: int, device: torch.device | str = "cpu") -> None:
@@ -34,10 +36,11 @@ class CachePool:
         self.budget_bytes = int(budget_bytes)
         self.device = torch.device(device)
         self._held: dict[str, tuple[Reservation, StreamCache]] = {}
+        self.reserved: dict[str, int] = {}  # shared memory held against the budget, by holder (`reserve`)
 
     @property
     def used_bytes(self) -> int:
-        return sum(r.nbytes for r, _ in self._held.values())
+        return sum(r.nbytes for r, _ in self._held.values()) + sum(self.reserved.values())
 
     @property
     def free_bytes(self) -> int:
@@ -61,10 +64,14 @@ class CachePool:
         if need <= self.free_bytes:
             return None
         extra = f" (decoder state {format_bytes(extra_bytes)} included)" if extra_bytes else ""
+        shared = ""
+        if self.reserved:  # e.g. styles' adapters
+            names = ", ".join(list(self.reserved)[:3]) + (", ..." if len(self.reserved) > 3 else "")
+            shared = f"; {format_bytes(sum(self.reserved.values()))} of it reserved by {names}"
         return (
             f"KV cache needs {format_bytes(need)}{extra} but the pool has {format_bytes(self.free_bytes)} free of "
-            f"{format_bytes(self.budget_bytes)} ({self.num_streams} streams open); close a stream, use --kv-quant "
-            "int2/int4 or a smaller window"
+            f"{format_bytes(self.budget_bytes)} ({self.num_streams} streams open{shared}); close a stream, use "
+            "--kv-quant int2/int4 or a smaller window"
         )
 
     def allocate(self, stream_id: str, spec: CacheSpec, extra_bytes: int = 0) -> StreamCache | None:
@@ -92,6 +99,20 @@ class CachePool:
         """Free `stream_id`'s cache; returns the bytes given back (0 if it held none)."""
         held = self._held.pop(stream_id, None)
         return 0 if held is None else held[0].nbytes
+
+    def reserve(self, holder: str, nbytes: int) -> bool:
+        """Hold `nbytes` of the budget for `holder` (memory no stream owns, e.g. a style's adapter); False, and
+        nothing held, when they do not fit in what is free."""
+        if holder in self.reserved:
+            raise ValueError(f"{holder!r} already holds a reservation")
+        if nbytes > self.free_bytes:
+            return False
+        self.reserved[holder] = int(nbytes)
+        return True
+
+    def unreserve(self, holder: str) -> int:
+        """Give `holder`'s reservation back; returns its bytes (0 if it held none)."""
+        return self.reserved.pop(holder, 0)
 
     def holds(self, stream_id: str) -> bool:
         return stream_id in self._held

@@ -1,7 +1,9 @@
 """The causal Wan-style DiT: block-causal over latent frames, K/V cached per stream.
 
 Module names follow Wan2.1's state dict so real checkpoints load (see models/weights.py). Its
-elementwise steps (RoPE, the norms, the modulation and residuals) are models/dit_ops.py's.
+elementwise steps (RoPE, the norms, the modulation and residuals) are models/dit_ops.py's. A stream with a
+style (`CacheAccess.lora`, models/adapters.py) gets its adapter's low-rank terms at each Linear it names
+(`linear`, `sequential`), on its rows only; without any, a forward runs exactly as it would without adapters.
 Shapes in comments: B streams, F frames in this forward, T tokens per frame, L = F*T,
 H heads, D head dim, C latent channels.
 """
@@ -9,7 +11,6 @@ H heads, D head dim, C latent channels.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from torch import nn
 
 from kvcache import StreamCache
 from models import flash, fp8, sage, triton_ops
+from models.adapters import AdapterUse, LoraBatch
 from models.config import ModelConfig
 from models.dit_ops import KERNELS, Rope
 
@@ -30,7 +32,7 @@ SAMPLE_MIN_SIGMA = 1e-3
 
 @dataclass
 class CacheAccess:
-    """How one stream of a forward uses its KV cache."""
+    """How one stream of a forward uses its KV cache (and, with a style, which adapter it runs under)."""
 
     cache: StreamCache | None  # the stream's cache; None: attend to this forward's frames only
     read_slots: int  # attend to cache slots [0, read_slots) (a prefix: sinks first, then the window)
@@ -46,6 +48,8 @@ class CacheAccess:
     # CUDA graphs (models/graphs.py) pass what differs between replays as fixed device buffers:
     write_index: torch.Tensor | None = None  # [len(write_slots)] int64, the write slots on the device
     key_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of key_positions(); None: looked up
+    # the stream's style (models/adapters.py): its low-rank terms are added to its rows only; None: the base weights
+    lora: AdapterUse | None = None
 
     @property
     def frames_read(self) -> int:
@@ -134,18 +138,18 @@ class SelfAttention(nn.Module):
 
 
 class CrossAttention(SelfAttention):
-    def text_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def text_kv(self, context: torch.Tensor, lora: LoraBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # context: [B, text_len, dim] -> k, v: [B, text_len, H, D]
         b, n = context.shape[:2]
-        k = self.norm_k(self.k(context)).view(b, n, self.num_heads, self.head_dim)
-        v = self.v(context).view(b, n, self.num_heads, self.head_dim)
+        k = self.norm_k(linear(self.k, context, lora)).view(b, n, self.num_heads, self.head_dim)
+        v = linear(self.v, context, lora).view(b, n, self.num_heads, self.head_dim)
         return k, v
 
-    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         b, n = x.shape[:2]
-        q = self.norm_q(self.q(x)).view(b, n, self.num_heads, self.head_dim)
+        q = self.norm_q(linear(self.q, x, lora)).view(b, n, self.num_heads, self.head_dim)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.o(out.transpose(1, 2).reshape(b, n, -1))
+        return linear(self.o, out.transpose(1, 2).reshape(b, n, -1), lora)
 
 
 class Block(nn.Module):
@@ -168,9 +172,30 @@ class Head(nn.Module):
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
 
 
-def feed_forward(ffn: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
-    """Wan's FFN (Linear, tanh-GELU, Linear); on CUDA the GELU runs in the first GEMM's epilogue (cuBLASLt)."""
+def linear(lin: nn.Module, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+    """lin(x) [B, ..., out], with the low-rank terms of the streams whose style adapts `lin` added to their rows."""
+    out = lin(x)
+    return out if lora is None else lora.add(lin, x, out)
+
+
+def sequential(seq: nn.Sequential, x: torch.Tensor, lora: LoraBatch | None, streams: int) -> torch.Tensor:
+    """seq(x), each Linear's output with the streams' low-rank terms (x's rows: `streams` equal groups, in order)."""
+    if lora is None:
+        return seq(x)
+    for m in seq:  # as nn.Sequential runs them
+        y = m(x)
+        if isinstance(m, (nn.Linear, fp8.FP8Linear)):
+            lora.add(m, x.view(streams, -1, x.shape[-1]), y.view(streams, -1, y.shape[-1]))
+        x = y
+    return x
+
+
+def feed_forward(ffn: nn.Sequential, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+    """Wan's FFN (Linear, tanh-GELU, Linear); on CUDA the GELU runs in the first GEMM's epilogue (cuBLASLt).
+    With styles, each Linear on its own (the terms go in before the GELU)."""
     fc1, _, fc2 = ffn
+    if lora is not None:
+        return sequential(ffn, x, lora, x.shape[0])
     if isinstance(fc1, fp8.FP8Linear):  # FP8 GEMMs; the GELU goes with the hidden activation's quantization
         xq, xs = fp8.OPS.quantize_rows(x.reshape(-1, x.shape[-1]))
         hq, hs = fp8.OPS.gelu_quantize_rows(fc1.gemm(xq, xs, x.dtype))
@@ -301,14 +326,16 @@ class CausalWanModel(nn.Module):
     # -- text ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def text_kv(self, context: torch.Tensor) -> TextKV:
-        """Cross-attention K/V of a prompt, computed once per prompt: context [B, text_len, text_dim]."""
-        return self.project_text(context)
+    def text_kv(self, context: torch.Tensor, lora: AdapterUse | None = None) -> TextKV:
+        """Cross-attention K/V of a prompt, computed once per prompt (and style): context [1, text_len, text_dim]
+        (or [B, ...] without a style)."""
+        return self.project_text(context, lora)
 
-    def project_text(self, context: torch.Tensor) -> TextKV:
+    def project_text(self, context: torch.Tensor, lora: AdapterUse | None = None) -> TextKV:
         """`text_kv`, differentiable (training runs it)."""
-        ctx = self.text_embedding(context.to(self.device, self.dtype))
-        return [blk.cross_attn.text_kv(ctx) for blk in self.blocks]
+        batch = LoraBatch.of([lora] * context.shape[0])
+        ctx = sequential(self.text_embedding, context.to(self.device, self.dtype), batch, context.shape[0])
+        return [blk.cross_attn.text_kv(ctx, batch) for blk in self.blocks]
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -331,13 +358,16 @@ class CausalWanModel(nn.Module):
         b, _, nf = x.shape[:3]
         if len(access) != b or t.shape != (b, nf):
             raise ValueError(f"batch mismatch: x {tuple(x.shape)}, t {tuple(t.shape)}, {len(access)} cache accesses")
+        lora = LoraBatch.of([acc.lora for acc in access])  # None: no stream has a style
+        if lora is not None and split is not None:
+            raise ValueError("styles (LoRA adapters) do not run in a forward split over a group")
         tpf = cfg.tokens_per_frame
         parts = split.size if split is not None else 1
         tpl = tpf // parts  # tokens of each frame this rank holds
 
         h = self._patchify(x, split)  # [B, F*tpl, dim] float32, contiguous
-        e = self.time_embedding(sinusoidal_embedding(cfg.freq_dim, t.flatten()).to(self.dtype)).float()  # [B*F, dim]
-        e0 = self.time_projection(e.to(self.dtype)).float().view(b, nf, 1, 6, cfg.dim)  # [B, F, 1, 6, dim]
+        e = sequential(self.time_embedding, sinusoidal_embedding(cfg.freq_dim, t.flatten()).to(self.dtype), lora, b).float()  # [B*F, dim]
+        e0 = sequential(self.time_projection, e.to(self.dtype), lora, b).float().view(b, nf, 1, 6, cfg.dim)  # [B, F, 1, 6, dim]
         # per block: shift, scale, gate (self-attention), shift, scale, gate (FFN), each [B, F, 1, dim]
         # all blocks' in one add (two kernels, not two per block): [layers, B, F, 1, 6, dim]
         mod = torch.stack([blk.modulation for blk in self.blocks]).float().view(-1, 1, 1, 1, 6, cfg.dim) + e0
@@ -355,9 +385,9 @@ class CausalWanModel(nn.Module):
         with attention_backends():
             for i, blk in enumerate(self.blocks):
                 shift, scale = mods[i + 1][:2] if i + 1 < len(self.blocks) else head
-                h, y = self._block(ops, i, blk, h, y, mods[i], text[i], shift, scale, kv, rope, mask, split)
+                h, y = self._block(ops, i, blk, h, y, mods[i], text[i], shift, scale, kv, rope, mask, split, lora)
 
-        out = self.head.head(y).float()  # [B, F, tpl, C*pt*ph*pw]
+        out = linear(self.head.head, y, lora).float()  # [B, F, tpl, C*pt*ph*pw]
         if split is not None:
             out = split.gather(out)
         out = self._unpatchify(out.view(b, nf * tpf, -1), nf)
@@ -366,44 +396,48 @@ class CausalWanModel(nn.Module):
             out = (x.float() - out) / sigma
         return out
 
-    def _block(self, ops, i, blk: Block, h, y, mod, text_kv, next_shift, next_scale, kv, rope, mask, split=None):
+    def _block(self, ops, i, blk: Block, h, y, mod, text_kv, next_shift, next_scale, kv, rope, mask, split=None, lora=None):
         """h: residual [B, F, T, dim] float32 (T: the rank's tokens of a frame with `split`); y: this block's
         modulated input -> (h, the next block's y). `ops`: the fused kernels (models/triton_ops.py on CUDA,
-        else the torch references)."""
+        else the torch references). `lora`: the streams' styles (never with `split`)."""
         eps, dt = self.cfg.eps, self.dtype
         b, nf, tpf, dim = h.shape
-        attend = self._self_attention if split is None else functools.partial(split.self_attention, self)
-        a = attend(ops, i, blk.self_attn, y.view(b, nf * tpf, dim), kv, rope, mask).view_as(h)
+        if split is None:
+            a = self._self_attention(ops, i, blk.self_attn, y.view(b, nf * tpf, dim), kv, rope, mask, lora).view_as(h)
+        else:
+            a = split.self_attention(self, ops, i, blk.self_attn, y.view(b, nf * tpf, dim), kv, rope, mask).view_as(h)
         h, y = ops.residual_norm(h, a, mod[2], blk.norm3.weight, blk.norm3.bias, eps, dt)
         rows = text_kv[0].shape[0]  # B, or B*F: a prompt per frame
-        a = blk.cross_attn(y.view(rows, -1, dim), *text_kv).view_as(h)
+        a = blk.cross_attn(y.view(rows, -1, dim), *text_kv, lora).view_as(h)
         h, y = ops.residual_adaln(h, a, None, mod[3], mod[4], eps, dt)
-        a = feed_forward(blk.ffn, y)
+        a = feed_forward(blk.ffn, y, lora)
         return ops.residual_adaln(h, a, mod[5], next_shift, next_scale, eps, dt)
 
     @staticmethod
-    def project_qkv(attn: SelfAttention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def project_qkv(attn: SelfAttention, x: torch.Tensor, lora: LoraBatch | None = None):
         """x [B, L, dim] -> q, k [B, L, H, D] before the qk norm, and v [B, L, H, D] when the FP8 path made it
-        with them (else None: the caller's GEMM writes it where it goes)."""
+        with them (else None: the caller's GEMM writes it where it goes), the streams' styles added."""
         b, n = x.shape[:2]
         nh, hd = attn.num_heads, attn.head_dim
         if isinstance(attn.q, fp8.FP8Linear):  # x quantized once for the three FP8 GEMMs
             xq, xs = fp8.OPS.quantize_rows(x.reshape(b * n, -1))
-            q, k, v = (lin.gemm(xq, xs, x.dtype).view(b, n, nh, hd) for lin in (attn.q, attn.k, attn.v))
-            return q, k, v
-        return attn.q(x).view(b, n, nh, hd), attn.k(x).view(b, n, nh, hd), None
+            q, k, v = (lin.gemm(xq, xs, x.dtype) for lin in (attn.q, attn.k, attn.v))
+            if lora is not None:
+                q, k, v = (lora.add(lin, x, y.view(b, n, -1)) for lin, y in zip((attn.q, attn.k, attn.v), (q, k, v)))
+            return q.view(b, n, nh, hd), k.view(b, n, nh, hd), v.view(b, n, nh, hd)
+        return linear(attn.q, x, lora).view(b, n, nh, hd), linear(attn.k, x, lora).view(b, n, nh, hd), None
 
-    def _self_attention(self, ops, layer, attn: SelfAttention, x, kv: AttentionKV, rope, mask) -> torch.Tensor:
+    def _self_attention(self, ops, layer, attn: SelfAttention, x, kv: AttentionKV, rope, mask, lora=None) -> torch.Tensor:
         b, n = x.shape[:2]
         hd, nh, eps, tpf = attn.head_dim, attn.num_heads, self.cfg.eps, self.cfg.tokens_per_frame
-        q, k, v_all = self.project_qkv(attn, x)
+        q, k, v_all = self.project_qkv(attn, x, lora)
         if kv.shared:  # no cache, the same positions and mask for every sample: no loop over the batch
             (cos, sin), _ = rope[0]
             qs = KERNELS.norm_rope(q, attn.norm_q.weight, eps, cos, sin).transpose(1, 2)
             ks = KERNELS.norm_rope(k, attn.norm_k.weight, eps, cos, sin).transpose(1, 2)
-            vs = (v_all if v_all is not None else attn.v(x).view(b, n, nh, hd)).transpose(1, 2)
+            vs = (v_all if v_all is not None else linear(attn.v, x, lora).view(b, n, nh, hd)).transpose(1, 2)
             out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(1, 2)
-            return attn.o(out.reshape(b, n, -1))
+            return linear(attn.o, out.reshape(b, n, -1), lora)
         keys, values = kv.buffers(layer)  # [B, Lk, H, D], the cached part filled
         qs = torch.empty_like(q)
         writes = []  # (access, K normalized before RoPE, V), stored once attention has read the cache
@@ -419,9 +453,11 @@ class CausalWanModel(nn.Module):
                 vj = values[j, r : r + n].copy_(attn.v(x[j]).view(n, nh, hd))
             else:
                 vj = torch.addmm(attn.v.bias, x[j], attn.v.weight.t(), out=values[j, r : r + n].view(n, -1))  # V GEMM into place
+            if lora is not None and v_all is None:
+                lora.add_stream(j, attn.v, x[j], vj.view(n, -1))
             if kn is not None:
                 writes.append((acc, kn.view(-1, tpf, nh, hd), vj.view(-1, tpf, nh, hd)))
-        return attn.o(self.attend(layer, qs, keys, values, mask, writes).reshape(b, n, -1))
+        return linear(attn.o, self.attend(layer, qs, keys, values, mask, writes).reshape(b, n, -1), lora)
 
     def attend(self, layer: int, qs, keys, values, mask, writes) -> torch.Tensor:
         """Self-attention of queries qs [B, L, H, D] (normalized, rotated) over keys and values [B, Lk, H, D],

@@ -25,23 +25,27 @@ degrading drops steps after the start step (n steps with start k run k .. max(n,
 Image-to-video (causal, as Wan's and Self-Forcing's): `start_from_image` makes a new stream's latent frame 0 an
 image's (Wan's lone first frame), committed at timestep 0 as clean context, a block of its own (a sink frame
 while the cache has sinks); chunks then follow from latent frame 1, their blocks one frame later (`_block`).
+
+Styles (issue 47; models/adapters.py): a stream may run under a LoRA adapter of `adapters` at a scale, whose
+low-rank terms its forwards add to its rows only; `set_lora` switches it live, re-caching as a prompt switch.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import torch
 
 from kvcache import CacheSpec, HostCopier, StreamCache, Workspace, park_cache, restore_cache
+from models.adapters import AdapterSet, AdapterUse
 from models.config import ModelConfig
 from models.decoder import StreamingDecoder, TinyStreamingDecoder, frames_per_chunk
 from models.dit import CacheAccess, CausalWanModel, TextKV, in_place
 from models.encoder import BlockPCAEncoder, StreamingEncoder, check_frames
-from models.graphs import GraphedForward
+from models.graphs import GraphedForward, capture_serving
+from models.prompts import PromptCache, batch_text
 from models.stream import PARKED_FIELDS, Chunk, GeneratorConfig, ParkedStream, StreamState, field_tensors, with_tensors
 from models.text import HashTextEncoder, TextEncoder
 from models.work import WorkKind
@@ -58,10 +62,6 @@ def apply_speed_options(model: CausalWanModel, cfg: GeneratorConfig) -> CausalWa
     return model
 
 
-PROMPT_CACHE_PROMPTS = 256  # prompts whose cross-attention K/V a generator keeps beyond the streams using them
-PROMPT_CACHE_BYTES = 2 * 2**30  # and at most this much of them (device memory no KV budget counts)
-
-
 class ChunkGenerator:
     """Runs the causal DiT forward by forward for any number of streams."""
 
@@ -76,8 +76,6 @@ class ChunkGenerator:
         """`encoder`: the input encoder of video-to-video (None: none, unless `decoder` is None too: the
         built-in random decoder comes with a random BlockPCA encoder, `BlockPCAEncoder.random`)."""
         self.model, self.cfg = apply_speed_options(model, cfg), cfg
-        # what `forward` runs: CUDA graphs on CUDA, the model itself elsewhere
-        self.runner = GraphedForward(model) if cfg.cuda_graphs and model.device.type == "cuda" else model
         mc: ModelConfig = model.cfg
         self.model_cfg = mc
         self.text_encoder = text_encoder or HashTextEncoder(mc.text_dim, mc.text_len)
@@ -89,10 +87,13 @@ class ChunkGenerator:
         self.sigmas = cfg.sigmas
         self.device = model.device
         self._sigmas = torch.tensor(self.sigmas, dtype=torch.float64, device=self.device)  # [steps], read by index
-        self._prompts: OrderedDict[str, TextKV] = OrderedDict()  # recent prompts' cross-attention K/V, newest last
+        self.prompts = PromptCache(model, self.text_encoder)  # recent prompts' cross-attention K/V
         # the device's working copy of one stream's cache at a time (dense storage only)
         self.workspace = Workspace(self.workspace_spec(), self.device) if cfg.stage_kv and cfg.kv_quant == "none" else None
         self.copier = HostCopier(self.device)  # parks streams in host memory and brings them back
+        self.adapters = AdapterSet(self.model, max_rank=cfg.lora_max_rank)  # the styles (`adapters.load` / `load_dir`)
+        # what `forward` runs: CUDA graphs on CUDA, the model itself elsewhere
+        self.runner = GraphedForward(model, self.adapters) if cfg.cuda_graphs and model.device.type == "cuda" else model
 
     # -- streams ------------------------------------------------------------------------------
 
@@ -123,8 +124,11 @@ class ChunkGenerator:
         """Device memory one stream's input encoder state holds (0 without an encoder, or a stateless one)."""
         return 0 if self.encoder is None else self.encoder.state_bytes(self.model_cfg.height, self.model_cfg.width)
 
-    def open_stream(self, stream_id: str, prompt: str, seed: int, cache: StreamCache | None = None) -> StreamState:
-        """A new stream; `cache` comes from the device's pool (a private one is made if None)."""
+    def open_stream(self, stream_id: str, prompt: str, seed: int, cache: StreamCache | None = None,
+                    lora: str | None = None, lora_scale: float = 1.0) -> StreamState:
+        """A new stream; `cache` comes from the device's pool (a private one is made if None); `lora`: its style,
+        one of `adapters` (None: none), at `lora_scale` (an unknown style or a bad scale: a ValueError)."""
+        use = self.adapters.use(lora, lora_scale)
         mc = self.model_cfg
         cache = cache if cache is not None else StreamCache(self.cache_spec(), self.device)
         noise = torch.Generator(device=self.device).manual_seed(seed)
@@ -133,11 +137,13 @@ class ChunkGenerator:
             cache=cache,
             noise=noise,
             prompt=prompt,
-            text=self.encode_prompt(prompt),
+            text=self.encode_prompt(prompt, use),
             decoder=self.decoder.init_state(),
             clean=torch.zeros(cache.spec.capacity_frames, mc.in_channels, mc.latent_height, mc.latent_width, device=self.device),
             steps=len(self.sigmas),
             encoder=None if self.encoder is None else self.encoder.init_state(),
+            lora=lora,
+            lora_scale=float(lora_scale),
         )
 
     def close_stream(self, state: StreamState) -> None:
@@ -179,7 +185,7 @@ class ChunkGenerator:
         parked.restored = [restore_cache(parked.cache, cache, self.copier)]
         parked.moved.wait()
         fields = dict(parked.fields)
-        text = self._prompts.get(state.prompt)
+        text = self.prompts.cached(state.prompt, self.lora_use(state))
         if text is not None:
             del fields["text"]
         back = self.copier.to_device(field_tensors(fields))
@@ -211,7 +217,7 @@ class ChunkGenerator:
         if state.pending_prompt is not None:
             self._apply_prompt(state)
         slots = state.cache.plan_commit(1)
-        self.forward(z[None], torch.zeros(1, 1, device=self.device), state.text, [CacheAccess(state.cache, 0, write_slots=slots)])
+        self.forward(z[None], torch.zeros(1, 1, device=self.device), state.text, [CacheAccess(state.cache, 0, write_slots=slots, lora=self.lora_use(state))])
         state.cache.advance(slots)
         state.clean[_rows(slots, self.device)] = z.transpose(0, 1)
         state.forwards[WorkKind.COMMIT.value] += 1
@@ -219,24 +225,27 @@ class ChunkGenerator:
         state.start_frames, state.chunks_done, state.frames_done = 1, 1, frames.shape[0]
         return Chunk(0, 0, frames, z, state.prompt_version, steps=0)
 
-    def encode_prompt(self, prompt: str) -> TextKV:
-        """Cross-attention K/V of a prompt, computed once. The most recent ones are kept (at most
-        PROMPT_CACHE_PROMPTS, and PROMPT_CACHE_BYTES of them: a wan2.1-14b prompt's K/V are 420 MB, 2 x 40
-        layers x 512 tokens x 5120 x 2 B); a stream holds its own prompt's whatever the cache drops."""
-        if prompt in self._prompts:
-            self._prompts.move_to_end(prompt)
-            return self._prompts[prompt]
-        with torch.inference_mode():
-            kv = self.model.text_kv(self.text_encoder.encode([prompt]))
-        self._prompts[prompt] = kv
-        size = sum(t.numel() * t.element_size() for pair in kv for t in pair)
-        while len(self._prompts) > max(1, min(PROMPT_CACHE_PROMPTS, PROMPT_CACHE_BYTES // max(1, size))):
-            self._prompts.popitem(last=False)
-        return kv
+    def encode_prompt(self, prompt: str, lora: AdapterUse | None = None) -> TextKV:
+        """Cross-attention K/V of a prompt under a style (`prompts`: computed once, the recent ones kept)."""
+        return self.prompts.encode(prompt, lora)
 
     def set_prompt(self, state: StreamState, prompt: str, version: int | None = None) -> None:
         """Steer the stream: the next chunk (after a recache) follows `prompt`, tagged `version`."""
         state.pending_prompt, state.pending_version = prompt, version
+
+    def set_lora(self, state: StreamState, name: str | None, scale: float = 1.0, version: int | None = None) -> None:
+        """Switch the stream's style live: from the next chunk on, adapter `name` (None: none) at `scale`, after a recache
+        as a prompt switch's (it is one, to the same prompt unless another is pending), tagged `version`. A bad name or scale: ValueError."""
+        self.adapters.use(name, scale)
+        state.pending_lora = (name, float(scale))
+        if state.pending_prompt is None:
+            self.set_prompt(state, state.prompt, version)
+        elif version is not None:
+            state.pending_version = version
+
+    def lora_use(self, state: StreamState) -> AdapterUse | None:
+        """The stream's style as its forwards run it (None: the base weights, bit for bit)."""
+        return self.adapters.use(state.lora, state.lora_scale)
 
     def abandon_chunk(self, state: StreamState) -> None:
         """Drop the chunk in progress (e.g. to restart it under a new prompt)."""
@@ -406,7 +415,7 @@ class ChunkGenerator:
             x = state.clean[_rows(part, self.device)].transpose(0, 1)[None]  # [1, C, F, h, w]
             t = torch.zeros(1, len(part), device=self.device)
             # slots are in time order from 0: the chunk reads every slot before its own (recomputed or kept)
-            self.forward(x, t, state.text, [CacheAccess(cache, part[0], write_slots=part)])
+            self.forward(x, t, state.text, [CacheAccess(cache, part[0], write_slots=part, lora=self.lora_use(state))])
 
     def _move_kv(self, cache: StreamCache, src: Sequence[int], dst: Sequence[int]) -> None:
         """Move the K/V of slots `src` to slots `dst` (in time order), every layer, through the cache's own
@@ -457,8 +466,8 @@ class ChunkGenerator:
         t = (sig * 1000).float()[:, None].expand(-1, nf)
         # commit reuse: a chunk's last step writes its K/V where the commit would (after attention reads)
         writes = [s.cache.plan_commit(nf) if self.cfg.commit_reuse and s.step + 1 == s.steps else None for s in states]
-        access = [CacheAccess(s.cache, s.cache.num_frames, write_slots=w) for s, w in zip(states, writes)]
-        v = self.forward(x, t, _batch_text([s.text for s in states]), access)
+        access = [CacheAccess(s.cache, s.cache.num_frames, write_slots=w, lora=self.lora_use(s)) for s, w in zip(states, writes)]
+        v = self.forward(x, t, batch_text([s.text for s in states]), access)
         x0 = (x.double() - sig.view(-1, 1, 1, 1, 1) * v.double()).float()
         for j, s in enumerate(states):
             s.reused_slots = writes[j]
@@ -482,9 +491,10 @@ class ChunkGenerator:
         slots = [s.reused_slots or s.cache.plan_commit(nf) for s in states]
         run = [j for j, s in enumerate(states) if s.reused_slots is None]  # chunks cut short before their last step
         if run:
-            access = [CacheAccess(states[j].cache, states[j].cache.num_frames, write_slots=slots[j]) for j in run]
+            access = [CacheAccess(states[j].cache, states[j].cache.num_frames, write_slots=slots[j], lora=self.lora_use(states[j]))
+                      for j in run]
             t = torch.zeros(len(run), nf, device=self.device)
-            self.forward(x0[run] if len(run) < len(states) else x0, t, _batch_text([states[j].text for j in run]), access)
+            self.forward(x0[run] if len(run) < len(states) else x0, t, batch_text([states[j].text for j in run]), access)
         chunks = []
         for j, s in enumerate(states):
             s.cache.advance(slots[j])
@@ -501,41 +511,9 @@ class ChunkGenerator:
 
     @torch.inference_mode()
     def capture_graphs(self) -> int:
-        """Capture every CUDA graph that serving replays, before serving (then `freeze`): with a
-        throwaway stream, at each cache fill, a chunk's first denoising step (it rotates the cached
-        keys), its later steps, its commit, and a commit that rotates (after a switch of streams,
-        or in a recache); then a recache (with recache_chunks, also one of the whole window). Returns
-        the number of graphs captured (0 off CUDA)."""
-        runner = self.runner
-        if not isinstance(runner, GraphedForward):
-            return 0
-        mc, nf = self.model_cfg, self.cfg.frames_per_chunk
-        state = self.open_stream("capture", "capture", seed=0)
-        cache = state.cache
-        x = torch.randn(1, mc.in_channels, nf, mc.latent_height, mc.latent_width, generator=state.noise, device=self.device)
-        t, t0 = torch.full((1, nf), 500.0, device=self.device), torch.zeros(1, nf, device=self.device)
-        seen: set[int] = set()
-        try:
-            while cache.num_frames not in seen:  # fills 0, 3, ... up to a full cache
-                n = cache.num_frames
-                seen.add(n)
-                slots = cache.plan_commit(nf)
-                self.forward(x, t0, state.text, [CacheAccess(cache, n, write_slots=slots)])  # a commit that rotates
-                self.forward(x, t, state.text, [CacheAccess(cache, n)])  # a chunk's first step: rotates
-                self.forward(x, t, state.text, [CacheAccess(cache, n)])  # its later steps
-                self.forward(x, t0, state.text, [CacheAccess(cache, n, write_slots=slots)])  # its commit
-                cache.advance(slots)
-                state.clean[_rows(slots, self.device)] = x[0].transpose(0, 1)
-            self.set_prompt(state, "capture again")
-            self.recache(state)
-            if self.cfg.recache_chunks:  # the whole window too, as after commit reuse's chunk abandoned over it
-                state.recache_all = True
-                self.set_prompt(state, "capture once more")
-                self.recache(state)
-        finally:
-            self.close_stream(state)
-        runner.freeze()
-        return runner.stats["captures"]
+        """Capture every CUDA graph that serving replays, before serving (models/graphs.py `capture_serving`; load
+        the styles first). Returns the number of graphs captured (0 off CUDA)."""
+        return capture_serving(self) if isinstance(self.runner, GraphedForward) else 0
 
     # -- offline ------------------------------------------------------------------------------
 
@@ -556,8 +534,10 @@ class ChunkGenerator:
         return state.cache.num_frames > 0
 
     def _apply_prompt(self, state: StreamState) -> None:
+        if state.pending_lora is not None:
+            (state.lora, state.lora_scale), state.pending_lora = state.pending_lora, None
         state.prompt, state.pending_prompt = state.pending_prompt, None
-        state.text = self.encode_prompt(state.prompt)
+        state.text = self.encode_prompt(state.prompt, self.lora_use(state))
         state.prompt_version = state.prompt_version + 1 if state.pending_version is None else state.pending_version
         state.pending_version = None
 
@@ -584,9 +564,3 @@ def _rows(slots: Sequence[int], device: torch.device) -> slice | torch.Tensor:
     if slots == list(range(slots[0], slots[0] + len(slots))):
         return slice(slots[0], slots[0] + len(slots))
     return torch.tensor(slots).to(device, non_blocking=True)
-
-
-def _batch_text(texts: list[TextKV]) -> TextKV:
-    if len(texts) == 1:
-        return texts[0]
-    return [(torch.cat([t[i][0] for t in texts]), torch.cat([t[i][1] for t in texts])) for i in range(len(texts[0]))]

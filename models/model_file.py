@@ -30,6 +30,17 @@ BUILTIN_WEIGHTS = Path(__file__).resolve().parent / "assets" / "tiny.safetensors
 # so it is not the default; `--weights follow` picks it
 FOLLOW_WEIGHTS = BUILTIN_WEIGHTS.with_name("tiny_follow.safetensors")
 WEIGHTS = ("auto", "builtin", "follow", "random")  # `weights=` choices besides a path to a model file
+BUILTIN_STYLES = BUILTIN_WEIGHTS.with_name("styles")
+"""Style LoRAs trained for the built-in model (`python -m models.train_style --export`), one file a style, shipped with
+the package: what `serve` offers with the built-in weights unless --lora-dir says otherwise."""
+
+
+def shipped_styles(weights: Path | None) -> Path | None:
+    """The folder of styles trained for a model file: BUILTIN_STYLES for the built-in model's when it is installed
+    and holds a file, None for any other model (a style is trained for one model's weights)."""
+    if weights is None or weights.resolve() != BUILTIN_WEIGHTS or not BUILTIN_STYLES.is_dir():
+        return None
+    return BUILTIN_STYLES if any(p.suffix == ".safetensors" for p in BUILTIN_STYLES.iterdir()) else None
 
 
 def shipped() -> dict[str, Path]:

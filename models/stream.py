@@ -58,6 +58,9 @@ class GeneratorConfig:
     # the sinks theirs, unless recache_sinks). The newest chunk is the one the next chunk attends to most
     # closely; recomputing it alone is one forward instead of one per cached chunk.
     recache_chunks: int = 0
+    # styles (models/adapters.py): the largest rank a stream's adapter may have (CUDA graphs will hold one in
+    # buffers of this rank per targeted Linear)
+    lora_max_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.frames_per_chunk < 1:
@@ -68,6 +71,8 @@ class GeneratorConfig:
             raise ValueError(f"degraded_steps {self.degraded_steps} must each be >= 1 (a chunk needs a step)")
         if self.recache_chunks < 0:
             raise ValueError(f"recache_chunks must be >= 0 (0: recache every window chunk), got {self.recache_chunks}")
+        if self.lora_max_rank < 1:
+            raise ValueError(f"lora_max_rank must be >= 1, got {self.lora_max_rank}")
         if self.attention_quant not in ("none", "int8"):
             raise ValueError(f"attention_quant {self.attention_quant!r} is unknown; use none or int8")
         if self.window_frames and self.window_frames < self.frames_per_chunk:
@@ -122,6 +127,11 @@ class StreamState:
     prompt_version: int = 0
     pending_prompt: str | None = None  # applied before the next chunk (with a recache if anything is cached)
     pending_version: int | None = None  # version the pending prompt takes (default: the current one + 1)
+    # its style: a name of the generator's adapters (None: the base weights) and its scale; a switch waits in
+    # pending_lora (name, scale) and is applied with the pending prompt, which `set_lora` sets too
+    lora: str | None = None
+    lora_scale: float = 1.0
+    pending_lora: tuple[str | None, float] | None = None
     step: int = 0  # next denoising step of the chunk in progress (== steps: ready to commit)
     steps: int = 0  # denoising steps of the chunk in progress or the next one (set by open_stream: the full schedule)
     x: torch.Tensor | None = None  # [C, F, h, w] current noisy input of the chunk in progress

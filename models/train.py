@@ -53,6 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from models.adapters import AdapterUse
 from models.config import ModelConfig, parse_overrides
 from models.decoder import NoDecoder, TinyStreamingDecoder
 from models.dit import CacheAccess, CausalWanModel
@@ -60,10 +61,10 @@ from models.generator import ChunkGenerator
 from models.latent import BlockPCA, video_frames
 from models.scenes import Clip, sample_clip, vocabulary
 from models.stream import GeneratorConfig
-from models.teacher_forcing import frame_sigmas, frame_text, sigmas, teacher_forward
+from models.teacher_forcing import chunk_sigmas, frame_sigmas, frame_text, teacher_forward
 from models.text import HashTextEncoder
 from models.train_clips import (
-    chunk_weights, clip_captions, clip_layout, object_centres, parse_chunk_sizes, render_clips, roll_frames,
+    chunk_weights, clip_captions, clip_layout, object_centres, parse_chunk_sizes, render_clips, roll_frames, text_clips,
 )
 from models.train_follow import (
     FollowPairs, FollowPool, follow_levels, follow_pool, pair_count, pair_sigmas, pair_starts, sample_pairs,
@@ -177,6 +178,29 @@ def saved_config(config: dict) -> dict:
     if "chunk_sizes" in config or config.get("chunks") != 5:
         return config
     return {**{k: v for k, v in config.items() if k != "chunks"}, "chunk_sizes": "3"}
+
+
+def channel_weights(pca: BlockPCA, loss_weight: str) -> torch.Tensor:
+    """[1, C, 1, 1, 1]: each latent channel's weight in the flow loss (TrainConfig.loss_weight): its std before
+    whitening to the power LOSS_WEIGHTS names, normalized to mean 1."""
+    w = pca.std ** LOSS_WEIGHTS[loss_weight]
+    return (w / w.mean()).view(1, -1, 1, 1, 1)
+
+
+def forcing_loss(model: CausalWanModel, encoder: HashTextEncoder, clean: torch.Tensor, noisy: torch.Tensor, sigma: torch.Tensor,
+                 captions: list, weight: torch.Tensor, fpc: int, channels: torch.Tensor, context_noise: float,
+                 lead: torch.Tensor | None = None, amp: bool = False, lora: AdapterUse | None = None) -> torch.Tensor:
+    """The teacher-forcing loss of a batch: the clean context (clean [B, C, F, h, w]) noised by up to `context_noise`,
+    the forward over [context | noisy] (sigma [B, F] the noisy frames' levels; under the style `lora` if given), the
+    loss on the x0 it leads to, weighed per channel (`channels`, `channel_weights`) and per noisy frame as `weight`
+    [B, F] counts them. `amp`: the forward under bf16 autocast."""
+    ctx = torch.rand(clean.shape[0], 1, 1, 1, 1, device=clean.device) * context_noise
+    context = (1 - ctx) * clean + ctx * torch.randn_like(clean)
+    with torch.autocast(clean.device.type, dtype=torch.bfloat16, enabled=amp):
+        text = frame_text(model, encoder, captions, lora)
+        v = teacher_forward(model, context, noisy, 1000 * sigma, text, fpc, lead, lora=lora).float()
+    per_frame = ((noisy - sigma[:, None, :, None, None] * v - clean).pow(2) * channels).mean(dim=(1, 3, 4))
+    return (per_frame * weight).sum() / weight.sum().clamp_min(1)
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -302,10 +326,7 @@ class Trainer:
 
     def _clips(self, n: int, fpc: int | None = None) -> list[Clip]:
         """`n` clips at chunk size `fpc` (default: the first of `chunk_sizes`, as the encoder and decoder see them)."""
-        fpc = fpc or self.cfg.sizes[0]
-        sinks, chunks = clip_layout(self.gen, fpc)
-        return [sample_clip(self.rng, chunks, frames_per_chunk=fpc, sinks=sinks, height=self.mc.height, width=self.mc.width)
-                for _ in range(n)]
+        return text_clips(self.rng, n, self.gen, self.mc, fpc or self.cfg.sizes[0])
 
     def _render(self, clips: Sequence[Clip]) -> torch.Tensor:
         return render_clips(clips, clips[0].frames_per_chunk, self.mc.temporal_upsample, self.device)
@@ -349,11 +370,7 @@ class Trainer:
         clean, captions, weight, lead = with_image_clips(self.rng, self.pca, self.mc, clean, captions, weight, n_images, fpc)
         b, nc, first = clean.shape[0], len(clips[0].chunks), len(clips)
         # sigma per noisy chunk: mostly one of the sampler's levels, else shift-warped uniform (a pair's: an input's)
-        levels = sigmas(self.gen).to(self.device)
-        u = torch.rand(b, nc, device=self.device)
-        warped = self.gen.shift * u / (1 + (self.gen.shift - 1) * u)
-        pick = levels[torch.randint(len(levels), (b, nc), device=self.device)]
-        sigma = torch.where(torch.rand(b, nc, device=self.device) < cfg.p_sampler_sigma, pick, warped)
+        sigma = chunk_sigmas(self.gen, b, nc, cfg.p_sampler_sigma, self.device)
         start = clean
         if n_pairs:
             input_levels = follow_levels(cfg.follow_timesteps, self.device)
@@ -393,15 +410,9 @@ class Trainer:
 
     def _forcing_step(self, clean: torch.Tensor, noisy: torch.Tensor, sigma: torch.Tensor, captions: list, weight: torch.Tensor,
                       fpc: int, lead: torch.Tensor | None = None) -> float:
-        """One teacher-forcing update: the clean context noised a little, the forward, the loss on x0 (clean
-        [B, C, F, h, w]) over the noisy frames as `weight` [B, F] counts them."""
-        ctx = torch.rand(clean.shape[0], 1, 1, 1, 1, device=self.device) * self.cfg.context_noise
-        context = (1 - ctx) * clean + ctx * torch.randn_like(clean)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            text = frame_text(self.model, self.encoder, captions)
-            v = teacher_forward(self.model, context, noisy, 1000 * sigma, text, fpc, lead).float()
-        per_frame = ((noisy - sigma[:, None, :, None, None] * v - clean).pow(2) * self._channel_weights()).mean(dim=(1, 3, 4))
-        loss = (per_frame * weight).sum() / weight.sum().clamp_min(1)
+        """One teacher-forcing update (`forcing_loss`)."""
+        loss = forcing_loss(self.model, self.encoder, clean, noisy, sigma, captions, weight, fpc, self._channel_weights(),
+                            self.cfg.context_noise, lead, self.amp)
         self._update(loss, self.model)
         return loss.item()
 
@@ -486,9 +497,7 @@ class Trainer:
 
     def _channel_weights(self) -> torch.Tensor:
         """[1, C, 1, 1, 1]: each latent channel's weight in the flow loss (TrainConfig.loss_weight)."""
-        power = LOSS_WEIGHTS[self.cfg.loss_weight]
-        w = self.pca.std.to(self.device) ** power
-        return (w / w.mean()).view(1, -1, 1, 1, 1)
+        return channel_weights(self.pca, self.cfg.loss_weight).to(self.device)
 
     def _update(self, loss: torch.Tensor, module: torch.nn.Module) -> None:
         if not math.isfinite(loss.item()):  # e.g. an overflow under --amp: the step is skipped, the weights kept

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from models.latent import video_frames
-from models.scenes import Clip, draw
+from models.scenes import Clip, draw, sample_clip
 from models.stream import GeneratorConfig
 
 
@@ -36,6 +36,14 @@ def clip_layout(gen: GeneratorConfig, frames_per_chunk: int) -> tuple[int, int]:
     window frames in chunks of that size, then the chunk being made. Sink 3 + window 9: (1, 5) at 3, (3, 13) at 1."""
     sinks = gen.sink_frames // frames_per_chunk
     return sinks, sinks + gen.window_frames // frames_per_chunk + 1
+
+
+def text_clips(rng: np.random.Generator, n: int, gen: GeneratorConfig, mc, frames_per_chunk: int) -> list[Clip]:
+    """`n` random training clips (models/scenes.py `sample_clip`) at a chunk size, laid out as `clip_layout` says,
+    at the model's (`mc`, a ModelConfig) video size."""
+    sinks, chunks = clip_layout(gen, frames_per_chunk)
+    return [sample_clip(rng, chunks, frames_per_chunk=frames_per_chunk, sinks=sinks, height=mc.height, width=mc.width)
+            for _ in range(n)]
 
 
 def clip_latent_frames(clip: Clip, frames_per_chunk: int) -> list[int]:

@@ -237,6 +237,24 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "duration plus this")
 
 
+def _style_args(p: argparse.ArgumentParser) -> None:
+    p = p.add_argument_group("styles per stream (see README: Styles per stream)")
+    p.add_argument("--lora-dir", default=None, metavar="DIR",
+                   help="offer the style LoRAs of DIR, one per file (.safetensors, .pt, .pth, .bin; PEFT/LongLive, "
+                        "diffusers', ComfyUI's or kohya's Wan keys), each named by its file's stem: a stream picks one "
+                        "in its start (\"lora\": NAME, \"lora_scale\": S, 0 to 2, default 1) and its steerer switches "
+                        "it live (set_lora); GET /loras and ready list them. The base weights stay shared, never "
+                        "merged (--lora merges one LoRA for every stream). A bad file is logged at start and refused, "
+                        "with its reason, to the stream that names it. Not with --parallel. Default: with the built-in "
+                        "weights, the styles shipped for them in models/assets/styles, if any (`python -m "
+                        "models.train_style` trains them), else none; 'none': no styles")
+    p.add_argument("--lora-budget-gib", type=float, default=2.0, metavar="GIB",
+                   help="device memory the loaded styles may hold (default 2), counted in the KV pool's budget: each "
+                        "is loaded once and shared by its streams (at start, in name order while they fit); loading "
+                        "one more evicts the least recently used style no open or paused stream uses, and a style that "
+                        "still does not fit is refused with the figures")
+
+
 def cmd_serve(args) -> int:
     import asyncio
     import logging
@@ -513,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     basics.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     _model_args(s, basics)
     _parallel_args(s)
+    _style_args(s)
     _serve_args(s)
     _webrtc_args(s)
     _access_args(s)

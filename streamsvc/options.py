@@ -21,6 +21,7 @@ by default, 0.05 s under ``low``, so that a chunk started on time (its start mar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from models import GeneratorConfig, fidelity
 
@@ -128,8 +129,38 @@ def engine_config(args):
         weights_seed=args.weights_seed, generator=gen, scheduler=sched, compile=args.compile, **weights(args),
         degrade=degrade(args), latency=latency_name(args),
         kv_budget_bytes=int(args.kv_budget_gib * 2**30) if args.kv_budget_gib else None,
-        **_park(args, mode), **({"device": str(device)} | _group(args, device)),
+        **_park(args, mode), **_styles(args), **({"device": str(device)} | _group(args, device)),
     )
+
+
+def _styles(args) -> dict:
+    """EngineConfig's style fields from --lora-dir and --lora-budget-gib (streamsvc/engine/styles.py)."""
+    budget = getattr(args, "lora_budget_gib", 2.0)
+    if not budget >= 0:
+        raise ValueError(f"--lora-budget-gib takes a number of GiB >= 0, got {budget:g}")
+    folder = getattr(args, "lora_dir", None)
+    if folder is None:  # the built-in model's shipped styles, if it is what serves (not split: --parallel takes none)
+        folder = _shipped_styles(args)
+    elif folder == "none":
+        folder = None
+    if folder is not None and not Path(folder).is_dir():
+        raise ValueError(f"--lora-dir {folder}: not a directory (give a folder of LoRA files, one style each)")
+    return dict(lora_dir=folder, lora_budget_bytes=int(budget * 2**30))
+
+
+def _shipped_styles(args) -> str | None:
+    """--lora-dir's default: the styles shipped for the built-in model (models/model_file.py BUILTIN_STYLES) when the
+    flags serve its weights on one device; None otherwise, or for flags that name no one model (the weights check
+    says why)."""
+    from models.model_file import resolve_weights, shipped_styles
+
+    if getattr(args, "parallel", 1) != 1 or getattr(args, "weights", None) is None:
+        return None
+    try:
+        folder = shipped_styles(resolve_weights(args.weights, args.preset, args.checkpoint, args.wan_dir))
+    except ValueError:
+        return None
+    return None if folder is None else str(folder)
 
 
 def _group(args, device) -> dict:

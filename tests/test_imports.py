@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvcache", "models", "streamsvc", "client")
 # the wire (streamsvc/wire/): all that the client may use of the service
 WIRE = frozenset({"streamsvc.wire", "streamsvc.wire.protocol", "streamsvc.wire.rtc", "streamsvc.wire.errors",
-                  "streamsvc.wire.framing"})
+                  "streamsvc.wire.framing", "streamsvc.wire.image"})
 MAX_TOP_LEVEL_MODULES = 8  # issue 42: streamsvc/ is packages by layer, with few modules beside them
 MAX_SERVICE_MODULE_LINES = 600  # issue 32's bound on a module under streamsvc/
 
@@ -244,7 +244,10 @@ PRIVATE_ALLOWED = {
     "torch._addmm_activation": "the fused matmul + bias + GELU of the DiT's feed-forward (models/dit.py): no public op",
     "torch._dynamo": "torch.compile's recompile limit (models/dit_ops.py) is set in its config only",
     "torch._scaled_mm": "the FP8 matmul of the FP8 linears (models/fp8.py): torch has no public one",
-    "torch._foreach_copy_": "a graph's text inputs copied in one launch (models/graphs.py): no public op",
+    "torch._foreach_copy_": "a graph's text inputs and a style's buffers copied in one launch (models/graphs.py, "
+                            "models/adapters.py): no public op",
+    "torch._foreach_zero_": "a style's buffers' rows a wider one left, zeroed in one launch (models/adapters.py): no "
+                            "public op",
     "os._exit": "public despite its name: the documented exit without cleanup (streamsvc/engine/group.py)",
 }
 PRIVATE_HOOKS = "_hooks.py"  # streamsvc/**/*_hooks.py hold our private hooks into aiortc, aioice and aiohttp

@@ -35,13 +35,17 @@
 //    schedule). Each chunk header's capture_ms (the input frame's capture time, this browser's clock as its RTCP
 //    sender reports carry it) gives the frame on screen its glass-to-glass latency.
 //
+// 8. A start image and a style (options.js): the file picked goes in the start (inline, or uploaded first to
+//    /images), and the stream's first frame is that image; the style picker lists ready's "loras" and switches the
+//    stream's style live (set_lora).
+//
 // window.player holds the page's state (read by the end-to-end test).
 "use strict";
 
 (() => {
   const RTP_CLOCK_HZ = 90000;
   const H264_PROFILE = "42e01f";  // constrained baseline, what the server's encoder makes
-  const START_REFUSALS = ["refused", "unauthorized", "too_many_streams", "not_found"];  // protocol.START_REFUSALS
+  const START_REFUSALS = ["refused", "unauthorized", "too_many_streams", "not_found", "bad_image"];  // protocol's
   // protocol.RETRYABLE: a cluster's worker running the stream was lost; a new start is placed on another one
   const RETRYABLE = ["worker_lost"];
   const MAX_RECONNECTS = 3;  // in a row, without a chunk in between
@@ -101,6 +105,7 @@
   let ended = false;
   let reconnects = 0;  // reconnections after a retryable error since the last chunk played
   let statsTimer = null, answerTimer = null;
+  let options = null;  // the start image and the style (options.js), set once the page is wired
 
   // ------------------------------------------------------------ UI
 
@@ -141,6 +146,7 @@
     if (player.recording !== null) $("recording").href = player.recording;
     input.disabled = player.role === "watch";
     button.disabled = player.role === "watch";
+    if (options) options.render();
   }
 
   // "this model knows 57 words" (the list one click away) and, when the prompt has some, its unknown words
@@ -185,6 +191,7 @@
       steerLatenciesMs: [], chunks: 0, acks: [], errors: [], closedReason: null,
       role: null, viewerId: null, watchers: 0, steered: true, hostPaused: false, recording: null, vocabulary: null, unknownWords: [],
       input: false, strengths: null, strength: null, inputOnScreen: null, glassToGlassMs: null, glassToGlass: [],
+      imageStarted: false,
     });
     renderVocabulary();
     banner(null);
@@ -192,7 +199,15 @@
 
   function start(prompt) {
     watchSecret = steerSecret = null;  // the new stream's come with its ready
-    connect({ type: "start", prompt, ...camera.startFields() });
+    const pressed = performance.now(), withCamera = camera.startFields();
+    setPhase("connecting");  // (an upload of its image may come first: TTFF counts from here)
+    options.startFields(!!withCamera.input).then((fields) => {
+      connect({ type: "start", prompt, ...withCamera, ...fields });
+      startedAt = pressed;
+    }, (e) => {
+      setPhase("refused");
+      banner(`The stream was not started: ${e.message}`, "error", true);
+    });
   }
 
   // the stream the page's watch link names, with its watch secret (and a steer link's steer secret, for "take")
@@ -295,6 +310,7 @@
         player.strengths = msg.strengths || null;
         player.strength = msg.strength === undefined ? null : msg.strength;
         camera.streamReady();
+        options.ready(msg);
         renderAudience();
         renderVocabulary();
         document.querySelector(".stage").style.aspectRatio = `${msg.width} / ${msg.height}`;
@@ -343,6 +359,9 @@
           player.unknownWords = msg.unknown_words || [];
           renderVocabulary();
           $("prompt-status").textContent = `Prompt v${msg.prompt_version} accepted; it shows up within a chunk or two.`;
+        } else if (msg.request === "set_lora") {
+          player.promptVersion = msg.prompt_version;
+          options.acked(msg);
         } else if (msg.request === "set_strength" && msg.strength !== undefined && msg.strength !== null) {
           player.strength = msg.strength;
           camera.streamReady();
@@ -520,6 +539,10 @@
     canSteer: () => player.streamId !== null && !ended && player.role === "steer",
     restartWithInput: () => start(input.value.trim() || "a red ball moving right"),
     player,
+  });
+  options = window.streamsvcOptions({
+    send, canSteer: () => player.streamId !== null && !ended && player.role === "steer", player,
+    token: () => new URLSearchParams(location.hash.slice(1)).get("token"),
   });
   window.addEventListener("pagehide", teardown);
   setInterval(renderOverlay, 250);

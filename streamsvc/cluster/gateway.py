@@ -1,7 +1,7 @@
 """The gateway: `streamsvc serve`'s HTTP/WebSocket front as a Ray driver, relaying each viewer to its replica.
 
-It serves what `streamsvc serve` serves on one port (the player at /, /ws, /healthz, /metrics; and
-/replicas, the replicas' routing stats as JSON) and checks what a server checks (origins, tokens, the server cap,
+It serves what `streamsvc serve` serves on one port (the player at /, /ws, /healthz, /metrics, /loras: the
+replicas' styles, from their routing stats; and /replicas, the replicas' routing stats as JSON) and checks what a server checks (origins, tokens, the server cap,
 per-client limits: the same door, streamsvc/door/), then hands each stream to an engine replica
 (streamsvc/cluster/replica.py):
 
@@ -57,7 +57,7 @@ from streamsvc.door.front import Connection, ConnectionClosed
 from streamsvc.door.guard import Guard
 from streamsvc.door.port import Port, serve_until_signalled
 from streamsvc.door.routes import (RECORDINGS_PATH, WS_PATH, HttpReply, HttpRequest, check_origin, metrics_refusal,
-                                   reply, static_file)
+                                   reply, static_file, token_refusal)
 from streamsvc.door.whep import Endpoints, WhepOutlet, WhepSession
 from streamsvc.metrics import Metrics
 from streamsvc.transport.ws import WebSocketOutlet
@@ -161,6 +161,9 @@ class Gateway:
         if path == "/replicas":  # what placement sees: each replica's routing stats, without its metrics
             rows = [{**s.to_dict(), "metrics": None} for s in self.board.stats()]
             return reply(http.HTTPStatus.OK, json.dumps(rows).encode(), "application/json")
+        if path == "/loras":  # the replicas' styles (every replica serves the same --lora-dir), behind the token
+            return (token_refusal(request, self.config.access, self.metrics)
+                    or reply(http.HTTPStatus.OK, json.dumps(self.styles()).encode(), "application/json"))
         return static_file(self.config.static_dir, path)
 
     def _route_metrics(self, request: HttpRequest) -> HttpReply:
@@ -494,6 +497,16 @@ class Gateway:
 
     def replica_stats(self) -> list[ReplicaStats]:
         return self.board.stats()
+
+    def styles(self) -> list[dict]:
+        """The styles the ready replicas offer, as a server's GET /loras lists them: each name once (the first
+        ready replica's row; they load the same --lora-dir), in name order."""
+        rows: dict[str, dict] = {}
+        for s in self.board.stats():
+            if s.ready:
+                for style in s.styles:
+                    rows.setdefault(style["name"], dict(style))
+        return [rows[name] for name in sorted(rows)]
 
 
 def _split(key: str) -> tuple[str, dict[str, str]]:

@@ -31,16 +31,21 @@ class ReplicaStats:
     node: str = ""  # the Ray node it runs on (its id, hex)
     pid: int = 0  # the replica's process
     metrics: Mapping[str, float] | None = None  # the replica's /metrics samples, {'name{labels}': value}
+    styles: tuple[Mapping, ...] = ()  # the styles it offers, as its GET /loras lists them (serve --lora-dir)
 
     def to_dict(self) -> dict:
-        return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in self.__dict__.items()}
+        return {k: (dict(v) if isinstance(v, Mapping) else [dict(x) for x in v] if k == "styles" else v)
+                for k, v in self.__dict__.items()}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> ReplicaStats | None:
         """None for an empty or foreign dict (a replica that has not reported yet)."""
         if not d or "replica" not in d:
             return None
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        fields = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        if "styles" in fields:
+            fields["styles"] = tuple(fields["styles"])
+        return cls(**fields)
 
     def room(self, pending: int = 0) -> bool:
         """Whether one more stream fits, counting `pending` placed since these stats: KV for it, and load

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
@@ -276,7 +277,7 @@ class EngineReplica:
             free_kv_bytes=max(0, st.kv_budget_bytes - st.kv_used_bytes), stream_kv_bytes=self.stream_kv_bytes,
             predicted_load=snap.predicted_load if snap is not None else 0.0,
             utilization_target=sched.utilization_target, host=self.host, node=self.node, pid=os.getpid(),
-            metrics=self._metrics(),
+            metrics=self._metrics(), styles=tuple(dataclasses.asdict(style) for style in engine.styles.listing),
         ).to_dict()
 
     def _metrics(self) -> dict[str, float]:

@@ -8,6 +8,7 @@
   refusal's code: one room for the server and the cluster's gateway.
 - `port`: a server's listening port (and --metrics-port's) with the guard's hooks, and running until a signal.
 - `whep`, `whip`: WebRTC's standard players (WHEP, to watch) and publishers (WHIP, a camera in).
+- `images`: start images uploaded over HTTP (POST /images), decoded once and kept a while for a start to name.
 - `cpumeter`: the event loop's CPU on clients that hold no stream, counted apart from the streams'.
 - `aiohttp_hooks`: the only module of streamsvc/ that touches aiohttp's private names (a WebSocket's message limit
   raised), listed in its `HOOKED` with the version it was tested against.

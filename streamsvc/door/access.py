@@ -43,6 +43,7 @@ class Refusal(enum.StrEnum):
     ADMISSION = "admission"  # the scheduler or the KV pool: no room for the stream's compute or memory
     NO_STREAM = "no_stream"  # watch: no open stream has that id
     WATCHERS = "watchers"  # watch: the stream has --max-watchers watchers already
+    IMAGE = "image"  # start: its image cannot be used (its type, size, bytes, or an upload unknown or expired)
     RATE_LIMITED = "rate_limited"  # a control message over the stream's rate
     STATS_RATE_LIMITED = "stats_rate_limited"  # a stats message over its own, lower rate
     DOWNLOADS = "downloads"  # a recording's download past --max-downloads-per-client at once (HTTP 429)

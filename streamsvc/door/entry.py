@@ -27,6 +27,7 @@ REFUSAL_CODES = {
     Refusal.NO_STREAM: P.ErrorCode.NOT_FOUND,
     Refusal.SECRET: P.ErrorCode.NOT_FOUND,  # a watch link of no open stream: as if the stream did not exist
     Refusal.WATCHERS: P.ErrorCode.REFUSED,
+    Refusal.IMAGE: P.ErrorCode.BAD_IMAGE,
 }
 
 

@@ -18,7 +18,8 @@ What each stage bounds (the hostile-client rules of DESIGN.md):
   and then its first request's head, each within `handshake_timeout_s` (a head sent slowly is dropped all the same),
   and no more than that idle between two requests;
 - a request: a target no route can want (`routes.bad_target`: NUL and control bytes, bad percent-encoding,
-  non-UTF-8, dot segments, overlong) is a 4xx before any route sees it; a body of at most `max_body_bytes`, read
+  non-UTF-8, dot segments, overlong) is a 4xx before any route sees it; a body of at most `max_body_bytes` (or
+  its path's `body_limits`: an image upload's 4 MiB), read
   within `handshake_timeout_s`; then `Handlers.admit_request`;
 - an upgrade: `Handlers.admit_upgrade`, then a WebSocket whose messages are at most `max_message_bytes`,
   uncompressed, pinged every `heartbeat_s`;
@@ -41,7 +42,7 @@ import os
 import ssl
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -177,6 +178,7 @@ class FrontConfig:
     max_downloads_per_client: int = 4  # file bodies sent at once to one client address (HttpReply.download)
     piece_bytes: int = PIECE_BYTES  # a file body is read this much at a time
     max_body_bytes: int = MAX_BODY_BYTES  # request bodies past this get 413
+    body_limits: Mapping[str, int] = field(default_factory=dict)  # a path's own body limit (POST /images: 4 MiB)
 
     def __post_init__(self) -> None:
         if self.max_downloads_per_client < 1:
@@ -335,7 +337,7 @@ class HttpFront:
         """The request's body (b"" for none), or the 413 / 408 / 400 that refuses it."""
         if not raw.body_exists:
             return b""
-        limit = self.config.max_body_bytes
+        limit = self.config.body_limits.get(raw.path, self.config.max_body_bytes)
         too_large = reply(http.HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                           f"a request body here is at most {limit} bytes\n".encode(), "text/plain")
         if raw.content_length is not None and raw.content_length > limit:

@@ -31,8 +31,9 @@ class Port:
     each WebSocket served by `websocket`."""
 
     def __init__(self, config, guard: Guard, streamless: CpuMeter, metrics: Metrics,
-                 websocket: Callable[[Connection], Awaitable[None]]) -> None:
+                 websocket: Callable[[Connection], Awaitable[None]], body_limits: dict[str, int] | None = None) -> None:
         self.config = config
+        self.body_limits = body_limits or {}  # paths whose request bodies may pass the front's limit (an image upload)
         self.guard = guard
         self.streamless = streamless
         self.metrics = metrics
@@ -48,10 +49,10 @@ class Port:
         front = FrontConfig(host=cfg.host, port=cfg.port, max_message_bytes=P.MAX_MESSAGE_BYTES,
                             tls=tls_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None,
                             handshake_timeout_s=cfg.handshake_timeout_s,
-                            max_downloads_per_client=cfg.max_downloads_per_client)
+                            max_downloads_per_client=cfg.max_downloads_per_client, body_limits=self.body_limits)
         fronts = [(front, route)]
         if cfg.metrics_port is not None:
-            fronts.append((dataclasses.replace(front, port=cfg.metrics_port), metrics_route))
+            fronts.append((dataclasses.replace(front, port=cfg.metrics_port, body_limits={}), metrics_route))
         for config, handler in fronts:
             self._fronts.append(HttpFront(config, self._handlers(handler)))
             await self._fronts[-1].start()

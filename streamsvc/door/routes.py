@@ -6,6 +6,8 @@ WS_PATH, from an allowed origin, and the handshake goes on. The routes:
 
 - WS_PATH: the origin check of a browser's upgrade (403 from a page of another site; see access.origin_allowed);
 - /healthz: 200 once the engine has started, 503 before;
+- /loras: the styles a stream may pick (serve --lora-dir; streamsvc/engine/styles.py) as JSON, a list of {name, rank,
+  bytes, loaded, error}; behind the access token when the server has tokens (``?token=`` or a Bearer header);
 - /metrics: the server's Prometheus metrics (streamsvc/metrics.py), refreshed at each request; behind the
   token (a Bearer header) when the server has tokens; 404 when --metrics-port serves them apart (metrics_only);
 - RECORDINGS_PATH + NAME.mp4 / NAME.vtt: a finished recording and its chapters, NAME its id and its own secret
@@ -20,10 +22,12 @@ Nothing here knows the front: no sockets, no websockets or aiohttp types.
 
 from __future__ import annotations
 
+import dataclasses
 import http
+import json
 import mimetypes
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, unquote_to_bytes, urlsplit
@@ -135,6 +139,18 @@ _METRICS_TOKEN = (b"/metrics needs the access token here: send it as an 'Authori
                   b"serve the metrics on their own port with --metrics-port)\n")
 
 
+def token_refusal(request: HttpRequest, access: AccessConfig, metrics: Metrics) -> HttpReply | None:
+    """The 401 of a request without the access token (``?token=`` or a Bearer header) on a server with tokens
+    (GET /loras, a recording); None: served."""
+    if access.auth:
+        given = (request.query.get("token") or [None])[0] or bearer_token(request.headers.get("Authorization"))
+        if find_token(access.tokens, given) is None:
+            metrics.refusals.labels(Refusal.UNAUTHORIZED.value).inc()
+            return reply(http.HTTPStatus.UNAUTHORIZED, b"this server needs an access token: add ?token=... to "
+                         b"the address or send an Authorization: Bearer header\n", "text/plain")
+    return None
+
+
 def check_origin(request: HttpRequest, access: AccessConfig, metrics: Metrics) -> HttpReply | None:
     """Refuses (403) a browser's upgrade from a page of another site; see access.origin_allowed. None: allowed."""
     origin, host = request.headers.get("Origin"), request.headers.get("Host")
@@ -201,7 +217,8 @@ class Routes:
     """The routes of one server (see the module's doc); a front calls `handle` for each request."""
 
     def __init__(self, access: AccessConfig, static_dir: str | None, recordings: RecordingStore, metrics: Metrics,
-                 ready: Callable[[], bool], refresh_metrics: Callable[[], None], metrics_apart: bool = False) -> None:
+                 ready: Callable[[], bool], refresh_metrics: Callable[[], None], metrics_apart: bool = False,
+                 styles: Callable[[], Sequence] = tuple) -> None:
         self.access = access  # tokens (recordings) and allowed origins (the upgrade)
         self.static_dir = static_dir  # the browser player's files, served at / (None: no player)
         self.recordings = recordings
@@ -209,6 +226,7 @@ class Routes:
         self.ready = ready  # whether the engine takes streams (/healthz)
         self.refresh_metrics = refresh_metrics  # brings the gauges up to date before /metrics is served
         self.metrics_apart = metrics_apart  # /metrics is on its own port (metrics_only), not on this one
+        self.styles = styles  # the styles offered (/loras): frozen dataclasses, read as they stand
 
     def handle(self, request: HttpRequest) -> HttpReply | None:
         """The reply to `request`; None for the WebSocket upgrade at WS_PATH from an allowed origin (the
@@ -230,6 +248,9 @@ class Routes:
             return reply(http.HTTPStatus.OK, self.metrics.exposition(), "text/plain; version=0.0.4")
         if path.startswith(RECORDINGS_PATH):
             return self._recording(request, path.removeprefix(RECORDINGS_PATH))
+        if path == "/loras":
+            body = json.dumps([dataclasses.asdict(style) for style in self.styles()]).encode()
+            return self.token_refusal(request) or reply(http.HTTPStatus.OK, body, "application/json")
         return static_file(self.static_dir, path)
 
     def metrics_only(self, request: HttpRequest) -> HttpReply:
@@ -239,15 +260,16 @@ class Routes:
         self.refresh_metrics()
         return reply(http.HTTPStatus.OK, self.metrics.exposition(), "text/plain; version=0.0.4")
 
+    def token_refusal(self, request: HttpRequest) -> HttpReply | None:
+        """The 401 of a request without the access token on this server (`token_refusal`); None: served."""
+        return token_refusal(request, self.access, self.metrics)
+
     def _recording(self, request: HttpRequest, name: str) -> HttpReply:
         """A recording (ID-SECRET.mp4) or its chapters (.vtt), behind the access token when the server has tokens (as
         `?token=` for a page's <video>, or an Authorization header); a Range request gets its part (seeking)."""
-        if self.access.auth:
-            given = (request.query.get("token") or [None])[0] or bearer_token(request.headers.get("Authorization"))
-            if find_token(self.access.tokens, given) is None:
-                self.metrics.refusals.labels(Refusal.UNAUTHORIZED.value).inc()
-                return reply(http.HTTPStatus.UNAUTHORIZED, b"this server needs an access token: add ?token=... to "
-                             b"the address or send an Authorization: Bearer header\n", "text/plain")
+        refusal = self.token_refusal(request)
+        if refusal is not None:
+            return refusal
         if self.recordings.in_progress(name):  # its index (the moov box) and chapters are written when it ends
             return reply(http.HTTPStatus.CONFLICT, b"recording in progress: it can be fetched once its stream ends "
                          b"or its steerer stops recording\n", "text/plain")

@@ -3,8 +3,10 @@ watches a stream with one HTTP POST of its SDP offer (draft-ietf-wish-whep; issu
 
 The endpoints (paths under WHEP_PATH; `Endpoints.handle` answers them, the front awaits its reply):
 
-- ``POST /whep?prompt=...`` (optional ``&fps=``, ``&seed=``) with an SDP offer (``Content-Type: application/sdp``):
-  a new stream, steered by this session (``&input=1``, optional ``&strength=``: it takes a WHIP publisher's video).
+- ``POST /whep?prompt=...`` (optional ``&fps=``, ``&seed=``, a style's ``&lora=`` and ``&lora_scale=``, a start
+  image's ``&image=ID``, an upload's: streamsvc/wire/image.py) with an SDP offer (``Content-Type:
+  application/sdp``): a new stream, steered by this session (``&input=1``, optional ``&strength=``: it takes a WHIP
+  publisher's video).
   ``201 Created``, the answer, ``Location`` (the session, SESSION_PATH + a 128-bit secret), and the stream's
   capabilities in headers: ``X-Stream-Id``, ``X-Watch-Url`` (a WHEP URL that watches it), ``X-Watch-Secret``,
   ``X-Steer-Secret``. With a data channel named ``control`` in the offer, the player steers over it with the protocol's
@@ -95,6 +97,7 @@ _STATUS = {
     P.ErrorCode.WORKER_LOST: http.HTTPStatus.SERVICE_UNAVAILABLE,
     P.ErrorCode.NOT_FOUND: http.HTTPStatus.NOT_FOUND,
     P.ErrorCode.INVALID_FIELD: http.HTTPStatus.BAD_REQUEST,
+    P.ErrorCode.BAD_IMAGE: http.HTTPStatus.BAD_REQUEST,
     P.ErrorCode.BAD_JSON: http.HTTPStatus.BAD_REQUEST,
     P.ErrorCode.TOO_LARGE: http.HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
 }
@@ -310,6 +313,10 @@ class Endpoints:
                 extra["input"] = True
                 if "strength" in query:
                     extra["strength"] = float(query["strength"])
+            if "lora" in query:  # a style per stream (README: Styles per stream)
+                extra |= {"lora": query["lora"], "lora_scale": float(query.get("lora_scale", 1.0))}
+            if "image" in query:  # a start image, by its upload's id (streamsvc/wire/image.py)
+                extra["image"] = query["image"]
             return P.Start(prompt=query["prompt"], transport="webrtc", **extra)
         except ValueError as e:  # pydantic's ValidationError, or int()
             status = http.HTTPStatus.NOT_FOUND if stream else http.HTTPStatus.BAD_REQUEST

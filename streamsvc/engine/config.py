@@ -27,6 +27,10 @@ class EngineConfig:
     wan_dir: str | None = None  # Wan2.1 folder (either layout): umT5, the VAE, the base DiT
     lora: str | None = None  # a LoRA merged into the checkpoint (LongLive)
     lora_alpha: float | None = None  # None: the LoRA's rank (scale 1)
+    # styles per stream (streamsvc/engine/styles.py): a folder of LoRA files, one style each (None: none offered), and
+    # the device memory their loaded adapters may hold (the least recently used unused one is evicted past it)
+    lora_dir: str | None = None
+    lora_budget_bytes: int = 2 * 2**30
     wrapper: str = "auto"  # which state dict of a training checkpoint: auto | generator | generator_ema
     decoder: str = "auto"  # tiny | wan-vae | taehv | auto (wan-vae with wan_dir, else tiny)
     taehv: str | None = None  # TAEHV's taew2_1.pth, for decoder taehv
@@ -56,6 +60,20 @@ class EngineConfig:
     # (streamsvc/engine/lockstep.py)
     group: "GroupConfig | None" = None
 
+    def build_generator(self, device):
+        """The generator this engine runs on `device` (a torch.device): built from the model fields, or for --parallel
+        K rank 0's of its group (streamsvc/engine/lockstep.py)."""
+        kw = dict(device=device, seed=self.weights_seed, checkpoint=self.checkpoint, lora=self.lora,
+                  lora_alpha=self.lora_alpha, wrapper=self.wrapper, wan_dir=self.wan_dir, decoder=self.decoder,
+                  taehv=self.taehv, weights=self.weights)
+        if self.group is not None:
+            from streamsvc.engine.lockstep import group_generator
+
+            return group_generator(self.preset, self.group, self.generator, kw)
+        from models import build_generator
+
+        return build_generator(self.preset, cfg=self.generator, **kw)
+
     def describe_latency(self) -> str:
         """One log line: the latency mode and the serving choices it comes to (streamsvc/options.py)."""
         sched, n = self.scheduler, self.generator.frames_per_chunk
@@ -70,5 +88,10 @@ class EngineConfig:
             raise ValueError(f"park_budget_bytes={self.park_budget_bytes}: must be >= 0 (0 refuses every pause)")
         if not 0 < self.input_latency_s < 60:
             raise ValueError(f"input_latency_s={self.input_latency_s}: must be in (0, 60) s (e.g. 0.5)")
+        if self.lora_budget_bytes < 0:
+            raise ValueError(f"lora_budget_bytes={self.lora_budget_bytes}: must be >= 0 (e.g. 2 GiB)")
+        if self.lora_dir is not None and self.group is not None:
+            raise ValueError("--lora-dir does not go with --parallel: a forward split over a device group cannot add a "
+                             "stream's own adapter (models/dit.py); serve styles without --parallel")
         if not self.park_timeout_s > 0:
             raise ValueError(f"park_timeout_s={self.park_timeout_s}: must be > 0 s (e.g. 300)")

@@ -23,25 +23,27 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvcache import CachePool, ParkBudget
-from models import ChunkGenerator, StreamState, build_generator, fidelity
+from models import ChunkGenerator, StreamState, fidelity
 from models.work import WorkKind
+from streamsvc.engine.commands import Commands
 from streamsvc.engine.config import EngineConfig
 from streamsvc.engine.encode import EncoderSpec
 from streamsvc.engine.errors import EngineError
+from streamsvc.engine.images import IMAGE_AND_INPUT, StartImages
 from streamsvc.engine.output import ChunkOut, OutputStage, StreamOutput
 from streamsvc.engine.parking import Parking
 from streamsvc.engine.reports import PARKING_FIGURES, EngineStats, ModelShape, Opened, PromptAccepted, StreamDescription
+from streamsvc.engine.styles import StyleLibrary
 from streamsvc.engine.timing import InFlight, Timer
 from streamsvc.engine.warmup import keep_freed_memory, log_attention, warm_up
 from streamsvc.inputs.stage import InputStage, seed_input_stage
@@ -61,33 +63,17 @@ class _Stream:
     has_input: bool = False  # it takes input video (streamsvc/inputs/stage.py)
 
 
-@dataclass
-class _Command:
-    fn: Callable  # run in the engine thread
-    args: tuple
-    future: Future = field(default_factory=Future)
-    later: bool = False  # fn(future, *args) resolves the future itself, maybe later (fn's errors still do)
-
-
-_WAKE = object()  # what `Engine.wake` queues: the loop turns, nothing runs (None: it stops)
-
-
 class Engine:
-    def __init__(
-        self,
-        config: EngineConfig,
-        on_chunk: Callable[[ChunkOut], None],
-        on_error: Callable[[str, str, str], None],
-        clock: Callable[[], float] = time.monotonic,
-        streamless: Callable[[], tuple[float, int]] | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, on_chunk: Callable[[ChunkOut], None],
+                 on_error: Callable[[str, str, str], None], clock: Callable[[], float] = time.monotonic,
+                 streamless: Callable[[], tuple[float, int]] | None = None) -> None:
         self.config = config
         # the event loop's CPU on clients without a stream so far and their events (the server's meter): on a CPU
         # device it is left out of the forwards' cost samples (scheduling.without_streamless)
         self._streamless = streamless
         self._on_chunk, self._on_error = on_chunk, on_error
         self.clock = clock
-        self._commands: queue.SimpleQueue[_Command | object | None] = queue.SimpleQueue()  # None: stop
+        self._commands = Commands()  # what other threads ask of the engine thread (streamsvc/engine/commands.py)
         self._streams: dict[str, _Stream] = {}
         self._in_flight: deque[InFlight] = deque()
         self._thread = threading.Thread(target=self._main, name=f"engine-{config.device}", daemon=True)
@@ -112,6 +98,8 @@ class Engine:
         self.parking: Parking | None = None  # paused streams (streamsvc/engine/parking.py)
         self.inputs: InputStage | None = None  # streams' input video (issue 35): releases, frames to the generator
         self.shape: ModelShape | None = None  # what every stream has (frame size, chunks, words): set once ready
+        self.styles = StyleLibrary(None, {})  # the styles offered (streamsvc/engine/styles.py): set once built
+        self.images = StartImages()  # streams started from an image (streamsvc/engine/images.py): set once built
 
     def stats(self) -> EngineStats:
         """The engine's figures now (any thread)."""
@@ -127,7 +115,7 @@ class Engine:
 
     def table_sizes(self) -> dict[str, int]:
         """Entries of its per-stream tables and its parts' (any thread, a moment's view; see Server.table_sizes)."""
-        parts = (self.pool, self.sched, self.parking, self.inputs, self.output)
+        parts = (self.pool, self.sched, self.parking, self.inputs, self.output, self.styles)
         return {"engine.streams": len(self._streams), "engine.forwards_in_flight": len(self._in_flight),
                 **{k: n for part in parts if part is not None for k, n in part.table_sizes().items()}}
 
@@ -152,7 +140,7 @@ class Engine:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
-        self._commands.put(None)
+        self._commands.close()
         if self._thread.is_alive():
             self._thread.join(timeout)
         if self.output is not None:
@@ -161,24 +149,33 @@ class Engine:
     # -- commands (any thread; answered by the engine thread between launches) ---------------
 
     def open_stream(self, stream_id: str, prompt: str, seed: int, fps: int, input=None,
-                    strength: float | None = None) -> Future:
+                    strength: float | None = None, lora: str | None = None, lora_scale: float = 1.0,
+                    image=None) -> Future:
         """Future[Opened]: admitted streams start generating at once, described for their viewers; with `input` (an
-        InputFrames) they restyle it at `strength` (refused, with the reason, by a model without an encoder)."""
-        return self._submit(self._open, stream_id, prompt, seed, fps, input, strength)
+        InputFrames) they restyle it at `strength` (refused, with the reason, by a model without an encoder), with
+        `lora` under that style at `lora_scale` (refused, with the reason, when it cannot be: engine/styles.py), from
+        `image` ([H, W, 3] uint8 at the model's frame size: chunk 0 is its frame, engine/images.py) if given."""
+        return self._commands.submit(self._open, stream_id, prompt, seed, fps, input, strength, lora, lora_scale, image)
+
+    def set_lora(self, stream_id: str, lora: str | None, scale: float, prompt: str) -> Future:
+        """Future[int]: the stream's style from its next chunk on: a switch to its newest `prompt` (styles.switch)."""
+        return self._commands.submit(lambda: self.styles.switch(
+            self._get(stream_id).state.stream_id, lora, scale,
+            lambda cost: self.sched.set_prompt(stream_id, self.clock(), prompt, cost)))
 
     def set_strength(self, stream_id: str, strength: float) -> Future:
         """Future[float]: a stream with input restyles it at `strength` from its next chunk on (snapped)."""
-        return self._submit(lambda: self.inputs.set_strength(self._get(stream_id).state.stream_id, strength))
+        return self._commands.submit(lambda: self.inputs.set_strength(self._get(stream_id).state.stream_id, strength))
 
     def set_prompt(self, stream_id: str, prompt: str) -> Future:
         """Future[PromptAccepted]: the new prompt's version and its words the model does not know."""
-        return self._submit(self._set_prompt, stream_id, prompt)
+        return self._commands.submit(self._set_prompt, stream_id, prompt)
 
     def pause(self, stream_id: str) -> Future:
         """Future[ParkResult]: the stream's chunk in progress is committed, then its state is parked in host
         memory and its device memory goes back to the pool; resolves once parked. Fails (EngineError) for a
         stream not open or already paused, or when the park budget has no room for it."""
-        return self._submit(self._pause, stream_id, later=True)
+        return self._commands.submit(self._pause, stream_id, later=True)
 
     def resume(self, stream_id: str) -> Future:
         """Future[ParkResult]: the paused stream back on the device, going on where it stopped; resolves once
@@ -186,45 +183,38 @@ class Engine:
         when admission refuses it now (no KV room, the device's load, ...), or for a stream not paused. A
         stream still finishing its chunk before its park goes on at once (ParkResult of 0 bytes) and its
         pause fails."""
-        return self._submit(self._resume, stream_id, later=True)
+        return self._commands.submit(self._resume, stream_id, later=True)
 
     def observe_buffer(self, stream_id: str, buffered_frames: float, at_most: bool = False,
                        grace_s: float = 0.0) -> Future:
         """The viewer's buffer (Scheduler.observe_buffer: `at_most` for a report that crossed the network,
         `grace_s` for what the viewer holds beyond it)."""
-        return self._submit(self._observe, stream_id, buffered_frames, at_most, grace_s)
+        return self._commands.submit(self._observe, stream_id, buffered_frames, at_most, grace_s)
 
     def request_keyframe(self, stream_id: str) -> Future:
-        return self._submit(self._keyframe, stream_id)
+        return self._commands.submit(self._keyframe, stream_id)
 
     def admit_viewer(self, stream_id: str) -> Future:
         """Future[Admission]: one more viewer (a watcher) of the stream's chunks, if the send has room; an
         accepted one carries the stream's modelled buffer (`buffered_s`)."""
-        return self._submit(lambda: self.sched.admit_viewer(self._get(stream_id).state.stream_id, self.clock()))
+        return self._commands.submit(lambda: self.sched.admit_viewer(self._get(stream_id).state.stream_id,
+                                                                     self.clock()))
 
     def viewer_left(self, stream_id: str) -> Future:
         """A viewer of the stream left (the stream goes on)."""
-        return self._submit(self.sched.viewer_left, stream_id)
+        return self._commands.submit(self.sched.viewer_left, stream_id)
 
     def observe_send(self, seconds_per_chunk: float) -> Future:
         """What the transports' send cost the event loop per chunk lately (admission's SEND stage)."""
-        return self._submit(self.sched.observe_stage, Stage.SEND, seconds_per_chunk)
+        return self._commands.submit(self.sched.observe_stage, Stage.SEND, seconds_per_chunk)
 
     def close_stream(self, stream_id: str) -> Future:
         """Future[bool]: frees the stream's KV cache at once; False if it was not open."""
-        return self._submit(self._close, stream_id)
+        return self._commands.submit(self._close, stream_id)
 
     def wake(self) -> None:
         """Make the engine thread's loop turn now (any thread): something it plans by has changed."""
-        self._commands.put(_WAKE)
-
-    def _submit(self, fn, *args, later: bool = False) -> Future:
-        cmd = _Command(fn, args, later=later)
-        if self._stopping:
-            cmd.future.set_exception(EngineError("engine is stopping"))
-        else:
-            self._commands.put(cmd)
-        return cmd.future
+        self._commands.wake()
 
     # -- engine thread: start-up ----------------------------------------------------------------
 
@@ -240,7 +230,7 @@ class Engine:
             self._loop()
         finally:
             self._wait_all()
-            for cmd in self._drain():
+            for cmd in self._commands.drain():
                 cmd.future.set_exception(EngineError("engine stopped"))
             for sid in list(self._streams):
                 self._close(sid)
@@ -255,15 +245,7 @@ class Engine:
             if not keep_freed_memory():
                 log.info("not glibc's malloc: CPU tensors' large blocks go back to the OS when freed (slower chunks)")
         t0 = time.monotonic()
-        kw = dict(device=device, seed=cfg.weights_seed, checkpoint=cfg.checkpoint, lora=cfg.lora,
-                  lora_alpha=cfg.lora_alpha, wrapper=cfg.wrapper, wan_dir=cfg.wan_dir, decoder=cfg.decoder,
-                  taehv=cfg.taehv, weights=cfg.weights)
-        if cfg.group is not None:  # --parallel K: rank 0 of a group (streamsvc/engine/lockstep.py)
-            from streamsvc.engine.lockstep import group_generator
-
-            self.gen = gen = group_generator(cfg.preset, cfg.group, cfg.generator, kw)
-        else:
-            self.gen = gen = build_generator(cfg.preset, cfg=cfg.generator, **kw)
+        self.gen = gen = cfg.build_generator(device)
         self.decoder_bytes = gen.decoder_state_bytes()  # counted with each stream's KV cache
         log_attention(device)
         if cfg.compile if cfg.compile is not None else device.type == "cuda":
@@ -280,6 +262,9 @@ class Engine:
             budget -= scratch_bytes(spec)
         self.pool = CachePool(budget, device)
         self._kv_budget_bytes = budget
+        self.styles = StyleLibrary.from_folder(getattr(gen, "adapters", None), cfg.lora_dir, cfg.lora_budget_bytes,
+                                               self.pool, parallel=cfg.group is not None)
+        self.styles.load_at_start()  # before the CUDA graphs: those of its styles' Linears are captured
         # the scheduler plans the generator's schedule, and its shorter ones instead of stalls unless told not to
         degrade = gen.cfg.shorter_steps if cfg.degrade else ()
         workers = cfg.output_workers or min(4, max(1, (os.cpu_count() or 1) // 4))
@@ -297,43 +282,23 @@ class Engine:
             t0 = time.monotonic()
             n = gen.capture_graphs()
             log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
+        self.styles.ready(gen)
         self._cheap_encode = warm_up(gen, self.sched, cfg.warmup_chunks, self.clock)
+        self.images = StartImages(gen, parallel=cfg.group is not None)
+        self.images.warm_up(gen)
         self.inputs = InputStage(gen, self.sched, self.clock, self.wake,
                                  cfg.input_latency_s, parallel=cfg.group is not None)
         seed_input_stage(gen, self.sched, latency_s=cfg.input_latency_s)  # and warns if it cannot be met
-        words = gen.text_encoder.vocabulary
-        self.shape = ModelShape(gen.model_cfg.width, gen.model_cfg.height, gen.frames_in_chunk(0),
-                                gen.frames_in_chunk(1), len(gen.sigmas), None if words is None else tuple(words),
-                                tuple(float(s) for s in gen.input_strengths()))
+        self.shape = ModelShape.of(gen)
         self._snapshot = self.sched.stats(self.clock())
 
     # -- engine thread: the loop ------------------------------------------------------------------
 
-    def _drain(self) -> list[_Command]:
-        out = []
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return out
-            if isinstance(cmd, _Command):
-                out.append(cmd)
-
-    def _apply(self, cmd: _Command) -> None:
-        try:
-            if cmd.later:
-                cmd.fn(cmd.future, *cmd.args)
-            else:
-                cmd.future.set_result(cmd.fn(*cmd.args))
-        except Exception as e:  # noqa: BLE001 - the caller gets the error through the future
-            if not cmd.future.done():
-                cmd.future.set_exception(e)
-
     def _loop(self) -> None:
         while not self._stopping:
             self.heartbeat_at = self.clock()
-            for cmd in self._drain():
-                self._apply(cmd)
+            for cmd in self._commands.drain():
+                Commands.apply(cmd)
             self._retire(wait=False)
             now = self.clock()
             self.parking.tend(now)
@@ -354,12 +319,9 @@ class Engine:
             timeout = 0.5 if wake is None else min(0.5, max(0.0, wake - now))
             if self.parking.pending():
                 timeout = min(timeout, 0.002)  # copies to poll, or a stream to park once its chunk is committed
-            try:
-                cmd = self._commands.get(timeout=timeout)
-            except queue.Empty:
-                continue
-            if isinstance(cmd, _Command):
-                self._apply(cmd)
+            cmd = self._commands.next(timeout)
+            if cmd is not None:
+                Commands.apply(cmd)
 
     def _launch(self, plan: Plan) -> None:
         """Launch `plan`'s forward (and for a COMMIT, its decode and the copy of its frames to the
@@ -370,6 +332,7 @@ class Engine:
                 if seq > st.state.prompt_version:  # the plan brings a new prompt: its text encoded now, off the
                     self.gen.encode_prompt(prompt)  # forward's timed cost (of a flood, one a chunk), and applied
                     self.gen.set_prompt(st.state, prompt, version=seq)
+                    self.styles.apply(self.gen, st.state, seq)  # a style switch planned up to it goes with it
             now = self.clock()
             timer = Timer(self.gen.device, self.clock, self._streamless)
             chunks = self._run(plan, streams, now)
@@ -468,7 +431,7 @@ class Engine:
         now = self.clock()
         for chunk in (stream.held, out) if stream.held is not None else (out,):
             self._on_chunk(chunk)
-            self._commands.put(_Command(self._delivered, (stream, chunk, now)))
+            self._commands.post(self._delivered, stream, chunk, now)
         stream.held = None
 
     def _delivered(self, stream: StreamOutput, out: ChunkOut, now: float) -> None:
@@ -500,7 +463,7 @@ class Engine:
                        "overloaded")
 
     def _output_failed(self, stream: StreamOutput, message: str) -> None:
-        self._commands.put(_Command(self._fail, (stream, message)))
+        self._commands.post(self._fail, stream, message)
 
     def _fail(self, stream: StreamOutput, message: str) -> None:
         if self._is_open(stream) and self._close(stream.stream_id):
@@ -517,39 +480,59 @@ class Engine:
             raise EngineError(f"stream {stream_id!r} is not open")
         return self._streams[stream_id]
 
-    def _open(self, stream_id: str, prompt: str, seed: int, fps: int, input=None, strength=None) -> Admission:
+    def _open(self, stream_id: str, prompt: str, seed: int, fps: int, input=None, strength=None, lora=None, scale=1.0,
+              image=None):
         if stream_id in self._streams:
             raise EngineError(f"stream {stream_id!r} is already open")
-        refusal = f"this server cannot generate: {self.failure}" if self.failure else \
-            self.inputs.refusal() if input is not None else None
+        refusal = (f"this server cannot generate: {self.failure}" if self.failure else self.inputs.refusal()
+                   if input is not None else None) or (self.images.refusal or (IMAGE_AND_INPUT if input else None)
+                   if image is not None else None) or self.styles.take(stream_id, lora, scale)  # (held if None)
         if refusal:
             return Opened(Admission(False, refusal, 0.0))
         gen = self.gen
         spec = gen.cache_spec()
         req = StreamRequest(
-            stream_id, prompt=prompt, fps=float(fps), first_chunk_frames=gen.frames_in_chunk(0),
+            stream_id, prompt=prompt, fps=float(fps),
+            first_chunk_frames=1 if image is not None else gen.frames_in_chunk(0),  # an image's one frame
             chunk_frames=gen.frames_in_chunk(1),
             input_start_step=None if input is None else self.inputs.start_step(strength)[0],
-            input_latency_s=self.config.input_latency_s)
+            input_latency_s=self.config.input_latency_s, style_cost=self.styles.cost_of(stream_id))
         admission = self.sched.admit(req, self.clock(), kv_refusal=self.pool.refusal(spec, self.decoder_bytes))
         if not admission.accepted:
+            self.styles.release(stream_id)
             return Opened(admission)
         try:
             cache = self.pool.allocate_or_raise(stream_id, spec, self.decoder_bytes)
-            state = gen.open_stream(stream_id, prompt, seed, cache)
+            state = gen.open_stream(stream_id, prompt, seed, cache, lora=lora, lora_scale=scale)
             # on a GPU host, two x264 threads per stream: the encode is part of every chunk's latency
             spec = EncoderSpec(gen.model_cfg.width, gen.model_cfg.height, fps,
                                threads=2 if gen.device.type == "cuda" else 1)
         except Exception:
             self.sched.remove(stream_id)
             self.pool.release(stream_id)
+            self.styles.release(stream_id)
             raise
-        self._streams[stream_id] = _Stream(state, fps, self.output.open(stream_id, spec), has_input=input is not None)
+        st = self._streams[stream_id] = _Stream(state, fps, self.output.open(stream_id, spec),
+                                                has_input=input is not None)
         snapped = None if input is None else self.inputs.open(stream_id, input, state, strength, fps).strength
         self._kv_used_bytes = self.pool.used_bytes
+        if image is not None:  # its chunk 0, committed now (streamsvc/engine/images.py); a failure ends the stream
+            self._start_image(st, image)
         return Opened(admission, StreamDescription(
-            self.shape, fps, self._unknown_words(prompt), strength=snapped,
-            input_latency_s=None if input is None else self.config.input_latency_s))
+            self.shape, fps, self._unknown_words(prompt), strength=snapped, image=image is not None,
+            input_latency_s=None if input is None else self.config.input_latency_s, lora=lora, lora_scale=scale))
+
+    def _start_image(self, st: _Stream, image) -> None:
+        try:
+            chunk = self.images.start(self.gen, st.state, image)
+        except Exception:
+            self._close(st.state.stream_id)
+            raise
+        now = self.clock()
+        self.sched.started(st.state.stream_id, now, frames=chunk.frames.shape[0])
+        self.output.submit(st.output, chunk.frames, index=0, first_frame=0, prompt_version=chunk.prompt_version,
+                           steps=len(self.gen.sigmas), keyframe=True, started_at=now, extra={"input": "image"})
+        st.keyframe = False
 
     def _set_prompt(self, stream_id: str, prompt: str) -> PromptAccepted:
         self._get(stream_id)  # (an EngineError for a stream not open)
@@ -589,6 +572,7 @@ class Engine:
         self.sched.remove(stream_id)
         self.inputs.close(stream_id)
         self.parking.drop(stream_id)  # a paused stream's host memory goes (with the parked copies)
+        self.styles.release(stream_id)
         # a paused one's too: a group's workers forget its parked copy (streamsvc/engine/lockstep.py)
         if st is not None:
             self.gen.close_stream(st.state)

@@ -27,6 +27,14 @@ class ModelShape:
     vocabulary: tuple[str, ...] | None  # the words the model was trained with; None: any
     strengths: tuple[float, ...]  # the strengths a stream with input may have (the schedule's sigmas)
 
+    @classmethod
+    def of(cls, gen) -> ModelShape:
+        """What every stream of generator `gen` (a ChunkGenerator, or a group's) has."""
+        words = gen.text_encoder.vocabulary
+        return cls(gen.model_cfg.width, gen.model_cfg.height, gen.frames_in_chunk(0), gen.frames_in_chunk(1),
+                   len(gen.sigmas), None if words is None else tuple(words),
+                   tuple(float(s) for s in gen.input_strengths()))
+
 
 @dataclass(frozen=True)
 class StreamDescription:
@@ -37,6 +45,9 @@ class StreamDescription:
     unknown_words: tuple[str, ...]  # the words of its opening prompt outside the vocabulary, each once
     strength: float | None = None  # a stream with input: its strength, snapped to `shape.strengths`
     input_latency_s: float | None = None  # a stream with input: a chunk is due this long after its last frame
+    lora: str | None = None  # its style (streamsvc/engine/styles.py), None: none; a live switch replaces it
+    lora_scale: float = 1.0
+    image: bool = False  # it started from an image: its chunk 0 is that one frame (streamsvc/engine/images.py)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@
   handed to the generator.
 - `ws`: input over the viewer's WebSocket (H.264 access units, `wire.framing`), decoded off the event loop.
 - `rtc`: input over WebRTC (the player's camera, a WHIP publisher): aiortc's track into the timeline.
+- `image`: a start image's bytes checked (type, declared size) and decoded into one frame at the model's size.
 - `gate`: what every input path checks before a decoder allocates (the pixel cap, the frame rate).
 - `bitstream`: an H.264 SPS and VP8 key-frame reader, for the gate's size check.
 - `offline`, `synthetic`: `generate --input FILE`, and the load test's moving test pattern.

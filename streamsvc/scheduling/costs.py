@@ -153,12 +153,12 @@ class CostEstimates:
         """One stream's share of a chunk's forwards when `streams` streams batch up to max_batch together. A
         stream with input (`req`) is charged the larger of its chunks' costs with input (from its start step on)
         and without (all the steps: a chunk whose input is missing runs as text-to-video, and any stream's camera
-        may go off; issue 41): the full count."""
+        may go off; issue 41): the full count. A stream with a style is charged its `style_cost` share more."""
         batch = max(1, min(streams, self.config.max_batch))
         steps = self.config.denoise_steps
         if req is not None:
             steps = max(steps, input_steps(req, steps))
-        return self.chunk_s(batch, steps=steps) / batch
+        return self.chunk_s(batch, steps=steps) / batch * (1.0 + (req.style_cost if req is not None else 0.0))
 
     def queue_work_s(self, streams: int) -> float:
         """One chunk of each of `streams` streams, in batches of up to max_batch: what a chunk may wait for."""

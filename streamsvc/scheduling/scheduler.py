@@ -9,6 +9,7 @@ documented where it is decided.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 
@@ -20,7 +21,7 @@ from .costs import CostEstimates
 from .overload import OverloadMonitor
 from .planner import Planner
 from .playback import PlaybackModel
-from .stream import ScheduledStream
+from .stream import InFlight, ScheduledStream
 from .types import Admission, Plan, SchedulerError, SchedulerStats, Stage, StreamLoad, StreamRequest, StreamStats
 
 
@@ -164,17 +165,35 @@ class Scheduler:
 
     # ----- what viewers do and get ------------------------------------------------------
 
-    def set_prompt(self, stream_id: str, now: float, prompt: str = "") -> int:
+    def set_prompt(self, stream_id: str, now: float, prompt: str = "", style_cost: float | None = None) -> int:
         """A new prompt (its text: the plans that run under it carry it); returns its version, one per call.
 
         Prompts are coalesced here, so that a flood of them costs one prompt switch a chunk at most: the first since
         the stream's last committed chunk is planned at once (its next chunk runs under it, after a RECACHE if the
         stream has committed frames, and may start as soon as the cap allows; with restart_on_prompt a chunk in
         progress is abandoned when the stream's slack allows); a later one waits for the next commit, and a newer
-        one replaces it (of those that come between two chunks only the newest is planned)."""
+        one replaces it (of those that come between two chunks only the newest is planned). A style switch is one
+        (streamsvc/engine/styles.py), with its `style_cost`: the stream is charged that share from now on."""
         s = self._get(stream_id)
+        if style_cost is not None:
+            s.request = dataclasses.replace(s.request, style_cost=style_cost)
         s.playback.advance(now)
         return s.new_prompt(prompt, now)
+
+    def started(self, stream_id: str, now: float, frames: int) -> None:
+        """The stream's first chunk was made at its admission, outside the plans: a start image, encoded and committed
+        by the engine (streamsvc/engine/images.py), of `frames` frames (its request's first_chunk_frames). It counts
+        as committed at `now` and in flight until `delivered`, as any chunk (its latency is no sample of the start
+        rule); the stream's next chunk is its second. Only before any plan ran for the stream."""
+        s = self._get(stream_id)
+        if s.chunks_done or s.step or self._planner.busy(stream_id):
+            raise SchedulerError(f"stream {stream_id!r} has begun its chunks ({s.chunks_done} committed, step "
+                                 f"{s.step}): its first chunk can no longer come from outside the plans")
+        if frames != s.request.first_chunk_frames:
+            raise SchedulerError(f"stream {stream_id!r}: a first chunk of {frames} frames, but its request says "
+                                 f"{s.request.first_chunk_frames}")
+        s.in_flight.append(InFlight(frames, now, sampled=False))
+        s.chunks_done, s.last_commit_at = 1, now
 
     def release(self, stream_id: str, chunk_index: int, start_step: int, now: float, frames: bool = True) -> None:
         """Input video (issue 35): chunk `chunk_index` of the stream may start at `now`, at `start_step` (its

@@ -41,6 +41,8 @@ class StreamRequest:
     input_start_step: int | None = None
     input_latency_s: float = 0.5  # with input: a chunk is due this long after its last input frame came (its release)
     prompt: str = ""  # its opening prompt (version 0): the text of the plans that run under it
+    # a style (streamsvc/engine/styles.py): the extra share of each of its forwards it costs on the device (0: none)
+    style_cost: float = 0.0
 
     @property
     def first_delivery(self) -> tuple[int, int]:
@@ -51,6 +53,8 @@ class StreamRequest:
         return 1, self.first_chunk_frames
 
     def __post_init__(self) -> None:
+        if not (self.style_cost >= 0 and math.isfinite(self.style_cost)):
+            raise ValueError(f"stream {self.stream_id!r}: style_cost={self.style_cost} must be a finite share >= 0")
         if not (self.fps > 0 and math.isfinite(self.fps)):
             raise ValueError(f"stream {self.stream_id!r}: fps={self.fps} must be a finite rate > 0")
         if self.first_chunk_frames < 1 or self.chunk_frames < 1:

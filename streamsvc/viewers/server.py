@@ -41,6 +41,7 @@ from streamsvc.door.cpumeter import CpuMeter
 from streamsvc.door.entry import Client, Entry, Refused
 from streamsvc.door.front import Connection
 from streamsvc.door.guard import Guard
+from streamsvc.door.images import ImageUploads
 from streamsvc.door.port import Port, serve_until_signalled
 from streamsvc.door.routes import WS_PATH, HttpReply, HttpRequest, Routes, text_reply
 from streamsvc.door.whep import Endpoints, WhepOutlet, WhepSession
@@ -57,8 +58,9 @@ from streamsvc.viewers.driver import ViewerDriver
 from streamsvc.viewers.outbox import Outbox, OutboxLimits
 from streamsvc.viewers.record import RecordingStore
 from streamsvc.viewers.session import Role, Session, Viewer
-from streamsvc.viewers.streams import Streams, wire_vocabulary, wire_words
+from streamsvc.viewers.streams import Streams, chapter_title, wire_vocabulary, wire_words
 from streamsvc.wire import protocol as P
+from streamsvc.wire.image import ImageError
 from streamsvc.wire.rtc import WebRtcConfig, server_ice_addresses
 
 log = logging.getLogger("streamsvc.server")
@@ -108,8 +110,8 @@ class Server:
 
     # tables that outlive the streams by design (see table_sizes), each bounded: the door's request-rate buckets by
     # address (access.RATE_TABLE_SIZE), its refusals' log keys (LogGate.size), the recordings known (as many as the
-    # recordings directory holds)
-    KEPT_TABLES = frozenset({"door.rate_buckets", "door.log_keys", "recordings.known"})
+    # recordings directory holds), the start images uploaded (door/images.py: MAX_UPLOADS, each for TTL_S)
+    KEPT_TABLES = frozenset({"door.rate_buckets", "door.log_keys", "recordings.known", "images.uploads"})
 
     def __init__(self, engine_config: EngineConfig, config: ServerConfig = ServerConfig(),
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -129,7 +131,8 @@ class Server:
         self._viewer_ids = itertools.count()
         self.recordings = RecordingStore(Path(config.recordings_dir), config.record_max_bytes)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.front = Port(config, self.guard, self.streamless, self.metrics, self.websocket)  # (a replica: unopened)
+        self.front = Port(config, self.guard, self.streamless, self.metrics, self.websocket,  # (a replica: unopened)
+                          body_limits=ImageUploads.body_limits())
         self.webrtc: dict[str, WebRtcTransport] = {}  # viewer id -> its peer connection, for transport 'webrtc'
         # on a loopback address, WebRTC offers loopback candidates too (a loopback-only host can connect)
         self._webrtc_config = dataclasses.replace(
@@ -143,8 +146,9 @@ class Server:
         self.routes = Routes(config.access, config.static_dir, self.recordings, self.metrics,
                              ready=lambda: self.engine.shape is not None and not self.engine.failure,
                              refresh_metrics=self.refresh_metrics,
-                             metrics_apart=config.metrics_port is not None)
+                             metrics_apart=config.metrics_port is not None, styles=lambda: self.engine.styles.listing)
         self.whep = Endpoints(self, whip=Ingest(self))  # WHEP (a POST's offer served as a connection) and WHIP
+        self.uploads = ImageUploads(config.access, self._frame_size, self.routes.token_refusal)  # start images
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -241,8 +245,15 @@ class Server:
         them)."""
         if Endpoints.takes(request.path):
             return self.whep.handle(request)
+        if ImageUploads.takes(request.path):  # a start image's upload (streamsvc/door/images.py): the front awaits it
+            return self.uploads.handle(request)
         with self.streamless.measure():
             return self.routes.handle(request)
+
+    def _frame_size(self) -> tuple[int, int] | None:
+        """The model's frame (width, height), what start images are fitted to; None until the engine is ready."""
+        shape = self.engine.shape
+        return None if shape is None else (shape.width, shape.height)
 
     def _route_metrics(self, request: HttpRequest) -> HttpReply:
         """--metrics-port's one route: /metrics, no token (bind it where only the scraper reaches). Stream-less work
@@ -275,10 +286,12 @@ class Server:
         - engine.streams, engine.forwards_in_flight; kv.caches; scheduler.*: streams, parked, prompt_texts (those a
           plan may still run under), chunks_in_flight, releases (input video's released chunks); parking.streams,
           parking.budget_streams; inputs.streams, inputs.chunks (input releases and capture times until the chunk's
-          commit); output.streams, output.encoders (x264 encoders alive, in the encoder processes too).
+          commit); output.streams, output.encoders (x264 encoders alive, in the encoder processes too); styles.streams
+          (the streams whose styles the engine holds); images.uploads (start images uploaded, kept).
         """
         sizes = {"viewers.webrtc": len(self.webrtc)}
-        for part in (self.streams, self.entry.limits, self.guard, self.front, self.whep, self.recordings, self.engine):
+        for part in (self.streams, self.entry.limits, self.guard, self.front, self.whep, self.recordings, self.engine,
+                     self.uploads):
             sizes |= part.table_sizes()
         return sizes
 
@@ -312,7 +325,7 @@ class Server:
         stream_id = f"{self.config.stream_prefix}s{next(self._ids)}"
         seed = msg.seed if msg.seed is not None else random.randrange(2**31)
         session = Session(stream_id, msg.fps or 16, msg.prompt, token=token, address=client.address)
-        session.prompt_texts[0] = msg.prompt
+        session.prompt_texts[0] = chapter_title(msg.prompt, msg.lora, msg.lora_scale)
         self.sessions[stream_id] = session
         try:
             return await self._open(client, msg, session, seed, outlet)
@@ -325,12 +338,15 @@ class Server:
         """Admission in the engine; the viewer who steers the stream, or the refusal."""
         stream_id, fps = session.stream_id, session.fps
         session.input = input_frames(self.engine, msg, fps)  # input video (issue 35), if it asked for it
+        refusal, opened = Refusal.ADMISSION, None
         try:
-            opened = await asyncio.wrap_future(self.engine.open_stream(stream_id, msg.prompt, seed, fps,
-                                                                       session.input, msg.strength))
+            image = None if msg.image is None else await self.uploads.resolve(msg.image)  # (streamsvc/wire/image.py)
+            opened = await asyncio.wrap_future(self.engine.open_stream(stream_id, msg.prompt, seed, fps, session.input,
+                                                                       msg.strength, msg.lora, msg.lora_scale, image))
+        except ImageError as e:
+            refusal, reason = Refusal.IMAGE, f"the start image cannot be used: {e}; no stream was opened"
         except Exception as e:  # noqa: BLE001 - reported to the client, the server goes on
             log.exception("open_stream failed")
-            opened = None
             reason = f"could not open the stream: {type(e).__name__}: {e}"
         else:
             reason = opened.reason
@@ -338,7 +354,7 @@ class Server:
             self.sessions.pop(stream_id, None)
             session.close("refused")
             self.entry.release(session.token, session.address)
-            return self.entry.refuse(Refusal.ADMISSION, reason or "refused")
+            return self.entry.refuse(refusal, reason or "refused")
         self.metrics.admitted.inc()
         session.description = opened.stream
         viewer = self._new_viewer(client, session, Role.STEER, session.token, outlet)
@@ -363,7 +379,7 @@ class Server:
         desc, shape = session.description, session.description.shape
         return P.Ready(
             stream_id=viewer.stream_id, fps=desc.fps, width=shape.width, height=shape.height,
-            first_chunk_frames=shape.first_chunk_frames, chunk_frames=shape.chunk_frames,
+            first_chunk_frames=1 if desc.image else shape.first_chunk_frames, chunk_frames=shape.chunk_frames,
             prompt_version=session.prompt_version, steps=shape.steps, role=viewer.role.value,
             viewer_id=viewer.viewer_id, vocabulary=wire_vocabulary(shape.vocabulary),
             unknown_words=wire_words(desc.unknown_words),
@@ -371,6 +387,8 @@ class Server:
             # a watcher steering)
             **({"watch_secret": session.watch_secret, "steer_secret": session.steer_secret}
                if viewer.role is Role.STEER else {}), **ready_fields(desc), latency=self.engine_config.latency,
+            loras=list(self.engine.styles.offered[: P.MAX_LORAS]) or None, lora=desc.lora,
+            lora_scale=desc.lora_scale if desc.lora is not None else None, image=desc.image or None,
         )
 
     def _connect(self, viewer: Viewer, transport: str | None) -> None:

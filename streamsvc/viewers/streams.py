@@ -24,6 +24,7 @@ from streamsvc.door.routes import RECORDINGS_PATH
 from streamsvc.engine.engine import ChunkOut, Engine
 from streamsvc.engine.errors import EngineError
 from streamsvc.engine.heap import Heap
+from streamsvc.engine.styles import AdapterError, StyleBusy
 from streamsvc.metrics import Metrics
 from streamsvc.viewers.record import RecordingRefused, RecordingStore
 from streamsvc.viewers.session import Session, SessionState, Viewer
@@ -76,8 +77,8 @@ class Streams:
                 + (f"its steerer ({holder.viewer_id}) can hand you the token" if holder is not None else
                    "nobody steers it now: send 'take' with its steer secret to steer it"))))
             return
-        if isinstance(msg, P.SetPrompt):
-            await self._steer(session, msg.prompt, refusal)
+        if isinstance(msg, (P.SetPrompt, P.SetLora)):
+            await self._steer(session, msg, refusal)
             return
         if refusal is not None:
             viewer.send(refusal)
@@ -265,11 +266,14 @@ class Streams:
         if session.recorder is not None:
             self._record_chunk(session, out)
 
-    async def _steer(self, session: Session, prompt: str, refusal: P.Error | None) -> None:
-        """A set_prompt: refused, or to the engine (whose scheduler coalesces a flood: the newest takes the next
-        chunk). Replies keep the order of the requests."""
+    async def _steer(self, session: Session, msg: P.SetPrompt | P.SetLora, refusal: P.Error | None) -> None:
+        """A set_prompt or a set_lora: refused, or to the engine (whose scheduler coalesces a flood: the newest takes
+        the next chunk). Replies keep the order of the requests."""
         async with session.steering:
-            session.to_steerer(refusal if refusal is not None else await self._prompt_to_engine(session, prompt))
+            reply = refusal if refusal is not None else await (
+                self._prompt_to_engine(session, msg.prompt) if isinstance(msg, P.SetPrompt)
+                else self._style_to_engine(session, msg))
+            session.to_steerer(reply)
 
     async def _prompt_to_engine(self, session: Session, prompt: str) -> P.Ack | P.Error:
         """The stream's next chunks run under ``prompt``: the ack with their version, or the error."""
@@ -277,12 +281,35 @@ class Streams:
             accepted = await asyncio.wrap_future(self.engine.set_prompt(session.stream_id, prompt))
         except Exception as e:  # noqa: BLE001 - reported to the client, the stream goes on
             return failed("set_prompt", e)
-        session.prompt, session.prompt_version = prompt, accepted.version
-        session.prompt_texts[accepted.version] = prompt
-        for old in [v for v in session.prompt_texts if v <= accepted.version - PROMPT_TEXTS_KEPT]:
-            del session.prompt_texts[old]  # (a flood's: each prompt has its version; chunks run under recent ones)
+        session.prompt = prompt
+        self._new_version(session, accepted.version)
         return P.Ack(request="set_prompt", prompt_version=accepted.version,
                      unknown_words=wire_words(accepted.unknown_words))
+
+    async def _style_to_engine(self, session: Session, msg: P.SetLora) -> P.Ack | P.Error:
+        """The stream's next chunks run under style ``msg.lora`` (a switch to its newest prompt, streamsvc/engine/
+        styles.py): the ack with their version, or why not (its style stays)."""
+        try:
+            version = await asyncio.wrap_future(self.engine.set_lora(session.stream_id, msg.lora, msg.lora_scale,
+                                                                     session.prompt))
+        except AdapterError as e:  # an unknown style, a bad scale or file (invalid), no room now (unavailable)
+            code = P.ErrorCode.UNAVAILABLE if isinstance(e, StyleBusy) else P.ErrorCode.INVALID_FIELD
+            return P.Error(code=code, request="set_lora", message=f"{e}; the stream goes on"[: P.MAX_TEXT_CHARS])
+        except Exception as e:  # noqa: BLE001 - reported to the client, the stream goes on
+            return failed("set_lora", e)
+        session.description = replace(session.description, lora=msg.lora, lora_scale=msg.lora_scale)
+        self._new_version(session, version)
+        return P.Ack(request="set_lora", prompt_version=version)
+
+    @staticmethod
+    def _new_version(session: Session, version: int) -> None:
+        """The stream's prompt and style have a new version: its chapter (its recording's) names them."""
+        desc = session.description
+        session.prompt_version = version
+        session.prompt_texts[version] = chapter_title(session.prompt, desc.lora if desc is not None else None,
+                                                      desc.lora_scale if desc is not None else 1.0)
+        for old in [v for v in session.prompt_texts if v <= version - PROMPT_TEXTS_KEPT]:
+            del session.prompt_texts[old]  # (a flood's: each prompt has its version; chunks run under recent ones)
 
     def _spawn(self, coro: Coroutine) -> None:
         task = asyncio.ensure_future(coro)
@@ -347,7 +374,12 @@ def _cannot_steer(viewer: Viewer) -> bool:
 
 PROMPT_TEXTS_KEPT = 64  # a stream's recent prompts by version, for its recording's chapters
 
-_STEER_TYPES = (P.SetPrompt, P.Pause, P.Resume, P.Record, P.Handover, P.SetStrength)  # only a stream's steerer
+_STEER_TYPES = (P.SetPrompt, P.Pause, P.Resume, P.Record, P.Handover, P.SetStrength, P.SetLora)  # steerer's only
+
+
+def chapter_title(prompt: str, lora: str | None, scale: float) -> str:
+    """A recording's chapter for a prompt under a style: the prompt, and the style when there is one."""
+    return prompt if lora is None or scale == 0 else f"{prompt} [style {lora} x{scale:g}]"
 
 
 def wire_words(words: tuple[str, ...]) -> list[str]:

@@ -1,12 +1,53 @@
-"""How a wire message that pydantic refused is told to its sender: one error code and a message naming the field,
-what it allows and what came (streamsvc/wire/protocol.py's parsing, streamsvc/wire/framing.py's). A wire module: it
-imports nothing else of ours."""
+"""The wire's error codes (`ErrorCode`, the ``code`` of an ``error`` message; streamsvc/wire/protocol.py re-exports
+them), and how a wire message that pydantic refused is told to its sender: one error code and a message naming the
+field, what it allows and what came (streamsvc/wire/protocol.py's parsing, streamsvc/wire/framing.py's). A wire
+module: it imports nothing else of ours."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+
+
+class ErrorCode(StrEnum):
+    """The ``code`` of an ``error`` message."""
+
+    BAD_JSON = "bad_json"  # not UTF-8, not JSON, or not a JSON object
+    UNKNOWN_TYPE = "unknown_type"  # no "type" field, or a type we do not know
+    INVALID_FIELD = "invalid_field"  # a field missing, unknown, of the wrong type or out of range
+    TOO_LARGE = "too_large"  # the message exceeds MAX_MESSAGE_BYTES (or MAX_CHUNK_BYTES)
+    BAD_CHUNK = "bad_chunk"  # a binary chunk message that does not follow the framing
+    NOT_STARTED = "not_started"  # a stream command before "start"
+    ALREADY_STARTED = "already_started"  # a second "start" on one connection
+    REFUSED = "refused"  # admission refused the stream (the message says why)
+    UNAUTHORIZED = "unauthorized"  # start without a valid access token; the server closes the socket
+    TOO_MANY_STREAMS = "too_many_streams"  # start over this token's or this address's stream limit
+    RATE_LIMITED = "rate_limited"  # a control message over the stream's rate; it was dropped, the stream goes on
+    INTERNAL = "internal"  # the server failed; the message says what, never a traceback
+    # the server ended the stream, the newest, because degradation could no longer keep every stream from stalling
+    OVERLOADED = "overloaded"
+    NOT_STEERER = "not_steerer"  # a watcher asked for what only the stream's steerer may do; its stream goes on
+    # the stream's input video was refused (a frame over the pixel cap, a decoder over its CPU budget: the message
+    # says which); nothing more of it is decoded, and the stream goes on without input
+    INPUT_REFUSED = "input_refused"
+    NOT_FOUND = "not_found"  # watch: no open stream has that id
+    # a request the server cannot serve now (the recordings' disk budget is full, no room to resume); the stream goes on
+    UNAVAILABLE = "unavailable"
+    # a cluster's worker (the GPU replica that ran the stream) was lost; the stream is gone, and a new `start`
+    # on a new connection is placed again (on another worker): the one error worth retrying at once
+    WORKER_LOST = "worker_lost"
+    # the start's image cannot start a stream (not a PNG, JPEG or WebP, over the byte or pixel cap, corrupt, a bad
+    # data: URL, an upload unknown or expired: the message says which); no stream was opened, the connection goes on
+    BAD_IMAGE = "bad_image"
+
+
+START_REFUSALS = frozenset({ErrorCode.REFUSED, ErrorCode.UNAUTHORIZED, ErrorCode.TOO_MANY_STREAMS, ErrorCode.NOT_FOUND,
+                            ErrorCode.BAD_IMAGE})
+"""The codes that answer a ``start`` or ``watch`` the server will not serve: no stream follows."""
+RETRYABLE = frozenset({ErrorCode.WORKER_LOST})
+"""The codes after which a viewer should reconnect at once: its stream ended through no fault of its own."""
 
 
 def describe(exc: ValidationError, types: dict[str, type[BaseModel]], model: str | None = None) -> tuple[str, str]:

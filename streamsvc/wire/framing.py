@@ -1,7 +1,40 @@
-"""Input video over the WebSocket (issue 35): the viewer's H.264 upstream, in the downstream chunks' framing.
+"""The WebSocket's binary messages: chunks of video down, and input video up (issue 35), in one framing.
 
-A wire module: it imports nothing of ours but the other wire modules (streamsvc/wire/protocol.py); the client and the
-server both use it.
+A wire module: it imports nothing of ours but the other wire modules (streamsvc/wire/protocol.py, whose
+``pack_chunk`` and ``unpack_chunk`` make and read the chunks); the client and the server both use it.
+
+Chunks (down)
+-------------
+Each chunk of video is one binary WebSocket message::
+
+    offset  size  content
+    0       4     magic b"SSC1" (stream chunk, framing version 1)
+    4       4     H: length of the header in bytes, unsigned 32-bit big-endian
+    8       H     the chunk header: a ``chunk`` message as UTF-8 JSON
+    8+H     ...   the frames' H.264 access units (Annex-B), back to back, in
+                  frame order; frame i's access unit is ``sizes[i]`` bytes
+
+The payload is exactly ``sum(sizes)`` bytes; anything else is refused. On the
+WebRTC data channel the chunk header is the same JSON ``chunk`` message, sent
+as text, without the payload (the frames travel as RTP).
+
+A chunk's ``pts`` is the stream index of its first frame (frames count from 0
+at the start of the stream), so frame i of a chunk is frame ``pts + i`` and
+plays at ``(pts + i) / fps`` seconds of stream time. ``keyframe`` is true when
+the chunk's first access unit is an IDR frame carrying SPS/PPS: a viewer can
+start decoding at that chunk.
+
+Input video (up)
+----------------
+A ``start`` with ``"input": true`` opens a stream that takes the viewer's video (a camera)
+and restyles it under the prompt, at ``strength`` (1: text-to-video, lower: closer to the input), snapped to the
+model's schedule (``ready`` lists ``strengths`` and the snapped ``strength``; ``set_strength`` steers it live, from
+the next chunk, acked with the snapped value). A model with no encoder refuses it at ``start`` (``refused``, with
+the reason). Over WebSocket the input is H.264 in the binary messages below; over WebRTC it is
+the peer connection's video track. Each chunk's header says its ``input`` ("none", "frames", or "missing" when the
+input had stopped: that chunk is text-to-video) and, per frame, the ``capture_ms`` of the input frame it restyles
+(the sender's clock, echoed), so the viewer computes glass-to-glass latency in its own clock. A chunk is due to
+play ``input_latency_s`` after its last input frame was captured.
 
 A stream whose ``start`` asked for input (``"input": true``) may send, after its ``ready``, binary messages::
 

@@ -14,8 +14,8 @@ messages; over WebRTC the same JSON travels on the data channel named
 Client -> server::
 
     {"type": "start", "prompt": "...", "seed": 7, "fps": 16, "transport": "ws", "token": "...", "input": true,
-     "strength": 0.6}
-    {"type": "set_strength", "strength": 0.8}
+     "strength": 0.6, "lora": "ink", "lora_scale": 0.8, "image": "data:image/png;base64,..."}
+    {"type": "set_strength", "strength": 0.8}  {"type": "set_lora", "lora": "ink", "lora_scale": 1.0}
     {"type": "watch", "stream_id": "s3", "secret": "...", "transport": "ws", "token": "..."}
     {"type": "set_prompt", "prompt": "..."}
     {"type": "handover", "to": "v7"}  {"type": "take", "secret": "..."}  {"type": "record"}
@@ -28,26 +28,29 @@ Server -> client::
     {"type": "ready", "stream_id": "...", "fps": 16, "width": 832, "height": 480, "vocabulary": ["a", ...],
      "first_chunk_frames": 9, "chunk_frames": 12, "prompt_version": 0, "steps": 4, "unknown_words": ["fox"],
      "role": "steer", "viewer_id": "v0", "watch_secret": "...", "steer_secret": "...", "latency": "default",
-     "input": true, "strengths": [1.0, 0.83, 0.625, 0.357], "strength": 0.625, "input_latency_s": 0.5}
+     "input": true, "strengths": [1.0, 0.83, 0.625, 0.357], "strength": 0.625, "input_latency_s": 0.5,
+     "loras": ["ink", "neon"], "lora": "ink", "lora_scale": 0.8, "image": true}
     {"type": "audience", "role": "watch", "watchers": 23, "steered": true}
     {"type": "audience", "role": "steer", "watchers": 1, "steered": true, "steer_secret": "..."}
     {"type": "recording", "url": "/recordings/s3-20250102T030405-SECRET.mp4", "chapters": "...vtt"}
     {"type": "chunk", "index": 3, "pts": 33, "frames": 12, "prompt_version": 1, "steps": 4,
      "keyframe": false, "sizes": [2311, 187, ...], "input": "frames", "capture_ms": [...], "strength": 0.625}
     {"type": "ack", "request": "set_prompt", "prompt_version": 1, "unknown_words": []}
+    {"type": "ack", "request": "set_lora", "prompt_version": 2}
     {"type": "error", "code": "invalid_field", "message": "...", "request": "set_prompt"}
     {"type": "closed", "reason": "..."}
     {"type": "answer", "sdp": "v=0..."}
 
-Input video (issue 35): a ``start`` with ``"input": true`` opens a stream that takes the viewer's video (a camera)
-and restyles it under the prompt, at ``strength`` (1: text-to-video, lower: closer to the input), snapped to the
-model's schedule (``ready`` lists ``strengths`` and the snapped ``strength``; ``set_strength`` steers it live, from
-the next chunk, acked with the snapped value). A model with no encoder refuses it at ``start`` (``refused``, with
-the reason). Over WebSocket the input is H.264 in binary messages of streamsvc/wire/framing.py; over WebRTC it is
-the peer connection's video track. Each chunk's header says its ``input`` ("none", "frames", or "missing" when the
-input had stopped: that chunk is text-to-video) and, per frame, the ``capture_ms`` of the input frame it restyles
-(the sender's clock, echoed), so the viewer computes glass-to-glass latency in its own clock. A chunk is due to
-play ``input_latency_s`` after its last input frame was captured.
+Input video (issue 35): a ``start`` with ``"input": true`` restyles the viewer's video (a camera) under the prompt at
+``strength``; streamsvc/wire/framing.py says how (its fields here: ``strengths``, ``input``, ``capture_ms``, ...).
+
+Styles: a ``start`` may name a style of ``ready``'s ``loras`` (a LoRA each; ``GET /loras``) at ``lora_scale``
+(default 1, 0: none; the server says its range); ``set_lora`` switches it live (``"lora": null``: none) as a prompt
+switch, acked with the version its chunks carry. A style the server cannot give refuses the ``start`` with the
+reason, or answers ``set_lora`` with an ``error`` (the stream goes on under its style before).
+
+A start image: ``start``'s ``image`` (a ``data:`` URL, or an upload's id) is the stream's chunk 0, one frame (its
+header's ``input`` is "image"), and generation goes on from it; streamsvc/wire/image.py says how and why.
 
 ``offer`` and ``answer`` are exactly the JSON of a browser's ``RTCSessionDescription`` (``{"type": "offer", "sdp":
 ...}``): the message type doubles as the SDP type, so ``JSON.stringify(pc.localDescription)`` is a valid ``offer``
@@ -90,40 +93,24 @@ A server with access tokens starts a stream only with a valid ``token`` (in
 ``start``, or as ``Authorization: Bearer TOKEN`` on the WebSocket upgrade);
 otherwise it answers ``unauthorized`` and closes the socket. A ``start``
 refused for any reason gets one of ``START_REFUSALS``. An error that answers a
-request names it in ``request``; replies to ``set_prompt`` (``ack`` or
-``error``) come in the order of the requests.
+request names it in ``request``; replies to ``set_prompt`` and ``set_lora``
+(``ack`` or ``error``) come in the order of the requests.
 
 Binary chunk framing (WebSocket)
 --------------------------------
-Each chunk of video is one binary WebSocket message::
-
-    offset  size  content
-    0       4     magic b"SSC1" (stream chunk, framing version 1)
-    4       4     H: length of the header in bytes, unsigned 32-bit big-endian
-    8       H     the chunk header: a ``chunk`` message as UTF-8 JSON
-    8+H     ...   the frames' H.264 access units (Annex-B), back to back, in
-                  frame order; frame i's access unit is ``sizes[i]`` bytes
-
-The payload is exactly ``sum(sizes)`` bytes; anything else is refused. On the
-WebRTC data channel the chunk header is the same JSON ``chunk`` message, sent
-as text, without the payload (the frames travel as RTP).
-
-A chunk's ``pts`` is the stream index of its first frame (frames count from 0
-at the start of the stream), so frame i of a chunk is frame ``pts + i`` and
-plays at ``(pts + i) / fps`` seconds of stream time. ``keyframe`` is true when
-the chunk's first access unit is an IDR frame carrying SPS/PPS: a viewer can
-start decoding at that chunk.
+Each chunk of video is one binary WebSocket message: a prefix, the ``chunk`` header as JSON, then its frames'
+H.264 access units (streamsvc/wire/framing.py has the layout; ``pack_chunk`` and ``unpack_chunk`` are here).
 """
 
 from __future__ import annotations
 
 import struct
-from enum import StrEnum
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from streamsvc.wire import errors as wire_errors
+from streamsvc.wire.errors import RETRYABLE, START_REFUSALS, ErrorCode  # noqa: F401 (the protocol's, kept there)
 
 # ---------------------------------------------------------------- limits
 
@@ -150,6 +137,7 @@ MAX_TOKEN_CHARS = 256
 """Longest access token; tokens are printable ASCII without spaces."""
 MAX_WORD_CHARS, MAX_VOCABULARY, MAX_UNKNOWN_WORDS = 32, 256, 64
 """Longest word, most words of a model's vocabulary and of a prompt's unknown ones (all: a ready that still fits)."""
+MAX_LORA_NAME_CHARS, MAX_LORAS = 128, 256  # longest style name (a LoRA file's stem), most styles a ready lists
 MAX_SECRET_CHARS = 128  # longest watch or steer secret (the server's: 22 URL-safe base64 characters, 128 bits)
 MAX_CHUNK_BYTES = 16 * 1024 * 1024
 """Largest binary chunk message; give it to the WebSocket client as ``max_size``."""
@@ -160,41 +148,6 @@ CHUNK_PREFIX_BYTES = _PREFIX.size  # 8
 
 
 # ---------------------------------------------------------------- errors
-
-
-class ErrorCode(StrEnum):
-    """The ``code`` of an ``error`` message."""
-
-    BAD_JSON = "bad_json"  # not UTF-8, not JSON, or not a JSON object
-    UNKNOWN_TYPE = "unknown_type"  # no "type" field, or a type we do not know
-    INVALID_FIELD = "invalid_field"  # a field missing, unknown, of the wrong type or out of range
-    TOO_LARGE = "too_large"  # the message exceeds MAX_MESSAGE_BYTES (or MAX_CHUNK_BYTES)
-    BAD_CHUNK = "bad_chunk"  # a binary chunk message that does not follow the framing
-    NOT_STARTED = "not_started"  # a stream command before "start"
-    ALREADY_STARTED = "already_started"  # a second "start" on one connection
-    REFUSED = "refused"  # admission refused the stream (the message says why)
-    UNAUTHORIZED = "unauthorized"  # start without a valid access token; the server closes the socket
-    TOO_MANY_STREAMS = "too_many_streams"  # start over this token's or this address's stream limit
-    RATE_LIMITED = "rate_limited"  # a control message over the stream's rate; it was dropped, the stream goes on
-    INTERNAL = "internal"  # the server failed; the message says what, never a traceback
-    # the server ended the stream, the newest, because degradation could no longer keep every stream from stalling
-    OVERLOADED = "overloaded"
-    NOT_STEERER = "not_steerer"  # a watcher asked for what only the stream's steerer may do; its stream goes on
-    # the stream's input video was refused (a frame over the pixel cap, a decoder over its CPU budget: the message
-    # says which); nothing more of it is decoded, and the stream goes on without input
-    INPUT_REFUSED = "input_refused"
-    NOT_FOUND = "not_found"  # watch: no open stream has that id
-    # a request the server cannot serve now (the recordings' disk budget is full, no room to resume); the stream goes on
-    UNAVAILABLE = "unavailable"
-    # a cluster's worker (the GPU replica that ran the stream) was lost; the stream is gone, and a new `start`
-    # on a new connection is placed again (on another worker): the one error worth retrying at once
-    WORKER_LOST = "worker_lost"
-
-
-START_REFUSALS = frozenset({ErrorCode.REFUSED, ErrorCode.UNAUTHORIZED, ErrorCode.TOO_MANY_STREAMS, ErrorCode.NOT_FOUND})
-"""The codes that answer a ``start`` or ``watch`` the server will not serve: no stream follows."""
-RETRYABLE = frozenset({ErrorCode.WORKER_LOST})
-"""The codes after which a viewer should reconnect at once: its stream ended through no fault of its own."""
 
 
 class ProtocolError(Exception):
@@ -239,8 +192,9 @@ Dimension = Annotated[int, Field(ge=1, le=MAX_DIMENSION, description=f"an intege
 FrameCount = Annotated[int, Field(ge=1, le=MAX_CHUNK_FRAMES, description=f"an integer in [1, {MAX_CHUNK_FRAMES}]")]
 Steps = Annotated[int, Field(ge=1, le=MAX_STEPS, description=f"an integer in [1, {MAX_STEPS}]")]
 Strength = Annotated[float, Field(ge=0.0, le=1.0, description="a number in [0, 1]")]
+LoraName = Annotated[str, Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)]  # a style's name (ready's `loras`)
 ClientType = Literal["start", "watch", "set_prompt", "handover", "take", "record", "pause", "resume", "stats", "close",
-                     "offer", "set_strength"]
+                     "offer", "set_strength", "set_lora"]
 StreamId = Annotated[str, Field(min_length=1, max_length=MAX_STREAM_ID_CHARS, pattern=r"^[A-Za-z0-9_.-]+$",
                                 description=f"1 to {MAX_STREAM_ID_CHARS} letters, digits, '_', '.' or '-'")]
 ViewerId = StreamId
@@ -267,6 +221,17 @@ class Start(BaseMessage):
     token: Token | None = None
     input: bool = False  # the viewer sends input video (a camera) to restyle (issue 35)
     strength: Strength | None = None  # with input: how far from the input (1: text-to-video); None: the server's
+    lora: LoraName | None = None  # a style of ready's `loras` (None: none)
+    lora_scale: float = 1.0  # how much of it (0: none)
+    # the picture the stream starts from: a data: URL or an upload's id (streamsvc/wire/image.py); None: from noise
+    image: Annotated[str, Field(min_length=1, max_length=MAX_MESSAGE_BYTES)] | None = None
+
+    @model_validator(mode="after")
+    def _image_or_input(self) -> Start:
+        if self.image is not None and self.input:
+            raise ValueError("a stream starts from an image or restyles input video, not both (its first frame would "
+                             "be both): leave out 'image' or 'input'")
+        return self
 
 
 class Watch(BaseMessage):
@@ -294,6 +259,15 @@ class SetStrength(BaseMessage):
 
     type: Literal["set_strength"] = "set_strength"
     strength: Strength
+
+
+class SetLora(BaseMessage):
+    """Steerer only: the stream's style from its next chunk on (a prompt switch to the same prompt); ``ack`` carries
+    its version, and an ``error`` says why not (the stream goes on under its style)."""
+
+    type: Literal["set_lora"] = "set_lora"
+    lora: LoraName | None  # a style of ready's `loras`; None: none
+    lora_scale: float = 1.0
 
 
 class Handover(BaseMessage):
@@ -381,6 +355,10 @@ class Ready(BaseMessage):
     strength: Strength | None = None  # the stream's strength, snapped
     input_latency_s: Seconds | None = None  # a chunk is due this long after its last input frame's capture
     latency: Literal["default", "low"] = "default"  # the server's latency mode (its chunk size and buffer targets)
+    loras: Annotated[list[LoraName], Field(max_length=MAX_LORAS)] | None = None  # the styles offered; None: none
+    lora: LoraName | None = None  # the stream's style (None: none)
+    lora_scale: float | None = None  # and its scale
+    image: bool | None = None  # it started from its start's image: chunk 0 is its one frame (first_chunk_frames 1)
 
 
 class Audience(BaseMessage):
@@ -405,7 +383,7 @@ class Recording(BaseMessage):
 
 
 class Chunk(BaseMessage):
-    """Header of one chunk of video (see the module docstring for the binary framing)."""
+    """Header of one chunk of video (see streamsvc/wire/framing.py for the binary framing)."""
 
     type: Literal["chunk"] = "chunk"
     index: Annotated[int, Field(ge=0)]  # chunk number in the stream, from 0
@@ -417,7 +395,9 @@ class Chunk(BaseMessage):
     # "fast": encoded cheaper (higher CRF, point-sampled chroma) because it would otherwise have reached the viewer late
     encode: Literal["normal", "fast"] = "normal"
     sizes: list[Annotated[int, Field(ge=1, le=MAX_CHUNK_BYTES)]]  # byte size of each frame's access unit
-    input: Literal["none", "frames", "missing"] = "none"  # its input video: none asked, restyled, or missing (t2v)
+    # its input: none asked, input video restyled or missing (t2v), or the start image (chunk 0 of a stream that
+    # started from one: its one frame; `steps` is then the stream's full count, it was not degraded)
+    input: Literal["none", "frames", "missing", "image"] = "none"
     capture_ms: list[float] | None = None  # per frame: the capture time (sender's clock, ms) of its input frame
     strength: Strength | None = None  # the strength it was made at (a stream with input)
     cut: bool = False  # a new prompt's first chunk: the player drops what it holds and has not shown, and plays this
@@ -473,7 +453,8 @@ class Answer(BaseMessage):
     sdp: Sdp
 
 
-_CLIENT_MODELS = (Start, Watch, SetPrompt, Handover, Take, Record, Pause, Resume, Stats, Close, Offer, SetStrength)
+_CLIENT_MODELS = (Start, Watch, SetPrompt, Handover, Take, Record, Pause, Resume, Stats, Close, Offer, SetStrength,
+                  SetLora)
 _SERVER_MODELS = (Ready, Audience, Recording, Chunk, Ack, Error, Closed, Answer)
 ClientMessage = Annotated[Union[_CLIENT_MODELS], Field(discriminator="type")]
 ServerMessage = Annotated[Union[_SERVER_MODELS], Field(discriminator="type")]
@@ -489,7 +470,7 @@ _SERVER_TYPES = {m.model_fields["type"].default: m for m in _SERVER_MODELS}
 
 
 def parse_client(data: str | bytes) -> (Start | Watch | SetPrompt | Handover | Take | Record | Pause | Resume | Stats
-                                        | Close | Offer | SetStrength):
+                                        | Close | Offer | SetStrength | SetLora):
     """Parse one control message from a viewer. Raises ``ProtocolError`` and nothing else."""
     return _parse(data, _CLIENT, _CLIENT_TYPES)
 

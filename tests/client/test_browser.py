@@ -255,3 +255,64 @@ async def test_a_recording_of_a_steered_stream_plays_in_chromium_with_its_prompt
         assert [c["text"] for c in info["chapters"]][0] == prompts[0]
         assert len(info["chapters"]) >= len(versions) - 1 and len(info["listed"]) == len(info["chapters"])
         assert [c["start"] for c in info["chapters"]] == sorted(c["start"] for c in info["chapters"])
+
+
+async def test_the_player_starts_from_a_picked_image_and_switches_the_style_it_picks(tmp_path):
+    """A file picked in the page is the stream's first frame (inline in the start; a large one uploaded first), and
+    the style picker lists ready's styles and switches the stream's style live (set_lora, acked)."""
+    import base64
+
+    import numpy as np
+
+    from models import build_generator
+    from tests.models.test_adapters import make_pairs, save_diffusers, save_peft
+    from tests.streamsvc.test_start_image import drawn, encode, psnr
+
+    image = drawn()
+    small, large, gif = tmp_path / "small.png", tmp_path / "large.png", tmp_path / "a.gif"
+    small.write_bytes(encode(image))
+    large.write_bytes(encode(np.random.default_rng(0).integers(0, 256, (400, 400, 3), dtype=np.uint8)))
+    gif.write_bytes(b"GIF89a" + bytes(64))
+    styles = tmp_path / "styles"
+    styles.mkdir()
+    model = build_generator("tiny", weights="builtin").model  # the served model's shapes
+    save_peft(styles / "ink.pt", make_pairs(model, 8, 1))
+    save_diffusers(styles / "neon.safetensors", make_pairs(model, 4, 2), alpha=4)
+    engine = EngineConfig(lora_dir=str(styles), weights="auto")
+    async with serving(engine) as (server, base), chromium(tmp_path) as browser:
+        page = await browser.new_page()
+        await page.goto(f"{base}/?autostart=0&prompt=a%20green%20square%20moving%20right", timeout=15_000)
+        await page.set_input_files("#start-image", str(small))
+        assert "starts from small.png" in await page.inner_text("#start-image-status")
+        await page.evaluate("() => { window.firstFrames = player.grab(2); }")  # (not awaited here)
+        await page.click("#send")
+        await page.wait_for_function("player.framesPresented > 0 && player.imageStarted", timeout=20_000)
+        stream_id = await page.evaluate("player.streamId")
+        assert server.sessions[stream_id].description.image
+        frames = await page.evaluate("window.firstFrames")
+        first = np.frombuffer(base64.b64decode(frames[0]["rgb"]), np.uint8).reshape(128, 128, 3)
+        print(f"browser: first frame shown {frames[0]['index']} ({frames[0]['input']}), "
+              f"{psnr(first, image):.1f} dB against the picked image")
+        assert frames[0]["input"] == "image" and psnr(first, image) >= 20.0
+
+        assert await page.is_visible("#style-box")
+        assert await page.eval_on_selector_all("#style option", "os => os.map(o => o.value)") == ["", "ink", "neon"]
+        await page.select_option("#style", "ink")
+        await page.wait_for_function("player.lora === 'ink' && player.acks.some(a => a.request === 'set_lora')",
+                                     timeout=15_000)
+        assert server.sessions[stream_id].description.lora == "ink"
+        await page.close()  # (one stream at a time on this CPU: a second is refused while the first runs late)
+        for _ in range(100):
+            if not server.sessions:
+                break
+            await asyncio.sleep(0.1)
+
+        other = await browser.new_page()  # a file over 45 KiB goes up first (POST /images), then its id in start
+        await other.goto(f"{base}/?autostart=0", timeout=15_000)
+        await other.set_input_files("#start-image", str(large))
+        await other.click("#send")
+        await other.wait_for_function("player.framesPresented > 0 && player.imageStarted", timeout=20_000)
+        assert server.table_sizes()["images.uploads"] == 1
+        await other.set_input_files("#start-image", str(gif))  # refused in the page: nothing is sent
+        assert "not a PNG, JPEG or WebP" in await other.inner_text("#start-image-status")
+        await other.close()

@@ -143,7 +143,7 @@ class Churn:
         bounds = {
             **dict.fromkeys(("viewers.sessions", "engine.streams", "kv.caches", "scheduler.streams", "output.streams",
                              "output.encoders", "parking.streams", "parking.budget_streams", "inputs.streams",
-                             "recordings.active", "viewers.tasks"), streams),
+                             "recordings.active", "viewers.tasks", "styles.streams"), streams),
             "scheduler.parked": streams - sizes["scheduler.streams"] if scheduled <= streams else -1,
             **dict.fromkeys(("viewers.viewers", "door.websockets", "door.connections"), MAX_VIEWERS),
             "viewers.webrtc": 1 + SLACK, "viewers.track_queues": sizes["viewers.webrtc"], "viewers.revocable": 0,
@@ -158,7 +158,7 @@ class Churn:
             **dict.fromkeys(("door.streams_by_address", "door.websockets_by_address", "door.sockets_by_address"), 1),
             "door.streams_by_token": 0, "door.rate_buckets": 3, "door.log_keys": len(Refusal),
             "door.handshakes": MAX_VIEWERS, "door.downloads_by_address": 0, "door.http_sessions": 0,
-            "door.whip_publishers": 0, "recordings.known": self.opened,
+            "door.whip_publishers": 0, "recordings.known": self.opened, "images.uploads": 0,  # (nothing uploads)
         }
         assert set(bounds) == set(sizes), f"tables without a bound here: {set(sizes) - set(bounds)}"
         self.over += [f"{name}={sizes[name]} > {bound} ({sizes})" for name, bound in bounds.items()

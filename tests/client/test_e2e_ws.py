@@ -231,7 +231,7 @@ async def test_a_burst_of_connects_is_refused_without_model_work_while_the_admit
             refused = [c for c, ok in zip(clients, opened) if not ok]
             assert len(playing) == 2 and len(refused) == 28
             assert all(c.refused_reason.startswith("kv cache:") for c in refused)
-            encoded = set(server.engine.gen._prompts)
+            encoded = set(server.engine.gen.prompts.entries)  # (no styles: keyed by the prompt alone)
             assert not encoded & {c.config.prompt for c in refused}
             assert {c.config.prompt for c in playing} <= encoded
             n = [c.chunks for c in playing]

@@ -309,3 +309,31 @@ def test_watchers_per_stream_is_an_option_and_negative_is_refused(capsys):
     assert parse("--watchers-per-stream", "24").watchers_per_stream == 24
     assert loadtest.run(parse("--streams", "1", "--watchers-per-stream", "-1")) == 2
     assert "--watchers-per-stream >= 0" in capsys.readouterr().err
+
+
+def test_start_image_is_checked_before_any_server_starts(tmp_path, capsys):
+    from tests.streamsvc.test_start_image import drawn, encode
+
+    png, gif = tmp_path / "a.png", tmp_path / "a.gif"
+    png.write_bytes(encode(drawn()))
+    gif.write_bytes(b"GIF89a" + bytes(32))
+    for argv, why in [((str(tmp_path / "none.png"),), "cannot be read (No such file or directory)"),
+                      ((str(gif),), "not a PNG, JPEG or WebP image"),
+                      ((str(png), "--input", str(png)), "not with --input")]:
+        assert loadtest.run(parse("--streams", "1", "--start-image", *argv)) == 2
+        assert why in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_short_run_whose_streams_start_from_an_image(tmp_path, capsys):
+    from tests.streamsvc.test_start_image import drawn, encode
+
+    image, out = tmp_path / "start.png", tmp_path / "lt.json"
+    image.write_bytes(encode(drawn()))
+    code = loadtest.run(parse("--streams", "2", "--duration", "4", "--start-image", str(image), "--json", str(out),
+                              "--progress-every", "0"))
+    assert code == 0
+    r = json.loads(out.read_text())
+    assert r["admitted"] == 2 and r["errors"]["count"] == 0 and r["ttff_s"]["n"] == 2
+    assert r["config"]["start_image"] == str(image)
+    assert f"start image {image}: {image.stat().st_size} bytes, inline in each start" in capsys.readouterr().out

@@ -343,3 +343,33 @@ def test_session_lines_are_gated_per_kind(caplog, monkeypatch):
     assert lines == ["WHEP session for stream s0 (watches) from 127.0.0.1", "WHEP session for stream s0 ended: closed",
                      "WHEP session for stream s20 (watches) from 127.0.0.1 (19 more sessions opened since the last "
                      "such line)"]
+
+
+async def test_a_whep_post_starts_from_an_uploaded_image_and_a_bad_id_is_a_400():
+    """The POST names an upload (POST /images) with &image=ID: its stream starts from the image and plays; an id no
+    upload has is a 400 that says why, and no stream is opened."""
+    from tests.streamsvc.test_start_image import drawn, encode
+
+    async with running(webrtc=LOOPBACK) as server, aiohttp.ClientSession() as http:
+        url = base(server)
+        async with http.post(f"{url}/images", data=encode(drawn()), headers={"Content-Type": "image/png"}) as r:
+            assert r.status == 201, await r.text()
+            image_id = (await r.json())["image"]
+        pcs = [RTCPeerConnection() for _ in range(2)]
+        tracks: asyncio.Queue = asyncio.Queue()
+        pcs[0].on("track", tracks.put_nowait)
+        try:
+            status, _, text = await post(http, f"{url}/whep?prompt=a+red+ball&image={'B' * 22}", await offer(pcs[1]))
+            assert status == 400 and "no upload BBBBBB... here" in text and not server.sessions, text
+            status, headers, answer = await post(http, f"{url}/whep?prompt=a+red+ball&image={image_id}",
+                                                 await offer(pcs[0]))
+            assert status == 201, answer
+            assert server.sessions[headers["X-Stream-Id"]].description.image
+            await pcs[0].setRemoteDescription(RTCSessionDescription(answer, "answer"))
+            track = await asyncio.wait_for(tracks.get(), 20)
+            assert len(await play(track, 3.0)) >= 10
+            async with http.delete(url + headers["Location"]) as r:
+                assert r.status == 200
+        finally:
+            for pc in pcs:
+                await pc.close()

@@ -106,6 +106,21 @@ def test_pool_counts_per_stream_state_held_elsewhere():
     assert pool.release("a") == per + extra
 
 
+def test_shared_memory_reserved_in_the_pool_counts_against_its_caches():
+    # e.g. a style's adapter (streamsvc/engine/styles.py): held once, whatever streams use it
+    s = spec(dtype="bfloat16")
+    per = s.stream_bytes()
+    pool = CachePool(budget_bytes=2 * per, device="meta")
+    assert pool.reserve("style ink", per // 2) and pool.used_bytes == per // 2
+    assert not pool.reserve("style neon", 2 * per) and "style neon" not in pool.reserved
+    assert pool.allocate("a", s) is not None and pool.allocate("b", s) is None
+    assert "reserved by style ink" in pool.refusal(s)
+    with pytest.raises(ValueError, match="already holds"):
+        pool.reserve("style ink", 1)
+    assert pool.unreserve("style ink") == per // 2 and pool.unreserve("style ink") == 0
+    assert pool.allocate("b", s) is not None and pool.num_streams == 2
+
+
 def test_staging_sits_before_slot_0_and_is_counted():
     s = spec(staging_frames=2)
     cache = StreamCache(s)

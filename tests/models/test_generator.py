@@ -239,7 +239,7 @@ def test_bf16_generation_runs_and_tracks_fp32():
 
 
 def test_the_prompt_cache_keeps_the_most_recent_prompts_within_its_bytes(monkeypatch):
-    from models import generator as G
+    from models import prompts as G
 
     gen = tiny_generator()
     kv = gen.encode_prompt("a")
@@ -249,16 +249,16 @@ def test_the_prompt_cache_keeps_the_most_recent_prompts_within_its_bytes(monkeyp
     gen.encode_prompt("b")
     assert gen.encode_prompt("a") is kv  # "a" is now the newest
     gen.encode_prompt("c")
-    assert list(gen._prompts) == ["a", "c"]  # "b", the least recent, went
+    assert list(gen.prompts.entries) == ["a", "c"]  # "b", the least recent, went
     state = gen.open_stream("s", "d", seed=0)
     gen.encode_prompt("e")
     gen.encode_prompt("f")
-    assert list(gen._prompts) == ["e", "f"]
+    assert list(gen.prompts.entries) == ["e", "f"]
     held = state.text  # the stream keeps its own prompt's K/V; asked again, the same values
     assert all(torch.equal(a, b) for pa, pb in zip(held, gen.encode_prompt("d")) for a, b in zip(pa, pb))
     monkeypatch.setattr(G, "PROMPT_CACHE_BYTES", 0)
     gen.encode_prompt("g")
-    assert list(gen._prompts) == ["g"]  # the newest always stays
+    assert list(gen.prompts.entries) == ["g"]  # the newest always stays
 
 
 @pytest.mark.parametrize("at_step, quant, parked_after",

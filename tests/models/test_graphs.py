@@ -117,3 +117,63 @@ def test_graphs_captured_at_start_serve_every_stream_and_equal_eager():
     assert stats["replays"] - before["replays"] == 2 * 6 * 5 + 2, stats  # 5 forwards a chunk, a 2-forward recache
     err = ((latents[0] - latents[1]).norm() / latents[1].norm()).item()
     assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_styles_replay_graphs_captured_with_their_buffers_and_equal_eager(tmp_path):
+    """bf16 on the GPU: styles loaded before the capture get graphs of their own (one set per set of targeted
+    Linears), replayed for every style of those targets through its buffers: three streams (two styles of the
+    same targets and ranks 8 and 2, and none) take turns, one switches live to a style of other targets, and
+    the chunks equal eager forwards' while nothing runs eagerly or is captured while serving."""
+    from dataclasses import replace
+
+    from models.config import ModelConfig
+    from models.dit import CausalWanModel
+    from models.generator import ChunkGenerator
+
+    mc = ModelConfig.from_name("tiny", dim=256, num_heads=2, latent_height=64, latent_width=64)
+    model = CausalWanModel(mc).init_weights(3).to("cuda", torch.bfloat16).eval()
+    cfg = GeneratorConfig(sink_frames=3, window_frames=6, lora_max_rank=32)
+    graphed, eager = ChunkGenerator(model, cfg), ChunkGenerator(model, replace(cfg, cuda_graphs=False))
+    g = torch.Generator().manual_seed(0)
+
+    def load(name, rank, skip=()):
+        sd = {}
+        for module, lin in model.named_modules():
+            if module.startswith("blocks.") and isinstance(lin, torch.nn.Linear) and not any(s in module for s in skip):
+                sd[f"{module}.lora_A.weight"] = torch.randn(rank, lin.in_features, generator=g) / lin.in_features**0.5
+                sd[f"{module}.lora_B.weight"] = torch.randn(lin.out_features, rank, generator=g) * 0.1
+        torch.save(sd, tmp_path / f"{name}.pt")
+        for gen in (graphed, eager):
+            gen.adapters.load(name, tmp_path / f"{name}.pt")
+
+    for name, rank, skip in (("ink", 8, ()), ("neon", 2, ()), ("attn", 4, ("ffn",))):
+        load(name, rank, skip)
+    assert graphed.capture_graphs() == 3 * (2 + 3 * 4)  # none, the blocks' Linears, their attention only
+    before = dict(graphed.runner.stats)
+    latents = []
+    for gen in (graphed, eager):
+        states = [gen.open_stream(f"s{i}", f"prompt {i}", seed=i, lora=style, lora_scale=scale)
+                  for i, (style, scale) in enumerate((("ink", 1.0), ("neon", 1.5), (None, 1.0)))]
+        got = []
+        for c in range(5):
+            if c == 3:
+                gen.set_lora(states[0], "attn", 0.5)
+            for s in states:  # chunk by chunk: each chunk switches the workspace and the style's buffers
+                got.append(chunk(gen, s).latents)
+        latents.append(torch.stack(got).float())
+    stats = graphed.runner.stats
+    assert stats["captures"] == before["captures"] and stats["eager"] == before["eager"], (before, stats)
+    assert stats["replays"] - before["replays"] == 3 * 5 * 5 + 2, stats  # 5 forwards a chunk, a 2-forward recache
+    err = ((latents[0] - latents[1]).norm() / latents[1].norm()).item()
+    assert err < 1e-2, err
+    assert {b.max_rank for b in graphed.runner.adapter_buffers.values()} == {16}  # the widest style (8), rounded up
+
+    # a style loaded after the capture, wider than its Linears' buffers: its forwards run eagerly, and right
+    load("wide", 24)
+    before = dict(stats)
+    got = [chunk(gen, gen.open_stream("w", "prompt w", seed=7, lora="wide")).latents.float() for gen in (graphed, eager)]
+    assert graphed.runner.stats["eager"] > before["eager"] and graphed.runner.stats["captures"] == before["captures"]
+    err = ((got[0] - got[1]).norm() / got[1].norm()).item()
+    assert err < 1e-2, err

@@ -163,9 +163,9 @@ def test_a_teacher_step_at_chunk_size_one_trains_on_what_its_cache_holds(monkeyp
     seen = []
     real = train.teacher_forward
 
-    def forward(model, clean, noisy, t, text, fpc, lead=None):
+    def forward(model, clean, noisy, t, text, fpc, lead=None, lora=None):
         seen.append((clean.shape, fpc, lead))
-        return real(model, clean, noisy, t, text, fpc, lead)
+        return real(model, clean, noisy, t, text, fpc, lead, lora=lora)
 
     monkeypatch.setattr(train, "teacher_forward", forward)
     before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}

@@ -19,7 +19,7 @@ def test_serve_help_is_grouped_with_the_basics_first():
                 line.endswith(":")]
     assert headings[:3] == ["options", "basics", "model and weights (see README: Real weights, Fidelity tiers)"]
     assert [h.split(" (")[0].split(":")[0] for h in headings[3:]] == [
-        "one stream over several GPUs", "scheduling", "WebRTC", "access", "watchers and recording", "the port",
-        "cluster"]
+        "one stream over several GPUs", "styles per stream", "scheduling", "WebRTC", "access",
+        "watchers and recording", "the port", "cluster"]
     basics = rest.split("\nbasics:\n", 1)[1].split("\n\n", 1)[0]
     assert [w for w in basics.split() if w.startswith("--")] == ["--host", "--port", "--preset", "--device"]

@@ -46,16 +46,23 @@ class Env:
 
 
 @pytest.fixture(scope="module")  # this module is the session's one Ray instance, gone before the next module
-def ray_cluster():
+def ray_cluster(tmp_path_factory):
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
+
+    from tests.conftest import tiny_generator
+    from tests.models.test_adapters import make_pairs, save_peft
+
+    styles = tmp_path_factory.mktemp("styles")  # one style the replicas serve (serve --lora-dir)
+    save_peft(styles / "ink.pt", make_pairs(tiny_generator().model, 2, seed=1))
 
     args = {"num_cpus": 2, "num_gpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False}
     cluster = Cluster(initialize_head=True, head_node_args=args)
     worker = cluster.add_node(**{k: v for k, v in args.items() if k != "include_dashboard"})
     ray.init(address=cluster.address, logging_level="WARNING")
-    engine = EngineConfig(preset="tiny", device="cpu", kv_budget_bytes=PER_REPLICA * STREAM_BYTES + STREAM_BYTES // 2)
+    engine = EngineConfig(preset="tiny", device="cpu", kv_budget_bytes=PER_REPLICA * STREAM_BYTES + STREAM_BYTES // 2,
+                          lora_dir=str(styles))
     handle = deploy(ReplicaConfig(engine=engine, lease_s=3.0),
                     DeployConfig(replicas=2, num_cpus=1, drain_timeout_s=4, health_period_s=1, stats_period_s=0.25))
     try:
@@ -138,6 +145,63 @@ async def test_placement_by_free_kv_then_refusal_with_the_reason_when_every_repl
         finally:
             await asyncio.gather(*(c.close() for c in clients))
         assert await wait_for(lambda: sum(streams_by_replica(g).values()) == 0)
+
+
+async def test_the_gateway_lists_the_replicas_styles_and_a_stream_through_it_plays_one(ray_cluster):
+    import json
+    import urllib.error
+    import urllib.request
+
+    from websockets.asyncio.client import connect
+
+    from streamsvc.wire import protocol as P
+
+    async with gateway(ray_cluster) as g:
+        def get(url):  # in a thread: the gateway answers on this test's loop
+            with urllib.request.urlopen(url, timeout=T) as r:
+                return json.loads(r.read())
+
+        listed = await asyncio.to_thread(get, f"http://127.0.0.1:{g.port}/loras")
+        assert [s["name"] for s in listed] == ["ink"] and listed[0]["rank"] == 2 and listed[0]["error"] is None
+        async with connect(f"ws://127.0.0.1:{g.port}/ws", max_size=P.MAX_CHUNK_BYTES) as ws:
+            await ws.send(json.dumps({"type": "start", "prompt": "a red fox", "seed": 1, "lora": "ink",
+                                      "lora_scale": 0.5}))
+            ready = P.parse_server(await asyncio.wait_for(ws.recv(), T))
+            assert isinstance(ready, P.Ready) and ready.loras == ["ink"], ready
+            assert (ready.lora, ready.lora_scale) == ("ink", 0.5)
+            for _ in range(20):  # a chunk of the styled stream comes through the relay
+                if isinstance(await asyncio.wait_for(ws.recv(), T), bytes):
+                    break
+            else:
+                raise AssertionError("no chunk in 20 messages")
+            assert await wait_for(lambda: sum(streams_by_replica(g).values()) == 1)  # the stats have seen it
+        assert await wait_for(lambda: sum(streams_by_replica(g).values()) == 0)  # (not stale stats' 0)
+        # a start image goes inline through the relay (uploads stay on one server: the gateway serves no /images)
+        from streamsvc.wire import image as I
+        from tests.streamsvc.test_start_image import drawn, encode
+
+        async with connect(f"ws://127.0.0.1:{g.port}/ws", max_size=P.MAX_CHUNK_BYTES) as ws:
+            await ws.send(json.dumps({"type": "start", "prompt": "a red fox", "seed": 2,
+                                      "image": I.data_url(encode(drawn()))}))
+            ready = P.parse_server(await asyncio.wait_for(ws.recv(), T))
+            assert isinstance(ready, P.Ready) and ready.image and ready.first_chunk_frames == 1, ready
+            headers = []
+            for _ in range(20):  # chunk 0 (the image's frame, input "image") comes with chunk 1
+                message = await asyncio.wait_for(ws.recv(), T)
+                if isinstance(message, bytes):
+                    headers.append(P.unpack_chunk(message)[0])
+                    if len(headers) == 2:
+                        break
+            assert [(h.index, h.input) for h in headers][:1] == [(0, "image")], headers
+            assert await wait_for(lambda: sum(streams_by_replica(g).values()) == 1)
+        assert await wait_for(lambda: sum(streams_by_replica(g).values()) == 0)
+    from streamsvc.door.access import AccessConfig
+
+    async with gateway(ray_cluster, ServerConfig(port=0, access=AccessConfig(tokens={"tok": None}))) as g:
+        url = f"http://127.0.0.1:{g.port}/loras"
+        with pytest.raises(urllib.error.HTTPError, match="401"):  # behind the token, as a server's
+            await asyncio.to_thread(get, url)
+        assert [s["name"] for s in await asyncio.to_thread(get, url + "?token=tok")] == ["ink"]
 
 
 async def test_a_draining_replica_takes_no_new_stream_and_its_streams_play_on(ray_cluster):

@@ -70,8 +70,10 @@ def test_replicas_seen_failing_are_left_out():
 
 
 def test_stats_round_trip_through_the_dict_serve_carries():
-    s = replica("a", 500, streams=2, load=0.3, host="10.0.0.2", pid=7, metrics={"streamsvc_chunks_total": 3.0})
+    s = replica("a", 500, streams=2, load=0.3, host="10.0.0.2", pid=7, metrics={"streamsvc_chunks_total": 3.0},
+                styles=({"name": "ink", "rank": 8, "bytes": 4096, "loaded": True, "error": None},))
     assert ReplicaStats.from_dict(s.to_dict()) == s
+    assert ReplicaStats.from_dict(s.to_dict()).styles[0]["name"] == "ink"
     assert ReplicaStats.from_dict({}) is None
 
 

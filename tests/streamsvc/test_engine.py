@@ -406,3 +406,40 @@ def test_chunks_of_one_latent_frame_play_and_steer_and_the_lone_first_frame_goes
         assert eng.stats().forwards["recache"] >= 1
     finally:
         eng.stop()
+
+
+def test_a_stream_from_an_image_gets_it_as_chunk_zero_and_a_bad_one_leaves_nothing_behind(engine):
+    """open_stream(image=...): chunk 0 is the image's one frame (input "image", delivered with chunk 1), counted by
+    the scheduler as the stream's first chunk; an image of the wrong size fails the open and frees what it took; an
+    image with input, or on a model without an encoder, is refused with the reason."""
+    import numpy as np
+
+    from streamsvc.engine.images import StartImages
+
+    eng, got = engine
+    image = np.full((eng.shape.height, eng.shape.width, 3), (200, 40, 90), np.uint8)
+    opened = eng.open_stream("a", "a ball", seed=0, fps=16, image=image).result(timeout=10)
+    assert opened.accepted and opened.stream.image
+    got.wait(lambda g: len(g.chunks.get("a", [])) >= 3)
+    heads = [c.header for c in got.chunks["a"][:3]]
+    assert [(h.index, h.pts, h.frames, h.input) for h in heads] == [(0, 0, 1, "image"), (1, 1, 12, "none"),
+                                                                     (2, 13, 12, "none")]
+    assert heads[0].keyframe and not heads[1].keyframe and heads[0].steps == eng.shape.steps
+    frame = StreamDecoder().decode(got.chunks["a"][0].access_units[0])[0]
+    want, other = [eng.gen.start_from_image(eng.gen.open_stream("ref", "a ball", seed=0),
+                                            torch.from_numpy(img)).frames[0].numpy().astype(int)
+                   for img in (image, 255 - image)]
+    err = [np.abs(frame.astype(int) - x).mean() for x in (want, other)]
+    assert err[0] < 0.5 * err[1], err  # the image's frame as the model decodes it, through x264 (random weights)
+    assert eng.sched.stream_stats("a", eng.clock()).chunks_delivered >= 3
+
+    assert eng.close_stream("a").result(timeout=10)  # (a stream alone: admission's closed loop cannot refuse it)
+    with pytest.raises(ValueError, match=r"\[N, 128, 128, 3\] uint8"):
+        eng.open_stream("b", "a ball", seed=0, fps=16, image=image[:64]).result(timeout=10)
+    assert "b" not in eng.sched and eng.stats().kv_used_bytes == 0
+    refused = eng.open_stream("c", "a ball", seed=0, fps=16, image=image, input=object()).result(timeout=10)
+    assert not refused.accepted and "not both" in refused.reason
+    eng.images = StartImages(None)  # an engine whose model has no encoder
+    refused = eng.open_stream("d", "a ball", seed=0, fps=16, image=image).result(timeout=10)
+    assert not refused.accepted and "this model has no encoder" in refused.reason
+    assert not got.errors

@@ -406,7 +406,7 @@ def test_an_error_names_an_unknown_request_type_as_invalid():
 
 def test_start_refusals_are_the_codes_that_end_a_start():
     assert p.START_REFUSALS == {ErrorCode.REFUSED, ErrorCode.UNAUTHORIZED, ErrorCode.TOO_MANY_STREAMS,
-                                ErrorCode.NOT_FOUND}
+                                ErrorCode.NOT_FOUND, ErrorCode.BAD_IMAGE}
 
 
 def test_watch_names_a_stream_and_steering_messages_parse():
