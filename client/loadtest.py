@@ -48,6 +48,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,6 +114,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "else uploaded once before the streams connect, POST /images, up to 4 MiB, and not counted "
                         "in TTFF), so that TTFF from an image can be compared with TTFF without (README: Start from "
                         "an image); not with --input")
+    p.add_argument("--styles", default=None, metavar="NAME,NAME,...",
+                   help="stream i starts in style i modulo the list, each one the server offers (serve --lora-dir; "
+                        "'none': no style), and the report gives each style's admitted streams and stalls (README: "
+                        "Styles per stream)")
     p.add_argument("--verify-pixels", action="store_true",
                    help="time each prompt from its send to the first played frame whose colour matches the prompt's "
                         "colour word (client/verify.py), reported beside the header-based control latency; the prompts "
@@ -375,6 +380,7 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
         prompt = viewer_prompt(i, 0, captions, vocabulary)
         camera = {"input": sources[i % len(sources)], "strength": args.strength} if sources else {}
         cfg = ClientConfig(prompt=prompt, seed=args.seed + i, fps=args.fps, token=args.token, image=image,
+                           lora=stream_style(args, i),
                            stats_every_s=args.stats_every, decode=DecodeMode(args.decode),
                            open_timeout_s=max(10.0, 0.25 * args.streams), verify_pixels=args.verify_pixels,
                            **camera, **tls)
@@ -415,8 +421,33 @@ async def run_viewers(args, url: str, server: LocalServer | None) -> dict:
     report["stalls"]["during_own_pauses"] = own_stalls(results, pauses.pauses)
     report["client_loop"] = pauses.figures()
     report["prompts"] = prompts
+    if getattr(args, "styles", None):
+        report["styles"] = style_figures(results, [stream_style(args, i) for i in range(args.streams)])
     report["server"] = server_figures(first, last, wall, run.peak_metrics)
     return report
+
+
+def stream_style(args, i: int) -> str | None:
+    """The style stream i starts in (--styles, round robin; 'none' or no --styles: none)."""
+    names = (getattr(args, "styles", None) or "none").split(",")
+    name = names[i % len(names)].strip()
+    return None if name in ("", "none") else name
+
+
+def style_figures(results: Sequence[StreamResult], styles: Sequence[str | None]) -> dict:
+    """Each style's streams (--styles): admitted, refused (with the reasons) and the admitted ones' stalls."""
+    out: dict[str, dict] = {}
+    for result, style in zip(results, styles):
+        row = out.setdefault(style or "none", {"streams": 0, "admitted": 0, "refused": Counter(), "stalls": 0,
+                                               "stall_s": 0.0})
+        row["streams"] += 1
+        if result.admitted and result.playback is not None:
+            row["admitted"] += 1
+            row["stalls"] += result.playback.stalls
+            row["stall_s"] = round(row["stall_s"] + result.playback.stall_s, 3)
+        elif result.refused_reason is not None:
+            row["refused"][result.refused_reason] += 1
+    return {name: row | {"refused": dict(row["refused"])} for name, row in out.items()}
 
 
 def start_image_error(args) -> str | None:

@@ -95,6 +95,9 @@ class ClientConfig:
     strength: float | None = None
     # the picture the stream starts from: a data: URL or an upload's id (client/start_image.py `image_ref`)
     image: str | None = None
+    # the style the stream starts in (None: none): one the server offers (ready's `loras`, GET /loras), at this scale
+    lora: str | None = None
+    lora_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.watch is not None and (self.prompt or self.seed is not None or self.fps is not None):
@@ -114,8 +117,8 @@ class ClientConfig:
             raise ValueError(f"ca_file={self.ca_file!r} and insecure: give one (insecure checks no certificate)")
         if self.stats_every_s < 0:
             raise ValueError(f"stats_every_s={self.stats_every_s}: must be >= 0 (0 turns stats off)")
-        if self.watch is not None and (self.input is not None or self.image is not None):
-            raise ValueError("a watcher sends no input nor image: they are its stream's steerer's")
+        if self.watch is not None and (self.input is not None or self.image is not None or self.lora is not None):
+            raise ValueError("a watcher sends no input, image nor style: they are its stream's steerer's")
         if self.verify_pixels and self.decode is DecodeMode.NONE:
             raise ValueError("verify_pixels reads the frames: it needs decode inline or thread, not none")
 
@@ -128,7 +131,8 @@ class ClientConfig:
     def start_message(self, transport: str | None = None) -> P.Start:
         """The ``start`` message that opens this viewer's stream."""
         return P.Start(prompt=self.prompt, seed=self.seed, fps=self.fps, transport=transport, token=self.token,
-                       input=self.input is not None, strength=self.strength, image=self.image)
+                       input=self.input is not None, strength=self.strength, image=self.image, lora=self.lora,
+                       lora_scale=self.lora_scale)
 
     def first_message(self, transport: str | None = None) -> P.Start | P.Watch:
         """What the viewer sends first: ``watch`` of ``self.watch``, or the ``start`` of its own stream."""

@@ -337,3 +337,19 @@ def test_a_short_run_whose_streams_start_from_an_image(tmp_path, capsys):
     assert r["admitted"] == 2 and r["errors"]["count"] == 0 and r["ttff_s"]["n"] == 2
     assert r["config"]["start_image"] == str(image)
     assert f"start image {image}: {image.stat().st_size} bytes, inline in each start" in capsys.readouterr().out
+
+
+def test_a_short_run_whose_streams_start_in_styles_reports_each_style(tmp_path):
+    # the local server offers the built-in model's shipped style (models/assets/styles/invert.safetensors)
+    out = tmp_path / "lt.json"
+    loadtest.run(parse("--streams", "3", "--duration", "4", "--styles", "invert,none,nosuch", "--json", str(out),
+                       "--progress-every", "0"))
+    styles = json.loads(out.read_text())["styles"]
+    assert styles["invert"]["admitted"] == 1 and styles["none"]["admitted"] == 1, styles
+    assert styles["nosuch"]["admitted"] == 0 and sum(styles["nosuch"]["refused"].values()) == 1, styles
+
+
+def test_styles_go_round_robin_over_the_streams():
+    args = parse("--styles", "a, none ,b")
+    assert [loadtest.stream_style(args, i) for i in range(4)] == ["a", None, "b", "a"]
+    assert loadtest.stream_style(parse(), 3) is None
