@@ -323,8 +323,9 @@ def overview(records: list[dict], out: Path, plt) -> str:
 # ---------------------------------------------------------------- running
 
 
-async def soak(args: argparse.Namespace, url: str) -> tuple[list[dict], list, Context, dict]:
-    """Run the slots and record every minute; the records, the scrapes, the context, and what the host did."""
+async def soak(args: argparse.Namespace, url: str) -> tuple[list[dict], list, Context, tuple[int, float], dict]:
+    """Run the slots and record every minute; the records, the scrapes, the context, the steerers' stalls that
+    overlap the soak's own loop pauses (count, seconds), and what the host did."""
     churn = churn_config(args)
     probed, vocabulary = await probe_vocabulary(url, args.token, max(10.0, 0.25 * args.streams))
     captions = bool(vocabulary) or not probed
@@ -378,7 +379,7 @@ async def soak(args: argparse.Namespace, url: str) -> tuple[list[dict], list, Co
            for who, viewing in (("stalls", ctx.steerers), ("watcher_stalls", ctx.watchers))}
     host["stalls_during_own_pauses"] = {who: {"count": n, "seconds": round(s, 3)} for who, (n, s) in own.items()}
     closed = {f: None if after is None else after.get(k) for f, k in SERVER.items()} | {"tables": tables(after)}
-    return records, scrapes, ctx, {"host": host, "after_close": closed}
+    return records, scrapes, ctx, own["stalls"], {"host": host, "after_close": closed}
 
 
 def _interrupt(signum, frame) -> None:
@@ -400,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             print(f"server up at {server.ws_url} after {time.monotonic() - wall0:.1f} s", flush=True)
         cpu0 = server.cpu_seconds() if server else None
         t0 = time.monotonic()
-        records, scrapes, ctx, extra = asyncio.run(soak(args, args.url or server.ws_url))
+        records, scrapes, ctx, own, extra = asyncio.run(soak(args, args.url or server.ws_url))
         wall = time.monotonic() - t0
         cpu1 = server.cpu_seconds() if server else None
     finally:
@@ -410,8 +411,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             server.cleanup()
     report = {"benchmark": "soak",
               "config": {k: v for k, v in vars(args).items() if k not in ("token",)} | {"run_s": ctx.churn.run_s},
-              **summarize(records, scrapes, ctx.samples, ctx.churn.run_s, args.minute_s, ctx.score_pixels,
-                          tuple(extra["host"]["stalls_during_own_pauses"]["stalls"].values())),
+              **summarize(records, scrapes, ctx.samples, ctx.churn.run_s, args.minute_s, ctx.score_pixels, own),
               "churn": vars(ctx.tally),
               "sampling": {"streams": sorted(ctx.sample_streams), "every": args.sample_every,
                            "chunks_read": ctx.samples.chunks_read, "frames_read": len(ctx.samples.brightness),
