@@ -14,7 +14,6 @@ import contextlib
 
 import numpy as np
 import pytest
-from websockets.exceptions import ConnectionClosed
 
 from client import pixels
 from models.model_file import BUILTIN_STYLES, BUILTIN_WEIGHTS
@@ -39,23 +38,6 @@ async def running():
         await asyncio.wait_for(server.stop(), 30)
 
 
-class OrderedViewer(Viewer):
-    """A Viewer that also keeps the order its chunks and replies came in: ("chunk", prompt_version) or ("reply", request)."""
-
-    async def _read(self) -> None:
-        self.order: list[tuple[str, object]] = []
-        with contextlib.suppress(ConnectionClosed):
-            async for data in self.ws:
-                if isinstance(data, bytes):
-                    header, units = P.unpack_chunk(data)
-                    frames = [f.to_ndarray(format="rgb24") for au in units for f in self.decoder.decode(au)]
-                    self.chunks.append((header, b"".join(units), np.stack(frames).astype(np.float32)))
-                    self.order.append(("chunk", header.prompt_version))
-                else:
-                    self.messages.append(P.parse_server(data))
-                    self.order.append(("reply", getattr(self.messages[-1], "request", None)))
-
-
 def correlation(a: np.ndarray, b: np.ndarray) -> float:
     x, y = a.ravel() - a.mean(), b.ravel() - b.mean()
     return float((x * y).sum() / np.sqrt((x * x).sum() * (y * y).sum()))
@@ -69,7 +51,7 @@ def red_share(frames: np.ndarray) -> float:
 async def test_invert_shows_in_the_stream_that_asked_and_from_a_live_switchs_version():
     assert "red" in PROMPT
     async with running() as server:
-        plain, styled, switched = [await OrderedViewer.start(server, **f) for f in ({}, {"lora": "invert"}, {})]
+        plain, styled, switched = [await Viewer.start(server, **f) for f in ({}, {"lora": "invert"}, {})]
         try:
             assert plain.first.loras == ["invert"] and styled.first.lora == "invert"
             assert await switched.wait_until(lambda: len(switched.chunks) >= 2)

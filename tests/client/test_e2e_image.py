@@ -15,18 +15,16 @@ import urllib.request
 import numpy as np
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
 
 from client import pixels
-from client.decode import FrameDecoder
 from streamsvc.engine.config import EngineConfig
 from streamsvc.engine.images import StartImages
 from streamsvc.viewers.server import Server, ServerConfig
 from streamsvc.wire import image as I
 from streamsvc.wire import protocol as P
+from tests.client.raw_viewer import T, RawViewer
 from tests.streamsvc.test_start_image import drawn, encode, png_claiming, psnr
 
-T = 30.0  # bound on anything that should take a few seconds on a loaded 2-core host
 PROMPT, SEED = "a green square moving right", 5
 SIZE = 128  # the tiny model's frame
 
@@ -42,59 +40,8 @@ async def running(weights=None, **server_kw):
         await asyncio.wait_for(server.stop(), 30)
 
 
-class Viewer:
-    """One stream over a raw WebSocket: its messages, and its chunks (header, decoded RGB frames uint8)."""
-
-    def __init__(self, ws, first) -> None:
-        self.ws, self.first = ws, first
-        self.messages: list = []
-        self.chunks: list[tuple[P.Chunk, np.ndarray]] = []
-        self.decoder = FrameDecoder()
-        self.task = asyncio.ensure_future(self._read()) if isinstance(first, P.Ready) else None
-
-    @classmethod
-    async def start(cls, server: Server, ws=None, **fields) -> "Viewer":
-        ws = ws or await connect(f"ws://127.0.0.1:{server.port}/ws", max_size=P.MAX_CHUNK_BYTES)
-        await ws.send(json.dumps({"type": "start", "prompt": PROMPT, "seed": SEED, **fields}))
-        return cls(ws, P.parse_server(await asyncio.wait_for(ws.recv(), T)))
-
-    @classmethod
-    async def watch(cls, server: Server, ready: P.Ready) -> "Viewer":
-        ws = await connect(f"ws://127.0.0.1:{server.port}/ws", max_size=P.MAX_CHUNK_BYTES)
-        await ws.send(json.dumps({"type": "watch", "stream_id": ready.stream_id, "secret": ready.watch_secret}))
-        return cls(ws, P.parse_server(await asyncio.wait_for(ws.recv(), T)))
-
-    async def _read(self) -> None:
-        with contextlib.suppress(ConnectionClosed):
-            async for data in self.ws:
-                if isinstance(data, bytes):
-                    header, units = P.unpack_chunk(data)
-                    frames = [f.to_ndarray(format="rgb24") for au in units for f in self.decoder.decode(au)]
-                    self.chunks.append((header, np.stack(frames)))
-                else:
-                    self.messages.append(P.parse_server(data))
-
-    @property
-    def frames(self) -> np.ndarray:
-        return np.concatenate([f for _, f in self.chunks])
-
-    async def send(self, **msg) -> None:
-        await self.ws.send(json.dumps(msg))
-
-    async def wait_until(self, predicate, timeout_s: float = T) -> bool:
-        for _ in range(int(timeout_s / 0.05)):
-            if predicate():
-                return True
-            await asyncio.sleep(0.05)
-        return predicate()
-
-    def replies(self, request: str) -> list:
-        return [m for m in self.messages if isinstance(m, (P.Ack, P.Error)) and m.request == request]
-
-    async def close(self) -> None:
-        await self.ws.close()
-        if self.task is not None:
-            await asyncio.wait_for(self.task, T)
+class Viewer(RawViewer):
+    prompt, seed = PROMPT, SEED
 
 
 def upload(server: Server, body: bytes, ctype: str = "image/png", method: str = "POST") -> tuple[int, bytes]:
@@ -123,12 +70,12 @@ async def test_the_first_frame_a_viewer_gets_is_the_drawn_image_and_the_prompts_
             await plain.close()
     head = v.chunks[0][0]
     assert (head.index, head.pts, head.frames, head.input, head.keyframe, head.steps) == (0, 0, 1, "image", True, 4)
-    assert [(h.index, h.pts, h.input) for h, _ in v.chunks[1:3]] == [(1, 1, "none"), (2, 13, "none")]
-    first = v.chunks[0][1][0]
+    assert [(h.index, h.pts, h.input) for h, *_ in v.chunks[1:3]] == [(1, 1, "none"), (2, 13, "none")]
+    first = v.chunks[0][2][0]
     got = psnr(first, image)
     assert got >= 25.0, f"first frame {got:.1f} dB against the drawn image"
-    assert psnr(plain.chunks[0][1][0], image) < 15.0  # (the same stream from noise is nothing like it)
-    readings = [pixels.read_frame(f) for f in v.frames[1:25]]
+    assert psnr(plain.chunks[0][2][0], image) < 15.0  # (the same stream from noise is nothing like it)
+    readings = [pixels.read_frame(f) for f in v.frames[1:25].astype(np.uint8)]
     moves = [pixels.motion(pixels.velocity(readings[w : w + 12], SIZE, SIZE)) for w in (0, 12)]
     assert moves == ["right", "right"], moves
     start = pixels.read_frame(image).centre
@@ -176,7 +123,7 @@ async def test_bad_images_are_refused_with_the_reason_and_the_connection_and_oth
         finally:
             await other.close()
             await ok.close()
-        assert ok.chunks[0][0].input == "image" and [h.index for h, _ in ok.chunks[:2]] == [0, 1]
+        assert ok.chunks[0][0].input == "image" and [h.index for h, *_ in ok.chunks[:2]] == [0, 1]
 
 
 async def test_an_upload_starts_streams_over_the_websocket_and_its_refusals_are_http_statuses():
@@ -192,10 +139,10 @@ async def test_an_upload_starts_streams_over_the_websocket_and_its_refusals_are_
         finally:
             await a.close()
             await b.close()
-        assert psnr(a.chunks[0][1][0], b.chunks[0][1][0]) == float("inf")  # one image, one seed: one stream
+        assert psnr(a.chunks[0][2][0], b.chunks[0][2][0]) == float("inf")  # one image, one seed: one stream
         from streamsvc.inputs.image import decode_image
         fitted = decode_image(encode(image, "mjpeg", "yuvj420p"), SIZE, SIZE)
-        assert psnr(a.chunks[0][1][0], fitted) >= 25.0
+        assert psnr(a.chunks[0][2][0], fitted) >= 25.0
         for body, ctype, status, text in [
             (png_claiming(50000, 50000), "image/png", 400, b"declares 50000x50000 pixels"),
             (b"hello", "text/plain", 415, b"an upload is an image file"),
@@ -233,14 +180,14 @@ async def test_pause_resume_recording_and_a_watcher_of_a_stream_started_from_an_
                 await v.close()
         mp4 = await asyncio.to_thread(lambda: urllib.request.urlopen(
             f"http://127.0.0.1:{server.port}{rec.url}", timeout=T).read())
-    assert [h.input for h, _ in paused.chunks].count("image") == 1 and paused.chunks[0][0].input == "image"
-    assert [h.pts for h, _ in paused.chunks[:n]] == [h.pts for h, _ in twin.chunks[:n]]
+    assert [h.input for h, *_ in paused.chunks].count("image") == 1 and paused.chunks[0][0].input == "image"
+    assert [h.pts for h, *_ in paused.chunks[:n]] == [h.pts for h, *_ in twin.chunks[:n]]
     assert np.array_equal(paused.frames[: 1 + 12 * (n - 1)], twin.frames[: 1 + 12 * (n - 1)])
-    assert watcher.chunks[0][0].index == 0 and np.array_equal(watcher.chunks[0][1], paused.chunks[0][1])
+    assert watcher.chunks[0][0].index == 0 and np.array_equal(watcher.chunks[0][2], paused.chunks[0][2])
     import av
     with av.open(__import__("io").BytesIO(mp4)) as container:
         recorded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    assert len(recorded) >= 1 + 12 and np.array_equal(recorded[0], paused.chunks[0][1][0])
+    assert len(recorded) >= 1 + 12 and np.array_equal(recorded[0], paused.chunks[0][2][0])
 
 
 async def test_the_python_client_starts_from_an_image_inline_or_uploaded():
@@ -266,5 +213,5 @@ async def test_the_python_client_starts_from_an_image_inline_or_uploaded():
     assert [c.ready.image for c in clients] == [True, True, True, None]
     assert [c.headers[0].input for c in clients] == ["image", "image", "image", "none"]
     assert [c.headers[0].frames for c in clients[:3]] == [1, 1, 1] and clients[3].headers[0].frames == 9
-    with pytest.raises(ValueError, match="a watcher sends no input nor image"):
+    with pytest.raises(ValueError, match="a watcher sends no input, image nor style"):
         ClientConfig(watch="s0", secret="x", image=inline)

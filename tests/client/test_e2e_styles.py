@@ -13,17 +13,14 @@ import urllib.error
 import urllib.request
 
 import numpy as np
-from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
 
-from client.decode import FrameDecoder
 from streamsvc.engine.config import EngineConfig
 from streamsvc.viewers.server import Server, ServerConfig
 from streamsvc.wire import protocol as P
+from tests.client.raw_viewer import T, RawViewer
 from tests.conftest import tiny_generator
 from tests.models.test_adapters import make_pairs, save_diffusers, save_peft
 
-T = 30.0  # bound on anything that should take a few seconds on a loaded 2-core host
 PROMPT, SEED = "a red ball moving right", 5
 
 
@@ -44,52 +41,8 @@ def _access(tokens):
     return AccessConfig(tokens={t: None for t in tokens})
 
 
-class Viewer:
-    """One stream over a raw WebSocket: its messages, and its chunks (header, payload, decoded RGB frames)."""
-
-    def __init__(self, ws, first) -> None:
-        self.ws, self.first = ws, first
-        self.messages: list = []
-        self.chunks: list[tuple[P.Chunk, bytes, np.ndarray]] = []
-        self.decoder = FrameDecoder()
-        self.task = asyncio.ensure_future(self._read()) if isinstance(first, P.Ready) else None
-
-    @classmethod
-    async def start(cls, server: Server, **fields) -> "Viewer":
-        ws = await connect(f"ws://127.0.0.1:{server.port}/ws", max_size=P.MAX_CHUNK_BYTES)
-        await ws.send(json.dumps({"type": "start", "prompt": PROMPT, "seed": SEED, **fields}))
-        return cls(ws, P.parse_server(await asyncio.wait_for(ws.recv(), T)))
-
-    async def _read(self) -> None:
-        with contextlib.suppress(ConnectionClosed):
-            await self._read_all()
-
-    async def _read_all(self) -> None:
-        async for data in self.ws:
-            if isinstance(data, bytes):
-                header, units = P.unpack_chunk(data)
-                frames = [f.to_ndarray(format="rgb24") for au in units for f in self.decoder.decode(au)]
-                self.chunks.append((header, b"".join(units), np.stack(frames).astype(np.float32)))
-            else:
-                self.messages.append(P.parse_server(data))
-
-    async def send(self, **msg) -> None:
-        await self.ws.send(json.dumps(msg))
-
-    async def wait_until(self, predicate, timeout_s: float = T) -> bool:
-        for _ in range(int(timeout_s / 0.05)):
-            if predicate():
-                return True
-            await asyncio.sleep(0.05)
-        return predicate()
-
-    def replies(self, request: str) -> list:
-        return [m for m in self.messages if isinstance(m, (P.Ack, P.Error)) and m.request == request]
-
-    async def close(self) -> None:
-        await self.ws.close()
-        if self.task is not None:
-            await asyncio.wait_for(self.task, T)
+class Viewer(RawViewer):
+    prompt, seed = PROMPT, SEED
 
 
 def difference(a: Viewer, b: Viewer, indices) -> float:
