@@ -65,6 +65,7 @@ from benchmarks.soak_streams import FRAME_STATS, POSITIONS, SWITCHES, Context, S
 from client import loadtest  # noqa: E402
 from client.loadtest_host import LoopPauses, cpu_ticks, overlapping, steal_fraction  # noqa: E402
 from client.loadtest_prompts import probe_vocabulary, viewer_prompt  # noqa: E402
+from client.viewer import DecodeMode  # noqa: E402
 
 LATENCY = "streamsvc_chunk_latency_seconds"
 TABLES = "streamsvc_table_entries{"
@@ -89,6 +90,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-streams", type=int, default=4,
                    help="slots whose frames are decoded and sampled (default 4)")
     p.add_argument("--sample-every", type=int, default=4, help="of those, one chunk in K is read (default 4)")
+    p.add_argument("--decode", choices=("inline", "thread"), default="inline",
+                   help="where the sampled slots decode: on the soak's event loop (default; cheap at the built-in "
+                        "model's 128x128) or in a worker thread (a GPU model's 832x480, whose decoding would pause "
+                        "the loop that plays every viewer)")
     p.add_argument("--settle-chunks", type=int, default=2,
                    help="a prompt's first chunks left out of the pixel score (default 2; the switch's and the next)")
     p.add_argument("--input-every", type=int, default=4, help="every K-th slot sends input video (0: none; default 4)")
@@ -339,7 +344,7 @@ async def soak(args: argparse.Namespace, url: str) -> tuple[list[dict], list, Co
     sampled = {i for i in range(args.streams) if i not in sources}
     sampled = set(sorted(sampled)[: args.sample_streams])
     ctx = Context(url, churn, time.monotonic(), captions, vocabulary, args.streams, sampled, args.sample_every, score,
-                  token=args.token, sources=sources, settle=args.settle_chunks)
+                  token=args.token, sources=sources, settle=args.settle_chunks, decode=DecodeMode(args.decode))
     print(f"{args.streams} streams for {args.minutes:g} min (minutes of {args.minute_s:g} s) at {url}; prompts: "
           f"{'captions' if captions else 'free text'}; frames sampled from slots {sorted(sampled)}, one chunk in "
           f"{args.sample_every}{'; pixels scored (the built-in model)' if score else ''}; input video from slots "

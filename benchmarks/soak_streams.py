@@ -202,6 +202,7 @@ class Context:
     sample_every: int
     score_pixels: bool
     settle: int = 2  # a prompt's first chunks left out of the pixel score (see the module docstring)
+    decode: DecodeMode = DecodeMode.INLINE  # how the sampled slots decode (the others decode nothing)
     token: str | None = None
     sources: dict[int, Callable] = field(default_factory=dict)  # slot -> its input video (slots with input)
     samples: Samples = field(default_factory=Samples)
@@ -231,7 +232,7 @@ async def _open(ctx: Context, slot: int, session: int, until: float) -> tuple[St
     source = ctx.sources.get(slot)
     sampled = slot in ctx.sample_streams
     cfg = ClientConfig(prompt=prompt, seed=index, token=ctx.token, open_timeout_s=max(10.0, 0.25 * ctx.slots),
-                       decode=DecodeMode.INLINE if sampled else DecodeMode.NONE, input=source)
+                       decode=ctx.decode if sampled else DecodeMode.NONE, input=source)
     for attempt in range(OPEN_ATTEMPTS):
         c = StreamClient(ctx.url, cfg)
         if await c.open():

@@ -322,13 +322,14 @@ def test_a_png_of_each_curve_where_matplotlib_is_installed(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_short_soak_against_a_local_server_ends_with_its_json_line(tmp_path, capsys):
+@pytest.mark.parametrize("decode", ["inline", "thread"])  # where the sampled slots decode: either reads the frames
+def test_a_short_soak_against_a_local_server_ends_with_its_json_line(tmp_path, capsys, decode):
     report = soak.main(["--streams", "2", "--minutes", "3", "--minute-s", "8", "--session-s", "120",
-                        "--out", str(tmp_path)])
+                        "--decode", decode, "--out", str(tmp_path)])
     lines = capsys.readouterr().out.strip().splitlines()
     assert json.loads(lines[-1]) == json.loads(json.dumps(report))  # the last line is the report
     assert sum(line.startswith("[min ") for line in lines) == 3
-    assert len(report["minutes"]) == 3 and report["config"]["streams"] == 2
+    assert len(report["minutes"]) == 3 and report["config"]["streams"] == 2 and report["config"]["decode"] == decode
     for m in report["minutes"]:
         assert m["scraped"] and m["rss_bytes"] > 0 and m["fds"] > 0 and m["threads"] >= 2
         assert m["encoders"] >= 1 and m["encoder_rss_bytes"] > 0  # the CPU server's x264 processes
