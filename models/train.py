@@ -46,7 +46,7 @@ import argparse
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -166,6 +166,25 @@ class TrainConfig:
                    follow_steps=2, follow_batch=2, follow_pool=3)  # a teacher batch: a text clip, a pair, an image clip
 
 
+def with_overrides(cfg, items: Sequence[str], error: Callable[[str], None]):
+    """`cfg` (a dataclass) with each `--set FIELD=VALUE` of `items` applied, the value of the field's type; `error`
+    (argparse's) is told of an unknown field."""
+    fields = {k: type(v) for k, v in asdict(cfg).items()}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in fields:
+            error(f"--set {item}: no field {key!r}; fields: {', '.join(fields)}")
+        cfg = replace(cfg, **{key: fields[key](value)})
+    return cfg
+
+
+def save_atomic(state: dict, path: Path) -> None:
+    """torch.save to `path` through a temporary file: a run killed mid-save keeps the previous checkpoint."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
 # fields added to TrainConfig since, at the value that the runs made before them trained with
 LATER_FIELDS = {"image_share": 0.0, "follow_share": 0.0}
 
@@ -251,9 +270,7 @@ class Trainer:
             "rng": self.rng.bit_generator.state,
             "torch_rng": torch.get_rng_state(),
         }
-        tmp = self.checkpoint_path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(self.checkpoint_path)  # atomic: a run killed mid-save keeps the previous checkpoint
+        save_atomic(state, self.checkpoint_path)
 
     def resume(self) -> bool:
         if not self.checkpoint_path.exists():
@@ -548,13 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = TrainConfig.smoke() if args.smoke else TrainConfig()
-    fields = {k: type(v) for k, v in asdict(cfg).items()}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if key not in fields:
-            p.error(f"--set {item}: no field {key!r}; fields: {', '.join(fields)}")
-        cfg = replace(cfg, **{key: fields[key](value)})
+    cfg = with_overrides(TrainConfig.smoke() if args.smoke else TrainConfig(), args.set, p.error)
     args.out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, args.out, torch.device(args.device), amp=args.amp == "bf16")
     if trainer.resume():

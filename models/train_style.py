@@ -43,7 +43,7 @@ from models.scenes import Clip
 from models.stream import GeneratorConfig
 from models.teacher_forcing import chunk_sigmas
 from models.text import VocabTextEncoder
-from models.train import LOSS_WEIGHTS, channel_weights, forcing_loss
+from models.train import LOSS_WEIGHTS, channel_weights, forcing_loss, save_atomic, with_overrides
 from models.train_clips import (
     chunk_weights,
     clip_captions,
@@ -236,9 +236,7 @@ class StyleTrainer:
         state = {"config": asdict(self.cfg), "step": self.step, "opt": self.opt.state_dict(),
                  "pairs": {name: (a.detach(), b.detach()) for name, (a, b) in self.pairs.items()},
                  "rng": self.rng.bit_generator.state, "torch_rng": torch.get_rng_state()}
-        tmp = self.checkpoint_path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(self.checkpoint_path)  # atomic: a run killed mid-save keeps the previous checkpoint
+        save_atomic(state, self.checkpoint_path)
 
     def resume(self) -> bool:
         if not self.checkpoint_path.exists():
@@ -288,12 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     cfg = StyleConfig.smoke() if args.smoke else StyleConfig()
     cfg = replace(cfg, **{k: v for k, v in (("style", args.style), ("base", args.base)) if v is not None})
-    fields = {k: type(v) for k, v in asdict(cfg).items()}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if key not in fields:
-            p.error(f"--set {item}: no field {key!r}; fields: {', '.join(fields)}")
-        cfg = replace(cfg, **{key: fields[key](value)})
+    cfg = with_overrides(cfg, args.set, p.error)
     args.out.mkdir(parents=True, exist_ok=True)
     trainer = StyleTrainer(cfg, args.out, torch.device(args.device))
     if trainer.resume():

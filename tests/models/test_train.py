@@ -440,3 +440,16 @@ def test_the_follow_stage_starts_from_a_model_file_and_trains_the_dit(tmp_path):
     assert math.isfinite(loss) and loss > 0
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     assert len(trainer._pool[3].pairs) == len(trainer._pool[3].clips) == 3  # follow_pool of each, rendered once
+
+
+def test_set_overrides_take_the_fields_type_and_refuse_an_unknown_field():
+    from models.train import with_overrides
+
+    errors = []
+    cfg = with_overrides(TrainConfig(), ["teacher_steps=7", "follow_share=0.125", "chunk_sizes=1"], errors.append)
+    assert (cfg.teacher_steps, cfg.follow_share, cfg.chunk_sizes) == (7, 0.125, "1") and not errors
+    def refuse(message):  # as argparse's error does: it does not return
+        raise SystemExit(message)
+
+    with pytest.raises(SystemExit, match="no field 'nosuch'; fields: preset, .*teacher_steps"):
+        with_overrides(TrainConfig(), ["nosuch=1"], refuse)
