@@ -11,10 +11,23 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from client.decode import FrameDecoder
-from streamsvc.viewers.server import Server
+from streamsvc.engine.config import EngineConfig
+from streamsvc.viewers.server import Server, ServerConfig
 from streamsvc.wire import protocol as P
 
 T = 30.0  # bound on anything that should take a few seconds on a loaded 2-core host
+
+
+@contextlib.asynccontextmanager
+async def serving(config: ServerConfig, **engine):
+    """A running server (loopback, an ephemeral port) of the tiny model on CPU at full steps (no degradation: a
+    stream's frames depend on its prompt, seed and conditioning only), with the EngineConfig fields `engine`."""
+    server = Server(EngineConfig(preset="tiny", device="cpu", degrade=False, **engine), config)
+    await asyncio.wait_for(server.start(), 120)
+    try:
+        yield server
+    finally:
+        await asyncio.wait_for(server.stop(), 30)
 
 
 class RawViewer:

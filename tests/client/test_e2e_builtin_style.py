@@ -9,17 +9,15 @@ client/pixels.py's colour of the object (the plain frames show the prompt's red;
 the styled ones themselves do not). Every wait is bounded.
 """
 
-import asyncio
-import contextlib
 
 import numpy as np
 import pytest
 
 from client import pixels
 from models.model_file import BUILTIN_STYLES, BUILTIN_WEIGHTS
-from streamsvc.engine.config import EngineConfig
-from streamsvc.viewers.server import Server, ServerConfig
+from streamsvc.viewers.server import ServerConfig
 from streamsvc.wire import protocol as P
+from tests.client.raw_viewer import serving
 from tests.client.test_e2e_styles import PROMPT, Viewer
 
 pytestmark = pytest.mark.skipif(not (BUILTIN_WEIGHTS.is_file() and (BUILTIN_STYLES / "invert.safetensors").is_file()),
@@ -27,15 +25,8 @@ pytestmark = pytest.mark.skipif(not (BUILTIN_WEIGHTS.is_file() and (BUILTIN_STYL
 INVERTED = -0.5  # a styled chunk's correlation with the plain one is below this (measured: see the README's styles)
 
 
-@contextlib.asynccontextmanager
-async def running():
-    config = EngineConfig(preset="tiny", device="cpu", degrade=False, weights="builtin", lora_dir=str(BUILTIN_STYLES))
-    server = Server(config, ServerConfig(port=0))
-    await asyncio.wait_for(server.start(), 120)
-    try:
-        yield server
-    finally:
-        await asyncio.wait_for(server.stop(), 30)
+def running():
+    return serving(ServerConfig(port=0), weights="builtin", lora_dir=str(BUILTIN_STYLES))
 
 
 def correlation(a: np.ndarray, b: np.ndarray) -> float:

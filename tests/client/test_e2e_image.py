@@ -7,7 +7,6 @@ steps (no degradation), so a stream's frames depend on nothing but its prompt, s
 
 import asyncio
 import base64
-import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -17,27 +16,19 @@ import pytest
 from websockets.asyncio.client import connect
 
 from client import pixels
-from streamsvc.engine.config import EngineConfig
 from streamsvc.engine.images import StartImages
 from streamsvc.viewers.server import Server, ServerConfig
 from streamsvc.wire import image as I
 from streamsvc.wire import protocol as P
-from tests.client.raw_viewer import T, RawViewer
+from tests.client.raw_viewer import T, RawViewer, serving
 from tests.streamsvc.test_start_image import drawn, encode, png_claiming, psnr
 
 PROMPT, SEED = "a green square moving right", 5
 SIZE = 128  # the tiny model's frame
 
 
-@contextlib.asynccontextmanager
-async def running(weights=None, **server_kw):
-    config = EngineConfig(preset="tiny", device="cpu", degrade=False, weights=weights)
-    server = Server(config, ServerConfig(port=0, **server_kw))
-    await asyncio.wait_for(server.start(), 120)
-    try:
-        yield server
-    finally:
-        await asyncio.wait_for(server.stop(), 30)
+def running(weights=None, **server_kw):
+    return serving(ServerConfig(port=0, **server_kw), weights=weights)
 
 
 class Viewer(RawViewer):

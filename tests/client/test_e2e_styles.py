@@ -7,32 +7,24 @@ on nothing but its prompt, seed and style. Every wait is bounded.
 """
 
 import asyncio
-import contextlib
 import json
 import urllib.error
 import urllib.request
 
 import numpy as np
 
-from streamsvc.engine.config import EngineConfig
 from streamsvc.viewers.server import Server, ServerConfig
 from streamsvc.wire import protocol as P
-from tests.client.raw_viewer import T, RawViewer
+from tests.client.raw_viewer import T, RawViewer, serving
 from tests.conftest import tiny_generator
 from tests.models.test_adapters import make_pairs, save_diffusers, save_peft
 
 PROMPT, SEED = "a red ball moving right", 5
 
 
-@contextlib.asynccontextmanager
-async def running(lora_dir=None, tokens=(), **server_kw):
-    config = EngineConfig(preset="tiny", device="cpu", degrade=False, lora_dir=lora_dir)
-    server = Server(config, ServerConfig(port=0, **server_kw, **({"access": _access(tokens)} if tokens else {})))
-    await asyncio.wait_for(server.start(), 120)
-    try:
-        yield server
-    finally:
-        await asyncio.wait_for(server.stop(), 30)
+def running(lora_dir=None, tokens=(), **server_kw):
+    access = {"access": _access(tokens)} if tokens else {}
+    return serving(ServerConfig(port=0, **server_kw, **access), lora_dir=lora_dir)
 
 
 def _access(tokens):
