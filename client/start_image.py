@@ -14,7 +14,8 @@ import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
 
-from streamsvc.wire.image import MAX_IMAGE_BYTES, MAX_INLINE_IMAGE_BYTES, UPLOAD_PATH, ImageError, data_url, sniff
+from streamsvc.wire.image import (MAX_IMAGE_BYTES, MAX_INLINE_IMAGE_BYTES, UPLOAD_PATH, ImageError, data_url,
+                                  image_type, sniff)
 
 
 def upload_url(ws_url: str) -> str:
@@ -40,8 +41,7 @@ def upload(data: bytes, ws_url: str, token: str | None = None, context: ssl.SSLC
 
 def check(data: bytes) -> None:
     """ImageError when a server would refuse image file `data` for what the client can see: its type, its size."""
-    if sniff(data) is None:
-        raise ImageError(f"not a PNG, JPEG or WebP image (it starts with {bytes(data[:8])!r})")
+    image_type(data)
     if len(data) > MAX_IMAGE_BYTES:
         raise ImageError(f"the image is {len(data)} bytes; a server takes at most {MAX_IMAGE_BYTES}")
 

@@ -2,7 +2,7 @@
 caps: streamsvc/wire/image.py).
 
 `decode_image` does it all, in this order, each step refusing with an `ImageError` that says why:
-- the type by the bytes (PNG, JPEG, WebP: `image.sniff`), and where the bytes came with one, that it agrees;
+- the type by the bytes (PNG, JPEG, WebP: `image.image_type`), and where the bytes came with one, that it agrees;
 - the size the file's header declares, read here from the bytes (PNG's IHDR, JPEG's SOFn, WebP's VP8/VP8L/VP8X
   header) and checked against the pixel cap before any decoder sees the file: a decompression bomb (a small file that
   declares 50000x50000) costs a few dozen bytes read;
@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import av
 import numpy as np
 
-from streamsvc.wire.image import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, ImageError, parse_data_url, sniff
+from streamsvc.wire.image import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, ImageError, image_type, parse_data_url
 
 DECODERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="image-decode")
 """Where start images are decoded: two at a time at most, whatever comes (each holds at most the cap's pixels)."""
@@ -95,9 +95,7 @@ def decode_image(data: bytes, width: int, height: int, mime: str | None = None,
     """An image file as the model's frame: [height, width, 3] uint8 RGB (see the module docstring). `mime`: the type
     it came labelled with (a data URL's, an upload's Content-Type), which its bytes must agree with. ImageError with
     the reason when it cannot."""
-    kind = sniff(data)
-    if kind is None:
-        raise ImageError(f"not a PNG, JPEG or WebP image (it starts with {bytes(data[:8])!r})")
+    kind = image_type(data)
     if mime is not None and mime != kind:
         raise ImageError(f"the image was sent as {mime} but its bytes are {kind}")
     w, h = declared_size(data, kind)

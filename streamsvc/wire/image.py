@@ -72,12 +72,17 @@ def sniff(data: bytes) -> str | None:
     return None
 
 
-def data_url(data: bytes) -> str:
-    """The ``data:`` URL of an image file (its media type from its bytes). ImageError: not a PNG, JPEG or WebP."""
+def image_type(data: bytes) -> str:
+    """The media type of an image file by its first bytes (`sniff`). ImageError: not a PNG, JPEG or WebP."""
     mime = sniff(data)
     if mime is None:
-        raise ImageError(f"not a PNG, JPEG or WebP image (it starts with {data[:8]!r})")
-    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+        raise ImageError(f"not a PNG, JPEG or WebP image (it starts with {bytes(data[:8])!r})")
+    return mime
+
+
+def data_url(data: bytes) -> str:
+    """The ``data:`` URL of an image file (its media type from its bytes). ImageError: not a PNG, JPEG or WebP."""
+    return f"data:{image_type(data)};base64,{base64.b64encode(data).decode('ascii')}"
 
 
 def is_data_url(image: str) -> bool:
