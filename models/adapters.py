@@ -272,18 +272,23 @@ class AdapterSet:
             raise AdapterError(f"style {name!r} is loaded already (from {self.adapters[name].path}): remove it first")
         if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
             raise AdapterError(f"LoRA {path}: alpha must be a positive number, got {alpha}")
-        pairs = self._bind(path, read_pairs(path))
+        adapter = self.adapter_of(name, read_pairs(path), path, alpha)
+        self.adapters[name] = adapter
+        return adapter
+
+    def adapter_of(self, name: str, pairs: dict[str, tuple], path: str | Path = "", alpha: float | None = None) -> Adapter:
+        """An adapter of `pairs` ({module name: (A, B, alpha or None)}, as `read_pairs` gives them) on the model's
+        Linears, checked (the names, the shapes, the rank), without offering it as a style: `load` offers it, the
+        generator keeps its model file's input adapter apart (models/generator.py `input_adapter`)."""
         layers = {}
-        for module, (a, b, file_alpha) in pairs.items():
+        for module, (a, b, file_alpha) in self._bind(path, pairs).items():
             r = a.shape[0]
             if r > self.max_rank:
                 raise AdapterError(f"LoRA {path}: {module} has rank {r}, over the maximum {self.max_rank} "
                                    "(serve it with a larger maximum rank, or merge it with --lora)")
             scale = (alpha if alpha is not None else file_alpha if file_alpha is not None else r) / r
             layers[module] = LoraLayer(a.to(self.device, self.dtype).contiguous(), b.to(self.device, self.dtype).contiguous(), scale)
-        adapter = Adapter.of(name, layers, self.linears, str(path))
-        self.adapters[name] = adapter
-        return adapter
+        return Adapter.of(name, layers, self.linears, str(path))
 
     def load_dir(self, folder: str | Path) -> list[str]:
         """Load every LoRA file of `folder` (its SUFFIXES), each as the style named by its file's stem. Returns

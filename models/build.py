@@ -144,7 +144,12 @@ def _from_model_file(
     text_encoder = VocabTextEncoder(mc.text_dim, mc.text_len, mf.words, mf.vectors)
     log.info("model %s: %s preset, dim %d, %d layers, %d caption words", path, mf.preset, mc.dim, mc.num_layers, len(mf.words))
     encoder = BlockPCAEncoder(BlockPCA.for_model(mc, mf.pca), device) if mf.pca else None
-    return ChunkGenerator(model, _file_schedule(cfg, mf.timesteps), text_encoder, decoder, encoder)
+    gen = ChunkGenerator(model, _file_schedule(cfg, mf.timesteps), text_encoder, decoder, encoder)
+    if mf.input_adapter:
+        adapter = gen.set_input_adapter(mf.input_adapter, str(path))
+        log.info("model %s: an input adapter of rank %d on %d Linears, for the streams with an input video or a start image",
+                 path, adapter.rank, len(adapter.layers))
+    return gen
 
 
 def _file_schedule(cfg: GeneratorConfig, timesteps: tuple[float, ...] | None) -> GeneratorConfig:

@@ -28,6 +28,9 @@ while the cache has sinks); chunks then follow from latent frame 1, their blocks
 
 Styles (issue 47; models/adapters.py): a stream may run under a LoRA adapter of `adapters` at a scale, whose
 low-rank terms its forwards add to its rows only; `set_lora` switches it live, re-caching as a prompt switch.
+The same way, a model file may hold an input adapter (models/model_file.py INPUT_ADAPTER, `input_adapter`): the
+streams opened with an input (`takes_input`: a video to follow, a start image) run under it unless they have a
+style; a stream without one runs the base weights, bit for bit.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from dataclasses import replace
 import torch
 
 from kvcache import CacheSpec, HostCopier, StreamCache, Workspace, park_cache, restore_cache
-from models.adapters import AdapterSet, AdapterUse
+from models.adapters import Adapter, AdapterSet, AdapterUse
 from models.config import ModelConfig
 from models.decoder import StreamingDecoder, TinyStreamingDecoder, frames_per_chunk
 from models.dit import CacheAccess, CausalWanModel, TextKV, in_place
@@ -92,6 +95,7 @@ class ChunkGenerator:
         self.workspace = Workspace(self.workspace_spec(), self.device) if cfg.stage_kv and cfg.kv_quant == "none" else None
         self.copier = HostCopier(self.device)  # parks streams in host memory and brings them back
         self.adapters = AdapterSet(self.model, max_rank=cfg.lora_max_rank)  # the styles (`adapters.load` / `load_dir`)
+        self.input_adapter: Adapter | None = None  # the streams with an input run under it (`set_input_adapter`)
         # what `forward` runs: CUDA graphs on CUDA, the model itself elsewhere
         self.runner = GraphedForward(model, self.adapters) if cfg.cuda_graphs and model.device.type == "cuda" else model
 
@@ -125,10 +129,11 @@ class ChunkGenerator:
         return 0 if self.encoder is None else self.encoder.state_bytes(self.model_cfg.height, self.model_cfg.width)
 
     def open_stream(self, stream_id: str, prompt: str, seed: int, cache: StreamCache | None = None,
-                    lora: str | None = None, lora_scale: float = 1.0) -> StreamState:
+                    lora: str | None = None, lora_scale: float = 1.0, takes_input: bool = False) -> StreamState:
         """A new stream; `cache` comes from the device's pool (a private one is made if None); `lora`: its style,
-        one of `adapters` (None: none), at `lora_scale` (an unknown style or a bad scale: a ValueError)."""
-        use = self.adapters.use(lora, lora_scale)
+        one of `adapters` (None: none), at `lora_scale` (an unknown style or a bad scale: a ValueError);
+        `takes_input`: it will have an input video or a start image (it runs under `input_adapter`)."""
+        use = self._use(lora, lora_scale, takes_input)
         mc = self.model_cfg
         cache = cache if cache is not None else StreamCache(self.cache_spec(), self.device)
         noise = torch.Generator(device=self.device).manual_seed(seed)
@@ -144,6 +149,7 @@ class ChunkGenerator:
             encoder=None if self.encoder is None else self.encoder.init_state(),
             lora=lora,
             lora_scale=float(lora_scale),
+            takes_input=takes_input,
         )
 
     def close_stream(self, state: StreamState) -> None:
@@ -244,8 +250,20 @@ class ChunkGenerator:
             state.pending_version = version
 
     def lora_use(self, state: StreamState) -> AdapterUse | None:
-        """The stream's style as its forwards run it (None: the base weights, bit for bit)."""
-        return self.adapters.use(state.lora, state.lora_scale)
+        """The stream's adapter as its forwards run it: its style, else the input adapter for a stream with an
+        input (None: the base weights, bit for bit)."""
+        return self._use(state.lora, state.lora_scale, state.takes_input)
+
+    def _use(self, lora: str | None, scale: float, takes_input: bool) -> AdapterUse | None:
+        if lora is None and takes_input and self.input_adapter is not None:
+            return AdapterUse(self.input_adapter, 1.0)
+        return self.adapters.use(lora, scale)
+
+    def set_input_adapter(self, pairs: dict[str, tuple], path: str = "") -> Adapter:
+        """The model's input adapter (models/model_file.py INPUT_ADAPTER: {Linear: (A, B, alpha)}), checked against
+        the model as a style is; the streams opened with `takes_input` run under it. Set it before any stream opens."""
+        self.input_adapter = self.adapters.adapter_of("input", pairs, path)
+        return self.input_adapter
 
     def abandon_chunk(self, state: StreamState) -> None:
         """Drop the chunk in progress (e.g. to restart it under a new prompt)."""

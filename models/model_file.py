@@ -35,6 +35,11 @@ BUILTIN_STYLES = BUILTIN_WEIGHTS.with_name("styles")
 the package: what `serve` offers with the built-in weights unless --lora-dir says otherwise."""
 
 
+INPUT_ADAPTER = "input"
+"""A model file's LoRA for the streams that have an input (a video to follow, a start image), which the generator
+applies to those streams only (models/generator.py `input_adapter`; trained by `python -m models.train_input`)."""
+
+
 def shipped_styles(weights: Path | None) -> Path | None:
     """The folder of styles trained for a model file: BUILTIN_STYLES for the built-in model's when it is installed
     and holds a file, None for any other model (a style is trained for one model's weights)."""
@@ -54,7 +59,8 @@ class ModelFile:
     (`dit.*`), its streaming decoder (`decoder.*`), the latent encoder it was trained with (`pca.*`, the
     encoder of video-to-video input) and the text vectors of the caption words (`text.vectors`, one row per word of
     the metadata's `text.words`); the metadata's `model` is the ModelConfig trained (JSON), `preset` its
-    preset's name, `sampler.timesteps` (optional, JSON) the denoising schedule to sample it with."""
+    preset's name, `sampler.timesteps` (optional, JSON) the denoising schedule to sample it with. Optional too: the
+    input adapter (`input.<Linear>.lora_A.weight`, `.lora_B.weight`, the metadata's `input.alpha`; INPUT_ADAPTER)."""
 
     path: Path
     preset: str  # the preset it was trained as (its resolution and sampling defaults)
@@ -65,6 +71,8 @@ class ModelFile:
     vectors: torch.Tensor  # [len(words), text_dim] their text-encoder vectors, as the model was trained with
     timesteps: tuple[float, ...] | None = None  # the schedule it samples best with (None: the generator's default)
     pca: dict[str, torch.Tensor] = field(default_factory=dict)  # BlockPCA's state dict (empty: none in the file)
+    # the input adapter (INPUT_ADAPTER): {Linear's name: (A [r, in], B [out, r], alpha)}; empty: none in the file
+    input_adapter: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
 
 
 @functools.cache  # once per process: the CLI resolves before the server starts, the engine again
@@ -145,10 +153,58 @@ def read_model_file(path: str | Path) -> ModelFile:
             f"model file {path}: text.vectors is {tuple(vectors.shape)}, expected ({len(words)}, {config.text_dim}) "
             "(one row per word of text.words, text_dim wide)"
         )
-    parts: dict[str, dict[str, torch.Tensor]] = {"dit": {}, "decoder": {}, "pca": {}}
+    parts: dict[str, dict[str, torch.Tensor]] = {"dit": {}, "decoder": {}, "pca": {}, INPUT_ADAPTER: {}}
     for key, t in tensors.items():
         head, _, rest = key.partition(".")
         if head not in parts or not rest:
-            raise CheckpointError(f"model file {path}: unexpected tensor {key!r} (expected dit.*, decoder.*, pca.*)")
+            raise CheckpointError(f"model file {path}: unexpected tensor {key!r} (expected dit.*, decoder.*, pca.*, input.*)")
         parts[head][rest] = t
-    return ModelFile(path, meta["preset"], config, parts["dit"], parts["decoder"], words, vectors, timesteps, parts["pca"])
+    return ModelFile(path, meta["preset"], config, parts["dit"], parts["decoder"], words, vectors, timesteps, parts["pca"],
+                     _input_pairs(path, parts[INPUT_ADAPTER], meta.get(f"{INPUT_ADAPTER}.alpha")))
+
+
+def _input_pairs(path: Path, tensors: dict[str, torch.Tensor], alpha: str | None) -> dict[str, tuple]:
+    """The input adapter's {Linear: (A, B, alpha)} from its `input.*` tensors (without the prefix)."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        module, _, half = key.rpartition(".lora_")
+        if half not in ("A.weight", "B.weight") or not module:
+            raise CheckpointError(f"model file {path}: unexpected tensor 'input.{key}' (expected input.<Linear>.lora_A.weight, .lora_B.weight)")
+        pairs.setdefault(module, {})[half[0]] = t
+    if not pairs:
+        return {}
+    try:
+        value = float(alpha) if alpha is not None else None
+    except ValueError:
+        value = None
+    if value is None or not value > 0 or any(set(p) != {"A", "B"} for p in pairs.values()):
+        raise CheckpointError(f"model file {path}: its input adapter needs both halves of each pair and a positive "
+                              f"metadata 'input.alpha' (got {alpha!r})")
+    return {m: (p["A"], p["B"], value) for m, p in pairs.items()}
+
+
+def embed_input_adapter(model: str | Path, adapter: str | Path, out: str | Path) -> Path:
+    """Write `out`: the model file `model` with the LoRA file `adapter` (`python -m models.train_input --export`'s)
+    as its input adapter (one in `model` already is replaced). The adapter's pairs must share one alpha."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from models.adapters import read_pairs
+
+    pairs = read_pairs(adapter)
+    alphas = {a for _, _, a in pairs.values()}
+    if len(alphas) != 1 or None in alphas:
+        raise CheckpointError(f"LoRA {adapter}: an input adapter needs one alpha for every pair, got {sorted(map(str, alphas))}")
+    with safe_open(str(model), "pt") as f:
+        meta = dict(f.metadata() or {})
+        tensors = {k: f.get_tensor(k) for k in f.keys() if not k.startswith(f"{INPUT_ADAPTER}.")}
+    for module, (a, b, _) in pairs.items():
+        tensors[f"{INPUT_ADAPTER}.{module}.lora_A.weight"] = a.float().contiguous()
+        tensors[f"{INPUT_ADAPTER}.{module}.lora_B.weight"] = b.float().contiguous()
+    meta[f"{INPUT_ADAPTER}.alpha"] = str(alphas.pop())
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(out)
+    read_model_file(out)  # what serve will read
+    return out

@@ -89,9 +89,13 @@ class StyleConfig:
     switch_share: float = 0.25
 
     def __post_init__(self) -> None:
-        parse_chunk_sizes(self.chunk_sizes, GeneratorConfig())
         if self.style not in STYLES:
             raise ValueError(f"style {self.style!r}: use one of {', '.join(STYLES)}")
+        self.check()
+
+    def check(self) -> None:
+        """What every adapter run must have right (models/train_input.py's too)."""
+        parse_chunk_sizes(self.chunk_sizes, GeneratorConfig())
         if self.targets not in TARGETS:
             raise ValueError(f"targets {self.targets!r}: use one of {', '.join(TARGETS)}")
         if self.loss_weight not in LOSS_WEIGHTS:
@@ -198,12 +202,15 @@ class StyleTrainer:
         return forcing_loss(self.model, self.encoder, clean, noisy, sigma, captions, weight, fpc, self.channels,
                             self.cfg.context_noise, lora=self.adapter())
 
+    def step_loss(self, fpc: int) -> torch.Tensor:
+        """The loss of one step's batch at chunk size `fpc` (models/train_input.py trains on other batches)."""
+        return self.loss(*self.batch(fpc), fpc)
+
     def train_step(self) -> float:
         frac = self.step / self.cfg.steps
         for group in self.opt.param_groups:
             group["lr"] = self.cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-        fpc = self.chunk_size()
-        loss = self.loss(*self.batch(fpc), fpc)
+        loss = self.step_loss(self.chunk_size())
         if math.isfinite(loss.item()):
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
