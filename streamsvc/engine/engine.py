@@ -283,6 +283,9 @@ class Engine:
             n = gen.capture_graphs()
             log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
         self.styles.ready(gen)
+        if pinned := self.parking.warm_up():
+            log.info("pinned one stream's park memory (%.2f GB) at start: the first pause does not pin it on the "
+                     "engine thread", pinned / 1e9)
         self._cheap_encode = warm_up(gen, self.sched, cfg.warmup_chunks, self.clock)
         self.images = StartImages(gen, parallel=cfg.group is not None)
         self.images.warm_up(gen)

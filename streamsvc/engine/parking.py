@@ -97,6 +97,34 @@ class Parking:
         back, and those the park budget charges."""
         return {"parking.streams": len(self._parks), "parking.budget_streams": self.budget.num_streams}
 
+    def warm_up(self, pinned_only: bool = True) -> int:
+        """At start, on a GPU: park a throwaway stream and drop it, so that the host's pinned memory for one stream's
+        park is allocated now and kept by torch's caching host allocator. Pinning it on the first pause took 1-3 s
+        of the engine thread for a wan2.1-1.3b stream (4.2 GB), and the other streams stalled meanwhile (the
+        8-minute GPU soak, benchmarks/RESULTS.md). Nothing on a CPU (no pinned memory: `pinned_only`), when the
+        park budget cannot hold a stream, or when the pool has no room for one; returns the bytes parked (0: none)."""
+        gen = self.gen
+        if pinned_only and gen.device.type != "cuda":
+            return 0
+        spec, stream_id = gen.cache_spec(), "park-warmup"
+        if self.pool.refusal(spec, self.extra_bytes) is not None:
+            return 0
+        cache = self.pool.allocate_or_raise(stream_id, spec, self.extra_bytes)
+        try:
+            state = gen.open_stream(stream_id, "warm up", seed=0, cache=cache)
+            nbytes = gen.park_bytes(state)
+            if self.budget.refusal(nbytes) is not None:
+                gen.close_stream(state)
+                return 0
+            parked = gen.park(state)
+            parked.cache.moved.wait()
+            parked.moved.wait()
+            gen.close_stream(state)
+            del parked, cache, state  # the pinned blocks go back to torch's cache, the device memory to the pool
+        finally:
+            self.pool.release(stream_id)
+        return nbytes
+
     def pending(self) -> bool:
         """Whether a held stream waits for its chunk's commit to be parked, or copies are running (to poll)."""
         return any(park.parked_at is None or park.resumed is not None for park in self._parks.values())

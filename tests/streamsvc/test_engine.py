@@ -246,6 +246,23 @@ def test_pause_beyond_the_park_budget_is_refused_and_the_stream_goes_on():
         eng.stop()
 
 
+def test_the_park_warm_up_parks_a_throwaway_stream_and_leaves_nothing_behind():
+    """Parking.warm_up (run at start on a GPU, so that the first pause does not pin host memory on the engine
+    thread), forced here on the CPU: it parks one stream's worth and gives back its pool memory and park budget;
+    a park budget too small for a stream makes it do nothing."""
+    for budget, parks in ((None, True), (1000, False)):
+        eng, got, _ = _engine(**({} if budget is None else {"park_budget_bytes": budget}))
+        try:
+            nbytes = eng._commands.submit(eng.parking.warm_up, False).result(timeout=30)
+            assert (nbytes > 0) == parks
+            assert eng.pool.used_bytes == 0 and eng.park_budget.used_bytes == 0 and "park-warmup" not in eng.sched
+            assert eng.parking.table_sizes() == {"parking.streams": 0, "parking.budget_streams": 0}
+            assert eng.open_stream("a", "x", seed=0, fps=16).result(timeout=10).accepted
+            got.wait(lambda g: len(g.chunks.get("a", [])) >= 2)
+        finally:
+            eng.stop()
+
+
 def test_a_park_larger_than_its_reservation_is_counted_whole_and_refuses_the_next_pause():
     # pause() reserves the stream's size at that moment; its chunk is committed before the copies, and a decoder
     # whose state that commit creates (a first chunk) or grows parks more than was reserved
