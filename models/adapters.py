@@ -133,14 +133,24 @@ class LoraBatch:
     """The adapters of one forward's streams. The DiT's Linear call sites pass it each Linear's input and output,
     the forward's streams along dim 0; it adds each stream's term to that stream's rows, in place, and touches
     no other row. A forward whose streams all carry one and the same `AdapterUse` object (training's batch of
-    clips, models/train_style.py) gets it over all rows in one product; serving gives each stream its own, so
-    that a stream's rows are computed alike whatever batch it runs in."""
+    clips, models/train_style.py) gets it over all rows in one product; so does each run of neighbouring streams
+    under the same adapter at the same scale (the streams with an input, under the model's input adapter), as the
+    base Linear's one product over all rows."""
 
     def __init__(self, uses: Sequence[AdapterUse | None]) -> None:
         self.size = len(uses)  # the forward's streams
         self.streams = [(j, use) for j, use in enumerate(uses) if use is not None]
         first = uses[0] if uses else None
         self.shared = first if first is not None and all(use is first for use in uses) else None
+        # runs of neighbouring streams under the same adapter and scale: one product each, over their rows (the
+        # streams with an input share the model's input adapter; the base Linear is one product over all rows too)
+        self.runs: list[tuple[int, int, AdapterUse]] = []  # (first stream, last stream + 1, use)
+        for j, use in self.streams:
+            last = self.runs[-1] if self.runs else None
+            if last is not None and last[1] == j and (last[2].adapter.uid, last[2].scale) == (use.adapter.uid, use.scale):
+                self.runs[-1] = (last[0], j + 1, last[2])
+            else:
+                self.runs.append((j, j + 1, use))
 
     @classmethod
     def of(cls, uses: Sequence[AdapterUse | None]) -> LoraBatch | None:
@@ -157,10 +167,10 @@ class LoraBatch:
                 add_term(layer, self.shared.scale, x, out)
             return out
         per = out.shape[0] // self.size
-        for j, use in self.streams:
+        for first, end, use in self.runs:
             layer = use.adapter.modules.get(module)
             if layer is not None:
-                rows = slice(j * per, (j + 1) * per)
+                rows = slice(first * per, end * per)
                 add_term(layer, use.scale, x[rows], out[rows])
         return out
 
