@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -91,9 +92,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="slots whose frames are decoded and sampled (default 4)")
     p.add_argument("--sample-every", type=int, default=4, help="of those, one chunk in K is read (default 4)")
     p.add_argument("--decode", choices=("inline", "thread"), default="inline",
-                   help="where the sampled slots decode: on the soak's event loop (default; cheap at the built-in "
-                        "model's 128x128) or in a worker thread (a GPU model's 832x480, whose decoding would pause "
-                        "the loop that plays every viewer)")
+                   help="where the sampled slots decode and their frames are read: on the soak's event loop "
+                        "(default; cheap at the built-in model's 128x128) or in worker threads (a GPU model's "
+                        "832x480, whose decoding and reading would pause the loop that plays every viewer)")
     p.add_argument("--settle-chunks", type=int, default=2,
                    help="a prompt's first chunks left out of the pixel score (default 2; the switch's and the next)")
     p.add_argument("--input-every", type=int, default=4, help="every K-th slot sends input video (0: none; default 4)")
@@ -343,8 +344,10 @@ async def soak(args: argparse.Namespace, url: str) -> tuple[list[dict], list, Co
         sources = dict(zip(inputs, scene_sources(len(inputs), seed=args.seed)))
     sampled = {i for i in range(args.streams) if i not in sources}
     sampled = set(sorted(sampled)[: args.sample_streams])
+    reader = ThreadPoolExecutor(1, thread_name_prefix="soak-read") if args.decode == "thread" else None
     ctx = Context(url, churn, time.monotonic(), captions, vocabulary, args.streams, sampled, args.sample_every, score,
-                  token=args.token, sources=sources, settle=args.settle_chunks, decode=DecodeMode(args.decode))
+                  token=args.token, sources=sources, settle=args.settle_chunks, decode=DecodeMode(args.decode),
+                  reader=reader)
     print(f"{args.streams} streams for {args.minutes:g} min (minutes of {args.minute_s:g} s) at {url}; prompts: "
           f"{'captions' if captions else 'free text'}; frames sampled from slots {sorted(sampled)}, one chunk in "
           f"{args.sample_every}{'; pixels scored (the built-in model)' if score else ''}; input video from slots "
@@ -377,6 +380,8 @@ async def soak(args: argparse.Namespace, url: str) -> tuple[list[dict], list, Co
         for task in [*slots, *ctx.tasks, watch]:
             task.cancel()
         await asyncio.wait([*slots, *ctx.tasks, watch], timeout=10.0)
+        if reader is not None:  # the sampled chunks still queued are read before the figures
+            await asyncio.to_thread(reader.shutdown, wait=True)
     await asyncio.sleep(2.0)  # every stream closed: what is left
     after = await scrape()
     host = {"client_loop": pauses.figures(), "steal": _r(steal_fraction(ticks0, cpu_ticks()), 4)}

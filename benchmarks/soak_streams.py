@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -83,8 +84,12 @@ class FrameSampler:
     """A steerer's frame tap (`StreamClient.frame_tap`): reads one chunk in `every` into `samples`; `versions` maps the
     stream's prompt versions to the triple each asks for (None: not a caption, not scored), `prompts` to their text."""
 
-    def __init__(self, samples: Samples, every: int, since: Callable[[], float], score: bool, settle: int = 2) -> None:
+    def __init__(self, samples: Samples, every: int, since: Callable[[], float], score: bool, settle: int = 2,
+                 reader: Executor | None = None) -> None:
         self.samples, self.every, self.since, self.score, self.settle = samples, every, since, score, settle
+        # where a sampled chunk is read and scored: on the caller's loop (None), or on this worker (with `--decode
+        # thread`: converting and scoring 832x480 frames held the soak's loop 0.75 s a sampled chunk, its viewers stalled)
+        self.reader = reader
         self.versions: dict[int, Triple | None] = {}
         self.prompts: dict[int, str] = {}
         self.chunks = 0
@@ -99,34 +104,42 @@ class FrameSampler:
         self.chunks += 1
         if (self.chunks - 1) % self.every:
             return
+        args = (header.prompt_version, self.position, self.switches, self.since(), list(frames))
+        if self.reader is None:
+            self._read(*args)
+        else:
+            self.reader.submit(self._read, *args)
+
+    def _read(self, version: int, position: int, switches: int, t: float, frames: Sequence) -> None:
+        """One sampled chunk's frames read, their statistics and (with `score`) their pixels recorded at time t."""
         t0 = time.perf_counter()
-        t, s = self.since(), self.samples
+        s = self.samples
         rgb = [f.to_ndarray(format="rgb24") for f in frames]
         stats = [frame_stats(f) for f in rgb]
         changes = [frame_change(a, b) for a, b in zip(rgb, rgb[1:])]
         for name in FRAME_STATS:
             getattr(s, name).extend((t, v) for v in values(name, stats, changes))
-        prompt = self.prompts.get(header.prompt_version)
-        if prompt is not None and self.position >= self.settle:
+        prompt = self.prompts.get(version)
+        if prompt is not None and position >= self.settle:
             for name in FRAME_STATS:
                 vs = values(name, stats, changes)
                 if vs:
                     s.by_prompt.setdefault(name, []).append((t, prompt, sum(vs), len(vs)))
-        want = self.versions.get(header.prompt_version)
+        want = self.versions.get(version)
         if self.score and want is not None and len(rgb) >= 2:
             sc = score_chunk(rgb, want)
-            tally = s.by_position.setdefault(min(self.position, POSITIONS), [0, 0])
+            tally = s.by_position.setdefault(min(position, POSITIONS), [0, 0])
             tally[0] += sc.all
             tally[1] += sc.frames
-            if self.position >= self.settle:
+            if position >= self.settle:
                 for name in ("colour", "shape", "motion", "all"):
                     right = getattr(sc, name)
                     getattr(s, name).extend([(t, 1.0)] * right + [(t, 0.0)] * (sc.frames - right))
-                tally = s.by_switches.setdefault(min(self.switches, SWITCHES), [0, 0])
+                tally = s.by_switches.setdefault(min(switches, SWITCHES), [0, 0])
                 tally[0] += sc.all
                 tally[1] += sc.frames
                 s.scored.append((t, want, sc.all, sc.frames))
-                s.scored_with_history.append((t, (want, min(self.switches, SWITCHES)), sc.all, sc.frames))
+                s.scored_with_history.append((t, (want, min(switches, SWITCHES)), sc.all, sc.frames))
         s.chunks_read += 1
         s.read_s += time.perf_counter() - t0
 
@@ -206,6 +219,7 @@ class Context:
     token: str | None = None
     sources: dict[int, Callable] = field(default_factory=dict)  # slot -> its input video (slots with input)
     samples: Samples = field(default_factory=Samples)
+    reader: Executor | None = None  # where sampled chunks are read (None: on the loop; see FrameSampler)
     steerers: Viewing = field(default_factory=Viewing)
     watchers: Viewing = field(default_factory=Viewing)
     tally: Tally = field(default_factory=Tally)
@@ -251,7 +265,7 @@ async def _open(ctx: Context, slot: int, session: int, until: float) -> tuple[St
     ctx.steerers.open.append(c)
     sampler = None
     if sampled:
-        sampler = FrameSampler(ctx.samples, ctx.sample_every, ctx.since, ctx.score_pixels, ctx.settle)
+        sampler = FrameSampler(ctx.samples, ctx.sample_every, ctx.since, ctx.score_pixels, ctx.settle, ctx.reader)
         sampler.versions[c.ready.prompt_version] = caption_triple(prompt)
         sampler.prompts[c.ready.prompt_version] = prompt
         c.frame_tap = sampler

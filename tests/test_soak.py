@@ -195,6 +195,36 @@ def test_the_sampler_reads_one_chunk_in_k_and_scores_settled_chunks_against_thei
     assert samples.by_prompt == {}  # no prompt texts given: no frame statistics by prompt
 
 
+def test_a_sampler_with_a_reader_reads_off_the_callers_thread_and_records_the_same():
+    """`--decode thread`: the sampled chunks' frames are converted and scored on the reader's worker, not on the loop
+    that calls the tap; what it records is what reading them inline records."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    readers = set()
+
+    class Traced(Decoded):
+        def to_ndarray(self, format: str) -> np.ndarray:
+            readers.add(threading.get_ident())
+            return super().to_ndarray(format)
+
+    frames = [Traced(f) for f in rendered("red", "square", "right")]
+    got = []
+    for reader in (None, ThreadPoolExecutor(1)):
+        samples, t = Samples(), [0.0]
+        sampler = FrameSampler(samples, every=2, since=lambda: t[0], score=True, settle=2, reader=reader)
+        sampler.versions, sampler.prompts = {0: ("red", "square", "right")}, {0: "a red square moving right"}
+        for i in range(8):
+            t[0] = float(i)
+            sampler(P.Chunk.describe([b"x"] * 12, index=i, pts=12 * i, prompt_version=0, steps=4, keyframe=i == 0), frames)
+        if reader is not None:
+            reader.shutdown(wait=True)
+        samples.read_s = 0.0
+        got.append(samples)
+    assert got[0] == got[1] and got[0].chunks_read == 4 and got[0].all
+    assert len(readers) == 2 and threading.get_ident() in readers  # inline on this thread, then on the worker
+
+
 def test_the_sampler_keeps_settled_chunks_frame_statistics_by_their_prompts_text():
     samples, t = Samples(), [0.0]
     sampler = FrameSampler(samples, every=1, since=lambda: t[0], score=False, settle=2)
