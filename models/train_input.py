@@ -18,8 +18,8 @@ is trained here with the base frozen, on the teacher's three kinds of clips in o
 - text clips (the rest): a stream with an input runs text-to-video chunks too (a camera gone quiet, strength 1).
 The forward is serving's own (the adapter goes in as the stream's `AdapterUse`), the loss the teacher's
 (models/train.py `forcing_loss`), the run models/train_style.py's (resumable, `--minutes`, `--smoke`). `--export`
-writes the pairs in PEFT's layout; `python -m models.model_file --input-adapter FILE` puts them into the model file,
-where `serve` finds them (models/model_file.py `INPUT_ADAPTER`).
+writes the pairs in PEFT's layout; `--embed FILE` then writes the base model file with them in it (models/model_file.py
+`INPUT_ADAPTER`, `embed_input_adapter`), where `serve --weights FILE` finds them.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from models.model_file import embed_input_adapter
 from models.teacher_forcing import chunk_sigmas, frame_sigmas, sigmas
 from models.train import forcing_loss, with_overrides
 from models.train_clips import chunk_weights, clip_captions, render_clips, text_clips
@@ -119,7 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="CPU threads torch may use")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override an InputConfig field")
     p.add_argument("--export", type=Path, help="after training, write the adapter to this .safetensors file (PEFT's layout)")
+    p.add_argument("--embed", type=Path, metavar="FILE",
+                   help="after --export, write the base model file with the adapter in it to FILE (what serve --weights FILE runs)")
     args = p.parse_args(argv)
+    if args.embed and not args.export:
+        p.error("--embed needs --export (the adapter file it embeds)")
     torch.set_num_threads(args.threads)
     torch.backends.cuda.matmul.allow_tf32 = True
     cfg = InputConfig.smoke() if args.smoke else InputConfig()
@@ -134,6 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.export:
         trainer.export(args.export)
         print(f"wrote {args.export} ({args.export.stat().st_size / 1e3:.0f} kB)", flush=True)
+    if args.embed:
+        embed_input_adapter(trainer.cfg.base_path, args.export, args.embed)
+        print(f"wrote {args.embed} ({args.embed.stat().st_size / 1e6:.2f} MB): {trainer.cfg.base_path.name} with the adapter", flush=True)
     return 0
 
 

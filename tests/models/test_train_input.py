@@ -45,7 +45,8 @@ def test_a_smoke_run_trains_on_pairs_images_and_text_and_resumes(tmp_path, capsy
     args = ["--smoke", "--out", str(tmp_path), "--device", "cpu", "--save-minutes", "0"]
     assert main(args + ["--minutes", "0"]) == 0
     assert "run again to resume" in capsys.readouterr().out
-    assert main(args + ["--export", str(tmp_path / "a.safetensors")]) == 0
+    assert main(args + ["--export", str(tmp_path / "a.safetensors"), "--embed", str(tmp_path / "m.safetensors")]) == 0
+    assert len(read_model_file(tmp_path / "m.safetensors").input_adapter) == 21
     log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [(r["step"], r["chunk"]) for r in log] == [(1, 3), (2, 1)]
     with safe_open(str(tmp_path / "a.safetensors"), "pt") as f:
