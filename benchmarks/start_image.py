@@ -119,7 +119,7 @@ def run(gen, case: Case, seed: int, frames: int) -> Result:
     size = (mc.width, mc.height)
     image = case.image(mc.height, mc.width)
     t0 = time.perf_counter()
-    state = gen.open_stream("start", case.prompt, seed=seed, takes_input=True)
+    state = gen.open_stream("start", case.prompt, seed=seed, input_kind="image")
     out = [gen.start_from_image(state, torch.from_numpy(image)).frames.cpu()]
     it, n = gen.stream(state), 0
     while n < frames:

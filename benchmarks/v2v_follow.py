@@ -194,7 +194,7 @@ def pool(results: Sequence[Result], name: str) -> Result:
 def run(gen, case: Case, strength: float, chunks: int = 6, seed: int = 0) -> Result:
     """One stream of `chunks` chunks with the case's input at `strength`."""
     mc = gen.model_cfg
-    state = gen.open_stream("v2v", case.prompt, seed=seed, takes_input=True)
+    state = gen.open_stream("v2v", case.prompt, seed=seed, input_kind="video")
     snapped = gen.set_strength(state, strength)
     errors, found, colour, object_colour, input_colour, first, k = [], [], [], [], [], 0, 0
     t0 = time.perf_counter()

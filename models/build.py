@@ -146,9 +146,9 @@ def _from_model_file(
     encoder = BlockPCAEncoder(BlockPCA.for_model(mc, mf.pca), device) if mf.pca else None
     gen = ChunkGenerator(model, _file_schedule(cfg, mf.timesteps), text_encoder, decoder, encoder)
     if mf.input_adapter:
-        adapter = gen.set_input_adapter(mf.input_adapter, str(path))
-        log.info("model %s: an input adapter of rank %d on %d Linears, for the streams with an input video or a start image",
-                 path, adapter.rank, len(adapter.layers))
+        adapter = gen.set_input_adapter(mf.input_adapter, str(path), mf.input_kinds)
+        log.info("model %s: an input adapter of rank %d on %d Linears, for the streams with input of kind %s",
+                 path, adapter.rank, len(adapter.layers), " or ".join(mf.input_kinds))
     return gen
 
 

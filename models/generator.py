@@ -29,8 +29,8 @@ while the cache has sinks); chunks then follow from latent frame 1, their blocks
 Styles (issue 47; models/adapters.py): a stream may run under a LoRA adapter of `adapters` at a scale, whose
 low-rank terms its forwards add to its rows only; `set_lora` switches it live, re-caching as a prompt switch.
 The same way, a model file may hold an input adapter (models/model_file.py INPUT_ADAPTER, `input_adapter`): the
-streams opened with an input (`takes_input`: a video to follow, a start image) run under it unless they have a
-style; a stream without one runs the base weights, bit for bit.
+streams opened with an input of a kind it was trained for (`input_kind`: "video" to follow, "image" to start from)
+run under it unless they have a style; a stream without one runs the base weights, bit for bit.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from models.dit import CacheAccess, CausalWanModel, TextKV, in_place
 from models.encoder import BlockPCAEncoder, StreamingEncoder, check_frames
 from models.graphs import GraphedForward, capture_serving
 from models.prompts import PromptCache, batch_text
-from models.stream import PARKED_FIELDS, Chunk, GeneratorConfig, ParkedStream, StreamState, field_tensors, with_tensors
+from models.stream import INPUT_KINDS, PARKED_FIELDS, Chunk, GeneratorConfig, ParkedStream, StreamState, field_tensors, with_tensors
 from models.text import HashTextEncoder, TextEncoder
 from models.work import WorkKind
 
@@ -96,6 +96,7 @@ class ChunkGenerator:
         self.copier = HostCopier(self.device)  # parks streams in host memory and brings them back
         self.adapters = AdapterSet(self.model, max_rank=cfg.lora_max_rank)  # the styles (`adapters.load` / `load_dir`)
         self.input_adapter: Adapter | None = None  # the streams with an input run under it (`set_input_adapter`)
+        self.input_kinds: tuple[str, ...] = ()  # the inputs it was trained for (INPUT_KINDS)
         # what `forward` runs: CUDA graphs on CUDA, the model itself elsewhere
         self.runner = GraphedForward(model, self.adapters) if cfg.cuda_graphs and model.device.type == "cuda" else model
 
@@ -129,11 +130,14 @@ class ChunkGenerator:
         return 0 if self.encoder is None else self.encoder.state_bytes(self.model_cfg.height, self.model_cfg.width)
 
     def open_stream(self, stream_id: str, prompt: str, seed: int, cache: StreamCache | None = None,
-                    lora: str | None = None, lora_scale: float = 1.0, takes_input: bool = False) -> StreamState:
+                    lora: str | None = None, lora_scale: float = 1.0, input_kind: str | None = None) -> StreamState:
         """A new stream; `cache` comes from the device's pool (a private one is made if None); `lora`: its style,
         one of `adapters` (None: none), at `lora_scale` (an unknown style or a bad scale: a ValueError);
-        `takes_input`: it will have an input video or a start image (it runs under `input_adapter`)."""
-        use = self._use(lora, lora_scale, takes_input)
+        `input_kind`: it will have an input, "video" or "image" (a start image): it runs under `input_adapter` if that
+        was trained for such inputs."""
+        if input_kind not in INPUT_KINDS + (None,):
+            raise ValueError(f"input_kind must be one of {', '.join(INPUT_KINDS)} or None, got {input_kind!r}")
+        use = self._use(lora, lora_scale, input_kind)
         mc = self.model_cfg
         cache = cache if cache is not None else StreamCache(self.cache_spec(), self.device)
         noise = torch.Generator(device=self.device).manual_seed(seed)
@@ -149,7 +153,7 @@ class ChunkGenerator:
             encoder=None if self.encoder is None else self.encoder.init_state(),
             lora=lora,
             lora_scale=float(lora_scale),
-            takes_input=takes_input,
+            input_kind=input_kind,
         )
 
     def close_stream(self, state: StreamState) -> None:
@@ -252,17 +256,19 @@ class ChunkGenerator:
     def lora_use(self, state: StreamState) -> AdapterUse | None:
         """The stream's adapter as its forwards run it: its style, else the input adapter for a stream with an
         input (None: the base weights, bit for bit)."""
-        return self._use(state.lora, state.lora_scale, state.takes_input)
+        return self._use(state.lora, state.lora_scale, state.input_kind)
 
-    def _use(self, lora: str | None, scale: float, takes_input: bool) -> AdapterUse | None:
-        if lora is None and takes_input and self.input_adapter is not None:
+    def _use(self, lora: str | None, scale: float, input_kind: str | None) -> AdapterUse | None:
+        if lora is None and input_kind in self.input_kinds and self.input_adapter is not None:
             return AdapterUse(self.input_adapter, 1.0)
         return self.adapters.use(lora, scale)
 
-    def set_input_adapter(self, pairs: dict[str, tuple], path: str = "") -> Adapter:
+    def set_input_adapter(self, pairs: dict[str, tuple], path: str = "", kinds: Sequence[str] = INPUT_KINDS) -> Adapter:
         """The model's input adapter (models/model_file.py INPUT_ADAPTER: {Linear: (A, B, alpha)}), checked against
-        the model as a style is; the streams opened with `takes_input` run under it. Set it before any stream opens."""
+        the model as a style is; the streams opened with an `input_kind` of `kinds` (those it was trained for) run
+        under it. Set it before any stream opens."""
         self.input_adapter = self.adapters.adapter_of("input", pairs, path)
+        self.input_kinds = tuple(kinds)
         return self.input_adapter
 
     def abandon_chunk(self, state: StreamState) -> None:

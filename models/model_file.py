@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from models.config import ModelConfig
+from models.stream import INPUT_KINDS
 from models.weights import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ class ModelFile:
     encoder of video-to-video input) and the text vectors of the caption words (`text.vectors`, one row per word of
     the metadata's `text.words`); the metadata's `model` is the ModelConfig trained (JSON), `preset` its
     preset's name, `sampler.timesteps` (optional, JSON) the denoising schedule to sample it with. Optional too: the
-    input adapter (`input.<Linear>.lora_A.weight`, `.lora_B.weight`, the metadata's `input.alpha`; INPUT_ADAPTER)."""
+    input adapter (`input.<Linear>.lora_A.weight`, `.lora_B.weight`, the metadata's `input.alpha` and `input.kinds`,
+    the inputs it was trained for: "video,image" when not given; INPUT_ADAPTER)."""
 
     path: Path
     preset: str  # the preset it was trained as (its resolution and sampling defaults)
@@ -73,6 +75,7 @@ class ModelFile:
     pca: dict[str, torch.Tensor] = field(default_factory=dict)  # BlockPCA's state dict (empty: none in the file)
     # the input adapter (INPUT_ADAPTER): {Linear's name: (A [r, in], B [out, r], alpha)}; empty: none in the file
     input_adapter: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
+    input_kinds: tuple[str, ...] = INPUT_KINDS  # the inputs it was trained for (the metadata's `input.kinds`)
 
 
 @functools.cache  # once per process: the CLI resolves before the server starts, the engine again
@@ -159,8 +162,11 @@ def read_model_file(path: str | Path) -> ModelFile:
         if head not in parts or not rest:
             raise CheckpointError(f"model file {path}: unexpected tensor {key!r} (expected dit.*, decoder.*, pca.*, input.*)")
         parts[head][rest] = t
+    kinds = tuple(meta.get(f"{INPUT_ADAPTER}.kinds", ",".join(INPUT_KINDS)).split(","))
+    if not set(kinds) <= set(INPUT_KINDS):
+        raise CheckpointError(f"model file {path}: metadata 'input.kinds' is {','.join(kinds)!r}: name some of {', '.join(INPUT_KINDS)}")
     return ModelFile(path, meta["preset"], config, parts["dit"], parts["decoder"], words, vectors, timesteps, parts["pca"],
-                     _input_pairs(path, parts[INPUT_ADAPTER], meta.get(f"{INPUT_ADAPTER}.alpha")))
+                     _input_pairs(path, parts[INPUT_ADAPTER], meta.get(f"{INPUT_ADAPTER}.alpha")), kinds)
 
 
 def _input_pairs(path: Path, tensors: dict[str, torch.Tensor], alpha: str | None) -> dict[str, tuple]:
@@ -185,7 +191,8 @@ def _input_pairs(path: Path, tensors: dict[str, torch.Tensor], alpha: str | None
 
 def embed_input_adapter(model: str | Path, adapter: str | Path, out: str | Path) -> Path:
     """Write `out`: the model file `model` with the LoRA file `adapter` (`python -m models.train_input --export`'s)
-    as its input adapter (one in `model` already is replaced). The adapter's pairs must share one alpha."""
+    as its input adapter (one in `model` already is replaced), for the inputs its metadata's `input_kinds` names
+    (default: both). The adapter's pairs must share one alpha."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -202,6 +209,8 @@ def embed_input_adapter(model: str | Path, adapter: str | Path, out: str | Path)
         tensors[f"{INPUT_ADAPTER}.{module}.lora_A.weight"] = a.float().contiguous()
         tensors[f"{INPUT_ADAPTER}.{module}.lora_B.weight"] = b.float().contiguous()
     meta[f"{INPUT_ADAPTER}.alpha"] = str(alphas.pop())
+    with safe_open(str(adapter), "pt") as f:
+        meta[f"{INPUT_ADAPTER}.kinds"] = (f.metadata() or {}).get("input_kinds", ",".join(INPUT_KINDS))
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)

@@ -99,6 +99,9 @@ class GeneratorConfig:
         return len(self.timesteps) + (0 if self.commit_reuse else 1)
 
 
+INPUT_KINDS = ("video", "image")  # a stream's inputs: a video to follow, a start image (StreamState.input_kind)
+
+
 @dataclass
 class Chunk:
     """One decoded chunk of a stream."""
@@ -131,9 +134,9 @@ class StreamState:
     # pending_lora (name, scale) and is applied with the pending prompt, which `set_lora` sets too
     lora: str | None = None
     lora_scale: float = 1.0
-    # it has an input (a video to follow, or a start image): unless it has a style, its forwards run under the
-    # model's input adapter (ChunkGenerator.input_adapter) when the model has one
-    takes_input: bool = False
+    # its input: "video" (to follow), "image" (a start image) or None; unless it has a style, its forwards run
+    # under the model's input adapter (ChunkGenerator.input_adapter) when the model has one for that kind
+    input_kind: str | None = None
     pending_lora: tuple[str | None, float] | None = None
     step: int = 0  # next denoising step of the chunk in progress (== steps: ready to commit)
     steps: int = 0  # denoising steps of the chunk in progress or the next one (set by open_stream: the full schedule)

@@ -78,6 +78,12 @@ class InputTrainer(StyleTrainer):
 
     cfg: InputConfig
 
+    def export_metadata(self) -> dict[str, str]:
+        """The inputs it was trained for (a batch without image clips teaches nothing of start images: the model file
+        then leaves image streams on the base weights)."""
+        kinds = [k for k, share in (("video", self.cfg.pair_share), ("image", self.cfg.image_share)) if share > 0]
+        return {"input_kinds": ",".join(kinds)}
+
     def step_loss(self, fpc: int) -> torch.Tensor:
         """The teacher's loss on one mixed batch at chunk size `fpc` (models/train.py `Trainer.teacher_step`'s
         layout: text clips, then pairs, then image clips), under the adapter."""

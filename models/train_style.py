@@ -271,8 +271,12 @@ class StyleTrainer:
             tensors[f"base_model.model.{name}.lora_B.weight"] = b.detach().float().cpu().contiguous()
         config = {"peft_type": "LORA", "r": self.cfg.rank, "lora_alpha": self.cfg.alpha, "target_modules": sorted(self.pairs)}
         metadata = {"lora_adapter_metadata": json.dumps(config), "style": self.cfg.style,
-                    "base": self.cfg.base_path.name, "steps": str(self.step), "format": "pt"}
+                    "base": self.cfg.base_path.name, "steps": str(self.step), "format": "pt", **self.export_metadata()}
         save_file(tensors, path, metadata=metadata)
+
+    def export_metadata(self) -> dict[str, str]:
+        """More of what the exported file says it is (models/train_input.py: the inputs it was trained for)."""
+        return {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,7 +52,7 @@ def video_chunks(gen: ChunkGenerator, prompt: str, seconds: float, fps: int, see
     the input video (streamsvc/inputs/offline.py `InputVideo`), each chunk's frames restyled at `strength`.
     `image`: the start image ([H, W, 3] uint8), the stream's first frame (`ChunkGenerator.start_from_image`)."""
     total = max(1, math.ceil(seconds * fps))
-    state = gen.open_stream("offline", prompt, seed, takes_input=inputs is not None or image is not None)
+    state = gen.open_stream("offline", prompt, seed, input_kind="video" if inputs is not None else "image" if image is not None else None)
     prompt_at = {chunk_for_time(gen, c.at_s, fps, image is not None): c.prompt for c in sorted(changes, key=lambda c: c.at_s)}
     if inputs is not None:  # between chunks: before the first, and after each commit
         gen.set_strength(state, strength)

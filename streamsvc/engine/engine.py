@@ -507,7 +507,7 @@ class Engine:
         try:
             cache = self.pool.allocate_or_raise(stream_id, spec, self.decoder_bytes)
             state = gen.open_stream(stream_id, prompt, seed, cache, lora=lora, lora_scale=scale,
-                                    takes_input=input is not None or image is not None)
+                                    input_kind="video" if input is not None else "image" if image is not None else None)
             # on a GPU host, two x264 threads per stream: the encode is part of every chunk's latency
             spec = EncoderSpec(gen.model_cfg.width, gen.model_cfg.height, fps,
                                threads=2 if gen.device.type == "cuda" else 1)

@@ -71,6 +71,7 @@ def test_the_model_file_carries_the_adapter_and_refuses_a_broken_one(adapter_fil
     lora, model = adapter_files
     mf = read_model_file(model)
     assert len(mf.input_adapter) == 21 and {alpha for _, _, alpha in mf.input_adapter.values()} == {16.0}
+    assert mf.input_kinds == ("video", "image")
     assert read_model_file(BUILTIN_WEIGHTS).input_adapter == {} or BUILTIN_WEIGHTS.stat().st_size < 5e6
     with safe_open(str(model), "pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
@@ -93,20 +94,35 @@ def test_streams_with_an_input_run_under_the_adapter_and_the_others_on_the_base_
     gen.adapters.load("same", lora)  # the adapter as a style: what the input stream must equal
     text = frames_of(gen, gen.open_stream("t", PROMPT, seed=1))
     assert torch.equal(text, frames_of(plain, plain.open_stream("t", PROMPT, seed=1)))  # bit for bit
-    follows = frames_of(gen, gen.open_stream("i", PROMPT, seed=1, takes_input=True))
+    follows = frames_of(gen, gen.open_stream("i", PROMPT, seed=1, input_kind="video"))
     assert torch.equal(follows, frames_of(gen, gen.open_stream("s", PROMPT, seed=1, lora="same")))
     assert (follows.float() - text.float()).abs().mean() > 1  # the adapter does something
     # a style wins over the input adapter; the input stream on a model without one is a text stream
-    styled = frames_of(gen, gen.open_stream("x", PROMPT, seed=1, lora="same", takes_input=True))
+    styled = frames_of(gen, gen.open_stream("x", PROMPT, seed=1, lora="same", input_kind="video"))
     assert torch.equal(styled, follows)
-    assert torch.equal(frames_of(plain, plain.open_stream("p", PROMPT, seed=1, takes_input=True)), text)
+    assert torch.equal(frames_of(plain, plain.open_stream("p", PROMPT, seed=1, input_kind="video")), text)
+    with pytest.raises(ValueError, match="input_kind"):
+        gen.open_stream("bad", PROMPT, seed=1, input_kind="camera")
+
+
+def test_an_adapter_trained_without_image_clips_leaves_image_streams_on_the_base_weights(tmp_path):
+    trainer = InputTrainer(InputConfig(steps=2, batch=3, image_share=0.0), None, CPU)
+    with torch.no_grad():
+        for _, b in trainer.pairs.values():
+            b.fill_(0.05)
+    trainer.export(tmp_path / "v.safetensors")
+    model = embed_input_adapter(BUILTIN_WEIGHTS, tmp_path / "v.safetensors", tmp_path / "m.safetensors")
+    assert read_model_file(model).input_kinds == ("video",)
+    gen = build_generator("tiny", dtype=torch.float32, weights=str(model))
+    assert gen.lora_use(gen.open_stream("v", PROMPT, seed=1, input_kind="video")).adapter is gen.input_adapter
+    assert gen.lora_use(gen.open_stream("i", PROMPT, seed=1, input_kind="image")) is None
 
 
 def test_in_one_batch_each_stream_runs_as_alone(adapter_files):
     _, model = adapter_files
     gen = build_generator("tiny", dtype=torch.float32, weights=str(model))
-    alone = [frames_of(gen, gen.open_stream(f"a{i}", PROMPT, seed=i, takes_input=i == 1), chunks=1) for i in range(2)]
-    states = [gen.open_stream(f"b{i}", PROMPT, seed=i, takes_input=i == 1) for i in range(2)]
+    alone = [frames_of(gen, gen.open_stream(f"a{i}", PROMPT, seed=i, input_kind="video" if i == 1 else None), chunks=1) for i in range(2)]
+    states = [gen.open_stream(f"b{i}", PROMPT, seed=i, input_kind="video" if i == 1 else None) for i in range(2)]
     for _ in gen.sigmas:
         gen.run(WorkKind.DENOISE, states)
     chunks = gen.run(WorkKind.COMMIT, states)

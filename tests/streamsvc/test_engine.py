@@ -437,7 +437,7 @@ def test_a_stream_from_an_image_gets_it_as_chunk_zero_and_a_bad_one_leaves_nothi
     image = np.full((eng.shape.height, eng.shape.width, 3), (200, 40, 90), np.uint8)
     opened = eng.open_stream("a", "a ball", seed=0, fps=16, image=image).result(timeout=10)
     assert opened.accepted and opened.stream.image
-    assert eng._get("a").state.takes_input  # it runs under the model's input adapter, where the model has one
+    assert eng._get("a").state.input_kind == "image"  # under the model's input adapter, where it has one for images
     got.wait(lambda g: len(g.chunks.get("a", [])) >= 3)
     heads = [c.header for c in got.chunks["a"][:3]]
     assert [(h.index, h.pts, h.frames, h.input) for h in heads] == [(0, 0, 1, "image"), (1, 1, 12, "none"),
