@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,10 +190,10 @@ def _input_pairs(path: Path, tensors: dict[str, torch.Tensor], alpha: str | None
     return {m: (p["A"], p["B"], value) for m, p in pairs.items()}
 
 
-def embed_input_adapter(model: str | Path, adapter: str | Path, out: str | Path) -> Path:
+def embed_input_adapter(model: str | Path, adapter: str | Path, out: str | Path, kinds: Sequence[str] | None = None) -> Path:
     """Write `out`: the model file `model` with the LoRA file `adapter` (`python -m models.train_input --export`'s)
-    as its input adapter (one in `model` already is replaced), for the inputs its metadata's `input_kinds` names
-    (default: both). The adapter's pairs must share one alpha."""
+    as its input adapter (one in `model` already is replaced), for the inputs `kinds` names (default: those its
+    metadata's `input_kinds` names, else both). The adapter's pairs must share one alpha."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -209,8 +210,10 @@ def embed_input_adapter(model: str | Path, adapter: str | Path, out: str | Path)
         tensors[f"{INPUT_ADAPTER}.{module}.lora_A.weight"] = a.float().contiguous()
         tensors[f"{INPUT_ADAPTER}.{module}.lora_B.weight"] = b.float().contiguous()
     meta[f"{INPUT_ADAPTER}.alpha"] = str(alphas.pop())
-    with safe_open(str(adapter), "pt") as f:
-        meta[f"{INPUT_ADAPTER}.kinds"] = (f.metadata() or {}).get("input_kinds", ",".join(INPUT_KINDS))
+    if kinds is None:
+        with safe_open(str(adapter), "pt") as f:
+            kinds = (f.metadata() or {}).get("input_kinds", ",".join(INPUT_KINDS)).split(",")
+    meta[f"{INPUT_ADAPTER}.kinds"] = ",".join(kinds)
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
