@@ -26,18 +26,18 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from models.model_file import embed_input_adapter
 from models.teacher_forcing import chunk_sigmas, frame_sigmas, sigmas
-from models.train import forcing_loss, with_overrides
+from models.train import forcing_loss
 from models.train_clips import chunk_weights, clip_captions, render_clips, text_clips
 from models.train_follow import pair_count, pair_sigmas, pair_starts, sample_pairs
 from models.train_image import image_count, with_image_clips
-from models.train_style import StyleConfig, StyleTrainer
+from models.train_style import StyleConfig, StyleTrainer, add_run_arguments, train_from_arguments
 
 ADAPTER_NAME = "input"  # the adapter's name in the model file and in a stream's state
 
@@ -116,35 +116,13 @@ class InputTrainer(StyleTrainer):
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m models.train_input", description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", default=None, metavar="FILE",
-                   help="the model file the adapter is for (default: the built-in model, models/assets/tiny.safetensors)")
-    p.add_argument("--out", type=Path, default=Path("runs/input"), help="checkpoint and log folder (resumed if it holds a checkpoint)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--minutes", type=float, default=9.0, help="stop (with a checkpoint) after this long")
-    p.add_argument("--save-minutes", type=float, default=3.0, help="checkpoint this often")
-    p.add_argument("--smoke", action="store_true", help="two steps of three clips, seconds on a CPU (CI)")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads torch may use")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override an InputConfig field")
-    p.add_argument("--export", type=Path, help="after training, write the adapter to this .safetensors file (PEFT's layout)")
+    add_run_arguments(p, "adapter", "runs/input", "two steps of three clips")
     p.add_argument("--embed", type=Path, metavar="FILE",
                    help="after --export, write the base model file with the adapter in it to FILE (what serve --weights FILE runs)")
     args = p.parse_args(argv)
     if args.embed and not args.export:
         p.error("--embed needs --export (the adapter file it embeds)")
-    torch.set_num_threads(args.threads)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = InputConfig.smoke() if args.smoke else InputConfig()
-    cfg = replace(cfg, base=args.base) if args.base else cfg
-    cfg = with_overrides(cfg, args.set, p.error)
-    args.out.mkdir(parents=True, exist_ok=True)
-    trainer = InputTrainer(cfg, args.out, torch.device(args.device))
-    if trainer.resume():
-        print(f"resumed {trainer.checkpoint_path} at step {trainer.step}", flush=True)
-    done = trainer.run(args.minutes, args.save_minutes)
-    print("done" if done else f"stopped at step {trainer.step} of {cfg.steps}: run again to resume", flush=True)
-    if args.export:
-        trainer.export(args.export)
-        print(f"wrote {args.export} ({args.export.stat().st_size / 1e3:.0f} kB)", flush=True)
+    trainer = train_from_arguments(p, args, InputConfig.smoke() if args.smoke else InputConfig(), InputTrainer)
     if args.embed:
         embed_input_adapter(trainer.cfg.base_path, args.export, args.embed)
         print(f"wrote {args.embed} ({args.embed.stat().st_size / 1e6:.2f} MB): {trainer.cfg.base_path.name} with the adapter", flush=True)

@@ -279,27 +279,30 @@ class StyleTrainer:
         return {}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m models.train_style", description=__doc__.split("\n\n")[0])
-    p.add_argument("--style", default=None, choices=sorted(STYLES), help="the look to learn (default: the config's, invert)")
+def add_run_arguments(p: argparse.ArgumentParser, what: str, out: str, smoke: str) -> None:
+    """The options every adapter run takes (this module's and models/train_input.py's): the base, the run folder,
+    the device, the time, the overrides, the export. `what` names the adapter, `out` the default folder."""
     p.add_argument("--base", default=None, metavar="FILE",
-                   help="the model file the style is for (default: the built-in model, models/assets/tiny.safetensors)")
-    p.add_argument("--out", type=Path, default=Path("runs/style"), help="checkpoint and log folder (resumed if it holds a checkpoint)")
+                   help=f"the model file the {what} is for (default: the built-in model, models/assets/tiny.safetensors)")
+    p.add_argument("--out", type=Path, default=Path(out), help="checkpoint and log folder (resumed if it holds a checkpoint)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--minutes", type=float, default=9.0, help="stop (with a checkpoint) after this long")
     p.add_argument("--save-minutes", type=float, default=3.0, help="checkpoint this often")
-    p.add_argument("--smoke", action="store_true", help="two steps of two clips, seconds on a CPU (CI)")
+    p.add_argument("--smoke", action="store_true", help=f"{smoke}, seconds on a CPU (CI)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads torch may use")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a StyleConfig field")
-    p.add_argument("--export", type=Path, help="after training, write the style LoRA to this .safetensors file")
-    args = p.parse_args(argv)
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a field of the run's config")
+    p.add_argument("--export", type=Path, help=f"after training, write the {what} to this .safetensors file (PEFT's layout)")
+
+
+def train_from_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, cfg: StyleConfig, trainer_class: type) -> StyleTrainer:
+    """`cfg` with `--base` and the `--set` overrides, trained as `add_run_arguments`' options say (resumed from
+    `--out`, for `--minutes`), and exported if asked; returns the trainer."""
     torch.set_num_threads(args.threads)
     torch.backends.cuda.matmul.allow_tf32 = True
-    cfg = StyleConfig.smoke() if args.smoke else StyleConfig()
-    cfg = replace(cfg, **{k: v for k, v in (("style", args.style), ("base", args.base)) if v is not None})
+    cfg = replace(cfg, base=args.base) if args.base else cfg
     cfg = with_overrides(cfg, args.set, p.error)
     args.out.mkdir(parents=True, exist_ok=True)
-    trainer = StyleTrainer(cfg, args.out, torch.device(args.device))
+    trainer = trainer_class(cfg, args.out, torch.device(args.device))
     if trainer.resume():
         print(f"resumed {trainer.checkpoint_path} at step {trainer.step}", flush=True)
     done = trainer.run(args.minutes, args.save_minutes)
@@ -307,6 +310,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.export:
         trainer.export(args.export)
         print(f"wrote {args.export} ({args.export.stat().st_size / 1e3:.0f} kB)", flush=True)
+    return trainer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m models.train_style", description=__doc__.split("\n\n")[0])
+    p.add_argument("--style", default=None, choices=sorted(STYLES), help="the look to learn (default: the config's, invert)")
+    add_run_arguments(p, "style", "runs/style", "two steps of two clips")
+    args = p.parse_args(argv)
+    cfg = StyleConfig.smoke() if args.smoke else StyleConfig()
+    train_from_arguments(p, args, replace(cfg, style=args.style) if args.style else cfg, StyleTrainer)
     return 0
 
 
