@@ -44,7 +44,8 @@ ADAPTER_NAME = "input"  # the adapter's name in the model file and in a stream's
 
 @dataclass(frozen=True)
 class InputConfig(StyleConfig):
-    """One input-adapter run (models/train_style.py's fields, and the batch's mix)."""
+    """One input-adapter run: models/train_style.py's fields (but `switch_share`, a style's live switch: the input
+    adapter is on from a stream's start) and the batch's mix."""
 
     style: str = ADAPTER_NAME
     targets: str = "blocks+head"
