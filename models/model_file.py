@@ -217,6 +217,10 @@ def embed_input_adapter(model: str | Path, adapter: str | Path, out: str | Path,
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
+    try:
+        read_model_file(tmp)  # what serve will read: checked before it replaces anything
+    except CheckpointError:
+        tmp.unlink()
+        raise
     tmp.replace(out)
-    read_model_file(out)  # what serve will read
     return out

@@ -115,6 +115,9 @@ def test_an_adapter_trained_without_image_clips_leaves_image_streams_on_the_base
     assert read_model_file(model).input_kinds == ("video",)
     both = embed_input_adapter(BUILTIN_WEIGHTS, tmp_path / "v.safetensors", tmp_path / "b.safetensors", ["video", "image"])
     assert read_model_file(both).input_kinds == ("video", "image")
+    with pytest.raises(CheckpointError, match="input.kinds"):
+        embed_input_adapter(BUILTIN_WEIGHTS, tmp_path / "v.safetensors", both, ["camera"])
+    assert read_model_file(both).input_kinds == ("video", "image") and not list(tmp_path.glob("*.tmp"))  # untouched
     gen = build_generator("tiny", dtype=torch.float32, weights=str(model))
     assert gen.lora_use(gen.open_stream("v", PROMPT, seed=1, input_kind="video")).adapter is gen.input_adapter
     assert gen.lora_use(gen.open_stream("i", PROMPT, seed=1, input_kind="image")) is None
