@@ -243,8 +243,8 @@ def table(gen, groups: dict[str, list[Case]], strengths: Sequence[float], chunks
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--weights", nargs="+", default=["builtin"],
-                   help="builtin (the default weights), a model file of `python -m models.train --export`, or random; "
-                        "`follow` names models/assets/tiny_follow.safetensors while it ships")
+                   help="builtin (the default weights), a model file of `python -m models.train --export` (its input "
+                        "adapter, if it has one, runs the streams), or random")
     p.add_argument("--chunk-latent-frames", type=int, nargs="+", default=[3], metavar="N",
                    help="latent frames a chunk (GeneratorConfig.frames_per_chunk): 3, 1, or both (default 3)")
     p.add_argument("--families", nargs="+", default=list(DEFAULT_FAMILIES), metavar="FAMILY",

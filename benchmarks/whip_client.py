@@ -218,8 +218,8 @@ async def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="length of the .y4m and of each run")
     parser.add_argument("--strength", type=float, default=0.3, help="the stream's input strength (snapped by the "
                         "server to the schedule's; 1: text-to-video)")
-    parser.add_argument("--weights", default="follow", help="the built-in model's weights: follow (default: trained to "
-                        "follow an input video) or builtin (the default model's: the prompt's colour, not the motion)")
+    parser.add_argument("--weights", default="builtin", help="the model's weights: builtin (default: the built-in "
+                        "model, whose input adapter follows an input video) or a model file")
     parser.add_argument("--no-igd-stub", action="store_true", help="run whip-client as installed (on Debian 12 it "
                         "aborts: libsoup-2.4 and libsoup-3 in one process) instead of with the UPnP stub first")
     args = parser.parse_args()

@@ -2,7 +2,7 @@
 
 The DiT, its streaming decoder, the latent encoder it was trained with and the text vectors of its caption
 words, with the config and preset it was trained as (`ModelFile`, `read_model_file`). The tiny preset's
-ships with the package (`BUILTIN_WEIGHTS`, and `FOLLOW_WEIGHTS` trained to follow an input video);
+ships with the package (`BUILTIN_WEIGHTS`, its input adapter inside: it follows an input video);
 `resolve_weights` says which file a `weights=` choice names. Checkpoints of a DiT alone are
 models/weights.py's.
 """
@@ -27,11 +27,7 @@ log = logging.getLogger(__name__)
 
 BUILTIN_WEIGHTS = Path(__file__).resolve().parent / "assets" / "tiny.safetensors"
 """The tiny preset's trained model, shipped with the package (package data): `python -m models.train --export`."""
-# the built-in model after models/train.py's follow stage (video-to-video, issue 35): it follows an input video at
-# strengths 0.625 and 0.357, but its text-to-video shapes after a prompt switch are worse (benchmarks/RESULTS.md),
-# so it is not the default; `--weights follow` picks it
-FOLLOW_WEIGHTS = BUILTIN_WEIGHTS.with_name("tiny_follow.safetensors")
-WEIGHTS = ("auto", "builtin", "follow", "random")  # `weights=` choices besides a path to a model file
+WEIGHTS = ("auto", "builtin", "random")  # `weights=` choices besides a path to a model file
 BUILTIN_STYLES = BUILTIN_WEIGHTS.with_name("styles")
 """Style LoRAs trained for the built-in model (`python -m models.train_style --export`), one file a style, shipped with
 the package: what `serve` offers with the built-in weights unless --lora-dir says otherwise."""
@@ -52,7 +48,7 @@ def shipped_styles(weights: Path | None) -> Path | None:
 
 def shipped() -> dict[str, Path]:
     """The shipped model files by their `weights=` name (read at call time: tests point them elsewhere)."""
-    return {"builtin": BUILTIN_WEIGHTS, "follow": FOLLOW_WEIGHTS}
+    return {"builtin": BUILTIN_WEIGHTS}
 
 
 @dataclass(frozen=True)
@@ -88,8 +84,7 @@ def _warn_not_installed(path: Path) -> None:
 def resolve_weights(weights: str | None, preset: str, checkpoint: str | None = None, wan_dir: str | None = None) -> Path | None:
     """The model file that `weights` names, or None for the DiT of `checkpoint` / `wan_dir`, else random
     weights. None or "random": no model file ("random" with a checkpoint or a Wan folder is a contradiction);
-    "builtin": the shipped one (the tiny preset's); "follow": the shipped one trained to follow an input video;
-    "auto": the shipped one for the tiny preset when no
+    "builtin": the shipped one (the tiny preset's); "auto": the shipped one for the tiny preset when no
     checkpoint or Wan folder is given and the file is installed, else None (random weights, with a warning when
     the tiny preset's file is missing); anything else: a path to a model file."""
     given = "a checkpoint" if checkpoint else "a Wan folder" if wan_dir else None
@@ -106,6 +101,9 @@ def resolve_weights(weights: str | None, preset: str, checkpoint: str | None = N
         if given:
             raise ValueError(f"weights 'random' asks for random DiT weights, but {given} was given too: drop one")
         return None
+    if weights == "follow" and not Path(weights).exists():  # the separate file it named is gone
+        raise ValueError("weights 'follow' is no more: the built-in weights (auto, builtin) follow an input video "
+                         "themselves, through their input adapter")
     path = shipped().get(weights) or Path(weights)
     if given:
         raise ValueError(

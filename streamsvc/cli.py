@@ -36,12 +36,11 @@ def _model_args(p: argparse.ArgumentParser, basics) -> None:
                    help="latents to frames: tiny (built in), wan-vae (from --wan-dir), taehv (--taehv); "
                         "auto = wan-vae with --wan-dir, else tiny")
     p.add_argument("--taehv", default=None, help="TAEHV's taew2_1.pth for --decoder taehv")
-    p.add_argument("--weights", default="auto", metavar="auto|builtin|follow|random|FILE",
+    p.add_argument("--weights", default="auto", metavar="auto|builtin|random|FILE",
                    help="the model: builtin = the tiny preset's trained model, shipped with the package "
                         "(models/assets/tiny.safetensors: it draws the object, colour and motion a prompt asks for, "
-                        "e.g. 'a red ball moving right'); follow = the built-in model trained to follow an input video too "
-                        "(video-to-video: the camera's object and motion in the prompt's colour; its shapes after a "
-                        "prompt switch are worse, so it is not the default); random = random weights from --weights-seed (coloured noise; "
+                        "e.g. 'a red ball moving right', and with an input video follows its object and motion in the "
+                        "prompt's colour, through its input adapter); random = random weights from --weights-seed (coloured noise; "
                         "what tests of speed and shapes use); FILE = a model file of `python -m models.train --export`; "
                         "auto (default) = builtin for the tiny preset unless --checkpoint or --wan-dir is given, "
                         "else random / the checkpoint's")

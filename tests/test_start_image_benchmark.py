@@ -21,8 +21,8 @@ class Moved:
         self.model_cfg = SimpleNamespace(width=128, height=128)
         self.cfg = SimpleNamespace(frames_per_chunk=3)
 
-    def open_stream(self, sid, prompt, seed):
-        assert prompt == self.case.prompt
+    def open_stream(self, sid, prompt, seed, input_kind=None):
+        assert prompt == self.case.prompt and input_kind == "image"  # a start image's stream, as the server opens it
         return SimpleNamespace(image=None)
 
     def start_from_image(self, state, image):

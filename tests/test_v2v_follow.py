@@ -3,8 +3,8 @@
 Inputs rendered from models/scenes.py that neither training nor the other tests use as input ("a red ball
 moving right" from the centre; a green ball moving left from an off-centre start on gray, a triple held out
 of training), under prompts naming another colour and no motion ("a blue ball", "a yellow ball"). The model
-is the built-in one after models/train.py's follow stage (models/assets/tiny_follow.safetensors; the shipped
-tiny.safetensors follows at no strength: 33-40 px off, benchmarks/RESULTS.md). At strengths 0.625 and 0.357
+is the built-in one, whose streams with an input video run under its input adapter (models/train_input.py;
+without it the same weights follow at no strength: 33-40 px off, benchmarks/RESULTS.md). At strengths 0.625 and 0.357
 (it starts at steps 2 and 3 of 4) the output's object is where the input's is: a mean error of at most 8 px,
 half the big object's radius. Over the input ball's region (where the prompt's ball should be) the output
 shows the prompt's colour in at least 90 % of the frames, except the held-out input at 0.357: one step from
@@ -26,16 +26,16 @@ from benchmarks.v2v_follow import (
 )
 from client import pixels
 from models import build_generator
-from models.model_file import FOLLOW_WEIGHTS
+from models.model_file import BUILTIN_WEIGHTS
 from models.paths import HELD_OUT_FAMILIES, MAX_SPEED
 from models.scenes import HELD_OUT, Scene, draw
 
-NOT_SHIPPED = pytest.mark.skipif(not FOLLOW_WEIGHTS.is_file(), reason=f"{FOLLOW_WEIGHTS} is not in this checkout")
+NOT_SHIPPED = pytest.mark.skipif(not BUILTIN_WEIGHTS.is_file(), reason=f"{BUILTIN_WEIGHTS} is not in this checkout")
 
 
 @pytest.fixture(scope="module")
 def gen():
-    return build_generator("tiny", weights=str(FOLLOW_WEIGHTS))
+    return build_generator("tiny", weights="builtin")
 
 
 @NOT_SHIPPED

@@ -1,6 +1,6 @@
 """The player's camera as the stream's input, in Chromium (issue 35's must-show): a fake camera plays a Y4M rendered
 from models/scenes.py (a red ball moving right); the page turns the camera on (its button), starts a stream of the
-built-in model trained to follow (`weights="follow"`) with input under the prompt "a blue ball", and shows glass-to-glass latency in its overlay. Frames
+built-in model (its input adapter follows an input video) with input under the prompt "a blue ball", and shows glass-to-glass latency in its overlay. Frames
 the page shows (drawn from its <video> into a canvas as they are presented, read with client/pixels.py) are each
 matched, by their chunk header's capture_ms, to the input frame the server gave the model for them.
 
@@ -94,7 +94,7 @@ async def _camera_session(tmp_path, monkeypatch) -> dict:
         return got
 
     monkeypatch.setattr(inputs.InputFrames, "take", recording_take)
-    async with serving(EngineConfig(weights="follow")) as (server, base):  # the built-in model trained to follow
+    async with serving(EngineConfig()) as (server, base):  # the built-in model: its input adapter follows
         cfg = server.engine.gen.model_cfg
         y4m = input_y4m(tmp_path / "camera.y4m", cfg.width, cfg.height)
         async with chromium_with_camera(tmp_path, y4m) as browser:

@@ -104,11 +104,8 @@ def test_which_weights_each_choice_means(monkeypatch, model_file, tmp_path, capl
         M.resolve_weights("builtin", "tiny", wan_dir="wan")
     with pytest.raises(ValueError, match="the tiny preset's, not 'wan2.1-1.3b'"):
         M.resolve_weights("builtin", "wan2.1-1.3b")
-    # the built-in model trained to follow an input video (issue 35), shipped beside it
-    monkeypatch.setattr(M, "FOLLOW_WEIGHTS", tmp_path / "follow.safetensors")
-    assert M.resolve_weights("follow", "tiny") == tmp_path / "follow.safetensors"
-    with pytest.raises(ValueError, match=r"built-in weights \(follow\) are the tiny preset's, not 'wan2.1-1.3b'"):
-        M.resolve_weights("follow", "wan2.1-1.3b")
+    with pytest.raises(ValueError, match="follow an input video themselves"):  # the separate file is gone
+        M.resolve_weights("follow", "tiny")
 
 
 def test_a_missing_or_foreign_file_is_a_clear_error(tmp_path, monkeypatch, model_file):
