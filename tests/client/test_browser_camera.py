@@ -94,7 +94,7 @@ async def _camera_session(tmp_path, monkeypatch) -> dict:
         return got
 
     monkeypatch.setattr(inputs.InputFrames, "take", recording_take)
-    async with serving(EngineConfig()) as (server, base):  # the built-in model: its input adapter follows
+    async with serving(EngineConfig(weights="builtin")) as (server, base):  # its input adapter follows
         cfg = server.engine.gen.model_cfg
         y4m = input_y4m(tmp_path / "camera.y4m", cfg.width, cfg.height)
         async with chromium_with_camera(tmp_path, y4m) as browser:
