@@ -52,15 +52,21 @@ async def test_a_tidy_collects_cycles_once_the_close_has_settled_and_closes_clos
 
 
 async def test_tidies_come_at_most_once_every_every_s(no_automatic_collection):
-    heap = Heap(settle_s=0.0, every_s=1.0)
+    now = [100.0]  # the heap's clock, moved by hand: how late this loop wakes does not decide what is checked
+    heap = Heap(settle_s=0.0, every_s=1.0, clock=lambda: now[0])
     heap.tidy_soon()
     assert await until(lambda: heap.tidies == 1)
     ref = cycle()
-    heap.tidy_soon()  # right after the first: waits out the second
-    await asyncio.sleep(0.3)
+    now[0] += 0.25
+    heap.tidy_soon()  # a quarter second after the first: waits out the rest of the second
+    loop = asyncio.get_running_loop()
+    assert heap._pending is not None and heap._pending.when() - loop.time() > 0.7
     assert heap.tidies == 1 and ref() is not None
     assert await until(lambda: heap.tidies == 2)
     assert ref() is None
+    now[0] += 5.0
+    heap.tidy_soon()  # long after: settle_s (0) only
+    assert heap._pending is not None and heap._pending.when() - loop.time() <= 0.01
 
 
 async def test_a_cancelled_tidy_does_not_run(no_automatic_collection):
