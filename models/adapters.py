@@ -384,8 +384,20 @@ class AdapterSet:
 
 def read_pairs(path: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float | None]]:
     """{module name as the file spells it (prefixes off): (A [r, in], B [out, r], alpha or None)} of a LoRA
-    file in any of the layouts above. Every key must belong to a pair (or be its alpha)."""
-    tensors, meta_alpha = _read(Path(path))
+    file in any of the layouts above (`pairs_of`)."""
+    return read_lora(path)[0]
+
+
+def read_lora(path: str | Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, float | None]], dict[str, str]]:
+    """A LoRA file's pairs (`read_pairs`) and its metadata ({} for a .pt file), from one read of the file."""
+    tensors, meta = _read(Path(path))
+    return pairs_of(path, tensors, _metadata_alpha(path, meta.get("lora_adapter_metadata"))), meta
+
+
+def pairs_of(path, tensors: dict[str, torch.Tensor], alpha: float | None) -> dict[str, tuple[torch.Tensor, torch.Tensor, float | None]]:
+    """The pairs of a LoRA's tensors, as `read_pairs` gives them: every key must belong to a pair (or be its alpha);
+    a pair without an alpha of its own has `alpha` (the file's: None where it names none). `path` names the source
+    in errors."""
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         module, half = _split_key(path, _strip(key))
@@ -405,28 +417,28 @@ def read_pairs(path: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, 
                                "[out, r] (a convolution's LoRA is not served per stream)")
         if not (a.is_floating_point() and b.is_floating_point() and torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"LoRA {path}: {module} has weights that are not finite floating-point numbers")
-        alpha = got.get("alpha")
-        if alpha is not None:
-            if alpha.numel() != 1 or not math.isfinite(float(alpha)) or float(alpha) <= 0:
-                raise AdapterError(f"LoRA {path}: {module}.alpha must be one positive number, got {alpha.tolist()}")
-            alpha = float(alpha)
-        pairs[module] = (a, b, alpha if alpha is not None else meta_alpha)
+        own = got.get("alpha")
+        if own is not None:
+            if own.numel() != 1 or not math.isfinite(float(own)) or float(own) <= 0:
+                raise AdapterError(f"LoRA {path}: {module}.alpha must be one positive number, got {own.tolist()}")
+            own = float(own)
+        pairs[module] = (a, b, own if own is not None else alpha)
     return pairs
 
 
-def _read(path: Path) -> tuple[dict[str, torch.Tensor], float | None]:
-    """The file's tensors (unwrapped from LongLive's `generator_lora`) and diffusers' metadata alpha, if any."""
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The file's tensors (unwrapped from LongLive's `generator_lora`) and metadata ({} for a .pt file)."""
     if not path.is_file():
         raise AdapterError(f"LoRA file {path} does not exist")
     if path.suffix not in SUFFIXES:
         raise AdapterError(f"LoRA file {path}: expected one of {', '.join(SUFFIXES)}, got {path.suffix!r}")
-    meta = None
+    meta: dict[str, str] = {}
     try:
         if path.suffix == ".safetensors":
             from safetensors import safe_open
 
             with safe_open(str(path), "pt") as f:
-                meta = (f.metadata() or {}).get("lora_adapter_metadata")
+                meta = dict(f.metadata() or {})
                 sd = {k: f.get_tensor(k) for k in f.keys()}
         else:
             sd = torch.load(path, map_location="cpu", weights_only=True)
@@ -439,7 +451,7 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], float | None]:
     bad = sorted(str(k) for k, v in sd.items() if not isinstance(v, torch.Tensor))
     if bad:
         raise AdapterError(f"LoRA file {path}: entries {', '.join(bad[:8])} are not tensors")
-    return sd, _metadata_alpha(path, meta)
+    return sd, meta
 
 
 def _metadata_alpha(path: Path, meta: str | None) -> float | None:

@@ -97,6 +97,7 @@ class ChunkGenerator:
         self.adapters = AdapterSet(self.model, max_rank=cfg.lora_max_rank)  # the styles (`adapters.load` / `load_dir`)
         self.input_adapter: Adapter | None = None  # the streams with an input run under it (`set_input_adapter`)
         self.input_kinds: tuple[str, ...] = ()  # the inputs it was trained for (INPUT_KINDS)
+        self._input_use: AdapterUse | None = None
         # what `forward` runs: CUDA graphs on CUDA, the model itself elsewhere
         self.runner = GraphedForward(model, self.adapters) if cfg.cuda_graphs and model.device.type == "cuda" else model
 
@@ -259,8 +260,8 @@ class ChunkGenerator:
         return self._use(state.lora, state.lora_scale, state.input_kind)
 
     def _use(self, lora: str | None, scale: float, input_kind: str | None) -> AdapterUse | None:
-        if lora is None and input_kind in self.input_kinds and self.input_adapter is not None:
-            return AdapterUse(self.input_adapter, 1.0)
+        if lora is None and input_kind in self.input_kinds and self._input_use is not None:
+            return self._input_use
         return self.adapters.use(lora, scale)
 
     def set_input_adapter(self, pairs: dict[str, tuple], path: str = "", kinds: Sequence[str] = INPUT_KINDS) -> Adapter:
@@ -268,6 +269,7 @@ class ChunkGenerator:
         the model as a style is; the streams opened with an `input_kind` of `kinds` (those it was trained for) run
         under it. Set it before any stream opens."""
         self.input_adapter = self.adapters.adapter_of("input", pairs, path)
+        self._input_use = AdapterUse(self.input_adapter, 1.0)  # one object: the input streams' rows share its product
         self.input_kinds = tuple(kinds)
         return self.input_adapter
 

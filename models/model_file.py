@@ -169,23 +169,22 @@ def read_model_file(path: str | Path) -> ModelFile:
 
 
 def _input_pairs(path: Path, tensors: dict[str, torch.Tensor], alpha: str | None) -> dict[str, tuple]:
-    """The input adapter's {Linear: (A, B, alpha)} from its `input.*` tensors (without the prefix)."""
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        module, _, half = key.rpartition(".lora_")
-        if half not in ("A.weight", "B.weight") or not module:
-            raise CheckpointError(f"model file {path}: unexpected tensor 'input.{key}' (expected input.<Linear>.lora_A.weight, .lora_B.weight)")
-        pairs.setdefault(module, {})[half[0]] = t
-    if not pairs:
+    """The input adapter's {Linear: (A, B, alpha)} from its `input.*` tensors (without the prefix), read as a
+    LoRA file's are (models/adapters.py `pairs_of`); every pair takes the metadata's `input.alpha`."""
+    from models.adapters import AdapterError, pairs_of
+
+    if not tensors:
         return {}
     try:
         value = float(alpha) if alpha is not None else None
     except ValueError:
         value = None
-    if value is None or not value > 0 or any(set(p) != {"A", "B"} for p in pairs.values()):
-        raise CheckpointError(f"model file {path}: its input adapter needs both halves of each pair and a positive "
-                              f"metadata 'input.alpha' (got {alpha!r})")
-    return {m: (p["A"], p["B"], value) for m, p in pairs.items()}
+    if value is None or not value > 0:
+        raise CheckpointError(f"model file {path}: its input adapter needs a positive metadata 'input.alpha' (got {alpha!r})")
+    try:
+        return pairs_of(f"{path} (input.*)", tensors, value)
+    except AdapterError as e:
+        raise CheckpointError(f"model file {path}: its input adapter is not a LoRA: {e}") from e
 
 
 def embed_input_adapter(model: str | Path, adapter: str | Path, out: str | Path, kinds: Sequence[str] | None = None) -> Path:
@@ -195,9 +194,9 @@ def embed_input_adapter(model: str | Path, adapter: str | Path, out: str | Path,
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from models.adapters import read_pairs
+    from models.adapters import read_lora
 
-    pairs = read_pairs(adapter)
+    pairs, adapter_meta = read_lora(adapter)
     alphas = {a for _, _, a in pairs.values()}
     if len(alphas) != 1 or None in alphas:
         raise CheckpointError(f"LoRA {adapter}: an input adapter needs one alpha for every pair, got {sorted(map(str, alphas))}")
@@ -209,8 +208,7 @@ def embed_input_adapter(model: str | Path, adapter: str | Path, out: str | Path,
         tensors[f"{INPUT_ADAPTER}.{module}.lora_B.weight"] = b.float().contiguous()
     meta[f"{INPUT_ADAPTER}.alpha"] = str(alphas.pop())
     if kinds is None:
-        with safe_open(str(adapter), "pt") as f:
-            kinds = (f.metadata() or {}).get("input_kinds", ",".join(INPUT_KINDS)).split(",")
+        kinds = adapter_meta.get("input_kinds", ",".join(INPUT_KINDS)).split(",")
     meta[f"{INPUT_ADAPTER}.kinds"] = ",".join(kinds)
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
