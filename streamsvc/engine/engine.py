@@ -487,9 +487,10 @@ class Engine:
               image=None):
         if stream_id in self._streams:
             raise EngineError(f"stream {stream_id!r} is already open")
+        kind = "video" if input is not None else "image" if image is not None else None  # of input (INPUT_KINDS)
         refusal = (f"this server cannot generate: {self.failure}" if self.failure else self.inputs.refusal()
                    if input is not None else None) or (self.images.refusal or (IMAGE_AND_INPUT if input else None)
-                   if image is not None else None) or self.styles.take(stream_id, lora, scale)  # (held if None)
+                   if image is not None else None) or self.styles.take(stream_id, lora, scale, kind)  # (held if None)
         if refusal:
             return Opened(Admission(False, refusal, 0.0))
         gen = self.gen
@@ -507,7 +508,7 @@ class Engine:
         try:
             cache = self.pool.allocate_or_raise(stream_id, spec, self.decoder_bytes)
             state = gen.open_stream(stream_id, prompt, seed, cache, lora=lora, lora_scale=scale,
-                                    input_kind="video" if input is not None else "image" if image is not None else None)
+                                    input_kind=kind)
             # on a GPU host, two x264 threads per stream: the encode is part of every chunk's latency
             spec = EncoderSpec(gen.model_cfg.width, gen.model_cfg.height, fps,
                                threads=2 if gen.device.type == "cuda" else 1)

@@ -22,6 +22,9 @@ adapters (models/adapters.py) once, shared by every stream that uses them, evict
   (benchmarks/lora_forward.py measured rank 16 at more than half the overhead of rank 64). With no style loaded at
   start, FALLBACK_COST. A live switch charges the dearest of the styles
   before and after it (both run until it is applied), from the switch to the stream's next one.
+- The model's input adapter (models/generator.py `input_adapter`: the streams with an input of a kind it was trained
+  for run under it when they have no style) costs the same way: `measure_cost` times it beside the style, and such a
+  stream is charged the dearer of its share and its styles'.
 - Streams: `take` (a new stream's style: the refusal, or None), `switch` (a steerer's, versioned as a prompt switch:
   the scheduler plans its recache, `apply` hands it to the generator with the plan that brings its version),
   `release` (the stream closed). A paused stream keeps its style. Everything here runs on the engine thread but
@@ -85,6 +88,7 @@ class _Held:
 
     name: str | None
     scale: float
+    input_kind: str | None = None  # its input ("video" | "image"; None: text alone): it may run the input adapter
     pending: dict[int, tuple[str | None, float]] = field(default_factory=dict)
 
     def names(self) -> set[str]:
@@ -105,6 +109,7 @@ class StyleLibrary:
         self.streams: dict[str, _Held] = {}
         self.recent: list[str] = []  # the loaded styles, least recently used first
         self.cost, self.cost_rank = FALLBACK_COST, 0  # a styled forward's extra share, measured at that rank
+        self.input_cost, self.input_kinds = 0.0, ()  # the input adapter's share, and the inputs that run it (`ready`)
         self.listing: tuple[StyleInfo, ...] = ()  # what GET /loras shows (published by the engine thread)
         self.offered: tuple[str, ...] = ()  # the names `ready` lists: styles whose files can be used
         self._publish()
@@ -157,35 +162,52 @@ class StyleLibrary:
         self._publish()
 
     def ready(self, gen) -> None:
-        """The engine's CUDA graphs are captured (if any): time a style's cost as serving will run it."""
+        """The engine's CUDA graphs are captured (if any): time a style's cost, and the input adapter's, as serving
+        will run them."""
         self.measure_cost(gen)
 
     def measure_cost(self, gen, chunks: int = 3, min_s: float = 2.0, rounds: tuple[int, int] = (3, 15),
                      clock: Callable[[], float] = time.perf_counter) -> None:
-        """Time a style's extra share of a forward (module docstring): rounds of `chunks` chunks of a throwaway stream
-        without a style, then of one under the loaded style of the highest rank (one stream at a time: the warm-up's
-        memory), after one round untimed, until `min_s` have passed (within `rounds`); the median of the rounds'
-        ratios (a round's pair ran close together: drifts in the host's speed cancel)."""
-        if not self.recent:
+        """Time the extra share of a forward (module docstring) that the loaded style of the highest rank costs, and
+        the model's input adapter: rounds of `chunks` chunks of a throwaway stream without either, then of one under
+        each (one stream at a time: the warm-up's memory), after one round untimed, until `min_s` have passed (within
+        `rounds`); the median of the rounds' ratios (a round's streams ran close together: drifts in the host's speed
+        cancel)."""
+        runs: dict[str, dict] = {}  # what is timed against the base: open_stream's arguments
+        if self.recent:
+            name = max(self.recent, key=lambda n: self.files[n].rank or 0)
+            runs["style"] = {"lora": name}
+        if getattr(gen, "input_adapter", None) is not None and gen.input_kinds:
+            self.input_kinds = tuple(gen.input_kinds)
+            runs["input"] = {"input_kind": self.input_kinds[0]}
+        if not runs:
             return
-        name = max(self.recent, key=lambda n: self.files[n].rank or 0)
-        ratios, t_start = [], clock()
+        ratios: dict[str, list[float]] = {k: [] for k in runs}
+        t_start = clock()
         for i in range(rounds[1] + 1):
-            took = [self._time_chunks(gen, style, chunks, clock) for style in (None, name)]
+            base = self._time_chunks(gen, {}, chunks, clock)
+            took = {k: self._time_chunks(gen, kwargs, chunks, clock) for k, kwargs in runs.items()}
             if i:
-                ratios.append(took[1] / took[0])
-            if len(ratios) >= rounds[0] and clock() - t_start >= min_s:
+                for k, t in took.items():
+                    ratios[k].append(t / base)
+            if i >= rounds[0] and clock() - t_start >= min_s:
                 break
-        self.cost = max(0.0, statistics.median(ratios) - 1)
-        self.cost_rank = self.files[name].rank or 0
-        log.info("styles: a chunk under %r (rank %d) costs %+.0f %% of one without (median of %d rounds of %d chunks): "
-                 "each stream with a style is charged that on the device", name, self.cost_rank, 100 * self.cost,
-                 len(ratios), chunks)
+        share = {k: max(0.0, statistics.median(r) - 1) for k, r in ratios.items()}
+        if "style" in runs:
+            self.cost, self.cost_rank = share["style"], self.files[name].rank or 0
+            log.info("styles: a chunk under %r (rank %d) costs %+.0f %% of one without (median of %d rounds of %d "
+                     "chunks): each stream with a style is charged that on the device", name, self.cost_rank,
+                     100 * self.cost, len(ratios["style"]), chunks)
+        if "input" in runs:
+            self.input_cost = share["input"]
+            log.info("the input adapter: a chunk under it costs %+.0f %% of one without (median of %d rounds of %d "
+                     "chunks): each stream with an input it runs (%s) is charged that on the device",
+                     100 * self.input_cost, len(ratios["input"]), chunks, ", ".join(self.input_kinds))
 
     @staticmethod
-    def _time_chunks(gen, style: str | None, chunks: int, clock: Callable[[], float]) -> float:
-        """Seconds `chunks` chunks of a new throwaway stream under `style` take."""
-        state = gen.open_stream("style-cost", "style cost", seed=0, lora=style)
+    def _time_chunks(gen, kwargs: dict, chunks: int, clock: Callable[[], float]) -> float:
+        """Seconds `chunks` chunks of a new throwaway stream opened with `kwargs` (a style, an input kind) take."""
+        state = gen.open_stream("style-cost", "style cost", seed=0, **kwargs)
         try:
             t0 = clock()
             for _ in range(chunks):
@@ -207,26 +229,29 @@ class StyleLibrary:
     def loaded_bytes(self) -> int:
         return sum(self.files[n].nbytes for n in self.recent)
 
-    def take(self, stream_id: str, name: str | None, scale: float = 1.0) -> str | None:
-        """A new stream's style (None: none): why it is refused, or None with the style held for the stream."""
+    def take(self, stream_id: str, name: str | None, scale: float = 1.0, input_kind: str | None = None) -> str | None:
+        """A new stream's style (None: none): why it is refused, or None with the style held for the stream (and its
+        kind of input, for `cost_of`)."""
         if name is not None:
             try:
                 self._acquire(name, scale)
             except AdapterError as e:
                 return str(e)
-        self.streams[stream_id] = _Held(name, scale)
+        self.streams[stream_id] = _Held(name, scale, input_kind)
         self._publish()
         return None
 
     def cost_of(self, stream_id: str, also: str | None = None) -> float:
-        """The extra share of a forward the stream's style costs (0 without one), the dearest of it, the switches it
-        waits for and `also`."""
+        """The extra share of a forward the stream's adapters cost (0 without one): the dearest of its style, the
+        switches it waits for, `also`, and the input adapter if its input runs it."""
         held = self.streams.get(stream_id)
         names = (held.names() if held is not None else set()) | ({also} if also is not None else set())
+        runs_input = held is not None and held.input_kind in self.input_kinds
+        input_share = self.input_cost if runs_input else 0.0
         if not names:
-            return 0.0
+            return input_share
         rank = max(self.files[n].rank or 0 for n in names)
-        return self.cost * max(1.0, rank / self.cost_rank) if self.cost_rank else self.cost
+        return max(input_share, self.cost * max(1.0, rank / self.cost_rank) if self.cost_rank else self.cost)
 
     def switch(self, stream_id: str, name: str | None, scale: float, version: Callable[[float], int]) -> int:
         """A steerer's switch to style `name` at `scale` (None: none): loaded if need be, then given a version by

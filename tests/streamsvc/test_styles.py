@@ -146,6 +146,26 @@ def test_a_styled_chunk_costs_what_was_measured_and_more_for_a_higher_rank(gen, 
     assert lib.cost_of("s1") == 0.5 and lib.cost_of("s2") == 0.25
 
 
+def test_a_stream_whose_input_runs_the_input_adapter_is_charged_its_measured_share(tmp_path):
+    gen = tiny_generator()
+    gen.set_input_adapter({m: (a, b, 4.0) for m, (a, b) in make_pairs(gen.model, 4, 5).items()}, kinds=("video",))
+    lib = StyleLibrary.from_folder(gen.adapters, None)
+    lib.ready(gen)  # no style offered: the input adapter alone is timed against the base weights
+    assert lib.input_kinds == ("video",) and lib.input_cost >= 0 and lib.cost_rank == 0
+    lib.input_cost = 0.2  # (the measured value is the host's; the charge follows it)
+    assert lib.take("v", None, input_kind="video") is None and lib.cost_of("v") == 0.2
+    assert lib.take("t", None) is None and lib.cost_of("t") == 0.0  # text alone: the base weights
+    assert lib.take("i", None, input_kind="image") is None and lib.cost_of("i") == 0.0  # a kind it was not trained for
+    save_peft(tmp_path / "s.pt", make_pairs(gen.model, 2, 1))
+    styled = StyleLibrary.from_folder(gen.adapters, tmp_path, budget_bytes=2**30)
+    styled.load_at_start()
+    styled.input_kinds, styled.input_cost, styled.cost, styled.cost_rank = ("video",), 0.2, 0.1, 2
+    assert styled.take("vs", "s", input_kind="video") is None
+    assert styled.cost_of("vs") == 0.2  # the dearer of the two: a switch to no style runs the input adapter again
+    styled.cost = 0.3
+    assert styled.cost_of("vs") == 0.3
+
+
 def test_the_wire_carries_a_style_in_start_set_lora_and_ready():
     from streamsvc.wire import protocol as P
 
