@@ -239,6 +239,10 @@ def format_table(report: dict) -> str:
                      f" of {cpu['cores']} (load avg at start {cpu['loadavg_start']})"))
         if cpu.get("steal") is not None:
             rows.append(("CPU time stolen by the hypervisor", f"{100 * cpu['steal']:.1f} %"))
+    for name, row in (report.get("styles") or {}).items():  # --styles: a line a style
+        refused = sum(row["refused"].values())
+        rows.append((f"style {name}", f"{row['streams']} streams: {row['admitted']} admitted, {refused} refused; "
+                                      f"{row['stalls']} stalls ({f(row['stall_s'], 3)} s)"))
     wt = report.get("watchers")
     if wt:
         rows += watcher_rows(wt, f)

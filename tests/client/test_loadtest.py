@@ -339,7 +339,7 @@ def test_a_short_run_whose_streams_start_from_an_image(tmp_path, capsys):
     assert f"start image {image}: {image.stat().st_size} bytes, inline in each start" in capsys.readouterr().out
 
 
-def test_a_short_run_whose_streams_start_in_styles_reports_each_style(tmp_path):
+def test_a_short_run_whose_streams_start_in_styles_reports_each_style(tmp_path, capsys):
     # the local server offers the built-in model's shipped style (models/assets/styles/invert.safetensors)
     out = tmp_path / "lt.json"
     loadtest.run(parse("--streams", "3", "--duration", "4", "--styles", "invert,none,nosuch", "--json", str(out),
@@ -347,6 +347,9 @@ def test_a_short_run_whose_streams_start_in_styles_reports_each_style(tmp_path):
     styles = json.loads(out.read_text())["styles"]
     assert styles["invert"]["admitted"] == 1 and styles["none"]["admitted"] == 1, styles
     assert styles["nosuch"]["admitted"] == 0 and sum(styles["nosuch"]["refused"].values()) == 1, styles
+    table = capsys.readouterr().out  # the figures are in the printed table too, a line a style
+    assert re.search(r"style invert +1 streams: 1 admitted, 0 refused; \d+ stalls", table), table
+    assert re.search(r"style nosuch +1 streams: 0 admitted, 1 refused; 0 stalls", table), table
 
 
 def test_styles_go_round_robin_over_the_streams():
