@@ -105,6 +105,7 @@ class StyleLibrary:
             raise ValueError(f"the style budget must be >= 0 bytes, got {budget_bytes}")
         self.adapters, self.budget_bytes, self.pool = adapters, budget_bytes, pool
         self.refusal = refusal if adapters is None or not files else None  # why no style can be used
+        self.parallel = refusal == PARALLEL  # under --parallel no forward adds an adapter: nothing to time
         self.files = {name: _File(Path(p)) for name, p in sorted(files.items())}
         self.streams: dict[str, _Held] = {}
         self.recent: list[str] = []  # the loaded styles, least recently used first
@@ -177,7 +178,7 @@ class StyleLibrary:
         if self.recent:
             name = max(self.recent, key=lambda n: self.files[n].rank or 0)
             runs["style"] = {"lora": name}
-        if getattr(gen, "input_adapter", None) is not None and gen.input_kinds:
+        if not self.parallel and getattr(gen, "input_adapter", None) is not None and gen.input_kinds:
             self.input_kinds = tuple(gen.input_kinds)
             runs["input"] = {"input_kind": self.input_kinds[0]}
         if not runs:

@@ -152,6 +152,9 @@ def test_a_stream_whose_input_runs_the_input_adapter_is_charged_its_measured_sha
     lib = StyleLibrary.from_folder(gen.adapters, None)
     lib.ready(gen)  # no style offered: the input adapter alone is timed against the base weights
     assert lib.input_kinds == ("video",) and lib.input_cost >= 0 and lib.cost_rank == 0
+    parallel = StyleLibrary.from_folder(gen.adapters, None, parallel=True)
+    parallel.ready(gen)  # under --parallel no input runs the adapter (refused): no throwaway stream is run
+    assert parallel.input_kinds == () and parallel.input_cost == 0.0
     lib.input_cost = 0.2  # (the measured value is the host's; the charge follows it)
     assert lib.take("v", None, input_kind="video") is None and lib.cost_of("v") == 0.2
     assert lib.take("t", None) is None and lib.cost_of("t") == 0.0  # text alone: the base weights
