@@ -97,15 +97,17 @@ class _Held:
 
 class StyleLibrary:
     """The styles of one engine (module docstring). `adapters`: its generator's (None: styles refused, `refusal`
-    says why); `files`: style name -> LoRA file; `pool`: the device's KV pool, where loaded adapters are held."""
+    says why); `files`: style name -> LoRA file; `pool`: the device's KV pool, where loaded adapters are held;
+    `parallel`: the engine serves under --parallel, where no forward adds an adapter."""
 
     def __init__(self, adapters: AdapterSet | None, files: dict[str, Path], budget_bytes: int = DEFAULT_BUDGET_BYTES,
-                 pool: CachePool | None = None, refusal: str = NO_STYLES) -> None:
+                 pool: CachePool | None = None, parallel: bool = False) -> None:
         if budget_bytes < 0:
             raise ValueError(f"the style budget must be >= 0 bytes, got {budget_bytes}")
         self.adapters, self.budget_bytes, self.pool = adapters, budget_bytes, pool
-        self.refusal = refusal if adapters is None or not files else None  # why no style can be used
-        self.parallel = refusal == PARALLEL  # under --parallel no forward adds an adapter: nothing to time
+        # why no style can be used
+        self.refusal = (PARALLEL if parallel else NO_STYLES) if adapters is None or not files else None
+        self.parallel = parallel  # nothing to time at start either (`measure_cost`)
         self.files = {name: _File(Path(p)) for name, p in sorted(files.items())}
         self.streams: dict[str, _Held] = {}
         self.recent: list[str] = []  # the loaded styles, least recently used first
@@ -123,7 +125,7 @@ class StyleLibrary:
         two files of one stem, is a ValueError (the server does not start); a file name too long for the wire is
         left out, with a warning."""
         if folder is None:
-            return cls(None, {}, budget_bytes, pool, PARALLEL if parallel else NO_STYLES)
+            return cls(None, {}, budget_bytes, pool, parallel)
         folder = Path(folder)
         if not folder.is_dir():
             raise ValueError(f"--lora-dir {folder}: not a directory")
@@ -137,7 +139,7 @@ class StyleLibrary:
         files = {p.stem: p for p in files if len(p.stem) <= MAX_LORA_NAME_CHARS}
         if not files:
             log.warning("--lora-dir %s holds no LoRA files (%s): no styles offered", folder, ", ".join(SUFFIXES))
-        return cls(None if parallel else adapters, files, budget_bytes, pool, PARALLEL if parallel else NO_STYLES)
+        return cls(None if parallel else adapters, files, budget_bytes, pool, parallel)
 
     # -- start-up (before the CUDA graphs are captured) ------------------------------------------------------------
 
